@@ -1,0 +1,30 @@
+"""parallelwrapper: data-parallel training in PyTorch by periodic model averaging.
+
+    wrapper = ParallelWrapper.builder(model).workers(2).averaging_frequency(3).build()
+    with wrapper:
+        history = wrapper.fit(batches, epochs=1)
+"""
+
+from .config import Builder, Config, NanPolicy, TrainingMode
+from .launch import WorkerError
+from .listeners import CsvWriter, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger
+from .worker import TrainingError
+from .wrapper import ParallelWrapper
+
+__all__ = [
+    "Builder",
+    "Config",
+    "CsvWriter",
+    "EpochEnd",
+    "History",
+    "JsonlWriter",
+    "NanPolicy",
+    "ParallelWrapper",
+    "ProgressBar",
+    "Score",
+    "ScoreLogger",
+    "TrainingError",
+    "TrainingMode",
+    "WorkerError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,148 @@
+"""The feed: one thread reads the user's iterable ahead into a bounded queue that workers pull from.
+
+Shared mode (default): one queue of `prefetch_buffer` batches; whichever worker is free first
+takes the next batch, so a slow worker never holds the others up. The end of an epoch is one
+sentinel per worker; a worker that takes its sentinel stops pulling until the epoch's last
+averaging, so it can never take a batch of the next epoch (the feeder puts those after all N
+sentinels, and the queue is FIFO).
+
+Deterministic mode: batch i goes to worker i mod N through a queue of its own, so the same data
+gives the same model on every run.
+
+Under torchrun there is no queue: each process reads its own rank-strided shard (`ShardSource`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from .worker import END, EndOfEpoch
+
+Batches = Iterable[Any] | Callable[[], Iterable[Any]]
+_SENTINEL = None  # what ends a worker's epoch in a queue; batches travel as (index, batch)
+_POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
+
+
+def epoch_iterable(data: Batches) -> Callable[[], Iterable[Any]]:
+    """A function that yields one epoch of batches. A callable (a generator function, a factory)
+    is called once per epoch; an iterable is iterated once per epoch."""
+    if callable(data) and not isinstance(data, Iterable):
+        return data
+    if not isinstance(data, Iterable):
+        raise ValueError(
+            f"fit() takes an iterable of batches (a DataLoader, a list) or a function returning one, "
+            f"got {type(data).__name__}"
+        )
+    return lambda: data
+
+
+def check_epochs(data: Batches, epochs: int) -> None:
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+    if isinstance(data, Iterator) and epochs > 1:
+        raise ValueError(
+            f"fit(epochs={epochs}) got an iterator, which is used up after one epoch; pass a list, "
+            f"a DataLoader, or a function that returns a fresh iterator (e.g. the generator function itself)"
+        )
+    if isinstance(data, Sequence) and len(data) == 0:
+        raise ValueError("fit() got an empty iterable: there is nothing to train on")
+
+
+class FeedError(RuntimeError):
+    """The user's iterable raised, or yielded nothing; the message says which epoch."""
+
+
+class Feeder:
+    """A daemon thread that puts `epochs` epochs of batches into the workers' queues."""
+
+    def __init__(self, data: Batches, epochs: int, first_epoch: int, queues: Sequence[Any], workers: int) -> None:
+        self._make_epoch = epoch_iterable(data)
+        self._epochs, self._first_epoch = epochs, first_epoch
+        self._queues, self._workers = list(queues), workers
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.batches_fed = 0
+        self._thread = threading.Thread(target=self._run, name="parallelwrapper-feeder", daemon=True)
+
+    def start(self) -> Feeder:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _put(self, q: Any, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for epoch in range(self._first_epoch, self._first_epoch + self._epochs):
+                count = 0
+                try:
+                    for index, batch in enumerate(self._make_epoch()):
+                        q = self._queues[index % len(self._queues)]
+                        if not self._put(q, (index, batch)):
+                            return
+                        count += 1
+                        self.batches_fed += 1
+                except Exception as e:
+                    raise FeedError(f"the training data raised in epoch {epoch} after {count} batches: {e!r}") from e
+                if count == 0:
+                    raise FeedError(f"the training data yielded no batches in epoch {epoch}: nothing to train on")
+                # One sentinel per worker: in shared mode all N go into the one queue.
+                for rank in range(self._workers):
+                    if not self._put(self._queues[rank % len(self._queues)], _SENTINEL):
+                        return
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
+            self.error = e
+
+
+class QueueSource:
+    """A worker's view of its queue. Gives up if the parent process is gone, so that a worker
+    never outlives the trainer that spawned it."""
+
+    def __init__(self, q: Any, parent_pid: int) -> None:
+        self._queue, self._parent_pid = q, parent_pid
+
+    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL_S * 10)
+            except queue.Empty:
+                if os.getppid() != self._parent_pid:
+                    raise SystemExit("parallelwrapper worker: the main process is gone") from None
+                continue
+            return END if item is _SENTINEL else item
+
+
+class ShardSource:
+    """torchrun: this rank's batches of each epoch, index ≡ rank (mod world_size).
+
+    Every rank iterates the same data (same order: seed any shuffling the same on every rank)
+    and keeps its own shard, so no data is sent between machines.
+    """
+
+    def __init__(self, data: Batches, rank: int, world_size: int) -> None:
+        self._make_epoch = epoch_iterable(data)
+        self._rank, self._world = rank, world_size
+        self._it: Iterator[tuple[int, Any]] | None = None
+
+    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+        if self._it is None:
+            self._it = ((i, b) for i, b in enumerate(self._make_epoch()) if i % self._world == self._rank)
+        item = next(self._it, None)
+        if item is None:
+            self._it = None  # the next call starts the next epoch
+            return END
+        return item

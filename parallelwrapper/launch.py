@@ -1,0 +1,325 @@
+"""Starting and supervising workers: spawned local processes, or this process inside a torchrun group.
+
+This is the only module that reads the environment.
+
+Process discipline (after Lightning Fabric and torchft): a `spawn` context, never a global start
+method; a module-level worker entry; a timeout on every wait; worker exceptions sent back as
+values and re-raised with the rank; shutdown by a close message, join with a timeout, then kill.
+Workers are daemons, and each gives up when its parent is gone, so none outlives the trainer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .config import Config, Job
+from .feed import Feeder, QueueSource
+from .worker import EpochReport, Replica, RoundReport
+
+_START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
+_JOIN_TIMEOUT_S = 10.0
+_POLL_S = 0.05
+_ERROR_GRACE_S = 0.5  # after a first error, how long to wait for the one that caused it
+
+
+class WorkerError(RuntimeError):
+    """A worker failed. `rank` names it; the message carries its traceback."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"worker {rank} failed:\n{message}")
+        self.rank = rank
+
+
+# -- the environment ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """The torchrun identity of this process, or None outside torchrun."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    return TorchrunEnv(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def in_torchrun() -> bool:
+    return torchrun_env() is not None
+
+
+def threads_per_worker(config: Config, local_workers: int) -> int:
+    """Cores shared out among the workers on this machine: oversubscribing them costs more than
+    it gains (each worker's intra-op threads fight the others' for the same cores)."""
+    if config.threads_per_worker is not None:
+        return config.threads_per_worker
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_workers)
+
+
+def _setup_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _timeout(config: Config) -> datetime.timedelta:
+    return datetime.timedelta(seconds=config.collective_timeout_s)
+
+
+# -- torchrun: this process is one worker --------------------------------------------------------
+
+
+def join_torchrun(config: Config) -> tuple[TorchrunEnv, torch.device]:
+    """Join (or reuse) the default process group that torchrun set up the environment for."""
+    env = torchrun_env()
+    assert env is not None, "join_torchrun() outside torchrun"
+    if config.devices is not None:
+        device = torch.device(config.devices[env.local_rank % len(config.devices)])
+    elif torch.cuda.is_available():
+        device = torch.device(f"cuda:{env.local_rank % torch.cuda.device_count()}")
+    else:
+        device = torch.device("cpu")
+    _setup_device(device)
+    if not dist.is_initialized():
+        backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=_timeout(config))
+    return env, device
+
+
+# -- spawned local workers -----------------------------------------------------------------------
+
+
+def _worker_entry(
+    rank: int,
+    config: Config,
+    job: Job,
+    store_port: int,
+    data_queue: Any,
+    command_queue: Any,
+    result_queue: Any,
+    parent_pid: int,
+) -> None:
+    """A spawned worker: join the group, then run fit commands until told to close."""
+    world = config.workers
+    try:
+        device = torch.device(config.resolved_devices()[rank])
+        _setup_device(device)
+        torch.set_num_threads(threads_per_worker(config, world))
+        torch.manual_seed(config.seed + rank)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=_timeout(config))
+        dist.init_process_group(
+            config.resolved_backend(), store=store, rank=rank, world_size=world, timeout=_timeout(config)
+        )
+        model = job.model.to(device)
+        replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world)
+        source = QueueSource(data_queue, parent_pid)
+        report: Callable[[Any], None] = lambda r: result_queue.put(("report", rank, r))  # noqa: E731
+        result_queue.put(("ready", rank, None))
+        while True:
+            command = _get(command_queue, parent_pid)
+            if command is None:
+                break
+            epochs, first_epoch, model_state, optimizer_state = command
+            replica.load_state(model_state, optimizer_state)
+            replica.fit(epochs, first_epoch, source, report if rank == 0 else lambda r: None)
+            result_queue.put(("done", rank, replica.state_dicts() if rank == 0 else None))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the main process
+        result_queue.put(("error", rank, traceback.format_exc()))
+        # Flush before the process group goes down: the peers' "connection closed" errors must
+        # reach the main process after this worker's own.
+        result_queue.close()
+        result_queue.join_thread()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _get(q: Any, parent_pid: int) -> Any:
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:
+                return None
+
+
+class WorkerPool:
+    """N spawned workers that live as long as the wrapper, and their queues."""
+
+    def __init__(self, config: Config, job: Job) -> None:
+        self.config = config
+        n = config.workers
+        if config.shares_gpus():
+            warnings.warn(
+                f"{n} workers share {len(set(config.resolved_devices()))} GPUs: using gloo, which is slower "
+                f"than NCCL; use .workers(n) with n <= the number of GPUs for NCCL",
+                stacklevel=3,
+            )
+        ctx = mp.get_context("spawn")
+        # The main process serves the rendezvous store: port 0 lets the OS choose a free port,
+        # so pools running side by side (tests, several trainers) never collide.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_timeout(config))
+        if config.deterministic:
+            per_worker = max(1, config.prefetch_buffer // n)
+            self.data_queues = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
+        else:
+            self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
+        self._commands = [ctx.Queue() for _ in range(n)]
+        self._results = ctx.Queue()
+        self._processes = [
+            ctx.Process(
+                target=_worker_entry,
+                args=(
+                    rank,
+                    config,
+                    job,
+                    self._store.port,
+                    self.data_queues[rank % len(self.data_queues)],
+                    self._commands[rank],
+                    self._results,
+                    os.getpid(),
+                ),
+                name=f"parallelwrapper-worker-{rank}",
+                daemon=True,
+            )
+            for rank in range(n)
+        ]
+        try:
+            for p in self._processes:
+                p.start()
+            ready: set[int] = set()
+            deadline = time.monotonic() + _START_TIMEOUT_S
+            while len(ready) < n:
+                message = self._next(deadline, "starting")
+                if message is not None:
+                    ready.add(message[1])
+        except BaseException:
+            self.kill()
+            raise
+
+    def fit(
+        self,
+        epochs: int,
+        first_epoch: int,
+        state: tuple[dict[str, Any], dict[str, Any]],
+        feeder: Feeder,
+        on_report: Callable[[RoundReport | EpochReport], None],
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run one fit on all workers; return rank 0's final (model, optimizer) state."""
+        for q in self._commands:
+            q.put((epochs, first_epoch, *state))
+        feeder.start()
+        done: set[int] = set()
+        final: tuple[dict[str, Any], dict[str, Any]] | None = None
+        try:
+            while len(done) < len(self._processes):
+                if feeder.error is not None:
+                    raise feeder.error
+                message = self._next(None, "training")
+                if message is None:
+                    continue
+                kind, rank, payload = message
+                if kind == "report":
+                    on_report(payload)
+                elif kind == "done":
+                    done.add(rank)
+                    final = payload if rank == 0 else final
+        finally:
+            feeder.stop()
+        assert final is not None
+        return final
+
+    def _next(self, deadline: float | None, stage: str) -> tuple[str, int, Any] | None:
+        """The next message, or None after a short poll; raises for errors and dead workers."""
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not start within {_START_TIMEOUT_S:.0f} s")
+        try:
+            message = self._results.get(timeout=_POLL_S)
+        except queue.Empty:
+            self._raise_if_dead(stage)
+            return None
+        if message[0] == "error":
+            self._raise_error(message[1], message[2])
+        return message
+
+    def _raise_if_dead(self, stage: str) -> None:
+        for rank, p in enumerate(self._processes):
+            if p.exitcode is not None:
+                # It may have sent an error just before exiting; that says more than the exit code.
+                self._collect_error(rank, _exit_message(p.exitcode, stage))
+
+    def _raise_error(self, rank: int, message: str) -> None:
+        self._collect_error(rank, message)
+
+    def _collect_error(self, rank: int, message: str) -> None:
+        """Wait briefly for the error that caused this one (a worker killed by a signal sends
+        nothing, and its peers then report broken connections), then raise the root cause."""
+        errors = {rank: message}
+        deadline = time.monotonic() + _ERROR_GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                kind, r, payload = self._results.get(timeout=_POLL_S)
+                if kind == "error":
+                    errors.setdefault(r, payload)
+            except queue.Empty:
+                pass
+        silent = [r for r, p in enumerate(self._processes) if p.exitcode is not None and p.exitcode < 0]
+        root = next((r for r in silent if r not in errors), None)
+        if root is not None:
+            errors = {root: _exit_message(self._processes[root].exitcode or 0, "training"), **errors}
+        else:
+            root = rank
+        others = "".join(f"\n\n(also worker {r}: {m.strip().splitlines()[-1]})" for r, m in errors.items() if r != root)
+        raise WorkerError(root, errors[root] + others)
+
+    def close(self) -> None:
+        """Tell every worker to stop, join them, and kill the ones that do not stop."""
+        for q in self._commands:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for p in self._processes:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self._processes:
+            if p.is_alive():
+                p.kill()
+        for p in self._processes:
+            p.join(timeout=_JOIN_TIMEOUT_S)
+        for q in [*self.data_queues, *self._commands, self._results]:
+            q.cancel_join_thread()
+            q.close()
+
+
+def _exit_message(exitcode: int, stage: str) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"the process was killed by {name} while {stage} (out of memory?)"
+    return f"the process exited with code {exitcode} while {stage}"

@@ -1,0 +1,158 @@
+"""What the main process hears during fit(): averaged scores and epoch ends, as plain records.
+
+A listener is any object with some of `on_fit_start(config, epochs)`, `on_score(score)`,
+`on_epoch_end(epoch)`, `on_fit_end(history)`, or a plain callable, which receives each `Score`.
+Listeners run in the main process (on rank 0 under torchrun), between rounds: a slow listener
+slows nothing but the reporting.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from .config import Config
+
+
+@dataclass(frozen=True)
+class Score:
+    """The averaged score after one averaging (or, in SHARED_GRADIENTS, every k steps)."""
+
+    round: int  # averagings so far, over the wrapper's life
+    iteration: int  # batches trained so far, all workers together
+    samples: int  # samples trained so far, all workers together
+    epoch: int
+    score: float  # sample-weighted mean loss over the round's batches, all workers
+    seconds: float  # since this fit() started
+    skipped: int = 0  # workers dropped from this round by NanPolicy.SKIP
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    epoch: int
+    iteration: int
+    samples: int
+    score: float  # sample-weighted mean loss over the epoch
+    seconds: float
+
+
+@dataclass
+class History:
+    """What fit() returns: every averaged score and every epoch end of that call."""
+
+    scores: list[Score] = field(default_factory=list)
+    epochs: list[EpochEnd] = field(default_factory=list)
+
+    @property
+    def final_score(self) -> float:
+        return self.epochs[-1].score if self.epochs else math.nan
+
+
+def notify(listeners: Sequence[Any], method: str, *args: Any) -> None:
+    for listener in listeners:
+        fn = getattr(listener, method, None)
+        if fn is not None:
+            fn(*args)
+        elif method == "on_score" and callable(listener):
+            listener(*args)
+
+
+class ProgressBar:
+    """A tqdm bar over batches with the latest averaged score; one bar per epoch.
+
+    `batches_per_epoch` sets the bar's total when the data has a length.
+    """
+
+    def __init__(self, batches_per_epoch: int | None = None, **tqdm_kwargs: Any) -> None:
+        self._total, self._kwargs = batches_per_epoch, tqdm_kwargs
+        self._bar: Any = None
+        self._last_iteration = 0
+
+    def _open(self, epoch: int) -> Any:
+        from tqdm.auto import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=self._total, desc=f"epoch {epoch}", unit="batch", **self._kwargs)
+        return self._bar
+
+    def on_score(self, score: Score) -> None:
+        bar = self._open(score.epoch)
+        bar.update(score.iteration - self._last_iteration)
+        self._last_iteration = score.iteration
+        bar.set_postfix(score=f"{score.score:.4f}", refresh=False)
+
+    def on_epoch_end(self, epoch: EpochEnd) -> None:
+        bar = self._open(epoch.epoch)
+        bar.update(epoch.iteration - self._last_iteration)
+        self._last_iteration = epoch.iteration
+        bar.set_postfix(score=f"{epoch.score:.4f}")
+        bar.close()
+        self._bar = None
+
+
+class JsonlWriter:
+    """Appends one JSON object per score and per epoch end to a file, flushed as it goes, so a
+    crashed run keeps what it reported. Records carry `"kind": "score"` or `"kind": "epoch"`."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = self.path.open("a", encoding="utf-8")
+
+    def write(self, kind: str, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"kind": kind, **record}) + "\n")
+        self._file.flush()
+
+    def on_score(self, score: Score) -> None:
+        self.write("score", dataclasses.asdict(score))
+
+    def on_epoch_end(self, epoch: EpochEnd) -> None:
+        self.write("epoch", dataclasses.asdict(epoch))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class CsvWriter:
+    """Writes the scores as CSV, one row per averaging."""
+
+    FIELDS = [f.name for f in dataclasses.fields(Score)]
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        self._file = self.path.open("a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.FIELDS)
+        if new:
+            self._writer.writeheader()
+
+    def on_score(self, score: Score) -> None:
+        self._writer.writerow(dataclasses.asdict(score))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class ScoreLogger:
+    """Prints the averaged score every `every` averagings, as DL4J's ScoreIterationListener."""
+
+    def __init__(self, every: int = 10) -> None:
+        self.every = every
+
+    def on_score(self, score: Score) -> None:
+        if score.round % self.every == 0:
+            print(f"round {score.round} iteration {score.iteration} epoch {score.epoch}: score {score.score:.5f}")
+
+
+def describe_config(config: Config) -> dict[str, Any]:
+    """The config as JSON-ready data (enums by value)."""
+    out = dataclasses.asdict(config)
+    return {k: (v.value if hasattr(v, "value") else v) for k, v in out.items()}
