@@ -35,7 +35,12 @@ def no_leaks() -> Iterator[None]:
     if initialized:
         dist.destroy_process_group()
     assert not initialized, "test left a process group initialized"
-    changed = {k for k in env_before.keys() | os.environ.keys() if env_before.get(k) != os.environ.get(k)}
-    os.environ.clear()
-    os.environ.update(env_before)
+    # pytest and torch's compiler set a few of their own on first use; the project sets none.
+    keys = {k for k in env_before.keys() | os.environ.keys() if not k.startswith(("PYTEST_", "TORCHINDUCTOR_"))}
+    changed = {k for k in keys if env_before.get(k) != os.environ.get(k)}
+    for k in changed:
+        if k in env_before:
+            os.environ[k] = env_before[k]
+        else:
+            del os.environ[k]
     assert not changed, f"test changed environment variables: {sorted(changed)}"
