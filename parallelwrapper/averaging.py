@@ -105,6 +105,7 @@ class FlatAverager:
     def collectives(self) -> int:
         return len(self._groups)
 
+    @torch.no_grad()
     def average(self, share: float, group: ProcessGroup = None) -> None:
         """Replace every tensor by Σ_i share_i · tensor_i, where share_i = w_i / Σw.
 

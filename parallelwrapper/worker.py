@@ -179,7 +179,7 @@ class Replica:
 
     def _averager(self) -> FlatAverager:
         if self._state_averager is None:
-            tensors = [p.data for p in self.model.parameters()] + list(self.model.buffers())
+            tensors = list(self.model.parameters()) + list(self.model.buffers())
             if self.config.average_updaters:
                 tensors += optimizer_state_tensors(self.optimizer)
             self._state_averager = FlatAverager(tensors, self.device)

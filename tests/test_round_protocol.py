@@ -1,0 +1,170 @@
+"""The averaging maths and the round protocol, with real gloo collectives in two processes.
+
+Parity: the state after a round equals the sample-weighted mean of the replicas' states computed
+in one process (params, BatchNorm buffers, SGD momentum, Adam moments and step), and every replica
+holds it bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from groups import run_group
+from parallelwrapper.averaging import FlatAverager, reduce_header
+from parallelwrapper.config import Config, Job
+from parallelwrapper.worker import END, Replica
+
+CPU = torch.device("cpu")
+
+
+class ListSource:
+    def __init__(self, batches: list[Any]) -> None:
+        self._items = list(enumerate(batches))
+
+    def next_batch(self) -> Any:
+        return self._items.pop(0) if self._items else END
+
+
+def bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def batches(seed: int, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+OPTIMIZERS: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    (torch.optim.Adam, {"lr": 0.01}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+]
+# Rank 0 trains on three batches (20 samples), rank 1 on one (8): unequal weights.
+SIZES = {0: [8, 8, 4], 1: [8]}
+
+
+def flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, st in optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"opt.{i}.{k}"] = v.detach().clone()
+    return out
+
+
+def _one_round(rank: int, world: int, k: int, sizes: dict[int, list[int]]) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for cls, kwargs in OPTIMIZERS:
+        model = bn_model()
+        job = Job(model, cls, kwargs, nn.functional.cross_entropy, None)
+        replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
+        replica.fit(1, 0, ListSource(batches(rank, sizes[rank])), lambda r: None)
+        out.append(flat_state(replica.model, replica.optimizer))
+    return out
+
+
+def reference(rank: int, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sizes: list[int]) -> dict[str, torch.Tensor]:
+    """One replica trained alone in this process, without any averaging, on one thread as the
+    workers are (the thread count changes the rounding of a matrix product)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = bn_model()
+        opt = cls(model.parameters(), **kwargs)
+        for x, y in batches(rank, sizes):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return flat_state(model, opt)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_average_equals_sample_weighted_mean_and_replicas_are_bitwise_equal() -> None:
+    results = run_group(_one_round, 2, 3, SIZES)
+    w = [sum(SIZES[0]), sum(SIZES[1])]
+    for o, (cls, kwargs) in enumerate(OPTIMIZERS):
+        r0, r1 = results[0][o], results[1][o]
+        assert r0.keys() == r1.keys()
+        refs = [reference(r, cls, kwargs, SIZES[r]) for r in (0, 1)]
+        for key in r0:
+            assert torch.equal(r0[key], r1[key]), f"{cls.__name__} {key}: replicas differ"
+            expect = (refs[0][key].double() * w[0] + refs[1][key].double() * w[1]) / sum(w)
+            if not r0[key].is_floating_point():
+                expect = expect.round()
+            torch.testing.assert_close(r0[key].double(), expect, rtol=1e-6, atol=1e-7, msg=f"{cls.__name__} {key}")
+        assert any(k.endswith("exp_avg_sq") or k.endswith("momentum_buffer") for k in r0)
+        assert "model.2.running_mean" in r0 and "model.2.num_batches_tracked" in r0
+
+
+def test_worker_without_batches_receives_the_average_and_adopts_optimizer_state() -> None:
+    # Rank 1 has no batch at all: it has no optimizer state yet (a different layout) and weight 0.
+    results = run_group(_one_round, 2, 2, {0: [8, 8], 1: []})
+    for o, (cls, kwargs) in enumerate(OPTIMIZERS):
+        alone = reference(0, cls, kwargs, [8, 8])
+        for key, value in results[0][o].items():
+            assert torch.equal(value, alone[key]), f"{cls.__name__} {key}"
+            assert torch.equal(results[1][o][key], alone[key]), f"{cls.__name__} {key}"
+
+
+def _flat_average(rank: int, world: int) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    tensors = [
+        torch.full((3, 2), float(rank + 1)),
+        torch.full((4,), float(rank * 10), dtype=torch.float16),
+        torch.tensor([rank * 7], dtype=torch.int64),
+        torch.full((2,), float("nan") if rank == 1 else 5.0, dtype=torch.float64),
+    ]
+    averager = FlatAverager(tensors, CPU)
+    weight = [3, 0][rank]  # rank 1 is dropped (as NanPolicy.SKIP does): it declares no samples
+    totals = reduce_header(
+        samples=weight, loss_sum=2.0 * weight, batches=1, finished=rank == 1, skipped=False,
+        layout=123, device=CPU, world_size=world,
+    )
+    averager.average(weight / totals.samples)  # share 0 sends zeros: rank 1's NaN must not arrive
+    mismatched = reduce_header(
+        samples=0, loss_sum=0.0, batches=0, finished=True, skipped=False, layout=rank, device=CPU, world_size=world
+    )
+    return tensors, {
+        "totals": totals,
+        "agree_after_mismatch": mismatched.layouts_agree,
+        "collectives": averager.collectives,
+        "numel": averager.numel,
+    }
+
+
+def test_flat_averager_dtypes_header_and_dropped_worker() -> None:
+    (t0, m0), (t1, m1) = run_group(_flat_average, 2)
+    for a, b in zip(t0, t1):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    assert torch.equal(t0[0], torch.full((3, 2), 1.0))  # rank 0's values, whole
+    assert t0[0].dtype == torch.float32 and t0[1].dtype == torch.float16 and t0[2].dtype == torch.int64
+    assert torch.equal(t0[3], torch.full((2,), 5.0, dtype=torch.float64))
+    totals = m0["totals"]
+    assert (totals.samples, totals.loss_sum, totals.batches, totals.finished) == (3, 6.0, 2, 1)
+    assert totals.score == 2.0 and totals.layouts_agree
+    assert not m0["agree_after_mismatch"] and not m1["agree_after_mismatch"]
+    assert m0["collectives"] == 2  # float32 (with the float16 tensor) and float64 (with the int)
+    assert m0["numel"] == 6 + 4 + 1 + 2
+
+
+def test_reduce_header_single_process_group_is_identity() -> None:
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = bn_model()
+        before = copy.deepcopy(model.state_dict())
+        totals = reduce_header(
+            samples=5, loss_sum=1.5, batches=2, finished=True, skipped=False, layout=9, device=CPU, world_size=1
+        )
+        FlatAverager(list(model.parameters()) + list(model.buffers()), CPU).average(1.0)
+        assert totals.layouts_agree and totals.finished == 1 and totals.score == pytest.approx(0.3)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k])
+    finally:
+        dist.destroy_process_group()
