@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import signal
 import time
@@ -112,7 +113,7 @@ def join_torchrun(config: Config) -> tuple[TorchrunEnv, torch.device]:
 def _worker_entry(
     rank: int,
     config: Config,
-    job: Job,
+    job_bytes: bytes,
     store_port: int,
     data_queue: Any,
     command_queue: Any,
@@ -130,6 +131,7 @@ def _worker_entry(
         dist.init_process_group(
             config.resolved_backend(), store=store, rank=rank, world_size=world, timeout=_timeout(config)
         )
+        job: Job = pickle.loads(job_bytes)
         model = job.model.to(device)
         replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world)
         source = QueueSource(data_queue, parent_pid)
@@ -176,6 +178,10 @@ class WorkerPool:
                 stacklevel=3,
             )
         ctx = mp.get_context("spawn")
+        # Plain pickle copies tensors by value. Handed to Process() as objects, they would go
+        # through torch's reducers instead, which move the user's model into shared memory that
+        # every worker then trains in place, all at once.
+        job_bytes = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         # The main process serves the rendezvous store: port 0 lets the OS choose a free port,
         # so pools running side by side (tests, several trainers) never collide.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_timeout(config))
@@ -192,7 +198,7 @@ class WorkerPool:
                 args=(
                     rank,
                     config,
-                    job,
+                    job_bytes,
                     self._store.port,
                     self.data_queues[rank % len(self.data_queues)],
                     self._commands[rank],
