@@ -52,6 +52,7 @@ class TorchrunEnv:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int
 
 
 def torchrun_env() -> TorchrunEnv | None:
@@ -62,6 +63,7 @@ def torchrun_env() -> TorchrunEnv | None:
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
     )
 
 
@@ -90,8 +92,9 @@ def _timeout(config: Config) -> datetime.timedelta:
 # -- torchrun: this process is one worker --------------------------------------------------------
 
 
-def join_torchrun(config: Config) -> tuple[TorchrunEnv, torch.device]:
-    """Join (or reuse) the default process group that torchrun set up the environment for."""
+def join_torchrun(config: Config) -> tuple[TorchrunEnv, torch.device, bool]:
+    """Join (or reuse) the default process group that torchrun set up the environment for.
+    Returns the identity, this worker's device, and whether this call created the group."""
     env = torchrun_env()
     assert env is not None, "join_torchrun() outside torchrun"
     if config.devices is not None:
@@ -101,10 +104,12 @@ def join_torchrun(config: Config) -> tuple[TorchrunEnv, torch.device]:
     else:
         device = torch.device("cpu")
     _setup_device(device)
-    if not dist.is_initialized():
-        backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend, timeout=_timeout(config))
-    return env, device
+    torch.set_num_threads(threads_per_worker(config, env.local_world_size))
+    if dist.is_initialized():
+        return env, device, False
+    backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, timeout=_timeout(config))
+    return env, device, True
 
 
 # -- spawned local workers -----------------------------------------------------------------------

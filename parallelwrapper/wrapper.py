@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .config import Builder, Config, Job
 from .feed import Batches, Feeder, ShardSource, check_epochs
@@ -31,6 +32,7 @@ class ParallelWrapper:
         self._listeners = listeners
         self._pool: WorkerPool | None = None
         self._replica: Replica | None = None  # torchrun: this process is a worker
+        self._owns_group = False  # torchrun: we created the process group, so we destroy it
         self._closed = False
         self.rounds = self.iterations = self.samples = self.epochs_done = 0
 
@@ -52,6 +54,9 @@ class ParallelWrapper:
         if self._pool is not None:
             pool, self._pool = self._pool, None
             pool.close()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
 
     def _abort(self) -> None:
         if self._pool is not None:
@@ -127,7 +132,7 @@ class ParallelWrapper:
 
     def _fit_torchrun(self, data: Batches, epochs: int, on_report: Any) -> None:
         if self._replica is None:
-            env, device = join_torchrun(self.config)
+            env, device, self._owns_group = join_torchrun(self.config)
             self.model.to(device)
             self._replica = Replica(self.model, self.optimizer, self._job, self.config, device, env.rank, env.world_size)
             torch.manual_seed(self.config.seed + env.rank)

@@ -1,0 +1,52 @@
+"""Trains a small model under torchrun and saves each rank's final state: `torchrun ... OUT_DIR`.
+
+Used by tests/test_torchrun.py. The data is the same on every rank (same seed); the wrapper
+keeps each rank's shard (batch i on rank i mod world size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from parallelwrapper import ParallelWrapper
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    sizes = [16] * 12 + [5]
+    return [(torch.randn(s, 10, generator=g), torch.randint(0, 3, (s,), generator=g)) for s in sizes]
+
+
+def main(out: Path) -> None:
+    net = model()
+    builder = (
+        ParallelWrapper.builder(net)
+        .optimizer(torch.optim.Adam, lr=0.01)
+        .averaging_frequency(2)
+        .deterministic(True)
+        .seed(3)
+        .threads_per_worker(1)
+    )
+    with builder.build() as wrapper:
+        history = wrapper.fit(data(), epochs=2)
+        rank = int(os.environ["RANK"])
+        torch.save({"model": net.state_dict(), "optimizer": wrapper.optimizer.state_dict()}, out / f"rank{rank}.pt")
+        if wrapper.is_main:
+            (out / "history.json").write_text(
+                json.dumps({"scores": len(history.scores), "samples": [e.samples for e in history.epochs]})
+            )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,125 @@
+"""The builder and the config: documented defaults, and every bad value refused at build() with a
+ValueError that names the option and the fix. Nothing here spawns a process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from parallelwrapper import Config, NanPolicy, ParallelWrapper, TrainingMode
+
+
+def model() -> nn.Module:
+    return nn.Linear(4, 2)
+
+
+def test_defaults_are_documented_values() -> None:
+    c = Config()
+    assert (c.workers, c.prefetch_buffer, c.averaging_frequency) == (2, 24, 1)
+    assert c.report_score_after_averaging and c.average_updaters and not c.deterministic
+    assert c.training_mode is TrainingMode.AVERAGING and c.nan_policy is NanPolicy.RAISE
+    assert c.seed == 0 and c.devices is None and c.backend == "auto"
+    assert c.resolved_devices() == ("cpu", "cpu") and c.resolved_backend() == "gloo"
+
+
+def test_fluent_builder_sets_every_option() -> None:
+    w = (
+        ParallelWrapper.builder(model())
+        .optimizer(torch.optim.SGD, lr=0.01, momentum=0.9, nesterov=True)
+        .loss_fn(nn.functional.mse_loss)
+        .workers(3)
+        .prefetch_buffer(7)
+        .averaging_frequency(5)
+        .report_score_after_averaging(False)
+        .average_updaters(False)
+        .training_mode("shared-gradients")
+        .deterministic(True)
+        .seed(9)
+        .devices(["cpu", "cpu", "cpu"])
+        .nan_policy("skip")
+        .collective_timeout(30)
+        .build()
+    )
+    c = w.config
+    assert (c.workers, c.prefetch_buffer, c.averaging_frequency, c.seed) == (3, 7, 5, 9)
+    assert not c.report_score_after_averaging and not c.average_updaters and c.deterministic
+    assert c.training_mode is TrainingMode.SHARED_GRADIENTS and c.nan_policy is NanPolicy.SKIP
+    assert c.devices == ("cpu",) * 3 and c.collective_timeout_s == 30.0
+    assert isinstance(w.optimizer, torch.optim.SGD) and w.optimizer.defaults["nesterov"]
+    w.close()
+
+
+@pytest.mark.parametrize(
+    ("setter", "value", "match"),
+    [
+        ("workers", 0, r"workers must be an int >= 1, got 0"),
+        ("workers", 1.5, r"workers must be an int"),
+        ("averaging_frequency", 0, r"averaging_frequency must be an int >= 1"),
+        ("prefetch_buffer", -1, r"prefetch_buffer must be an int >= 1"),
+        ("training_mode", "sometimes", r"training_mode must be one of \['averaging', 'shared-gradients'\]"),
+        ("nan_policy", "ignore", r"nan_policy must be one of"),
+        ("backend", "mpi", r"backend must be one of"),
+        ("seed", "x", r"seed must be an int"),
+        ("devices", ["cpu"], r"devices names 1 devices for 2 workers"),
+        ("devices", "cpu", r"one device per worker"),
+        ("devices", ["cpu", "tpu:9"], r"not a torch device"),
+        ("collective_timeout", 0, r"collective_timeout_s must be > 0"),
+    ],
+)
+def test_bad_values_are_refused_with_the_fix(setter: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        getattr(ParallelWrapper.builder(model()), setter)(value).build()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs NCCL needs")
+def test_nccl_without_enough_gpus_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"backend 'nccl' needs one CUDA device per worker.*\.backend\('gloo'\)"):
+        ParallelWrapper.builder(model()).backend("nccl").build()
+
+
+def test_objects_that_cannot_reach_a_worker_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"loss_fn cannot be sent to a spawned worker process.*module level"):
+        ParallelWrapper.builder(model()).loss_fn(lambda out, y: out.sum()).build()
+
+    def local_step(m: nn.Module, batch: object) -> torch.Tensor:
+        return torch.zeros(())
+
+    with pytest.raises(ValueError, match=r"training_step cannot be sent"):
+        ParallelWrapper.builder(model()).training_step(local_step).build()
+
+    class Local(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)
+
+    with pytest.raises(ValueError, match=r"model cannot be sent"):
+        ParallelWrapper.builder(Local()).build()
+
+
+def test_bad_optimizer_and_model_and_listener() -> None:
+    with pytest.raises(ValueError, match=r"optimizer takes an optimizer class"):
+        ParallelWrapper.builder(model()).optimizer(torch.optim.SGD(model().parameters(), lr=0.1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"SGD\(\*\*\{'lr': -1\}\) failed"):
+        ParallelWrapper.builder(model()).optimizer(torch.optim.SGD, lr=-1).build()
+    with pytest.raises(ValueError, match=r"takes a torch.nn.Module"):
+        ParallelWrapper.builder("not a model")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"listeners\[0\]"):
+        ParallelWrapper.builder(model()).listeners(42).build()
+
+
+def test_fit_rejects_bad_data_before_spawning() -> None:
+    w = ParallelWrapper.builder(model()).build()
+    with pytest.raises(ValueError, match="empty iterable"):
+        w.fit([])
+    with pytest.raises(ValueError, match="iterator, which is used up after one epoch"):
+        w.fit(iter([(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))]), epochs=2)
+    with pytest.raises(ValueError, match="epochs must be an int >= 1"):
+        w.fit([(torch.zeros(2, 4), torch.zeros(2))], epochs=0)
+    with pytest.raises(ValueError, match="takes an iterable of batches"):
+        w.fit(42)  # type: ignore[arg-type]
+    assert w._pool is None  # nothing was spawned
+    w.close()
