@@ -2,8 +2,8 @@
 
 One round of the protocol in DESIGN.md costs:
 
-1. a header all-reduce of a few float64 numbers (samples w, loss sum, batches, finished flags,
-   a layout check), so every worker learns Σw before it sends any state;
+1. a header all-reduce of eight float64 numbers (samples w, loss sum, batches, finished, skipped
+   and stop flags, a layout check), so every worker learns Σw before it sends any state;
 2. one all-reduce per dtype of the state (params | buffers | optimizer state, or gradients),
    packed into one contiguous buffer and pre-scaled by w_i / Σw, so the sum *is* the average.
 
@@ -35,6 +35,7 @@ class RoundTotals:
     batches: int
     finished: int  # workers that have reached the end of the epoch
     skipped: int  # workers whose contribution was dropped (non-finite loss, NanPolicy.SKIP)
+    stop: int  # workers asked to stop after this round
     layouts_agree: bool
 
     @property
@@ -54,6 +55,7 @@ def reduce_header(
     finished: bool,
     skipped: bool,
     layout: int,
+    stop: bool = False,
     device: torch.device,
     world_size: int,
     group: ProcessGroup = None,
@@ -62,12 +64,14 @@ def reduce_header(
     agree iff Σh = N·h and Σh² = N·h² on every rank (equality case of Cauchy-Schwarz)."""
     h = float(layout & ((1 << _LAYOUT_BITS) - 1))
     header = torch.tensor(
-        [samples, loss_sum, batches, float(finished), float(skipped), h, h * h], dtype=torch.float64, device=device
-    )  # (7,)
+        [samples, loss_sum, batches, float(finished), float(skipped), float(stop), h, h * h],
+        dtype=torch.float64,
+        device=device,
+    )  # (8,)
     dist.all_reduce(header, group=group)
-    w, loss, nb, fin, skip, sh, sh2 = header.tolist()
+    w, loss, nb, fin, skip, stp, sh, sh2 = header.tolist()
     agree = sh == world_size * h and sh2 == world_size * h * h
-    return RoundTotals(w, loss, int(round(nb)), int(round(fin)), int(round(skip)), agree)
+    return RoundTotals(w, loss, round(nb), round(fin), round(skip), round(stp), agree)
 
 
 def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import io
+import os
 import pickle
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,9 @@ class Config:
     seed: int = 0
     devices: tuple[str, ...] | None = None  # None: one GPU per worker when there are enough, else CPU
     backend: str = "auto"  # auto: NCCL when every worker has its own GPU, else gloo
-    collective_timeout_s: float = 300.0
+    stall_timeout_s: float = 300.0  # a worker without progress this long fails fit(), named
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50  # rounds; a checkpoint is also saved at every epoch's end
     nan_policy: NanPolicy = NanPolicy.RAISE
     threads_per_worker: int | None = None  # None: the machine's cores shared out among workers
 
@@ -75,8 +78,9 @@ class Config:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if self.collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0 seconds, got {self.stall_timeout_s}")
+        _check_int("checkpoint_every", self.checkpoint_every, 1, "the rounds between checkpoints, e.g. .checkpoint(dir, every=50)")
         if self.threads_per_worker is not None:
             _check_int("threads_per_worker", self.threads_per_worker, 1, "or leave it unset to share the cores out")
         if self.devices is not None:
@@ -241,9 +245,16 @@ class Builder:
         """"auto" (default), "gloo" or "nccl"."""
         return self._set("backend", name)
 
-    def collective_timeout(self, seconds: float) -> Builder:
-        """How long a collective may wait for a peer before the round fails. Default: 300 s."""
-        return self._set("collective_timeout_s", float(seconds))
+    def stall_timeout(self, seconds: float) -> Builder:
+        """How long a worker may go without progress (a batch, a step, an averaging) before fit()
+        fails naming it and where it was. Default: 300 s."""
+        return self._set("stall_timeout_s", float(seconds))
+
+    def checkpoint(self, directory: str | os.PathLike[str], every: int = 50) -> Builder:
+        """Save a checkpoint to `directory` every `every` rounds, at each epoch's end, and on
+        Ctrl-C. Resume with `fit(..., resume=directory)`. Default: no checkpoints."""
+        self._set("checkpoint_every", every)
+        return self._set("checkpoint_dir", os.fspath(directory))
 
     def nan_policy(self, policy: NanPolicy | str) -> Builder:
         """NanPolicy.RAISE (default) fails fit(); NanPolicy.SKIP drops that worker from the round."""

@@ -57,15 +57,18 @@ class FeedError(RuntimeError):
 
 
 class Feeder:
-    """A daemon thread that puts `epochs` epochs of batches into the workers' queues."""
+    """A daemon thread that puts epochs `first_epoch` to `until_epoch - 1` of batches into the
+    workers' queues, skipping the first `skip` batches of the first (already trained, when
+    resuming). Indices keep counting from 0, so the deterministic deal is the same as it was."""
 
-    def __init__(self, data: Batches, epochs: int, first_epoch: int, queues: Sequence[Any], workers: int) -> None:
+    def __init__(
+        self, data: Batches, first_epoch: int, until_epoch: int, skip: int, queues: Sequence[Any], workers: int
+    ) -> None:
         self._make_epoch = epoch_iterable(data)
-        self._epochs, self._first_epoch = epochs, first_epoch
+        self._first_epoch, self._until_epoch, self._skip = first_epoch, until_epoch, skip
         self._queues, self._workers = list(queues), workers
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self.batches_fed = 0
         self._thread = threading.Thread(target=self._run, name="parallelwrapper-feeder", daemon=True)
 
     def start(self) -> Feeder:
@@ -87,19 +90,26 @@ class Feeder:
 
     def _run(self) -> None:
         try:
-            for epoch in range(self._first_epoch, self._first_epoch + self._epochs):
+            for epoch in range(self._first_epoch, self._until_epoch):
                 count = 0
+                skip = self._skip if epoch == self._first_epoch else 0
                 try:
                     for index, batch in enumerate(self._make_epoch()):
+                        count += 1
+                        if index < skip:
+                            continue
                         q = self._queues[index % len(self._queues)]
                         if not self._put(q, (index, batch)):
                             return
-                        count += 1
-                        self.batches_fed += 1
                 except Exception as e:
                     raise FeedError(f"the training data raised in epoch {epoch} after {count} batches: {e!r}") from e
                 if count == 0:
                     raise FeedError(f"the training data yielded no batches in epoch {epoch}: nothing to train on")
+                if count < skip:
+                    raise FeedError(
+                        f"the training data yielded {count} batches in epoch {epoch}, but the checkpoint "
+                        f"resumed from had trained {skip} of them: resume with the same data"
+                    )
                 # One sentinel per worker: in shared mode all N go into the one queue.
                 for rank in range(self._workers):
                     if not self._put(self._queues[rank % len(self._queues)], _SENTINEL):
@@ -133,14 +143,17 @@ class ShardSource:
     and keeps its own shard, so no data is sent between machines.
     """
 
-    def __init__(self, data: Batches, rank: int, world_size: int) -> None:
+    def __init__(self, data: Batches, rank: int, world_size: int, skip: int = 0) -> None:
         self._make_epoch = epoch_iterable(data)
-        self._rank, self._world = rank, world_size
+        self._rank, self._world, self._skip = rank, world_size, skip
         self._it: Iterator[tuple[int, Any]] | None = None
 
     def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
         if self._it is None:
-            self._it = ((i, b) for i, b in enumerate(self._make_epoch()) if i % self._world == self._rank)
+            skip, self._skip = self._skip, 0  # only the first epoch resumes mid-way
+            self._it = (
+                (i, b) for i, b in enumerate(self._make_epoch()) if i >= skip and i % self._world == self._rank
+            )
         item = next(self._it, None)
         if item is None:
             self._it = None  # the next call starts the next epoch

@@ -26,14 +26,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .checkpoint import Checkpointer, fingerprint, set_rng_state
 from .config import Config, Job
 from .feed import Feeder, QueueSource
-from .worker import EpochReport, Replica, RoundReport
+from .worker import Counters, EpochReport, Hooks, Phase, Replica, RoundReport, Stopped
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 _POLL_S = 0.05
 _ERROR_GRACE_S = 0.5  # after a first error, how long to wait for the one that caused it
+_STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
+_COLLECTIVE_MARGIN_S = 30.0
 
 
 class WorkerError(RuntimeError):
@@ -86,7 +89,9 @@ def _setup_device(device: torch.device) -> None:
 
 
 def _timeout(config: Config) -> datetime.timedelta:
-    return datetime.timedelta(seconds=config.collective_timeout_s)
+    """The collectives' own timeout: past the stall watchdog's, so that the watchdog, which can
+    name the stalled worker, speaks first; it is the only guard under torchrun."""
+    return datetime.timedelta(seconds=config.stall_timeout_s + _COLLECTIVE_MARGIN_S)
 
 
 # -- torchrun: this process is one worker --------------------------------------------------------
@@ -115,18 +120,67 @@ def join_torchrun(config: Config) -> tuple[TorchrunEnv, torch.device, bool]:
 # -- spawned local workers -----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class FitCommand:
+    """What the main process sends each worker to start a fit()."""
+
+    until_epoch: int
+    counters: Counters
+    model_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+    rng: list[dict[str, Any]] | None  # per rank, when resuming from a checkpoint
+
+
+class ProgressBoard:
+    """Each worker's phase, place and the time it got there, in shared memory: the supervisor's
+    stall watchdog reads it without asking the workers anything."""
+
+    FIELDS = 5  # phase, epoch, batch index, local step, monotonic time (system-wide on Linux)
+
+    def __init__(self, ctx: Any, workers: int) -> None:
+        self.array = ctx.Array("d", workers * self.FIELDS, lock=False)
+
+    def write(self, rank: int, phase: Phase, epoch: int, index: int, step: int) -> None:
+        o = rank * self.FIELDS
+        self.array[o : o + self.FIELDS] = [float(phase), epoch, index, step, time.monotonic()]
+
+    def read(self, rank: int) -> tuple[Phase, int, int, int, float]:
+        o = rank * self.FIELDS
+        phase, epoch, index, step, since = self.array[o : o + self.FIELDS]
+        return Phase(int(phase)), int(epoch), int(index), int(step), since
+
+
+class _SpawnedHooks(Hooks):
+    def __init__(self, board: ProgressBoard, rank: int, stop: Any, checkpointer: Any) -> None:
+        super().__init__(checkpointer)
+        self._board, self._rank, self._stop = board, rank, stop
+
+    def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
+        self._board.write(self._rank, phase, epoch, index, step)
+
+    def stop_requested(self) -> bool:
+        return bool(self._stop.is_set())
+
+
+def make_checkpointer(config: Config, job: Job, world_size: int) -> Checkpointer | None:
+    if config.checkpoint_dir is None:
+        return None
+    return Checkpointer(config.checkpoint_dir, config.checkpoint_every, fingerprint(config, job, world_size), config)
+
+
 def _worker_entry(
     rank: int,
     config: Config,
     job_bytes: bytes,
     store_port: int,
-    data_queue: Any,
-    command_queue: Any,
-    result_queue: Any,
+    channels: tuple[Any, Any, Any, Any, ProgressBoard],
     parent_pid: int,
 ) -> None:
     """A spawned worker: join the group, then run fit commands until told to close."""
+    data_queue, command_queue, result_queue, stop, board = channels
     world = config.workers
+    # Ctrl-C in a terminal reaches every process of the group: the main process decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = torch.device(config.resolved_devices()[rank])
         _setup_device(device)
@@ -138,17 +192,24 @@ def _worker_entry(
         )
         job: Job = pickle.loads(job_bytes)
         model = job.model.to(device)
-        replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world)
+        hooks = _SpawnedHooks(board, rank, stop, make_checkpointer(config, job, world))
+        replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world, hooks=hooks)
         source = QueueSource(data_queue, parent_pid)
         report: Callable[[Any], None] = lambda r: result_queue.put(("report", rank, r))  # noqa: E731
         result_queue.put(("ready", rank, None))
         while True:
-            command = _get(command_queue, parent_pid)
+            command: FitCommand | None = _get(command_queue, parent_pid)
             if command is None:
                 break
-            epochs, first_epoch, model_state, optimizer_state = command
-            replica.load_state(model_state, optimizer_state)
-            replica.fit(epochs, first_epoch, source, report if rank == 0 else lambda r: None)
+            replica.load_state(command.model_state, command.optimizer_state)
+            replica.counters = command.counters
+            if command.rng is not None:
+                set_rng_state(command.rng[rank])
+            try:
+                replica.fit(command.until_epoch, source, report if rank == 0 else lambda r: None)
+            except Stopped:
+                result_queue.put(("stopped", rank, None))
+                continue
             result_queue.put(("done", rank, replica.state_dicts() if rank == 0 else None))
     except BaseException:  # noqa: BLE001 - every failure goes back to the main process
         result_queue.put(("error", rank, traceback.format_exc()))
@@ -171,7 +232,8 @@ def _get(q: Any, parent_pid: int) -> Any:
 
 
 class WorkerPool:
-    """N spawned workers that live as long as the wrapper, and their queues."""
+    """N spawned workers that live as long as the wrapper, their queues, and their supervision:
+    errors, deaths and stalls become a `WorkerError` naming the worker."""
 
     def __init__(self, config: Config, job: Job) -> None:
         self.config = config
@@ -197,6 +259,8 @@ class WorkerPool:
             self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
         self._commands = [ctx.Queue() for _ in range(n)]
         self._results = ctx.Queue()
+        self._stop = ctx.Event()
+        self._board = ProgressBoard(ctx, n)
         self._processes = [
             ctx.Process(
                 target=_worker_entry,
@@ -205,9 +269,7 @@ class WorkerPool:
                     config,
                     job_bytes,
                     self._store.port,
-                    self.data_queues[rank % len(self.data_queues)],
-                    self._commands[rank],
-                    self._results,
+                    (self.data_queues[rank % len(self.data_queues)], self._commands[rank], self._results, self._stop, self._board),
                     os.getpid(),
                 ),
                 name=f"parallelwrapper-worker-{rank}",
@@ -221,24 +283,24 @@ class WorkerPool:
             ready: set[int] = set()
             deadline = time.monotonic() + _START_TIMEOUT_S
             while len(ready) < n:
-                message = self._next(deadline, "starting")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers did not start within {_START_TIMEOUT_S:.0f} s")
+                message = self._next("starting")
                 if message is not None:
                     ready.add(message[1])
         except BaseException:
             self.kill()
             raise
 
-    def fit(
-        self,
-        epochs: int,
-        first_epoch: int,
-        state: tuple[dict[str, Any], dict[str, Any]],
-        feeder: Feeder,
-        on_report: Callable[[RoundReport | EpochReport], None],
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Run one fit on all workers; return rank 0's final (model, optimizer) state."""
+    def fit(self, command: FitCommand, feeder: Feeder, on_report: Callable[[RoundReport | EpochReport], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run one fit on all workers; return rank 0's final (model, optimizer) state.
+
+        Ctrl-C: with checkpoints on, the workers finish the round and save it (for up to
+        `_STOP_GRACE_S`), then KeyboardInterrupt propagates; without, it propagates at once.
+        """
+        self._stop.clear()
         for q in self._commands:
-            q.put((epochs, first_epoch, *state))
+            q.put(command)
         feeder.start()
         done: set[int] = set()
         final: tuple[dict[str, Any], dict[str, Any]] | None = None
@@ -246,7 +308,13 @@ class WorkerPool:
             while len(done) < len(self._processes):
                 if feeder.error is not None:
                     raise feeder.error
-                message = self._next(None, "training")
+                try:
+                    message = self._next("training")
+                except KeyboardInterrupt:
+                    if self.config.checkpoint_dir is None:
+                        raise
+                    self._stop_gracefully(on_report)
+                    raise
                 if message is None:
                     continue
                 kind, rank, payload = message
@@ -260,14 +328,28 @@ class WorkerPool:
         assert final is not None
         return final
 
-    def _next(self, deadline: float | None, stage: str) -> tuple[str, int, Any] | None:
-        """The next message, or None after a short poll; raises for errors and dead workers."""
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"workers did not start within {_START_TIMEOUT_S:.0f} s")
+    def _stop_gracefully(self, on_report: Callable[[RoundReport | EpochReport], None]) -> None:
+        """Ask the workers to stop after this round (they checkpoint it), and wait a little."""
+        self._stop.set()
+        stopped: set[int] = set()
+        deadline = time.monotonic() + _STOP_GRACE_S
+        while len(stopped) < len(self._processes) and time.monotonic() < deadline:
+            message = self._next("stopping")
+            if message is None:
+                continue
+            kind, rank, payload = message
+            if kind == "report":
+                on_report(payload)
+            elif kind in ("stopped", "done"):
+                stopped.add(rank)
+
+    def _next(self, stage: str) -> tuple[str, int, Any] | None:
+        """The next message, or None after a short poll; raises for errors, deaths and stalls."""
         try:
             message = self._results.get(timeout=_POLL_S)
         except queue.Empty:
             self._raise_if_dead(stage)
+            self._raise_if_stalled()
             return None
         if message[0] == "error":
             self._raise_error(message[1], message[2])
@@ -277,12 +359,33 @@ class WorkerPool:
         for rank, p in enumerate(self._processes):
             if p.exitcode is not None:
                 # It may have sent an error just before exiting; that says more than the exit code.
-                self._collect_error(rank, _exit_message(p.exitcode, stage))
+                self._raise_error(rank, _exit_message(p.exitcode, stage))
+
+    def _raise_if_stalled(self) -> None:
+        """The worker that has been longest in one place, if that is longer than the stall
+        timeout. Waiting at the averaging is not a stall of its own: it waits for the others."""
+        now = time.monotonic()
+        stuck = []
+        for rank in range(len(self._processes)):
+            phase, epoch, index, step, since = self._board.read(rank)
+            if phase in (Phase.WAITING, Phase.TRAINING) and now - since > self.config.stall_timeout_s:
+                # A worker stuck in its own step is the cause; the others then wait for it.
+                stuck.append((phase is not Phase.TRAINING, since, rank, phase, epoch, index, step))
+        if not stuck:
+            return
+        _, since, rank, phase, epoch, index, step = min(stuck)
+        where = (
+            f"training on batch {index} of epoch {epoch} (local step {step})"
+            if phase is Phase.TRAINING
+            else f"waiting for a batch in epoch {epoch}: the training data produced none"
+        )
+        raise WorkerError(
+            rank,
+            f"stalled: no progress for {now - since:.0f} s while {where}; the stall timeout is "
+            f"{self.config.stall_timeout_s:.0f} s (.stall_timeout(seconds) to change it)",
+        )
 
     def _raise_error(self, rank: int, message: str) -> None:
-        self._collect_error(rank, message)
-
-    def _collect_error(self, rank: int, message: str) -> None:
         """Wait briefly for the error that caused this one (a worker killed by a signal sends
         nothing, and its peers then report broken connections), then raise the root cause."""
         errors = {rank: message}

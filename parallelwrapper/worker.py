@@ -1,11 +1,21 @@
 """One worker's training loop: pull batches, step, and run the round protocol of DESIGN.md.
 
 The same loop runs in a spawned worker process (batches from the shared queue) and in a torchrun
-process (batches from its own shard); it sees a `BatchSource` and a `Reporter`, never a queue.
+process (batches from its own shard); it sees a `BatchSource`, a `Reporter` and `Hooks`, never a
+queue or a file.
+
+A round, in both modes:
+    local work   AVERAGING: up to k steps; SHARED_GRADIENTS: one forward/backward
+    header       all-reduce of samples, loss, finished and stop flags (averaging.reduce_header)
+    payload      AVERAGING: params | buffers | optimizer state; SHARED_GRADIENTS: grads | buffers,
+                 then the optimizer step every worker takes with the same gradients
+    bookkeeping  counters, score report, checkpoint, stop
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,32 +49,72 @@ class BatchSource(Protocol):
         ...
 
 
+class Phase(enum.IntEnum):
+    """Where a worker is, for the supervisor's stall watchdog."""
+
+    IDLE = 0
+    WAITING = 1  # for a batch
+    TRAINING = 2
+    AVERAGING = 3
+
+
+@dataclass
+class Counters:
+    """Progress over the wrapper's life; identical on every worker after each round."""
+
+    rounds: int = 0  # averagings (SHARED_GRADIENTS: steps)
+    iterations: int = 0  # batches trained, all workers
+    samples: int = 0  # samples trained, all workers
+    epoch: int = 0  # the epoch in progress (= epochs completed, between epochs)
+    position: int = 0  # batches of `epoch` trained in completed rounds: where a resumed feed starts
+
+
 @dataclass(frozen=True)
 class RoundReport:
-    """What rank 0 tells the main process after a round: totals over all workers."""
+    """Rank 0's word to the main process after a round (or k steps): totals over all workers."""
 
-    epoch: int
-    rounds: int  # averagings (or gradient steps) so far in this epoch, this one included
-    batches: int  # batches trained in this round, all workers
-    samples: int
-    score: float  # sample-weighted mean loss of the round
+    counters: Counters
+    score: float  # sample-weighted mean loss over the reported rounds
     skipped: int
 
 
 @dataclass(frozen=True)
 class EpochReport:
+    counters: Counters
     epoch: int
-    rounds: int
-    batches: int
-    samples: int
     score: float  # sample-weighted mean loss of the epoch
 
 
 Reporter = Callable[[RoundReport | EpochReport], None]
 
 
+class Hooks:
+    """What the loop may ask of its host. The defaults do nothing but checkpoint, when given a
+    checkpointer: a torchrun worker, a test."""
+
+    def __init__(self, checkpointer: Callable[[Replica, bool], None] | None = None) -> None:
+        self._checkpointer = checkpointer
+
+    def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
+        """Called on every change of phase (cheap: a few writes to shared memory)."""
+
+    def stop_requested(self) -> bool:
+        """True when the main process wants training to stop after the current round."""
+        return False
+
+    def checkpoint(self, replica: Replica, final: bool) -> None:
+        """Called on every worker at the same rounds (a collective may run inside); `final`
+        means save now (an epoch's end, a stop), else save if one is due."""
+        if self._checkpointer is not None:
+            self._checkpointer(replica, final)
+
+
 class TrainingError(RuntimeError):
     """A worker could not train on a batch; the message names the worker, epoch and batch."""
+
+
+class Stopped(Exception):
+    """Training stopped early, at a round boundary, because the main process asked."""
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
@@ -81,9 +131,9 @@ def move_to(batch: Any, device: torch.device) -> Any:
 def batch_size(batch: Any) -> int:
     """Samples in a batch: dim 0 of its first tensor."""
     for t in _tensors(batch):
-        if t.dim() == 0:
-            break
-        return int(t.shape[0])
+        if t.dim() > 0:
+            return int(t.shape[0])
+        break
     raise TrainingError(f"cannot count the samples of batch {describe(batch)}: it holds no tensor with a batch dimension")
 
 
@@ -109,8 +159,17 @@ def describe(batch: Any) -> str:
     return type(batch).__name__
 
 
+@dataclass
+class _Work:
+    """One worker's local work in a round."""
+
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # loss·n per step
+    samples: int = 0
+    first_step: int = 0
+
+
 class Replica:
-    """One worker's model and optimizer, and how to take a step on a batch."""
+    """One worker's model and optimizer, and the round protocol."""
 
     def __init__(
         self,
@@ -122,15 +181,18 @@ class Replica:
         rank: int,
         world_size: int,
         group: dist.ProcessGroup | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
         self.model, self.optimizer, self.job, self.config = model, optimizer, job, config
         self.device, self.rank, self.world_size, self.group = device, rank, world_size, group
+        self.hooks = hooks or Hooks()
+        self.counters = Counters()
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
-        self._state_averager: FlatAverager | None = None
-        self._grad_averager: FlatAverager | None = None
+        self._payload: FlatAverager | None = None
         self._layout = 0
+        self._finished = False
 
-    # -- state ---------------------------------------------------------------------------------
+    # -- state ----------------------------------------------------------------------------------
 
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         """Start from the main process's model and optimizer (every fit() starts from them)."""
@@ -138,12 +200,12 @@ class Replica:
         # Every worker receives the same shared-memory tensors, and an optimizer keeps the tensors
         # it loads when they already have the right device and dtype (Adam's step is increased
         # in place): without a copy, the workers would step one shared counter.
-        self.optimizer.load_state_dict(_to_cpu(optimizer_state))
-        self._state_averager = self._grad_averager = None  # the tensors were replaced
+        self.optimizer.load_state_dict(to_cpu(optimizer_state))
+        self._payload = None  # the tensors were replaced
 
     def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and optimizer's state on the CPU, to send to the main process."""
-        return _to_cpu(self.model.state_dict()), _to_cpu(self.optimizer.state_dict())
+        return to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict())
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -160,7 +222,8 @@ class Replica:
         return self.job.loss_fn(self.model(inputs), targets)
 
     def forward_backward(self, index: int, epoch: int, batch: Any) -> tuple[torch.Tensor, int]:
-        """Loss (detached, on device) and sample count; gradients accumulated in .grad."""
+        """Loss·n (detached, on device) and sample count n; gradients accumulated in .grad."""
+        self.hooks.progress(Phase.TRAINING, epoch, index, self.local_steps)
         try:
             n = batch_size(batch)
             batch = move_to(batch, self.device)
@@ -173,193 +236,198 @@ class Replica:
                 f"worker {self.rank} failed on batch {index} of epoch {epoch} {describe(batch)} "
                 f"(local step {self.local_steps}): {type(e).__name__}: {e}"
             ) from e
-        return loss.detach().reshape(()), n
+        return loss.detach().reshape(()) * n, n
 
-    # -- AVERAGING ------------------------------------------------------------------------------
+    def _next(self, epoch: int) -> tuple[int, Any] | None:
+        """The next batch, or None at this worker's end of the epoch."""
+        if self._finished:
+            return None
+        self.hooks.progress(Phase.WAITING, epoch, -1, self.local_steps)
+        item = self._source.next_batch()
+        if isinstance(item, EndOfEpoch):
+            self._finished = True
+            return None
+        return item
 
-    def _averager(self) -> FlatAverager:
-        if self._state_averager is None:
-            tensors = list(self.model.parameters()) + list(self.model.buffers())
-            if self.config.average_updaters:
-                tensors += optimizer_state_tensors(self.optimizer)
-            self._state_averager = FlatAverager(tensors, self.device)
-        return self._state_averager
+    # -- the two modes' local work and payload ----------------------------------------------------
 
-    def _check_layout(self) -> int:
-        """Hash of the optimizer state layout; a change drops the averager built for the old one."""
-        if not self.config.average_updaters:
+    def _local_steps(self, epoch: int) -> _Work:
+        """AVERAGING: up to k independent steps."""
+        work = _Work(first_step=self.local_steps)
+        while len(work.losses) < self.config.averaging_frequency:
+            item = self._next(epoch)
+            if item is None:
+                break
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, n = self.forward_backward(item[0], epoch, item[1])
+            self.optimizer.step()
+            self.local_steps += 1
+            work.losses.append(loss)
+            work.samples += n
+        return work
+
+    def _one_gradient(self, epoch: int) -> _Work:
+        """SHARED_GRADIENTS: one forward/backward; the step waits for the averaged gradients."""
+        work = _Work(first_step=self.local_steps)
+        self._gradient_payload()  # allocates zero gradients before the first backward
+        self.optimizer.zero_grad(set_to_none=False)
+        item = self._next(epoch)
+        if item is not None:
+            loss, work.samples = self.forward_backward(item[0], epoch, item[1])
+            work.losses.append(loss)
+        return work
+
+    def _layout_hash(self) -> int:
+        """Hash of the optimizer state layout (created lazily by the optimizer); a change drops
+        the flat buffers built for the old layout."""
+        if self.config.training_mode is TrainingMode.SHARED_GRADIENTS or not self.config.average_updaters:
             return 0
         layout = signature_hash(optimizer_signature(self.optimizer))
         if layout != self._layout:
-            self._layout, self._state_averager = layout, None
+            self._layout, self._payload = layout, None
         return layout
 
-    def train_epoch(self, epoch: int, source: BatchSource, report: Reporter) -> EpochReport:
-        """AVERAGING: rounds of up to k local steps, each ending in one averaging."""
-        k = self.config.averaging_frequency
-        finished = False
-        rounds = epoch_batches = epoch_samples = 0
-        epoch_loss = 0.0
-        while True:
-            losses: list[torch.Tensor] = []
-            samples = 0
-            first_step = self.local_steps
-            while not finished and len(losses) < k:
-                item = source.next_batch()
-                if isinstance(item, EndOfEpoch):
-                    finished = True
-                    break
-                index, batch = item
-                self.optimizer.zero_grad(set_to_none=True)
-                loss, n = self.forward_backward(index, epoch, batch)
-                self.optimizer.step()
-                self.local_steps += 1
-                losses.append(loss * n)
-                samples += n
-            loss_sum, skipped = self._checked_loss(losses, first_step)
-            totals = reduce_header(
-                samples=0 if skipped else samples,
-                loss_sum=0.0 if skipped else loss_sum,
-                batches=len(losses),
-                finished=finished,
-                skipped=skipped,
-                layout=self._check_layout(),
-                device=self.device,
-                world_size=self.world_size,
-                group=self.group,
-            )
-            _check_not_all_skipped(totals)
-            if totals.samples > 0:
-                if not totals.layouts_agree:
-                    agree_on_optimizer_layout(self.optimizer, self.group)
-                    self._check_layout()
-                share = 0.0 if skipped else samples / totals.samples
-                self._averager().average(share, self.group)
-                rounds += 1
-                epoch_batches += totals.batches
-                epoch_samples += int(totals.samples)
-                epoch_loss += totals.loss_sum
-                if self.config.report_score_after_averaging:
-                    report(RoundReport(epoch, rounds, totals.batches, int(totals.samples), totals.score, totals.skipped))
-            if totals.finished == self.world_size:
-                break
-        summary = EpochReport(epoch, rounds, epoch_batches, epoch_samples, _mean(epoch_loss, epoch_samples))
-        report(summary)
-        return summary
+    def _state_payload(self) -> FlatAverager:
+        if self._payload is None:
+            tensors = list(self.model.parameters()) + list(self.model.buffers())
+            if self.config.average_updaters:
+                tensors += optimizer_state_tensors(self.optimizer)
+            self._payload = FlatAverager(tensors, self.device)
+        return self._payload
 
-    def _checked_loss(self, losses: list[torch.Tensor], first_step: int) -> tuple[float, bool]:
-        """Σ loss·n of the round, one device sync per round; applies the NaN policy."""
-        if not losses:
-            return 0.0, False
-        stacked = torch.stack(losses)  # (steps,)
-        total = float(stacked.sum())
-        if math.isfinite(total):
-            return total, False
-        bad = int((~torch.isfinite(stacked)).nonzero()[0])
-        if self.config.nan_policy is NanPolicy.SKIP:
-            return 0.0, True
-        raise FloatingPointError(
-            f"worker {self.rank}: loss is {float(stacked[bad])} at local step {first_step + bad}; "
-            f"lower the learning rate, or use .nan_policy('skip') to drop such a worker from its round"
-        )
-
-    # -- SHARED_GRADIENTS -----------------------------------------------------------------------
-
-    def _gradients(self) -> FlatAverager:
-        if self._grad_averager is None:
+    def _gradient_payload(self) -> FlatAverager:
+        if self._payload is None:
             params = [p for p in self.model.parameters() if p.requires_grad]
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self._grad_averager = FlatAverager([p.grad for p in params] + list(self.model.buffers()), self.device)
-        return self._grad_averager
+            self._payload = FlatAverager([p.grad for p in params] + list(self.model.buffers()), self.device)
+        return self._payload
 
-    def train_epoch_shared_gradients(self, epoch: int, source: BatchSource, report: Reporter) -> EpochReport:
-        """SHARED_GRADIENTS: every step reduces sample-weighted gradients (and buffers); every
-        worker applies the same average, so replicas stay equal without averaging state."""
-        k = self.config.averaging_frequency
-        grads = self._gradients()
-        finished = False
-        steps = epoch_batches = epoch_samples = 0
-        epoch_loss = window_loss = 0.0
-        window_batches = window_samples = window_skipped = 0
+    def _apply(self, totals: RoundTotals, share: float) -> None:
+        if self.config.training_mode is TrainingMode.AVERAGING:
+            if not totals.layouts_agree:
+                agree_on_optimizer_layout(self.optimizer, self.group)
+                self._layout_hash()
+            self._state_payload().average(share, self.group)
+        else:
+            self._gradient_payload().average(share, self.group)
+            self.optimizer.step()  # the same averaged gradients on every worker
+            self.local_steps += 1
+
+    # -- the round protocol ---------------------------------------------------------------------
+
+    def fit(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
+        """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
+        self.model.train()
+        self._source = source
+        try:
+            while self.counters.epoch < until_epoch:
+                self._epoch(report)
+        finally:
+            self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.local_steps)
+
+    def _epoch(self, report: Reporter) -> None:
+        epoch = self.counters.epoch
+        local_work = self._local_steps if self.config.training_mode is TrainingMode.AVERAGING else self._one_gradient
+        # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
+        report_every = 1 if self.config.training_mode is TrainingMode.AVERAGING else self.config.averaging_frequency
+        window = _Window()
+        epoch_loss = 0.0
+        epoch_samples = 0
+        self._finished = False
         while True:
-            self.optimizer.zero_grad(set_to_none=False)
-            losses: list[torch.Tensor] = []
-            n = 0
-            if not finished:
-                item = source.next_batch()
-                if isinstance(item, EndOfEpoch):
-                    finished = True
-                else:
-                    loss, n = self.forward_backward(item[0], epoch, item[1])
-                    losses.append(loss * n)
-            loss_sum, skipped = self._checked_loss(losses, self.local_steps)
+            work = local_work(epoch)
+            loss_sum, skipped = self._checked_loss(work)
+            self.hooks.progress(Phase.AVERAGING, epoch, -1, self.local_steps)
             totals = reduce_header(
-                samples=0 if skipped else n,
+                samples=0 if skipped else work.samples,
                 loss_sum=0.0 if skipped else loss_sum,
-                batches=len(losses),
-                finished=finished,
+                batches=len(work.losses),
+                finished=self._finished,
                 skipped=skipped,
-                layout=0,
+                stop=self.hooks.stop_requested(),
+                layout=self._layout_hash(),
                 device=self.device,
                 world_size=self.world_size,
                 group=self.group,
             )
-            _check_not_all_skipped(totals)
+            if totals.samples == 0 and totals.skipped > 0:
+                raise FloatingPointError(
+                    f"the loss of every worker that trained in this round was non-finite ({totals.skipped} "
+                    f"workers): training has diverged; lower the learning rate"
+                )
+            epoch_done = totals.finished == self.world_size
             if totals.samples > 0:
-                grads.average(0.0 if skipped else n / totals.samples, self.group)
-                self.optimizer.step()
-                self.local_steps += 1
-                steps += 1
-                epoch_batches += totals.batches
-                epoch_samples += int(totals.samples)
+                self._apply(totals, 0.0 if skipped else work.samples / totals.samples)
+                c = self.counters
+                c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
+                c.position += totals.batches
                 epoch_loss += totals.loss_sum
-                window_loss += totals.loss_sum
-                window_batches += totals.batches
-                window_samples += int(totals.samples)
-                window_skipped += totals.skipped
-            done = totals.finished == self.world_size
-            if self.config.report_score_after_averaging and window_samples and (steps % k == 0 or done):
-                score = _mean(window_loss, window_samples)
-                report(RoundReport(epoch, steps, window_batches, window_samples, score, window_skipped))
-                window_loss, window_batches, window_samples, window_skipped = 0.0, 0, 0, 0
-            if done:
-                break
-        summary = EpochReport(epoch, steps, epoch_batches, epoch_samples, _mean(epoch_loss, epoch_samples))
-        report(summary)
-        return summary
+                epoch_samples += int(totals.samples)
+                window.add(totals)
+                if self.config.report_score_after_averaging and (window.rounds == report_every or epoch_done):
+                    report(RoundReport(dataclasses.replace(c), window.score, window.skipped))
+                    window = _Window()
+            if epoch_done:
+                self.counters.epoch, self.counters.position = epoch + 1, 0
+                report(EpochReport(dataclasses.replace(self.counters), epoch, _mean(epoch_loss, epoch_samples)))
+                self.hooks.checkpoint(self, final=True)
+            elif totals.samples > 0 or totals.stop:
+                self.hooks.checkpoint(self, final=totals.stop > 0)
+            if totals.stop:
+                raise Stopped(f"stopped at round {self.counters.rounds}, as the main process asked")
+            if epoch_done:
+                return
 
-    def fit(self, epochs: int, first_epoch: int, source: BatchSource, report: Reporter) -> None:
-        self.model.train()
-        run = (
-            self.train_epoch
-            if self.config.training_mode is TrainingMode.AVERAGING
-            else self.train_epoch_shared_gradients
-        )
-        for epoch in range(first_epoch, first_epoch + epochs):
-            run(epoch, source, report)
-
-
-def _check_not_all_skipped(totals: RoundTotals) -> None:
-    if totals.samples == 0 and totals.skipped > 0:
+    def _checked_loss(self, work: _Work) -> tuple[float, bool]:
+        """Σ loss·n of the round, one device sync per round; applies the NaN policy."""
+        if not work.losses:
+            return 0.0, False
+        stacked = torch.stack(work.losses)  # (steps,)
+        total = float(stacked.sum())
+        if math.isfinite(total):
+            return total, False
+        if self.config.nan_policy is NanPolicy.SKIP:
+            return 0.0, True
+        bad = int((~torch.isfinite(stacked)).nonzero()[0])
         raise FloatingPointError(
-            f"the loss of every worker that trained in this round was non-finite ({totals.skipped} workers); "
-            f"training has diverged: lower the learning rate"
+            f"worker {self.rank}: loss is {float(stacked[bad])} at local step {work.first_step + bad} "
+            f"(epoch {self.counters.epoch}); lower the learning rate, or use .nan_policy('skip') to drop "
+            f"such a worker from its round"
         )
+
+
+@dataclass
+class _Window:
+    """Totals of the rounds since the last score report."""
+
+    rounds: int = 0
+    loss_sum: float = 0.0
+    samples: int = 0
+    skipped: int = 0
+
+    def add(self, totals: RoundTotals) -> None:
+        self.rounds += 1
+        self.loss_sum += totals.loss_sum
+        self.samples += int(totals.samples)
+        self.skipped += totals.skipped
+
+    @property
+    def score(self) -> float:
+        return _mean(self.loss_sum, self.samples)
 
 
 def _mean(total: float, count: int) -> float:
     return total / count if count else float("nan")
 
 
-
-def _to_cpu(state: Any) -> Any:
+def to_cpu(state: Any) -> Any:
     """A deep copy with every tensor on the CPU (clones: the sender keeps training on its own)."""
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        return {k: _to_cpu(v) for k, v in state.items()}
+        return {k: to_cpu(v) for k, v in state.items()}
     if isinstance(state, list):
-        return [_to_cpu(v) for v in state]
+        return [to_cpu(v) for v in state]
     return state

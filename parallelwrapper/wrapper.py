@@ -3,17 +3,20 @@ averaging.py, the processes in launch.py, the data in feed.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import checkpoint
 from .config import Builder, Config, Job
 from .feed import Batches, Feeder, ShardSource, check_epochs
-from .launch import WorkerError, WorkerPool, join_torchrun, torchrun_env
+from .launch import FitCommand, WorkerError, WorkerPool, join_torchrun, make_checkpointer, torchrun_env
 from .listeners import EpochEnd, History, Score, notify
-from .worker import EpochReport, Replica, RoundReport
+from .worker import Counters, EpochReport, Hooks, Replica, RoundReport
 
 
 class ParallelWrapper:
@@ -34,7 +37,23 @@ class ParallelWrapper:
         self._replica: Replica | None = None  # torchrun: this process is a worker
         self._owns_group = False  # torchrun: we created the process group, so we destroy it
         self._closed = False
-        self.rounds = self.iterations = self.samples = self.epochs_done = 0
+        self.counters = Counters()  # as the workers report them after each round
+
+    @property
+    def rounds(self) -> int:
+        return self.counters.rounds
+
+    @property
+    def iterations(self) -> int:
+        return self.counters.iterations
+
+    @property
+    def samples(self) -> int:
+        return self.counters.samples
+
+    @property
+    def epochs_done(self) -> int:
+        return self.counters.epoch
 
     @staticmethod
     def builder(model: torch.nn.Module) -> Builder:
@@ -80,48 +99,71 @@ class ParallelWrapper:
         env = torchrun_env()
         return env is None or env.rank == 0
 
-    def fit(self, data: Batches, epochs: int = 1) -> History:
+    def fit(self, data: Batches, epochs: int = 1, *, resume: str | os.PathLike[str] | None = None) -> History:
         """Train on `epochs` passes over `data` and return the averaged scores.
 
         `data` is an iterable of batches (a DataLoader, a list) or a function returning one, called
         once per epoch. Batches are `(inputs, targets)` unless `.training_step(fn)` was set.
+
+        `resume`: a checkpoint directory (or file) to continue from. Model, optimizer, counters,
+        RNG states and the place in the epoch are restored; `epochs` then counts from the start
+        of the run that wrote the checkpoint, so the same call finishes an interrupted run.
         """
         if self._closed:
             raise RuntimeError("this ParallelWrapper is closed; build a new one to train again")
         check_epochs(data, epochs)
+        rng = None
+        until_epoch = self.counters.epoch + epochs
+        if resume is not None:
+            rng = self._restore(resume)
+            until_epoch = epochs
+            if until_epoch <= self.counters.epoch:
+                raise ValueError(
+                    f"the checkpoint has already trained {self.counters.epoch} epochs, fit(epochs={epochs}) "
+                    f"asks for no more; pass epochs > {self.counters.epoch} to train on"
+                )
         history = History()
         start = time.perf_counter()
-        notify(self._listeners, "on_fit_start", self.config, epochs)
+        notify(self._listeners, "on_fit_start", self.config, until_epoch - self.counters.epoch)
 
         def on_report(report: RoundReport | EpochReport) -> None:
-            seconds = time.perf_counter() - start
+            self.counters = report.counters
+            c, seconds = report.counters, time.perf_counter() - start
             if isinstance(report, RoundReport):
-                self._advance(1, report.batches, report.samples)
-                score = Score(self.rounds, self.iterations, self.samples, report.epoch, report.score, seconds, report.skipped)
+                score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped)
                 history.scores.append(score)
                 notify(self._listeners, "on_score", score)
-                return
-            if not self.config.report_score_after_averaging:  # no round reports came: count here
-                self._advance(report.rounds, report.batches, report.samples)
-            self.epochs_done += 1
-            end = EpochEnd(report.epoch, self.iterations, self.samples, report.score, seconds)
-            history.epochs.append(end)
-            notify(self._listeners, "on_epoch_end", end)
+            else:
+                end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds)
+                history.epochs.append(end)
+                notify(self._listeners, "on_epoch_end", end)
 
         if torchrun_env() is not None:
-            self._fit_torchrun(data, epochs, on_report)
+            self._fit_torchrun(data, until_epoch, rng, on_report)
         else:
-            self._fit_spawned(data, epochs, on_report)
+            self._fit_spawned(data, until_epoch, rng, on_report)
         notify(self._listeners, "on_fit_end", history)
         return history
 
-    def _fit_spawned(self, data: Batches, epochs: int, on_report: Any) -> None:
+    def _restore(self, location: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """Load a checkpoint into the model, optimizer and counters; return the workers' RNG states."""
+        payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size))
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.counters = Counters(**payload["counters"])
+        rng: list[dict[str, Any]] = payload["rng"]
+        return rng
+
+    def _fit_spawned(self, data: Batches, until_epoch: int, rng: list[dict[str, Any]] | None, on_report: Any) -> None:
         try:
             if self._pool is None:
                 self._pool = WorkerPool(self.config, self._job)
-            feeder = Feeder(data, epochs, self.epochs_done, self._pool.data_queues, self.config.workers)
-            state = (_clone(self.model.state_dict()), _clone(self.optimizer.state_dict()))
-            model_state, optimizer_state = self._pool.fit(epochs, self.epochs_done, state, feeder, on_report)
+            c = self.counters
+            feeder = Feeder(data, c.epoch, until_epoch, c.position, self._pool.data_queues, self.config.workers)
+            command = FitCommand(
+                until_epoch, dataclasses.replace(c), _clone(self.model.state_dict()), _clone(self.optimizer.state_dict()), rng
+            )
+            model_state, optimizer_state = self._pool.fit(command, feeder, on_report)
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
             # afresh next time. The user's model keeps its state from before this fit().
@@ -130,20 +172,26 @@ class ParallelWrapper:
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(optimizer_state)
 
-    def _fit_torchrun(self, data: Batches, epochs: int, on_report: Any) -> None:
+    def _fit_torchrun(self, data: Batches, until_epoch: int, rng: list[dict[str, Any]] | None, on_report: Any) -> None:
         if self._replica is None:
             env, device, self._owns_group = join_torchrun(self.config)
             self.model.to(device)
-            self._replica = Replica(self.model, self.optimizer, self._job, self.config, device, env.rank, env.world_size)
+            hooks = Hooks(make_checkpointer(self.config, self._job, env.world_size))
+            self._replica = Replica(
+                self.model, self.optimizer, self._job, self.config, device, env.rank, env.world_size, hooks=hooks
+            )
             torch.manual_seed(self.config.seed + env.rank)
         replica = self._replica
-        source = ShardSource(data, replica.rank, replica.world_size)
-        replica.fit(epochs, self.epochs_done, source, on_report if self.is_main else _count_epochs(self))
+        replica.counters = dataclasses.replace(self.counters)
+        if rng is not None:
+            checkpoint.set_rng_state(rng[replica.rank])
+        source = ShardSource(data, replica.rank, replica.world_size, skip=self.counters.position)
+        replica.fit(until_epoch, source, on_report if self.is_main else self._keep_counters)
+        self.counters = dataclasses.replace(replica.counters)
 
-    def _advance(self, rounds: int, batches: int, samples: int) -> None:
-        self.rounds += rounds
-        self.iterations += batches
-        self.samples += samples
+    def _keep_counters(self, report: RoundReport | EpochReport) -> None:
+        """Non-reporting torchrun ranks keep their counters in step all the same."""
+        self.counters = report.counters
 
     @torch.no_grad()
     def evaluate(self, data: Batches, *, device: str | torch.device = "cpu") -> dict[str, float]:
@@ -169,16 +217,6 @@ class ParallelWrapper:
         if count == 0:
             raise ValueError("evaluate() got no batches")
         return {"loss": loss_sum / count, "accuracy": correct / count, "samples": float(count)}
-
-
-def _count_epochs(wrapper: ParallelWrapper) -> Any:
-    """Non-reporting torchrun ranks still keep the epoch counter in step."""
-
-    def on_report(report: RoundReport | EpochReport) -> None:
-        if isinstance(report, EpochReport):
-            wrapper.epochs_done += 1
-
-    return on_report
 
 
 def _clone(state: dict[str, Any]) -> dict[str, Any]:

@@ -38,14 +38,16 @@ def test_fluent_builder_sets_every_option() -> None:
         .seed(9)
         .devices(["cpu", "cpu", "cpu"])
         .nan_policy("skip")
-        .collective_timeout(30)
+        .stall_timeout(30)
+        .checkpoint("ckpt", every=7)
         .build()
     )
     c = w.config
     assert (c.workers, c.prefetch_buffer, c.averaging_frequency, c.seed) == (3, 7, 5, 9)
     assert not c.report_score_after_averaging and not c.average_updaters and c.deterministic
     assert c.training_mode is TrainingMode.SHARED_GRADIENTS and c.nan_policy is NanPolicy.SKIP
-    assert c.devices == ("cpu",) * 3 and c.collective_timeout_s == 30.0
+    assert c.devices == ("cpu",) * 3 and c.stall_timeout_s == 30.0
+    assert (c.checkpoint_dir, c.checkpoint_every) == ("ckpt", 7)
     assert isinstance(w.optimizer, torch.optim.SGD) and w.optimizer.defaults["nesterov"]
     w.close()
 
@@ -64,7 +66,7 @@ def test_fluent_builder_sets_every_option() -> None:
         ("devices", ["cpu"], r"devices names 1 devices for 2 workers"),
         ("devices", "cpu", r"one device per worker"),
         ("devices", ["cpu", "tpu:9"], r"not a torch device"),
-        ("collective_timeout", 0, r"collective_timeout_s must be > 0"),
+        ("stall_timeout", 0, r"stall_timeout_s must be > 0"),
     ],
 )
 def test_bad_values_are_refused_with_the_fix(setter: str, value: object, match: str) -> None:

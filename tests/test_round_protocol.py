@@ -64,7 +64,7 @@ def _one_round(rank: int, world: int, k: int, sizes: dict[int, list[int]]) -> li
         model = bn_model()
         job = Job(model, cls, kwargs, nn.functional.cross_entropy, None)
         replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
-        replica.fit(1, 0, ListSource(batches(rank, sizes[rank])), lambda r: None)
+        replica.fit(1, ListSource(batches(rank, sizes[rank])), lambda r: None)
         out.append(flat_state(replica.model, replica.optimizer))
     return out
 

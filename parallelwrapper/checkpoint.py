@@ -1,0 +1,152 @@
+"""Checkpoints: save a run at a round boundary and resume it exactly.
+
+A checkpoint is one file, `checkpoint.pt` in the checkpoint directory. Rank 0 writes it every
+`checkpoint_every` rounds, at the end of every epoch, and when training is stopped (Ctrl-C). It
+is written to a temporary file in the same directory, flushed to disk and renamed over the old
+one, so a crash while saving leaves the last good checkpoint whole.
+
+The file is a `torch.save`d dict:
+
+    format       1
+    fingerprint  what must match to resume: the options that change the arithmetic (workers,
+                 averaging_frequency, training_mode, average_updaters, deterministic), the
+                 optimizer class and arguments, and every parameter and buffer's name, shape, dtype
+    config       the whole config, for people
+    model        the averaged model's state_dict
+    optimizer    the optimizer's state_dict (averaged; worker 0's with average_updaters(False))
+    counters     rounds, iterations, samples, epoch, position (batches of `epoch` already trained)
+    rng          each worker's torch RNG state (and CUDA's), by rank
+
+Resuming restores all of it; the feed skips the `position` batches of the epoch already trained.
+With the deterministic feed, an interrupted and resumed run ends bitwise equal to one that was
+never interrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, Job
+from .listeners import describe_config
+
+FILENAME = "checkpoint.pt"
+FORMAT = 1
+_FINGERPRINT_OPTIONS = ("workers", "averaging_frequency", "training_mode", "average_updaters", "deterministic")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from: missing, corrupt, or from another model or config."""
+
+
+def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
+    options = {k: v for k, v in describe_config(config).items() if k in _FINGERPRINT_OPTIONS}
+    options["workers"] = world_size  # under torchrun the world size is the worker count
+    return {
+        **options,
+        "optimizer": f"{job.optimizer_cls.__module__}.{job.optimizer_cls.__qualname__}({job.optimizer_kwargs!r})",
+        "tensors": [(k, list(v.shape), str(v.dtype)) for k, v in job.model.state_dict().items()],
+    }
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def path_of(location: str | os.PathLike[str]) -> Path:
+    """A checkpoint file, given it or the directory holding it."""
+    path = Path(location)
+    return path / FILENAME if path.is_dir() else path
+
+
+def save(directory: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
+    """Write atomically: a temporary file, fsync, rename over the old checkpoint."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / FILENAME
+    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def load(location: str | os.PathLike[str], expected: dict[str, Any]) -> dict[str, Any]:
+    """Read and check a checkpoint against this run's fingerprint; raise naming every mismatch."""
+    path = path_of(location)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: pass the checkpoint directory or its {FILENAME}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
+        raise CheckpointError(f"{path} is not a readable checkpoint: {type(e).__name__}: {e}") from e
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a parallelwrapper checkpoint of format {FORMAT}")
+    found = payload["fingerprint"]
+    differences = [
+        f"{key}: checkpoint has {_short(found.get(key))}, this run has {_short(value)}"
+        for key, value in expected.items()
+        if found.get(key) != value
+    ]
+    if differences:
+        raise CheckpointError(
+            f"{path} belongs to another model or configuration; resume with the same ones, or start "
+            f"afresh without resume:\n  " + "\n  ".join(differences)
+        )
+    return payload
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 200 else text[:200] + "..."
+
+
+class Checkpointer:
+    """Saves at round boundaries; called on every worker at the same rounds (it gathers the RNG
+    states of all workers, a collective), and only rank 0 writes."""
+
+    def __init__(self, directory: str, every: int, fingerprint: dict[str, Any], config: Config) -> None:
+        self.directory, self.every, self.fingerprint = directory, every, fingerprint
+        self.config = describe_config(config)
+
+    def __call__(self, replica: Any, final: bool) -> None:
+        if not final and replica.counters.rounds % self.every:
+            return
+        states: list[Any] = [None] * replica.world_size
+        dist.all_gather_object(states, rng_state(), group=replica.group)
+        if replica.rank != 0:
+            return
+        model, optimizer = replica.state_dicts()
+        save(
+            self.directory,
+            {
+                "format": FORMAT,
+                "fingerprint": self.fingerprint,
+                "config": self.config,
+                "model": model,
+                "optimizer": optimizer,
+                "counters": dataclasses.asdict(replica.counters),
+                "rng": states,
+            },
+        )
