@@ -1,0 +1,128 @@
+"""`pw-fit`: train on MNIST (`pw-fit [OPTIONS]`) or compare synchronisation schemes
+(`pw-fit compare [OPTIONS]`).
+
+Parsing only: the work is `run.train_mnist` and `compare.compare`. Errors in the input (a bad
+option, a missing data directory) become click errors, without a traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from click.core import ParameterSource
+
+from .compare import CompareOptions, compare, markdown
+from .config import TrainingMode
+from .data.mnist import MnistError
+from .launch import WorkerError
+from .models import MODEL_NAMES
+from .run import DEVICES, OPTIMIZERS, RunOptions, train_mnist
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+_LR_DEFAULTS = ", ".join(f"{name} {choice.default_lr:g}" for name, choice in OPTIMIZERS.items())
+
+
+def _run_options(f: F) -> F:
+    """The options `pw-fit` and `pw-fit compare` share; the first four mirror the builder."""
+    options = [
+        click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Worker processes, one device each."),
+        click.option("--prefetch-buffer", type=click.IntRange(min=1), default=24, show_default=True, help="Batches read ahead into the shared queue."),
+        click.option("--report-score-after-averaging/--no-report-score-after-averaging", default=True, show_default=True, help="Report the averaged score after every averaging, or once per epoch."),
+        click.option("--average-updaters/--no-average-updaters", default=True, show_default=True, help="Average optimizer state (momentum, Adam moments) with the parameters."),
+        click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True, help="Samples per batch (one worker step)."),
+        click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help=f"Learning rate. Default per optimizer: {_LR_DEFAULTS}."),
+        click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="nesterov", show_default=True, help="nesterov: SGD, momentum 0.9, Nesterov (DL4J's NESTEROVS)."),
+        click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="lenet: DL4J's LeNet; mlp: a small MLP."),
+        click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: a GPU per worker when there are enough, else the CPU."),
+        click.option("--seed", type=int, default=123, show_default=True, help="Model init, shuffling and worker RNGs."),
+        click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files (gzipped or not). Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist)."),
+        click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir."),
+        click.option("--train-samples", type=click.IntRange(min=1), default=None, help="Train on the first N training images only (for smoke tests)."),
+        click.option("--test-samples", type=click.IntRange(min=1), default=None, help="Evaluate on the first N test images only (for smoke tests)."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _make(cls: Callable[..., T], **kwargs: Any) -> T:
+    """Options whose combination the library rejects are usage errors."""
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _call(fn: Callable[..., T], *args: Any) -> T:
+    """Run the library; a data or worker failure becomes a one-message error."""
+    try:
+        return fn(*args)
+    except MnistError as e:  # its message says how to point --data-dir at the files
+        raise click.ClickException(str(e)) from None
+    except (ValueError, WorkerError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@_run_options
+@click.option("--averaging-frequency", type=click.IntRange(min=1), default=3, show_default=True, help="Local iterations per worker between averagings.")
+@click.option("--mode", type=click.Choice([m.value for m in TrainingMode]), default=TrainingMode.AVERAGING.value, show_default=True, help="averaging: local steps, then average; shared-gradients: average gradients every step.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
+@click.option("--deterministic/--no-deterministic", default=False, show_default=True, help="Deal batch i to worker i mod N: the same run gives the same model, and a resumed run ends as an uninterrupted one.")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save a checkpoint here every --checkpoint-every rounds, at each epoch's end and on Ctrl-C.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=50, show_default=True, help="Rounds between checkpoints.")
+@click.option("--resume", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Continue the run whose checkpoint is in this directory (same options; --epochs counts from the run's start).")
+@click.pass_context
+def main(ctx: click.Context, /, mode: str, **kwargs: Any) -> None:
+    """Train a model on MNIST with a ParallelWrapper (DL4J's multi-GPU LeNet example by default),
+    showing the averaged score, the test accuracy after each epoch and, at the end, the test
+    accuracy, samples per second and wall time.
+
+    `pw-fit compare --help` compares shared gradients against averaging frequencies."""
+    if ctx.invoked_subcommand is not None:
+        given = [f"--{name.replace('_', '-')}" for name in ctx.params if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} given before '{ctx.invoked_subcommand}': options go after the command, e.g. pw-fit compare --workers 2")
+        return
+    options = _make(RunOptions, mode=TrainingMode(mode), **kwargs)
+    summary = _call(train_mnist, options)
+    click.echo(summary.describe())
+
+
+def _frequencies(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(k) for k in value.split(",") if k.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers, e.g. 1,4,16") from None
+    if any(k < 1 for k in ks) or len(set(ks)) != len(ks):
+        raise click.BadParameter(f"{value!r}: averaging frequencies are distinct integers >= 1, e.g. 1,4,16")
+    return ks
+
+
+@main.command(name="compare")
+@_run_options
+@click.option("--frequencies", default="1,4,16", show_default=True, callback=_frequencies, help="Averaging frequencies k to run, comma-separated.")
+@click.option("--shared-gradients/--no-shared-gradients", default=True, show_default=True, help="Also run shared gradients (averaged every step).")
+@click.option("--evals", type=click.IntRange(min=1), default=8, show_default=True, help="Test-set evaluations per epoch (the points of each curve).")
+@click.option("--target", type=click.FloatRange(min=0, max=1, min_open=True), default=0.97, show_default=True, help="Accuracy whose samples and seconds to reach are tabled.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/compare"), show_default=True, help="Write compare.csv, compare.md and compare.png here.")
+def compare_command(frequencies: tuple[int, ...], shared_gradients: bool, evals: int, target: float, out: Path, **kwargs: Any) -> None:  # fmt: skip
+    """Train the same model from the same weights on the same data with shared gradients and
+    with averaging at several frequencies; table and plot test accuracy against samples and
+    seconds, and the communication each needs."""
+    base = _make(RunOptions, **kwargs)
+    options = _make(
+        CompareOptions, base=base, frequencies=frequencies, shared_gradients=shared_gradients,
+        evals_per_epoch=evals, target_accuracy=target, out=out,
+    )  # fmt: skip
+    results = _call(compare, options)
+    click.echo(f"\n{markdown(results, options)}\nwrote {out / 'compare.csv'}, {out / 'compare.md'}, {out / 'compare.png'}")
+
+
+__all__ = ["main"]

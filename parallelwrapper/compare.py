@@ -1,0 +1,381 @@
+"""Synchronous gradients against model averaging, measured on MNIST: the function behind
+`pw-fit compare`.
+
+Every run trains the same model from the same initial weights on the same batches (dealt to the
+same workers: `deterministic`) for the same sample budget; only the synchronisation differs:
+SHARED_GRADIENTS (gradients averaged every step, the DataParallelTable / DDP way) and AVERAGING
+every k local steps (local SGD; Lin et al., 2020, "Don't Use Large Mini-Batches, Use Local SGD").
+The test set is evaluated at the same sample counts in every run, so the curves line up.
+
+    results = compare(CompareOptions(RunOptions(data_dir=Path("../shared/data/mnist")), out=Path("runs/compare")))
+
+writes `compare.csv` (one row per run and evaluation point), `compare.md` (one row per run) and
+`compare.png` (test accuracy against samples and against seconds, one line per run).
+
+Seconds count training only: the workers are started before the clock runs (by a warm-up fit
+of one batch per worker, whose effect is then undone) and evaluations are left out.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from .averaging import FlatAverager, optimizer_state_tensors
+from .config import TrainingMode
+from .run import OPTIMIZERS, Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
+from .wrapper import ParallelWrapper
+
+T = TypeVar("T")
+MODEL_TITLES = {"lenet": "LeNet", "mlp": "MLP"}
+HEADER_BYTES = 8 * 8  # averaging.reduce_header: 8 float64 per round (checked by a test)
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """The runs to compare. `base` sets everything they share; its mode and averaging frequency
+    are replaced by each run's."""
+
+    base: RunOptions = field(default_factory=RunOptions)
+    frequencies: tuple[int, ...] = (1, 4, 16)  # one AVERAGING run per k
+    shared_gradients: bool = True  # and one SHARED_GRADIENTS run
+    evals_per_epoch: int = 8
+    target_accuracy: float = 0.97
+    out: Path = Path("runs/compare")
+
+    def __post_init__(self) -> None:
+        ks = self.frequencies
+        if any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks) or len(set(ks)) != len(ks):
+            raise ValueError(f"frequencies must be distinct ints >= 1, e.g. (1, 4, 16); got {ks!r}")
+        if not ks and not self.shared_gradients:
+            raise ValueError("nothing to compare: give at least one averaging frequency or keep shared gradients")
+        if not isinstance(self.evals_per_epoch, int) or self.evals_per_epoch < 1:
+            raise ValueError(f"evals_per_epoch must be an int >= 1, got {self.evals_per_epoch!r}")
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ValueError(f"target_accuracy is a fraction in (0, 1], e.g. 0.97; got {self.target_accuracy!r}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    mode: TrainingMode
+    averaging_frequency: int
+
+    @property
+    def label(self) -> str:
+        if self.mode is TrainingMode.SHARED_GRADIENTS:
+            return "shared gradients"
+        return f"averaging k={self.averaging_frequency}"
+
+
+def run_specs(options: CompareOptions) -> list[RunSpec]:
+    specs = [RunSpec(TrainingMode.SHARED_GRADIENTS, 1)] if options.shared_gradients else []
+    return specs + [RunSpec(TrainingMode.AVERAGING, k) for k in sorted(options.frequencies)]
+
+
+# -- communication ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Communication:
+    """What one round sends, per worker. Computed from the layout, not measured."""
+
+    payload_bytes: int  # the flat buffers of one round, all dtypes
+    payload_collectives: int  # one all-reduce per dtype
+    workers: int
+
+    def ring_bytes(self, size: int) -> float:
+        """Bytes each worker sends in a ring all-reduce of `size` bytes: 2(N-1)/N · size."""
+        return 2 * (self.workers - 1) / self.workers * size
+
+    def collectives(self, rounds: int, fits: int) -> int:
+        """Headers and payloads. Headers: one per round, plus the header-only round that closes a
+        fit() call when no worker met the end of its data while training (counted for every fit():
+        an overcount of at most one header per call)."""
+        return rounds + fits + rounds * self.payload_collectives
+
+    def bytes_per_worker(self, rounds: int, fits: int) -> float:
+        return self.ring_bytes(HEADER_BYTES) * (rounds + fits) + self.ring_bytes(self.payload_bytes) * rounds
+
+
+def estimated_communication(options: RunOptions, spec: RunSpec) -> Communication:
+    """The all-reduce payload of one round, computed (not measured) from the same flat-buffer
+    layout the workers build: AVERAGING sends params | buffers (| optimizer state with
+    average_updaters), SHARED_GRADIENTS sends gradients | buffers, one all-reduce per dtype; each
+    round also sends a header of HEADER_BYTES. A rank-local throwaway optimizer takes one step on
+    zero gradients to create its lazily built state (SGD momentum: one buffer per parameter;
+    Adam: two, and a step count)."""
+    model = initial_model(options)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec.mode is TrainingMode.SHARED_GRADIENTS:
+        tensors = [torch.zeros_like(p) for p in params] + list(model.buffers())
+    else:
+        tensors = list(model.parameters()) + list(model.buffers())
+        if options.average_updaters:
+            optimizer = OPTIMIZERS[options.optimizer].make(params, options.learning_rate)
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            tensors += optimizer_state_tensors(optimizer)
+    flat = FlatAverager(tensors, torch.device("cpu"))
+    return Communication(flat.nbytes, flat.collectives, options.workers)
+
+
+# -- one run ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Point:
+    """The state of a run after some training: what the test set says, and what it cost."""
+
+    samples: int  # training samples so far, all workers
+    seconds: float  # training time so far (no start-up, no evaluation)
+    test_accuracy: float
+    test_loss: float
+    train_score: float  # mean training loss since the previous point (NaN at the start)
+    rounds: int  # averagings (SHARED_GRADIENTS: steps) so far
+    collectives: int
+    bytes_per_worker: float
+
+
+@dataclass(frozen=True)
+class RunResult:
+    spec: RunSpec
+    points: list[Point]
+
+    @property
+    def final(self) -> Point:
+        return self.points[-1]
+
+    def first_reaching(self, target: float) -> Point | None:
+        """The first evaluation at or above `target` accuracy."""
+        return next((p for p in self.points if p.test_accuracy >= target), None)
+
+
+def chunks(batches: list[T], evals: int, unit: int) -> list[list[T]]:
+    """About `evals` consecutive pieces, each a multiple of `unit` batches (the last excepted),
+    so that every piece ends on a round boundary in every run."""
+    size = math.ceil(math.ceil(len(batches) / evals) / unit) * unit
+    return [batches[i : i + size] for i in range(0, len(batches), size)]
+
+
+def _start_workers(wrapper: ParallelWrapper, batches: list[Batch]) -> None:
+    """Start the workers outside the clock: fit one batch per worker, then put the model and the
+    optimizer back as they were (the next fit() starts from them)."""
+    model_state = copy.deepcopy(wrapper.model.state_dict())
+    optimizer_state = copy.deepcopy(wrapper.optimizer.state_dict())
+    wrapper.fit(batches[: wrapper.config.workers])
+    wrapper.model.load_state_dict(model_state)
+    wrapper.optimizer.load_state_dict(optimizer_state)
+
+
+def run_one(
+    spec: RunSpec,
+    options: CompareOptions,
+    pieces: Sequence[list[Batch]],
+    test: list[Batch],
+    echo: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Train one configuration over `pieces`, evaluating before the first and after each."""
+    run_options = dataclasses.replace(
+        options.base,
+        mode=spec.mode,
+        averaging_frequency=spec.averaging_frequency,
+        report_score_after_averaging=True,
+        deterministic=True,
+    )
+    cost = estimated_communication(run_options, spec)
+    model = initial_model(run_options)  # the same initial weights in every run
+    wrapper = builder(model, run_options).build()
+
+    def point(samples: int, seconds: float, score: float, rounds: int, fits: int) -> Point:
+        ev = wrapper.evaluate(test)
+        return Point(
+            samples, seconds, ev["accuracy"], ev["loss"], score, rounds,
+            cost.collectives(rounds, fits), cost.bytes_per_worker(rounds, fits),
+        )  # fmt: skip
+
+    with wrapper:
+        _start_workers(wrapper, pieces[0])
+        rounds0, samples0 = wrapper.rounds, wrapper.samples
+        points = [point(0, 0.0, math.nan, 0, 0)]
+        seconds = 0.0
+        for fits, piece in enumerate(pieces, start=1):
+            start = time.perf_counter()
+            history = wrapper.fit(piece)
+            seconds += time.perf_counter() - start
+            points.append(point(wrapper.samples - samples0, seconds, history.final_score, wrapper.rounds - rounds0, fits))
+            if echo is not None:
+                p = points[-1]
+                echo(f"  {spec.label}: {p.samples} samples, {p.seconds:.1f} s, test accuracy {p.test_accuracy:.4f}")
+    return RunResult(spec, points)
+
+
+# -- all runs, and the files -----------------------------------------------------------------------
+
+
+def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = print) -> list[RunResult]:
+    """Run every configuration and write compare.csv, compare.md and compare.png into `out`."""
+    base = options.base
+    train, test_split = load_splits(base)
+    specs = run_specs(options)
+    unit = base.workers * max(s.averaging_frequency for s in specs)
+    pieces = [
+        piece
+        for epoch in range(base.epochs)
+        for piece in chunks(epoch_batches(train, base, epoch), options.evals_per_epoch, unit)
+    ]
+    test = eval_batches(test_split)
+    results = []
+    for spec in specs:
+        if echo is not None:
+            echo(f"{spec.label}:")
+        results.append(run_one(spec, options, pieces, test, echo))
+    options.out.mkdir(parents=True, exist_ok=True)
+    write_csv(results, options.out / "compare.csv")
+    (options.out / "compare.md").write_text(markdown(results, options))
+    plot(results, options, options.out / "compare.png")
+    return results
+
+
+CSV_FIELDS = ["run", "mode", "averaging_frequency", *(f.name for f in dataclasses.fields(Point))]
+
+
+def write_csv(results: Sequence[RunResult], path: Path) -> None:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for r in results:
+            for p in r.points:
+                row = {"run": r.spec.label, "mode": r.spec.mode.value, "averaging_frequency": r.spec.averaging_frequency}
+                writer.writerow({**row, **dataclasses.asdict(p)})
+
+
+def describe_setup(options: CompareOptions, results: Sequence[RunResult]) -> str:
+    b = options.base
+    samples = results[0].final.samples if results else 0
+    return (
+        f"{MODEL_TITLES.get(b.model, b.model)} on MNIST, {b.workers} workers × batch {b.batch_size}, "
+        f"{b.optimizer} lr {b.learning_rate:g}, "
+        f"{samples:,} training samples per run"
+    )
+
+
+def markdown(results: Sequence[RunResult], options: CompareOptions) -> str:
+    """One row per run: final accuracy, samples and seconds to the target, communication."""
+    target = options.target_accuracy
+    lines = [
+        f"# Synchronous gradients against model averaging\n",
+        f"{describe_setup(options, results)}; the same initial weights and batches in every run. "
+        f"Seconds are training time (no start-up, no evaluation). Communication is computed from "
+        f"the all-reduce layout (ring all-reduce: 2(N-1)/N of each buffer sent per worker), not "
+        f"measured. \"To {target:.0%}\" is the first of the evaluations at or above it.\n",
+        f"| run | final test accuracy | final test loss | seconds | samples/s "
+        f"| samples to {target:.0%} | seconds to {target:.0%} | collectives | MB sent per worker |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        f, hit = r.final, r.first_reaching(target)
+        rate = f.samples / f.seconds if f.seconds > 0 else math.nan
+        reached = (f"{hit.samples:,}", f"{hit.seconds:.1f}") if hit else ("not reached", "not reached")
+        lines.append(
+            f"| {r.spec.label} | {f.test_accuracy:.4f} | {f.test_loss:.4f} | {f.seconds:.1f} | {rate:,.0f} "
+            f"| {reached[0]} | {reached[1]} | {f.collectives:,} | {f.bytes_per_worker / 1e6:,.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Sequence[RunResult], options: CompareOptions, path: Path) -> None:
+    """Test accuracy against samples and against seconds, one line per run.
+
+    The accuracy axis is a logit scale: it shows the whole run, from chance to the last tenths of
+    a percent, where the runs differ."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullFormatter, PercentFormatter
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), sharey=True)
+    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.1, top=0.86, wspace=0.05)
+    # Shared gradients in black, dashed and on top (averaging k=1 is the same training and shows
+    # through the gaps); averaging from dark (small k) to light (large k).
+    ks = sorted(r.spec.averaging_frequency for r in results if r.spec.mode is TrainingMode.AVERAGING)
+    palette = plt.get_cmap("viridis")
+
+    def color(spec: RunSpec) -> object:
+        if spec.mode is TrainingMode.SHARED_GRADIENTS:
+            return "black"
+        return palette(0.1 + 0.75 * ks.index(spec.averaging_frequency) / max(1, len(ks) - 1))
+
+    target = options.target_accuracy
+    for ax, x_name, x_label in (
+        (axes[0], "samples", "training samples seen (all workers)"),
+        (axes[1], "seconds", "training seconds (wall clock, no start-up, no evaluation)"),
+    ):
+        for r in results:
+            shared = r.spec.mode is TrainingMode.SHARED_GRADIENTS
+            label = f"{r.spec.label}: {100 * r.final.test_accuracy:.2f}%"
+            if x_name == "seconds":
+                label += f" in {r.final.seconds:.1f} s, {r.final.bytes_per_worker / 1e6:,.0f} MB sent/worker"
+            ax.plot(
+                [getattr(p, x_name) for p in r.points], [_clip(p.test_accuracy) for p in r.points],
+                "--" if shared else "-", marker="o", markersize=4, linewidth=2, color=color(r.spec),
+                label=label, zorder=3 if shared else 2,
+            )  # fmt: skip
+        ax.axhline(_clip(target), color="grey", linewidth=1, linestyle=":")
+        ax.annotate(
+            f"target {100 * target:g}%", xy=(0.01, _clip(target)), xycoords=("axes fraction", "data"),
+            va="bottom", color="grey", fontsize=9,
+        )  # fmt: skip
+        ax.set_xlabel(x_label)
+        ax.set_xlim(left=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize=9)
+    # From 90% (or the target, or the later points, if lower) to the best: the first points,
+    # near chance, come in from below the axis.
+    later = [_clip(p.test_accuracy) for r in results for p in r.points[max(1, len(r.points) // 4) :]]
+    best = max(later + [_clip(target)])
+    y = axes[0]
+    y.set_yscale("logit")
+    y.set_ylim(min([0.9, _clip(target - 0.02)] + later) * 0.95, 1 - (1 - best) * 0.7)
+    lo, hi = y.get_ylim()
+    ticks = [t for t in (0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.985, 0.99, 0.995, 0.999) if lo <= t <= hi]
+    y.yaxis.set_major_locator(FixedLocator(ticks))
+    y.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
+    y.yaxis.set_minor_formatter(NullFormatter())
+    y.set_ylabel("test accuracy (logit scale)")
+    axes[0].set_title("against samples: which learns more per sample")
+    axes[1].set_title("against time: which learns faster on this machine")
+    fig.suptitle(describe_setup(options, results), fontsize=11)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _clip(accuracy: float) -> float:
+    """Keep accuracies inside (0, 1) for the logit axis."""
+    return min(max(accuracy, 1e-3), 1 - 1e-4)
+
+
+__all__ = [
+    "CompareOptions",
+    "Communication",
+    "HEADER_BYTES",
+    "Point",
+    "RunResult",
+    "RunSpec",
+    "compare",
+    "estimated_communication",
+    "markdown",
+    "plot",
+    "run_specs",
+    "write_csv",
+]

@@ -1,0 +1,109 @@
+"""The comparison's arithmetic, without processes: the communication accounting against the real
+flat-buffer layout and header, the evaluation pieces, the table, the options' validation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallelwrapper import TrainingMode, averaging
+from parallelwrapper.compare import (
+    HEADER_BYTES,
+    CompareOptions,
+    Communication,
+    Point,
+    RunResult,
+    RunSpec,
+    chunks,
+    estimated_communication,
+    markdown,
+    run_specs,
+)
+from parallelwrapper.run import RunOptions
+
+LENET_PARAMS = 431_080  # 8 tensors
+SG = RunSpec(TrainingMode.SHARED_GRADIENTS, 1)
+AVG = RunSpec(TrainingMode.AVERAGING, 4)
+
+
+def test_header_bytes_match_the_real_header(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: sent.append(t.clone()))
+    averaging.reduce_header(
+        samples=1, loss_sum=1.0, batches=1, finished=False, skipped=False, layout=0,
+        device=torch.device("cpu"), world_size=1,
+    )  # fmt: skip
+    assert [t.numel() * t.element_size() for t in sent] == [HEADER_BYTES]
+
+
+@pytest.mark.parametrize(
+    ("spec", "optimizer", "average_updaters", "numbers"),
+    [
+        (SG, "nesterov", True, LENET_PARAMS),  # gradients
+        (AVG, "nesterov", True, 2 * LENET_PARAMS),  # params and momentum
+        (AVG, "nesterov", False, LENET_PARAMS),  # params only
+        (AVG, "sgd", True, LENET_PARAMS),  # plain SGD keeps no state
+        (AVG, "adam", True, 3 * LENET_PARAMS + 8),  # params, two moments, a step per tensor
+    ],
+)
+def test_payload_follows_the_optimizer_state(spec: RunSpec, optimizer: str, average_updaters: bool, numbers: int) -> None:
+    options = RunOptions(optimizer=optimizer, average_updaters=average_updaters)
+    cost = estimated_communication(options, spec)
+    assert cost.payload_bytes == 4 * numbers and cost.payload_collectives == 1
+
+
+def test_ring_all_reduce_volume() -> None:
+    one, two, four = (Communication(1000, 1, n) for n in (1, 2, 4))
+    assert one.ring_bytes(1000) == 0.0  # a group of one sends nothing
+    assert two.ring_bytes(1000) == 1000.0 and four.ring_bytes(1000) == 1500.0
+    # 10 rounds in 2 fit() calls: 12 headers (one closing round each) and 10 payloads.
+    assert two.collectives(10, 2) == 22
+    assert two.bytes_per_worker(10, 2) == 12 * HEADER_BYTES + 10 * 1000
+
+
+def test_chunks_end_on_round_boundaries() -> None:
+    batches = list(range(469))
+    pieces = chunks(batches, 8, 32)
+    assert [len(p) for p in pieces] == [64] * 7 + [21]
+    assert sum(pieces, []) == batches
+    assert [len(p) for p in chunks(list(range(8)), 5, 4)] == [4, 4]
+
+
+def test_run_specs_order() -> None:
+    specs = run_specs(CompareOptions(frequencies=(16, 1, 4)))
+    assert [s.label for s in specs] == ["shared gradients", "averaging k=1", "averaging k=4", "averaging k=16"]
+    assert [s.label for s in run_specs(CompareOptions(frequencies=(2,), shared_gradients=False))] == ["averaging k=2"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"frequencies": (0, 4)}, "distinct ints >= 1"),
+        ({"frequencies": (4, 4)}, "distinct ints >= 1"),
+        ({"frequencies": (), "shared_gradients": False}, "nothing to compare"),
+        ({"evals_per_epoch": 0}, "evals_per_epoch"),
+        ({"target_accuracy": 97.0}, "fraction"),
+    ],
+)
+def test_options_are_validated(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CompareOptions(**kwargs)
+
+
+def point(samples: int, seconds: float, accuracy: float) -> Point:
+    return Point(samples, seconds, accuracy, 0.1, math.nan, samples // 256, samples // 128, samples * 1000.0)
+
+
+def test_table_reports_the_first_evaluation_at_the_target() -> None:
+    fast = RunResult(AVG, [point(0, 0.0, 0.1), point(1000, 1.0, 0.96), point(2000, 2.0, 0.975)])
+    slow = RunResult(SG, [point(0, 0.0, 0.1), point(1000, 1.5, 0.9), point(2000, 3.0, 0.95)])
+    assert fast.first_reaching(0.97) == fast.points[2] and slow.first_reaching(0.97) is None
+    table = markdown([fast, slow], CompareOptions(target_accuracy=0.97, out=Path("x")))
+    rows = [line for line in table.splitlines() if line.startswith("| averaging") or line.startswith("| shared")]
+    assert rows[0].startswith("| averaging k=4 | 0.9750 | 0.1000 | 2.0 | 1,000 | 2,000 | 2.0 | 15 | 2.0 |")
+    assert rows[1].count("not reached") == 2
