@@ -117,6 +117,15 @@ def load(location: str | os.PathLike[str], expected: dict[str, Any]) -> dict[str
     return payload
 
 
+def peek(location: str | os.PathLike[str]) -> dict[str, int]:
+    """The counters of a checkpoint (where a resumed run starts), unchecked."""
+    path = path_of(location)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: pass the checkpoint directory or its {FILENAME}")
+    counters: dict[str, int] = torch.load(path, map_location="cpu", weights_only=False)["counters"]
+    return counters
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) < 200 else text[:200] + "..."

@@ -171,7 +171,6 @@ def make_checkpointer(config: Config, job: Job, world_size: int) -> Checkpointer
 def _worker_entry(
     rank: int,
     config: Config,
-    job_bytes: bytes,
     store_port: int,
     channels: tuple[Any, Any, Any, Any, ProgressBoard],
     parent_pid: int,
@@ -190,7 +189,7 @@ def _worker_entry(
         dist.init_process_group(
             config.resolved_backend(), store=store, rank=rank, world_size=world, timeout=_timeout(config)
         )
-        job: Job = pickle.loads(job_bytes)
+        job: Job = pickle.loads(_get(command_queue, parent_pid))
         model = job.model.to(device)
         hooks = _SpawnedHooks(board, rank, stop, make_checkpointer(config, job, world))
         replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world, hooks=hooks)
@@ -247,7 +246,9 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         # Plain pickle copies tensors by value. Handed to Process() as objects, they would go
         # through torch's reducers instead, which move the user's model into shared memory that
-        # every worker then trains in place, all at once.
+        # every worker then trains in place, all at once. And the job goes through the command
+        # queue, not Process(): a spawn writes its arguments into a pipe, and a large write
+        # blocks for ever when the child dies while starting (a script without a main guard).
         job_bytes = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         # The main process serves the rendezvous store: port 0 lets the OS choose a free port,
         # so pools running side by side (tests, several trainers) never collide.
@@ -267,7 +268,6 @@ class WorkerPool:
                 args=(
                     rank,
                     config,
-                    job_bytes,
                     self._store.port,
                     (self.data_queues[rank % len(self.data_queues)], self._commands[rank], self._results, self._stop, self._board),
                     os.getpid(),
@@ -278,7 +278,8 @@ class WorkerPool:
             for rank in range(n)
         ]
         try:
-            for p in self._processes:
+            for p, q in zip(self._processes, self._commands):
+                q.put(job_bytes)
                 p.start()
             ready: set[int] = set()
             deadline = time.monotonic() + _START_TIMEOUT_S
@@ -436,4 +437,10 @@ def _exit_message(exitcode: int, stage: str) -> str:
         except ValueError:
             name = f"signal {-exitcode}"
         return f"the process was killed by {name} while {stage} (out of memory?)"
-    return f"the process exited with code {exitcode} while {stage}"
+    hint = (
+        "; its own error is on stderr above. A script that trains must guard its entry point with "
+        "`if __name__ == '__main__':`, because each worker imports the main module"
+        if stage == "starting"
+        else ""
+    )
+    return f"the process exited with code {exitcode} while {stage}{hint}"

@@ -318,3 +318,16 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monke
     monkeypatch.undo()
     assert torch.load(tmp_path / FILENAME, weights_only=False)["good"] is True
     assert [p.name for p in tmp_path.iterdir()] == [FILENAME]  # no temporary file left
+
+
+def test_script_without_main_guard_fails_fast_with_the_fix(tmp_path: Path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import torch\n"
+        "from parallelwrapper import ParallelWrapper\n"
+        "w = ParallelWrapper.builder(torch.nn.Linear(4, 2)).workers(2).build()\n"
+        "w.fit([(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 4)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "WorkerError" in result.stderr and "if __name__ == '__main__':" in result.stderr
