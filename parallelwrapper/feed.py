@@ -1,8 +1,8 @@
 """The feed: one thread reads the user's iterable ahead into a bounded queue that workers pull from.
 
 Shared mode (default): one queue of `prefetch_buffer` batches; whichever worker is free first
-takes the next batch, so a slow worker never holds the others up. The end of an epoch is one
-sentinel per worker; a worker that takes its sentinel stops pulling until the epoch's last
+takes the next batch, so a slow worker never holds the others up. Batches travel through
+shared-memory slots (slots.py). The end of an epoch is one sentinel per worker; a worker that takes its sentinel stops pulling until the epoch's last
 averaging, so it can never take a batch of the next epoch (the feeder puts those after all N
 sentinels, and the queue is FIFO).
 
@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from .slots import SlotReader, SlotWriter
 from .worker import END, EndOfEpoch
 
 Batches = Iterable[Any] | Callable[[], Iterable[Any]]
@@ -62,11 +63,18 @@ class Feeder:
     resuming). Indices keep counting from 0, so the deterministic deal is the same as it was."""
 
     def __init__(
-        self, data: Batches, first_epoch: int, until_epoch: int, skip: int, queues: Sequence[Any], workers: int
+        self,
+        data: Batches,
+        first_epoch: int,
+        until_epoch: int,
+        skip: int,
+        queues: Sequence[Any],
+        workers: int,
+        slots: SlotWriter,
     ) -> None:
         self._make_epoch = epoch_iterable(data)
         self._first_epoch, self._until_epoch, self._skip = first_epoch, until_epoch, skip
-        self._queues, self._workers = list(queues), workers
+        self._queues, self._workers, self._slots = list(queues), workers, slots
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="parallelwrapper-feeder", daemon=True)
@@ -98,8 +106,8 @@ class Feeder:
                         count += 1
                         if index < skip:
                             continue
-                        q = self._queues[index % len(self._queues)]
-                        if not self._put(q, (index, batch)):
+                        packed = self._slots.pack(batch, self._stop)
+                        if packed is None or not self._put(self._queues[index % len(self._queues)], (index, packed)):
                             return
                 except Exception as e:
                     raise FeedError(f"the training data raised in epoch {epoch} after {count} batches: {e!r}") from e
@@ -122,8 +130,8 @@ class QueueSource:
     """A worker's view of its queue. Gives up if the parent process is gone, so that a worker
     never outlives the trainer that spawned it."""
 
-    def __init__(self, q: Any, parent_pid: int) -> None:
-        self._queue, self._parent_pid = q, parent_pid
+    def __init__(self, q: Any, slots: SlotReader, parent_pid: int) -> None:
+        self._queue, self._slots, self._parent_pid = q, slots, parent_pid
 
     def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
         while True:
@@ -133,7 +141,10 @@ class QueueSource:
                 if os.getppid() != self._parent_pid:
                     raise SystemExit("parallelwrapper worker: the main process is gone") from None
                 continue
-            return END if item is _SENTINEL else item
+            if item is _SENTINEL:
+                return END
+            index, packed = item
+            return index, self._slots.unpack(*packed)
 
 
 class ShardSource:

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from .checkpoint import Checkpointer, fingerprint, set_rng_state
 from .config import Config, Job
 from .feed import Feeder, QueueSource
+from .slots import SlotReader, SlotWriter
 from .worker import Counters, EpochReport, Hooks, Phase, Replica, RoundReport, Stopped
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
@@ -172,11 +173,11 @@ def _worker_entry(
     rank: int,
     config: Config,
     store_port: int,
-    channels: tuple[Any, Any, Any, Any, ProgressBoard],
+    channels: tuple[Any, Any, Any, Any, Any, ProgressBoard],
     parent_pid: int,
 ) -> None:
     """A spawned worker: join the group, then run fit commands until told to close."""
-    data_queue, command_queue, result_queue, stop, board = channels
+    data_queue, free_slots, command_queue, result_queue, stop, board = channels
     world = config.workers
     # Ctrl-C in a terminal reaches every process of the group: the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -193,7 +194,7 @@ def _worker_entry(
         model = job.model.to(device)
         hooks = _SpawnedHooks(board, rank, stop, make_checkpointer(config, job, world))
         replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world, hooks=hooks)
-        source = QueueSource(data_queue, parent_pid)
+        source = QueueSource(data_queue, SlotReader(free_slots), parent_pid)
         report: Callable[[Any], None] = lambda r: result_queue.put(("report", rank, r))  # noqa: E731
         result_queue.put(("ready", rank, None))
         while True:
@@ -258,6 +259,8 @@ class WorkerPool:
             self.data_queues = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
         else:
             self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
+        self._free_slots = ctx.Queue()
+        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer)
         self._commands = [ctx.Queue() for _ in range(n)]
         self._results = ctx.Queue()
         self._stop = ctx.Event()
@@ -269,7 +272,14 @@ class WorkerPool:
                     rank,
                     config,
                     self._store.port,
-                    (self.data_queues[rank % len(self.data_queues)], self._commands[rank], self._results, self._stop, self._board),
+                    (
+                        self.data_queues[rank % len(self.data_queues)],
+                        self._free_slots,
+                        self._commands[rank],
+                        self._results,
+                        self._stop,
+                        self._board,
+                    ),
                     os.getpid(),
                 ),
                 name=f"parallelwrapper-worker-{rank}",
@@ -425,9 +435,10 @@ class WorkerPool:
                 p.kill()
         for p in self._processes:
             p.join(timeout=_JOIN_TIMEOUT_S)
-        for q in [*self.data_queues, *self._commands, self._results]:
+        for q in [*self.data_queues, self._free_slots, *self._commands, self._results]:
             q.cancel_join_thread()
             q.close()
+        self.slots.close()
 
 
 def _exit_message(exitcode: int, stage: str) -> str:

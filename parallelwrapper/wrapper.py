@@ -159,7 +159,8 @@ class ParallelWrapper:
             if self._pool is None:
                 self._pool = WorkerPool(self.config, self._job)
             c = self.counters
-            feeder = Feeder(data, c.epoch, until_epoch, c.position, self._pool.data_queues, self.config.workers)
+            pool = self._pool
+            feeder = Feeder(data, c.epoch, until_epoch, c.position, pool.data_queues, self.config.workers, pool.slots)
             command = FitCommand(
                 until_epoch, dataclasses.replace(c), _clone(self.model.state_dict()), _clone(self.optimizer.state_dict()), rng
             )
