@@ -1,0 +1,118 @@
+"""What the benchmarks share: the MNIST workload, process groups for the peers, timing, output.
+
+Every benchmark measures its contenders one after another in the same run, on the same data,
+and reports ratios; the JSON it writes holds every figure the printed table shows.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import queue
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from parallelwrapper.data import load_mnist
+from parallelwrapper.models import LeNet
+
+BATCH = 128
+LR, MOMENTUM = 0.02, 0.9  # Nesterov SGD; 0.04 (pw-fit's default) spikes to NaN at k = 1 from this seed
+DEFAULT_DATA_DIR = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist")
+
+
+def mnist_batches(data_dir: str, split: str = "train", batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return load_mnist(data_dir, split, download=False).batches(batch, shuffle=split == "train", seed=0)
+
+
+def lenet() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LeNet()
+
+
+def nesterov(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int | None, results: Any, args: tuple[Any, ...]) -> None:
+    try:
+        torch.set_num_threads(1)
+        if port is not None:
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        results.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the caller
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_processes(fn: Callable[..., Any], world: int, *args: Any, group: bool = True, timeout: float = 900) -> list[Any]:
+    """fn(rank, world, *args) in `world` spawned single-thread processes, in a gloo group when
+    `group`; returns their (picklable, tensor-free) results by rank."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if group else None
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, store.port if store else None, results, args), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"benchmark processes failed or timed out; results from {sorted(out)}") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+def write_results(path: str | Path, payload: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table, floats to three significant figures."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

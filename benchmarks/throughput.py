@@ -1,0 +1,142 @@
+"""Throughput of LeNet on MNIST (batch 128) with N workers on this machine, against the peers.
+
+    python benchmarks/throughput.py --workers 2 --steps 200
+
+Contenders, one after another in this run, each worker training `steps` batches of its own:
+  ceiling      N independent single-thread processes, no communication at all
+  ddp          DistributedDataParallel, N processes, gloo
+  pma k        PyTorch's PeriodicModelAverager (local SGD, parameters only), period k
+  wrapper k    this project, AVERAGING every k iterations (parameters and optimizer state)
+  threads      one process with N threads on the same batches
+Steady state counts the samples after each worker's first `warmup` steps; end to end is the wall
+time from launch to the last process's exit, start-up included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel
+
+from common import DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, nesterov, run_processes, table, write_results
+from parallelwrapper import ParallelWrapper, Score
+
+
+def _peer(rank: int, world: int, kind: str, k: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
+    batches = mnist_batches(data_dir)[rank::world][:steps]
+    model = lenet()
+    optimizer = nesterov(model)
+    net: nn.Module = DistributedDataParallel(model) if kind == "ddp" else model
+    averager = PeriodicModelAverager(period=k, warmup_steps=0) if kind == "pma" else None
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.monotonic()
+    samples = 0
+    for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            start, samples = time.monotonic(), 0
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        optimizer.step()
+        if averager is not None:
+            averager.average_parameters(model.parameters())
+        samples += len(y)
+    return {"start": start, "end": time.monotonic(), "samples": samples}
+
+
+def _threads(rank: int, world: int, threads: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    return _peer(0, 1, "alone", 1, steps * threads, warmup * threads, data_dir)
+
+
+def peers(kind: str, world: int, k: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
+    wall = time.monotonic()
+    if kind == "threads":
+        parts = run_processes(_threads, 1, world, steps, warmup, data_dir, group=False)
+    else:
+        parts = run_processes(_peer, world, kind, k, steps, warmup, data_dir, group=kind != "ceiling")
+    wall = time.monotonic() - wall
+    if kind in ("ceiling", "threads"):  # independent processes: each at its own pace
+        rate = sum(p["samples"] / (p["end"] - p["start"]) for p in parts)
+    else:
+        rate = sum(p["samples"] for p in parts) / (max(p["end"] for p in parts) - min(p["start"] for p in parts))
+    return {"samples_per_s": rate, "wall_s": wall}
+
+
+def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
+    batches = mnist_batches(data_dir)[: world * steps]
+    scores: list[Score] = []
+    wall = time.monotonic()
+    w = (
+        ParallelWrapper.builder(lenet())
+        .optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM, nesterov=True)
+        .workers(world)
+        .threads_per_worker(1)
+        .averaging_frequency(k)
+        .listeners(scores.append)
+        .build()
+    )
+    with w:
+        w.fit(batches)
+    wall = time.monotonic() - wall
+    first = next(s for s in scores if s.iteration >= warmup * world)
+    last = scores[-1]
+    return {"samples_per_s": (last.samples - first.samples) / (last.seconds - first.seconds), "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200, help="batches per worker")
+    parser.add_argument("--warmup", type=int, default=20, help="batches per worker not timed")
+    parser.add_argument("--frequencies", default="1,3,10")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over all contenders; the median is reported")
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--out", default="benchmarks/results/throughput.json")
+    args = parser.parse_args()
+    n, steps, warmup = args.workers, args.steps, args.warmup
+    frequencies = [int(f) for f in args.frequencies.split(",")]
+
+    contenders: dict[str, Callable[[], dict[str, float]]] = {
+        "ceiling": lambda: peers("ceiling", n, 1, steps, warmup, args.data_dir),
+        "ddp": lambda: peers("ddp", n, 1, steps, warmup, args.data_dir),
+        "threads": lambda: peers("threads", n, 1, steps, warmup, args.data_dir),
+    }
+    for k in frequencies:
+        contenders[f"pma k={k}"] = functools.partial(peers, "pma", n, k, steps, warmup, args.data_dir)
+        contenders[f"wrapper k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir)
+    # Interleaved rounds: the machine's drift over minutes touches every contender alike.
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+    for r in range(args.repeats):
+        for name, run in contenders.items():
+            samples[name].append(run())
+        print(f"round {r + 1}/{args.repeats} done", flush=True)
+    runs = {
+        name: {
+            "samples_per_s": statistics.median(x["samples_per_s"] for x in xs),
+            "wall_s": statistics.median(x["wall_s"] for x in xs),
+            "all_samples_per_s": [x["samples_per_s"] for x in xs],
+        }
+        for name, xs in samples.items()
+    }
+    ceiling, ddp = runs["ceiling"]["samples_per_s"], runs["ddp"]["samples_per_s"]
+    for r in runs.values():
+        r["vs_ceiling"] = r["samples_per_s"] / ceiling
+        r["vs_ddp"] = r["samples_per_s"] / ddp
+    rows = [(name, r["samples_per_s"], r["vs_ceiling"], r["vs_ddp"], r["wall_s"]) for name, r in runs.items()]
+    print(f"LeNet, MNIST, batch 128, {n} workers, {steps} batches each ({warmup} warm-up), median of {args.repeats}")
+    print(table(["run", "steady samples/s", "/ ceiling", "/ DDP", "end to end s"], rows))
+    write_results(args.out, {"workers": n, "steps": steps, "warmup": warmup, "repeats": args.repeats, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
