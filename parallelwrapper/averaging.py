@@ -120,9 +120,10 @@ class FlatAverager:
                 flat.zero_()
             else:
                 for t, view in pairs:
-                    view.copy_(t)
-                if share != 1.0:
-                    flat.mul_(share)
+                    if t.dtype == view.dtype and t.device == view.device:
+                        torch.mul(t, share, out=view)  # copy and scale in one pass over memory
+                    else:  # widened (fp16, integers) or moved: scale in the buffer's precision
+                        view.copy_(t).mul_(share)
             dist.all_reduce(flat, group=group)
             for t, view in pairs:
                 t.copy_(view if t.is_floating_point() else view.round())
