@@ -131,7 +131,7 @@ class FlatAverager:
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's tensor state in a deterministic order: param order, then key order."""
-    out = []
+    out: list[torch.Tensor] = []
     for p in _params(optimizer):
         state = optimizer.state.get(p, {})
         out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))

@@ -295,7 +295,7 @@ def _enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
     try:
         return cls(value)
     except ValueError:
-        choices = [m.value for m in cls]  # type: ignore[attr-defined]
+        choices = [m.value for m in cls]
         raise ValueError(f"{name} must be one of {choices} or a {cls.__name__}, got {value!r}") from None
 
 

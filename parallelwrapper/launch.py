@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 import torch.multiprocessing as mp
 
 from .checkpoint import Checkpointer, fingerprint, set_rng_state
@@ -186,7 +187,7 @@ def _worker_entry(
         _setup_device(device)
         torch.set_num_threads(threads_per_worker(config, world))
         torch.manual_seed(config.seed + rank)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=_timeout(config))
+        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=_timeout(config))
         dist.init_process_group(
             config.resolved_backend(), store=store, rank=rank, world_size=world, timeout=_timeout(config)
         )
@@ -253,7 +254,7 @@ class WorkerPool:
         job_bytes = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         # The main process serves the rendezvous store: port 0 lets the OS choose a free port,
         # so pools running side by side (tests, several trainers) never collide.
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_timeout(config))
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_timeout(config))
         if config.deterministic:
             per_worker = max(1, config.prefetch_buffer // n)
             self.data_queues = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
@@ -362,9 +363,10 @@ class WorkerPool:
             self._raise_if_dead(stage)
             self._raise_if_stalled()
             return None
-        if message[0] == "error":
-            self._raise_error(message[1], message[2])
-        return message
+        kind, rank, payload = message
+        if kind == "error":
+            self._raise_error(rank, payload)
+        return kind, rank, payload
 
     def _raise_if_dead(self, stage: str) -> None:
         for rank, p in enumerate(self._processes):

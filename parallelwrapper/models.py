@@ -47,7 +47,8 @@ class LeNet(nn.Module):
         x = self.pool(self.conv2(x))  # (B, 50, 8, 8) -> (B, 50, 4, 4)
         x = x.flatten(1)  # (B, 800)
         x = F.relu(self.fc1(x))  # (B, 500)
-        return self.fc2(x)  # (B, 10) logits
+        logits: torch.Tensor = self.fc2(x)  # (B, 10)
+        return logits
 
 
 class MLP(nn.Module):
@@ -63,7 +64,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 1, 28, 28)
         x = F.relu(self.fc1(x.flatten(1)))  # (B, 784) -> (B, hidden)
-        return self.fc2(x)  # (B, 10) logits
+        logits: torch.Tensor = self.fc2(x)  # (B, 10)
+        return logits
 
 
 MODEL_NAMES: tuple[str, ...] = ("lenet", "mlp")

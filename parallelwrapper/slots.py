@@ -99,7 +99,9 @@ class SlotWriter:
                 # numpy's copy runs on this thread: torch's would wake its thread pool, whose
                 # spinning threads take CPU from the workers on a small machine.
                 source = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                segment.buf[offset : offset + nbytes] = source.data
+                buf = segment.buf
+                assert buf is not None  # open until close()
+                buf[offset : offset + nbytes] = source.data
             offset += _aligned(nbytes)
         return slot, segment.name, skeleton
 

@@ -230,7 +230,7 @@ class Replica:
             loss = self.loss(batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TrainingError(f"the loss must be a scalar tensor, got {describe(loss)}")
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
         except Exception as e:
             raise TrainingError(
                 f"worker {self.rank} failed on batch {index} of epoch {epoch} {describe(batch)} "
@@ -301,7 +301,8 @@ class Replica:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self._payload = FlatAverager([p.grad for p in params] + list(self.model.buffers()), self.device)
+            grads = [p.grad for p in params if p.grad is not None]  # all of them, just allocated
+            self._payload = FlatAverager(grads + list(self.model.buffers()), self.device)
         return self._payload
 
     def _apply(self, totals: RoundTotals, share: float) -> None:
