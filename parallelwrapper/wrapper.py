@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .config import Builder, Config, Job
-from .feed import Batches, Feeder, ShardSource, check_epochs
+from .feed import Batches, Feeder, ShardSource, check_epochs, epoch_iterable
 from .launch import FitCommand, WorkerError, WorkerPool, join_torchrun, make_checkpointer, torchrun_env
 from .listeners import EpochEnd, History, Score, notify
-from .worker import Counters, EpochReport, Hooks, Replica, RoundReport
+from .worker import Counters, EpochReport, Hooks, Replica, RoundReport, to_cpu
 
 
 class ParallelWrapper:
@@ -31,7 +31,7 @@ class ParallelWrapper:
         self.config = config
         self.model = job.model
         self.optimizer = job.make_optimizer(job.model)  # holds the averaged optimizer state
-        self._job = Job(job.model, job.optimizer_cls, job.optimizer_kwargs, job.loss_fn, job.training_step)
+        self._job = job
         self._listeners = listeners
         self._pool: WorkerPool | None = None
         self._replica: Replica | None = None  # torchrun: this process is a worker
@@ -161,8 +161,10 @@ class ParallelWrapper:
             c = self.counters
             pool = self._pool
             feeder = Feeder(data, c.epoch, until_epoch, c.position, pool.data_queues, self.config.workers, pool.slots)
+            # Copies: sending a tensor moves its storage into shared memory, and the user's own
+            # model must not be changed under them.
             command = FitCommand(
-                until_epoch, dataclasses.replace(c), _clone(self.model.state_dict()), _clone(self.optimizer.state_dict()), rng
+                until_epoch, dataclasses.replace(c), to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict()), rng
             )
             model_state, optimizer_state = self._pool.fit(command, feeder, on_report)
         except BaseException:
@@ -198,8 +200,6 @@ class ParallelWrapper:
     def evaluate(self, data: Batches, *, device: str | torch.device = "cpu") -> dict[str, float]:
         """Mean loss and accuracy of the averaged model over `(inputs, targets)` batches, in this
         process. Accuracy is the share of argmax(outputs) == targets."""
-        from .feed import epoch_iterable
-
         model = self.model
         was_training = model.training
         model.eval()
@@ -218,20 +218,6 @@ class ParallelWrapper:
         if count == 0:
             raise ValueError("evaluate() got no batches")
         return {"loss": loss_sum / count, "accuracy": correct / count, "samples": float(count)}
-
-
-def _clone(state: dict[str, Any]) -> dict[str, Any]:
-    """Copies of the state's tensors: sending a tensor to a worker moves its storage to shared
-    memory, and the user's own model must not be changed under them."""
-    out: dict[str, Any] = {}
-    for k, v in state.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = v.detach().clone()
-        elif isinstance(v, dict):
-            out[k] = _clone(v)
-        else:
-            out[k] = v
-    return out
 
 
 __all__ = ["ParallelWrapper", "WorkerError"]
