@@ -20,6 +20,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from torch.utils.data.distributed import DistributedSampler
+
 from .slots import SlotReader, SlotWriter
 from .worker import END, EndOfEpoch
 
@@ -151,22 +153,30 @@ class ShardSource:
     """torchrun: this rank's batches of each epoch, index ≡ rank (mod world_size).
 
     Every rank iterates the same data (same order: seed any shuffling the same on every rank)
-    and keeps its own shard, so no data is sent between machines.
+    and keeps its own shard, so no data is sent between machines. A DataLoader whose sampler is
+    a DistributedSampler is sharded already: all its batches are this rank's, and its sampler
+    is told the epoch (`set_epoch`) so that shuffling differs between epochs.
     """
 
-    def __init__(self, data: Batches, rank: int, world_size: int, skip: int = 0) -> None:
+    def __init__(self, data: Batches, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
         self._make_epoch = epoch_iterable(data)
-        self._rank, self._world, self._skip = rank, world_size, skip
+        self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
+        sampler = getattr(data, "sampler", None)
+        self._sampler = sampler if isinstance(sampler, DistributedSampler) else None
         self._it: Iterator[tuple[int, Any]] | None = None
+
+    def _mine(self, index: int) -> bool:
+        return self._sampler is not None or index % self._world == self._rank
 
     def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
         if self._it is None:
+            if self._sampler is not None:
+                self._sampler.set_epoch(self._epoch)
             skip, self._skip = self._skip, 0  # only the first epoch resumes mid-way
-            self._it = (
-                (i, b) for i, b in enumerate(self._make_epoch()) if i >= skip and i % self._world == self._rank
-            )
+            self._it = ((i, b) for i, b in enumerate(self._make_epoch()) if i >= skip and self._mine(i))
         item = next(self._it, None)
         if item is None:
             self._it = None  # the next call starts the next epoch
+            self._epoch += 1
             return END
         return item

@@ -188,7 +188,7 @@ class ParallelWrapper:
         replica.counters = dataclasses.replace(self.counters)
         if rng is not None:
             checkpoint.set_rng_state(rng[replica.rank])
-        source = ShardSource(data, replica.rank, replica.world_size, skip=self.counters.position)
+        source = ShardSource(data, replica.rank, replica.world_size, self.counters.epoch, self.counters.position)
         replica.fit(until_epoch, source, on_report if self.is_main else self._keep_counters)
         self.counters = dataclasses.replace(replica.counters)
 

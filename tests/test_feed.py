@@ -1,0 +1,41 @@
+"""The torchrun shard: rank-strided batches, resumed positions, and DataLoaders that a
+DistributedSampler shards already."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from parallelwrapper.feed import ShardSource
+from parallelwrapper.worker import EndOfEpoch
+
+
+def drain(source: ShardSource) -> list[Any]:
+    out = []
+    while not isinstance(item := source.next_batch(), EndOfEpoch):
+        out.append(item)
+    return out
+
+
+def test_rank_strided_shard_and_resumed_position() -> None:
+    data = list(range(7))
+    assert [i for i, _ in drain(ShardSource(data, 1, 2))] == [1, 3, 5]
+    source = ShardSource(data, 0, 2, skip=3)
+    assert [i for i, _ in drain(source)] == [4, 6]  # the first epoch resumes after batch 2
+    assert [i for i, _ in drain(source)] == [0, 2, 4, 6]  # the next is whole
+
+
+def test_distributed_sampler_is_not_sharded_twice_and_gets_the_epoch() -> None:
+    dataset = TensorDataset(torch.arange(20))
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    source = ShardSource(loader, 1, 2, epoch=3)
+    first = [int(v) for _, (b,) in drain(source) for v in b]
+    second = [int(v) for _, (b,) in drain(source) for v in b]
+    assert len(first) == len(second) == 10  # all of this rank's half, not a quarter
+    sampler.set_epoch(3)
+    assert first == [int(i) for i in sampler]  # the epoch was passed on
+    assert first != second
