@@ -1,0 +1,238 @@
+"""Two machines on a slow link: time to a test accuracy for DDP, PeriodicModelAverager and this project.
+
+    sudo python benchmarks/slow_link.py                       # all contenders, 100 Mbit/s, 98%
+    sudo python benchmarks/slow_link.py --contenders ddp,wrapper:16 --target 0.90 --max-epochs 1
+
+The two "machines" are two network namespaces joined by a veth pair whose ends are both shaped
+with `tc ... tbf` to `--rate`; each runs one torchrun agent (`--nnodes 2`, one process each), as
+two real machines would, so every byte between the ranks crosses the shaped link. For each
+contender (see slow_link_worker.py) rank 0 scores the model every few steps off the clock; the
+table gives the training seconds and samples until the first score >= `--target`, and the
+speed-up over DDP in the same run. The namespaces are removed at the end, on error and on Ctrl-C.
+Needs root and `ip netns` (iproute2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common import DEFAULT_DATA_DIR, table, write_results
+
+WORKER = Path(__file__).resolve().with_name("slow_link_worker.py")
+ADDRESSES = ("10.213.37.1", "10.213.37.2")  # a private /30 that exists only inside the two namespaces
+
+
+@dataclass(frozen=True)
+class Link:
+    """Two namespaces, one veth end in each: `names[r]`, `devices[r]`, `addresses[r]` for rank r."""
+
+    names: tuple[str, str]
+    devices: tuple[str, str]
+    addresses: tuple[str, str]
+
+
+def _run(*argv: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+
+
+def check_privileges() -> str | None:
+    """Why this machine cannot run the benchmark, or None."""
+    if os.geteuid() != 0:
+        return "it must run as root (network namespaces and tc need CAP_NET_ADMIN and CAP_SYS_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is missing: install iproute2 (apt-get install iproute2)"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "`ip netns list` fails here: this ip has no network-namespace support"
+    return None
+
+
+@contextmanager
+def slow_link(rate: str) -> Iterator[Link]:
+    """Two fresh namespaces joined by a veth pair shaped to `rate` in both directions; removed on exit."""
+    tag = f"pwbench-{os.getpid()}"
+    # Interface names have at most 15 characters.
+    link = Link((f"{tag}-0", f"{tag}-1"), (f"pwb{os.getpid()}a", f"pwb{os.getpid()}b"), ADDRESSES)
+    try:
+        for ns in link.names:
+            _run("ip", "netns", "add", ns)
+        # Created straight inside the namespaces: the host's own network is never touched.
+        _run("ip", "link", "add", link.devices[0], "netns", link.names[0], "type", "veth", "peer", "name", link.devices[1], "netns", link.names[1])
+        for r, (ns, dev) in enumerate(zip(link.names, link.devices)):
+            _run("ip", "-n", ns, "addr", "add", f"{link.addresses[r]}/30", "dev", dev)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+            # A token bucket on each egress shapes both directions; the 64 KB burst holds one
+            # GSO super-packet, small against the megabytes of an averaging.
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "100ms")
+        yield link
+    finally:
+        for ns in link.names:
+            _remove_namespace(ns)
+
+
+def _remove_namespace(ns: str) -> None:
+    """Kill what is left in it (only our torchrun processes can be there), then delete it; the
+    veth pair goes with it."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, name: str, timeout: float) -> None:
+    """One torchrun agent per namespace, as on two machines; raises with the logs' tails on failure."""
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [log_dir / f"{name}.rank{r}.log" for r in range(2)]
+    try:
+        for r in range(2):
+            command = [
+                "ip", "netns", "exec", link.names[r],
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
+                "--master-addr", link.addresses[0], "--master-port", str(port),
+                str(WORKER), *worker_args,
+            ]  # fmt: skip
+            # Gloo would otherwise pick the address of the host name, which the namespace lacks.
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": link.devices[r], "OMP_NUM_THREADS": "1"}
+            with logs[r].open("wb") as log:
+                # A session of its own: a Ctrl-C here reaches the driver, which stops them in order.
+                procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            _stop(p)
+    if any(p.returncode != 0 for p in procs):
+        tails = "\n".join(f"--- rank {r}:\n" + _tail(logs[r]) for r in range(2))
+        raise RuntimeError(f"{name}: the ranks failed or ran past {timeout:.0f} s (exit codes {[p.returncode for p in procs]})\n{tails}")
+
+
+def _stop(p: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the agent's process group (torchrun then stops its worker), SIGKILL if it lingers."""
+    if p.poll() is not None:
+        return
+    os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=15)
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    """The end of the worker's own stderr (torch prefixes it with [rankN]), which holds the cause;
+    torchrun's summary after it does not. The end of the whole log when the worker said nothing."""
+    text = path.read_text(errors="replace").splitlines()
+    own = [line for line in text if line.startswith("[rank")]
+    return "\n".join((own or text)[-lines:])
+
+
+def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
+    """The first point at or above the target (None where never reached), and the pace."""
+    points = result["points"]
+    hit = next((p for p in points if p["accuracy"] >= target), None)
+    last = points[-1]
+    return {
+        "seconds": hit["seconds"] if hit else None,
+        "samples": hit["samples"] if hit else None,
+        "steps_per_rank": hit["steps"] if hit else None,
+        "ms_per_step": 1000 * last["seconds"] / last["steps"],
+        "best_accuracy": max(p["accuracy"] for p in points),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", default="100mbit", help="tc rate of the link, each direction")
+    parser.add_argument("--target", type=float, default=0.98, help="test accuracy to reach")
+    parser.add_argument("--contenders", default="ddp,pma:4,pma:16,wrapper:4,wrapper:16,none")
+    parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between scores (a multiple of every k)")
+    parser.add_argument("--lr", type=float, default=0.04, help="Nesterov SGD, every contender (pw-fit's default)")
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
+    parser.add_argument("--out", default="benchmarks/results/slow_link.json")
+    args = parser.parse_args()
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    for c in contenders:
+        kind, _, k = c.partition(":")
+        if kind not in ("ddp", "pma", "wrapper", "none") or (kind in ("pma", "wrapper")) != k.isdigit():
+            parser.error(f"unknown contender {c!r}: use ddp, none, pma:K or wrapper:K")
+        if k and args.eval_every % int(k):
+            parser.error(f"--eval-every {args.eval_every} is not a multiple of k = {k}: the model would be scored between averagings")
+    problem = check_privileges()
+    if problem is not None:
+        sys.exit(f"slow_link: cannot set up the two namespaces: {problem}")
+    # Ctrl-C and SIGTERM must run the finally blocks that remove the namespaces (SIGINT is
+    # ignored by default in a process started in the background by a script: restore it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    shared = ["--data-dir", args.data_dir, "--max-epochs", str(args.max_epochs), "--target", str(args.target),
+              "--eval-every", str(args.eval_every), "--lr", str(args.lr)]  # fmt: skip
+    runs: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pwbench-") as tmp, slow_link(args.rate) as link:
+        work = Path(tmp)
+        print(f"namespaces {link.names[0]} ({link.addresses[0]}) and {link.names[1]} ({link.addresses[1]}), veth shaped to {args.rate}", flush=True)
+        # A fresh port per run: the previous run's sockets may linger in TIME_WAIT.
+        run_ranks(link, 29400, ["link", "--out", str(work / "link.json")], work, "link", timeout=300)
+        measured = json.loads((work / "link.json").read_text())
+        print(
+            f"link: 10 MB one way in {measured['one_way_s']:.2f} s = {measured['one_way_mbit_s']:.0f} Mbit/s; "
+            f"all_reduce of 10 MB in {measured['all_reduce_s']:.2f} s",
+            flush=True,
+        )
+        for i, name in enumerate(contenders):
+            kind, _, k = name.partition(":")
+            out = work / f"{kind}{k}.json"
+            wall = time.monotonic()
+            run_ranks(link, 29401 + i, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout)
+            result = json.loads(out.read_text())
+            runs[name] = {**time_to_target(result, args.target), "wall_seconds": time.monotonic() - wall, "result": result}
+            r = runs[name]
+            reached = f"{r['seconds']:.1f} s" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
+            print(f"{name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {r['wall_seconds']:.0f} s", flush=True)
+
+    ddp = runs.get("ddp", {}).get("seconds")
+    for r in runs.values():
+        r["vs_ddp"] = ddp / r["seconds"] if ddp and r["seconds"] else None
+    rows = [
+        (name, _or_dash(r["seconds"]), _or_dash(r["samples"]), _or_dash(r["steps_per_rank"]), r["ms_per_step"], _or_dash(r["vs_ddp"]), r["best_accuracy"])
+        for name, r in runs.items()
+    ]
+    print(f"\nLeNet, MNIST, 2 ranks in 2 namespaces over a {args.rate} veth, lr {args.lr}, scored every {args.eval_every} steps per rank")
+    print(table(["contender", f"s to {args.target:.0%}", "samples", "steps/rank", "ms/step", "speed-up vs DDP", "best acc"], rows))
+    print(f"total wall time {time.monotonic() - started:.0f} s")
+    write_results(args.out, {"rate": args.rate, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
+                             "max_epochs": args.max_epochs, "link": measured, "runs": runs})  # fmt: skip
+
+
+def _or_dash(value: float | int | None) -> float | int | str:
+    return "-" if value is None else value
+
+
+if __name__ == "__main__":
+    main()

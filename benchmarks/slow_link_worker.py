@@ -1,0 +1,194 @@
+"""One rank of benchmarks/slow_link.py: train LeNet on MNIST under torchrun until a test accuracy.
+
+    torchrun --nnodes 2 --node-rank R ... benchmarks/slow_link_worker.py CONTENDER [K] --out points.json
+
+Contenders (every one trains the same model from the same init on the same batches):
+  ddp          DistributedDataParallel (gloo): gradients all-reduced every step
+  pma K        PyTorch's PeriodicModelAverager: local SGD, parameters averaged every K steps
+  wrapper K    this project under torchrun, AVERAGING every K steps (parameters and momentum)
+  none         no communication: each rank trains alone on its shard (rank 0's model is scored)
+  link         no training: times a one-way 10 MB send and a 10 MB all_reduce over the link
+
+The training batches are one stream over `--max-epochs` epochs (batch 128, each epoch shuffled by
+seed + epoch, the short last batch dropped so both ranks always have the same count); batch i goes
+to rank i mod 2, which is the wrapper's own torchrun shard. Every `--eval-every` steps per rank
+both ranks stop; rank 0 scores its replica on the 10k test images while rank 1 waits, and that
+pause is kept off the training clock. The eval period is a multiple of K, so the averaging
+contenders are scored right after an averaging. Rank 0 writes the (seconds, samples, accuracy)
+points as JSON to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import itertools
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel
+
+from common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
+from parallelwrapper import ParallelWrapper
+from parallelwrapper.data import load_mnist
+from parallelwrapper.models import LeNet
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
+Trainer = Callable[[list[Batch]], None]  # trains this rank on its share of a chunk of batches
+SEED = 123  # pw-fit's: model init and shuffling
+LINK_BYTES = 10 * 2**20
+
+
+def batch_stream(data_dir: str, epochs: int) -> Iterator[Batch]:
+    """Every full batch of `epochs` epochs, in order; one epoch is in memory at a time."""
+    train = load_mnist(data_dir, "train", download=False)
+    for epoch in range(epochs):
+        for x, y in train.batches(BATCH, shuffle=True, seed=SEED + epoch):
+            if len(y) == BATCH:  # an odd batch out would leave DDP's ranks a step apart
+                yield x, y
+
+
+def chunks(stream: Iterator[Batch], size: int) -> Iterator[list[Batch]]:
+    while chunk := list(itertools.islice(stream, size)):
+        yield chunk
+
+
+def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Callable[[], None], rank: int, world: int) -> Trainer:
+    """The plain loop of ddp, pma and none: this rank's batches (i mod world), one step each."""
+
+    def train(chunk: list[Batch]) -> None:
+        for x, y in chunk[rank::world]:
+            optimizer.zero_grad()
+            F.cross_entropy(net(x), y).backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            after_step()
+
+    return train
+
+
+def make_trainer(kind: str, k: int, model: nn.Module, lr: float, stack: contextlib.ExitStack) -> Trainer:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "wrapper":
+        # Under torchrun fit() runs this process as one worker, trains `model` in place on its
+        # shard and ends with an averaging; it reuses the process group created in main().
+        wrapper = stack.enter_context(
+            ParallelWrapper.builder(model)
+            .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)
+            .averaging_frequency(k)
+            .threads_per_worker(1)  # the two "machines" share this machine's cores
+            .seed(SEED)
+            .build()
+        )
+
+        def fit(chunk: list[Batch]) -> None:
+            wrapper.fit(chunk, epochs=1)
+
+        return fit
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True)
+    if kind == "ddp":
+        return local_sgd(DistributedDataParallel(model), optimizer, lambda: None, rank, world)
+    if kind == "pma":
+        # Its counter starts at 0 and it averages when the counter is a multiple of the period:
+        # warm-up k - 1 makes that after steps k, 2k, ..., like the wrapper, not after step 1.
+        averager = PeriodicModelAverager(period=k, warmup_steps=k - 1)
+        return local_sgd(model, optimizer, lambda: averager.average_parameters(model.parameters()), rank, world)
+    assert kind == "none", kind
+    return local_sgd(model, optimizer, lambda: None, rank, world)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, test: list[Batch]) -> float:
+    model.eval()
+    correct = sum(int((model(x).argmax(dim=1) == y).sum()) for x, y in test)
+    model.train()
+    return correct / sum(len(y) for _, y in test)
+
+
+def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    test = load_mnist(args.data_dir, "test", download=False).batches(1000) if rank == 0 else []
+    torch.manual_seed(SEED)
+    model = LeNet()
+    points: list[dict[str, float]] = []
+    seconds = eval_seconds = 0.0
+    samples = steps = 0
+    with contextlib.ExitStack() as stack:
+        train = make_trainer(args.contender, args.k, model, args.lr, stack)
+        dist.barrier()  # start the clocks together, after the set-up (DDP's broadcast included)
+        wall = time.perf_counter()
+        for chunk in chunks(batch_stream(args.data_dir, args.max_epochs), world * args.eval_every):
+            start = time.perf_counter()
+            train(chunk)
+            dist.barrier()  # the chunk is done when the slower rank is done
+            seconds += time.perf_counter() - start
+            samples += sum(len(y) for _, y in chunk)
+            steps += len(chunk[rank::world])
+            # Off the clock: rank 0 scores its replica while rank 1 waits for the verdict.
+            start = time.perf_counter()
+            verdict = torch.tensor([accuracy(model, test) if rank == 0 else 0.0], dtype=torch.float64)
+            dist.broadcast(verdict, src=0)
+            eval_seconds += time.perf_counter() - start
+            acc = float(verdict.item())
+            points.append({"seconds": seconds, "samples": samples, "steps": steps, "accuracy": acc})
+            if rank == 0:
+                print(f"{args.contender} {args.k}: {steps} steps, {seconds:.1f} s, accuracy {acc:.4f}", flush=True)
+            if acc >= args.target:
+                break
+        wall = time.perf_counter() - wall
+    return {"points": points, "train_seconds": seconds, "eval_seconds": eval_seconds, "wall_seconds": wall}
+
+
+def measure_link() -> dict[str, float]:
+    """A one-way transfer (rank 0 to rank 1) and an all_reduce, both of 10 MB of float32."""
+    payload = torch.ones(LINK_BYTES // 4)  # (2.6M,)
+    dist.all_reduce(torch.ones(1))  # connections up before the clock starts
+    dist.barrier()
+    start = time.perf_counter()
+    if dist.get_rank() == 0:
+        dist.send(payload, dst=1)
+    else:
+        dist.recv(payload, src=0)
+    dist.barrier()
+    one_way = time.perf_counter() - start
+    start = time.perf_counter()
+    dist.all_reduce(payload)
+    all_reduce = time.perf_counter() - start
+    return {"bytes": LINK_BYTES, "one_way_s": one_way, "one_way_mbit_s": LINK_BYTES * 8 / one_way / 1e6, "all_reduce_s": all_reduce}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("contender", choices=["ddp", "pma", "wrapper", "none", "link"])
+    parser.add_argument("k", type=int, nargs="?", default=1, help="averaging period (pma, wrapper)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
+    parser.add_argument("--target", type=float, default=0.98)
+    parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between evaluations")
+    parser.add_argument("--lr", type=float, default=0.04)
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may take")
+    args = parser.parse_args()
+    if args.contender in ("pma", "wrapper") and args.eval_every % args.k:
+        parser.error(f"--eval-every {args.eval_every} must be a multiple of k = {args.k}, to score right after an averaging")
+
+    torch.set_num_threads(1)  # both "machines" share this machine's cores
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        result = measure_link() if args.contender == "link" else train_to_target(args)
+        if dist.get_rank() == 0:
+            args.out.write_text(json.dumps({"contender": args.contender, "k": args.k, "lr": args.lr, **result}, indent=2))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
