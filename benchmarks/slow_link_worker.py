@@ -6,6 +6,7 @@ Contenders (every one trains the same model from the same init on the same batch
   ddp          DistributedDataParallel (gloo): gradients all-reduced every step
   pma K        PyTorch's PeriodicModelAverager: local SGD, parameters averaged every K steps
   wrapper K    this project under torchrun, AVERAGING every K steps (parameters and momentum)
+  wrapper-params K   the same with .average_updaters(False): parameters only, the bytes PMA sends
   none         no communication: each rank trains alone on its shard (rank 0's model is scored)
   link         no training: times a one-way 10 MB send and a 10 MB all_reduce over the link
 
@@ -77,13 +78,14 @@ def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Call
 
 def make_trainer(kind: str, k: int, model: nn.Module, lr: float, stack: contextlib.ExitStack) -> Trainer:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if kind == "wrapper":
+    if kind in ("wrapper", "wrapper-params"):
         # Under torchrun fit() runs this process as one worker, trains `model` in place on its
         # shard and ends with an averaging; it reuses the process group created in main().
         wrapper = stack.enter_context(
             ParallelWrapper.builder(model)
             .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)
             .averaging_frequency(k)
+            .average_updaters(kind == "wrapper")  # wrapper-params: parameters only, as PMA sends
             .threads_per_worker(1)  # the two "machines" share this machine's cores
             .seed(SEED)
             .build()
@@ -167,7 +169,7 @@ def measure_link() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("contender", choices=["ddp", "pma", "wrapper", "none", "link"])
+    parser.add_argument("contender", choices=["ddp", "pma", "wrapper", "wrapper-params", "none", "link"])
     parser.add_argument("k", type=int, nargs="?", default=1, help="averaging period (pma, wrapper)")
     parser.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     parser.add_argument("--target", type=float, default=0.98)
@@ -177,7 +179,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may take")
     args = parser.parse_args()
-    if args.contender in ("pma", "wrapper") and args.eval_every % args.k:
+    if args.contender in ("pma", "wrapper", "wrapper-params") and args.eval_every % args.k:
         parser.error(f"--eval-every {args.eval_every} must be a multiple of k = {args.k}, to score right after an averaging")
 
     torch.set_num_threads(1)  # both "machines" share this machine's cores

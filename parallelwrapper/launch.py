@@ -35,7 +35,7 @@ from .worker import Counters, EpochReport, Hooks, Phase, Replica, RoundReport, S
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
-_POLL_S = 0.05
+_POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment
 _ERROR_GRACE_S = 0.5  # after a first error, how long to wait for the one that caused it
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
 _COLLECTIVE_MARGIN_S = 30.0
