@@ -35,6 +35,7 @@ from .worker import Counters, EpochReport, Hooks, Phase, Replica, RoundReport, S
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
+_REPORT_S = 0.25  # how long rank 0 may hold scores back to send them together
 _POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment
 _ERROR_GRACE_S = 0.5  # after a first error, how long to wait for the one that caused it
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
@@ -196,7 +197,7 @@ def _worker_entry(
         hooks = _SpawnedHooks(board, rank, stop, make_checkpointer(config, job, world))
         replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world, hooks=hooks)
         source = QueueSource(data_queue, SlotReader(free_slots), parent_pid)
-        report: Callable[[Any], None] = lambda r: result_queue.put(("report", rank, r))  # noqa: E731
+        report = _Reports(result_queue, rank)
         result_queue.put(("ready", rank, None))
         while True:
             command: FitCommand | None = _get(command_queue, parent_pid)
@@ -209,6 +210,7 @@ def _worker_entry(
             try:
                 replica.fit(command.until_epoch, source, report if rank == 0 else lambda r: None)
             except Stopped:
+                report.flush()
                 result_queue.put(("stopped", rank, None))
                 continue
             result_queue.put(("done", rank, replica.state_dicts() if rank == 0 else None))
@@ -221,6 +223,28 @@ def _worker_entry(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Reports:
+    """Rank 0's reports, sent in batches at most every `_REPORT_S`: every message wakes the
+    main process, which then takes a core from a worker for a moment (and with few cores, a
+    worker held up holds every worker up at the next averaging). An epoch's end goes at once."""
+
+    def __init__(self, results: Any, rank: int) -> None:
+        self._results, self._rank = results, rank
+        self._pending: list[RoundReport | EpochReport] = []
+        self._last = time.monotonic()
+
+    def __call__(self, report: RoundReport | EpochReport) -> None:
+        self._pending.append(report)
+        if isinstance(report, EpochReport) or time.monotonic() - self._last > _REPORT_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._results.put(("reports", self._rank, self._pending))
+            self._pending = []
+        self._last = time.monotonic()
 
 
 def _get(q: Any, parent_pid: int) -> Any:
@@ -330,8 +354,9 @@ class WorkerPool:
                 if message is None:
                     continue
                 kind, rank, payload = message
-                if kind == "report":
-                    on_report(payload)
+                if kind == "reports":
+                    for report in payload:
+                        on_report(report)
                 elif kind == "done":
                     done.add(rank)
                     final = payload if rank == 0 else final
@@ -350,8 +375,9 @@ class WorkerPool:
             if message is None:
                 continue
             kind, rank, payload = message
-            if kind == "report":
-                on_report(payload)
+            if kind == "reports":
+                for report in payload:
+                    on_report(report)
             elif kind in ("stopped", "done"):
                 stopped.add(rank)
 

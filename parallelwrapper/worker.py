@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -76,6 +77,7 @@ class RoundReport:
     counters: Counters
     score: float  # sample-weighted mean loss over the reported rounds
     skipped: int
+    at: float = dataclasses.field(default_factory=time.monotonic)  # when (system-wide clock)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class EpochReport:
     counters: Counters
     epoch: int
     score: float  # sample-weighted mean loss of the epoch
+    at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 Reporter = Callable[[RoundReport | EpochReport], None]

@@ -123,12 +123,12 @@ class ParallelWrapper:
                     f"asks for no more; pass epochs > {self.counters.epoch} to train on"
                 )
         history = History()
-        start = time.perf_counter()
+        start = time.monotonic()  # reports carry the system-wide monotonic time they were made
         notify(self._listeners, "on_fit_start", self.config, until_epoch - self.counters.epoch)
 
         def on_report(report: RoundReport | EpochReport) -> None:
             self.counters = report.counters
-            c, seconds = report.counters, time.perf_counter() - start
+            c, seconds = report.counters, report.at - start
             if isinstance(report, RoundReport):
                 score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped)
                 history.scores.append(score)
