@@ -345,21 +345,15 @@ class WorkerPool:
                 if feeder.error is not None:
                     raise feeder.error
                 try:
-                    message = self._next("training")
+                    message = self._receive("training", on_report)
                 except KeyboardInterrupt:
                     if self.config.checkpoint_dir is None:
                         raise
                     self._stop_gracefully(on_report)
                     raise
-                if message is None:
-                    continue
-                kind, rank, payload = message
-                if kind == "reports":
-                    for report in payload:
-                        on_report(report)
-                elif kind == "done":
-                    done.add(rank)
-                    final = payload if rank == 0 else final
+                if message is not None and message[0] == "done":
+                    done.add(message[1])
+                    final = message[2] if message[1] == 0 else final
         finally:
             feeder.stop()
         assert final is not None
@@ -371,15 +365,20 @@ class WorkerPool:
         stopped: set[int] = set()
         deadline = time.monotonic() + _STOP_GRACE_S
         while len(stopped) < len(self._processes) and time.monotonic() < deadline:
-            message = self._next("stopping")
-            if message is None:
-                continue
-            kind, rank, payload = message
-            if kind == "reports":
-                for report in payload:
-                    on_report(report)
-            elif kind in ("stopped", "done"):
-                stopped.add(rank)
+            message = self._receive("stopping", on_report)
+            if message is not None and message[0] in ("stopped", "done"):
+                stopped.add(message[1])
+
+    def _receive(
+        self, stage: str, on_report: Callable[[RoundReport | EpochReport], None]
+    ) -> tuple[str, int, Any] | None:
+        """The next message that is not a batch of reports; those go to `on_report` on the way."""
+        message = self._next(stage)
+        if message is None or message[0] != "reports":
+            return message
+        for report in message[2]:
+            on_report(report)
+        return None
 
     def _next(self, stage: str) -> tuple[str, int, Any] | None:
         """The next message, or None after a short poll; raises for errors, deaths and stalls."""
