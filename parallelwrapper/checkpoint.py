@@ -92,8 +92,9 @@ def save(directory: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     return target
 
 
-def load(location: str | os.PathLike[str], expected: dict[str, Any]) -> dict[str, Any]:
-    """Read and check a checkpoint against this run's fingerprint; raise naming every mismatch."""
+def _read(location: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint file and its contents; any missing, unreadable or foreign file is a
+    CheckpointError naming it."""
     path = path_of(location)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: pass the checkpoint directory or its {FILENAME}")
@@ -103,6 +104,12 @@ def load(location: str | os.PathLike[str], expected: dict[str, Any]) -> dict[str
         raise CheckpointError(f"{path} is not a readable checkpoint: {type(e).__name__}: {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a parallelwrapper checkpoint of format {FORMAT}")
+    return path, payload
+
+
+def load(location: str | os.PathLike[str], expected: dict[str, Any]) -> dict[str, Any]:
+    """Read and check a checkpoint against this run's fingerprint; raise naming every mismatch."""
+    path, payload = _read(location)
     found = payload["fingerprint"]
     differences = [
         f"{key}: checkpoint has {_short(found.get(key))}, this run has {_short(value)}"
@@ -118,11 +125,8 @@ def load(location: str | os.PathLike[str], expected: dict[str, Any]) -> dict[str
 
 
 def peek(location: str | os.PathLike[str]) -> dict[str, int]:
-    """The counters of a checkpoint (where a resumed run starts), unchecked."""
-    path = path_of(location)
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: pass the checkpoint directory or its {FILENAME}")
-    counters: dict[str, int] = torch.load(path, map_location="cpu", weights_only=False)["counters"]
+    """The counters of a checkpoint (where a resumed run starts), its fingerprint unchecked."""
+    counters: dict[str, int] = _read(location)[1]["counters"]
     return counters
 
 
