@@ -64,9 +64,9 @@ class Config:
     threads_per_worker: int | None = None  # None: the machine's cores shared out among workers
 
     def __post_init__(self) -> None:
-        _check_int("workers", self.workers, 1, "ParallelWrapper.builder(model).workers(2)")
-        _check_int("prefetch_buffer", self.prefetch_buffer, 1, "a few batches per worker, e.g. .prefetch_buffer(24)")
-        _check_int("averaging_frequency", self.averaging_frequency, 1, "1 averages after every iteration, e.g. .averaging_frequency(3)")
+        check_int("workers", self.workers, 1, "ParallelWrapper.builder(model).workers(2)")
+        check_int("prefetch_buffer", self.prefetch_buffer, 1, "a few batches per worker, e.g. .prefetch_buffer(24)")
+        check_int("averaging_frequency", self.averaging_frequency, 1, "1 averages after every iteration, e.g. .averaging_frequency(3)")
         if not isinstance(self.training_mode, TrainingMode):
             raise ValueError(
                 f"training_mode must be a TrainingMode, got {self.training_mode!r}; "
@@ -80,9 +80,9 @@ class Config:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0 seconds, got {self.stall_timeout_s}")
-        _check_int("checkpoint_every", self.checkpoint_every, 1, "the rounds between checkpoints, e.g. .checkpoint(dir, every=50)")
+        check_int("checkpoint_every", self.checkpoint_every, 1, "the rounds between checkpoints, e.g. .checkpoint(dir, every=50)")
         if self.threads_per_worker is not None:
-            _check_int("threads_per_worker", self.threads_per_worker, 1, "or leave it unset to share the cores out")
+            check_int("threads_per_worker", self.threads_per_worker, 1, "or leave it unset to share the cores out")
         if self.devices is not None:
             if len(self.devices) != self.workers:
                 raise ValueError(
@@ -134,9 +134,10 @@ class Config:
         return bool(cuda) and len({d.index for d in cuda}) < len(cuda)
 
 
-def _check_int(name: str, value: object, minimum: int, hint: str) -> None:
+def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> None:
+    """A ValueError naming the option unless `value` is an int (not a bool) >= `minimum`."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}; {hint}")
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}" + (f"; {hint}" if hint else ""))
 
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]

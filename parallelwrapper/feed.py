@@ -22,6 +22,7 @@ from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
 
+from .config import check_int
 from .slots import SlotReader, SlotWriter
 from .worker import END, EndOfEpoch
 
@@ -44,8 +45,7 @@ def epoch_iterable(data: Batches) -> Callable[[], Iterable[Any]]:
 
 
 def check_epochs(data: Batches, epochs: int) -> None:
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+    check_int("epochs", epochs)
     if isinstance(data, Iterator) and epochs > 1:
         raise ValueError(
             f"fit(epochs={epochs}) got an iterator, which is used up after one epoch; pass a list, "

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from .config import Builder, TrainingMode
+from .config import Builder, TrainingMode, check_int
 from .data.mnist import MnistSplit, load_mnist
 from .listeners import JsonlWriter, ProgressBar, Score
 from .models import MODEL_NAMES, build_model
@@ -86,12 +86,12 @@ class RunOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
             raise ValueError(f"mode must be one of {[m.value for m in TrainingMode]}, got {self.mode!r}")
-        _check_positive("epochs", self.epochs)
-        _check_positive("batch_size", self.batch_size)
-        _check_positive("checkpoint_every", self.checkpoint_every)
+        check_int("epochs", self.epochs)
+        check_int("batch_size", self.batch_size)
+        check_int("checkpoint_every", self.checkpoint_every)
         for name in ("train_samples", "test_samples"):
             if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+                check_int(name, getattr(self, name))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
@@ -115,11 +115,6 @@ class RunOptions:
             gpus = torch.cuda.device_count()
             return tuple(f"cuda:{i % gpus}" for i in range(self.workers))
         return None
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
