@@ -86,9 +86,12 @@ def threads_per_worker(config: Config, local_workers: int) -> int:
     return max(1, cores // local_workers)
 
 
-def _setup_device(device: torch.device) -> None:
+def _prepare_worker(config: Config, device: torch.device, rank: int, local_workers: int) -> None:
+    """A worker's device, threads and RNG, the same whether spawned or under torchrun."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    torch.set_num_threads(threads_per_worker(config, local_workers))
+    torch.manual_seed(config.seed + rank)
 
 
 def _timeout(config: Config) -> datetime.timedelta:
@@ -111,8 +114,7 @@ def join_torchrun(config: Config) -> tuple[TorchrunEnv, torch.device, bool]:
         device = torch.device(f"cuda:{env.local_rank % torch.cuda.device_count()}")
     else:
         device = torch.device("cpu")
-    _setup_device(device)
-    torch.set_num_threads(threads_per_worker(config, env.local_world_size))
+    _prepare_worker(config, device, env.rank, env.local_world_size)
     if dist.is_initialized():
         return env, device, False
     backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -185,9 +187,7 @@ def _worker_entry(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = torch.device(config.resolved_devices()[rank])
-        _setup_device(device)
-        torch.set_num_threads(threads_per_worker(config, world))
-        torch.manual_seed(config.seed + rank)
+        _prepare_worker(config, device, rank, world)
         store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=_timeout(config))
         dist.init_process_group(
             config.resolved_backend(), store=store, rank=rank, world_size=world, timeout=_timeout(config)

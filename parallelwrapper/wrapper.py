@@ -183,7 +183,6 @@ class ParallelWrapper:
             self._replica = Replica(
                 self.model, self.optimizer, self._job, self.config, device, env.rank, env.world_size, hooks=hooks
             )
-            torch.manual_seed(self.config.seed + env.rank)
         replica = self._replica
         replica.counters = dataclasses.replace(self.counters)
         if rng is not None:
