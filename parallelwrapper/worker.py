@@ -336,9 +336,7 @@ class Replica:
         local_work = self._local_steps if self.config.training_mode is TrainingMode.AVERAGING else self._one_gradient
         # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
         report_every = 1 if self.config.training_mode is TrainingMode.AVERAGING else self.config.averaging_frequency
-        window = _Window()
-        epoch_loss = 0.0
-        epoch_samples = 0
+        window, whole = _Window(), _Window()  # since the last report; the whole epoch
         self._finished = False
         while True:
             work = local_work(epoch)
@@ -367,15 +365,14 @@ class Replica:
                 c = self.counters
                 c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
                 c.position += totals.batches
-                epoch_loss += totals.loss_sum
-                epoch_samples += int(totals.samples)
                 window.add(totals)
+                whole.add(totals)
                 if self.config.report_score_after_averaging and (window.rounds == report_every or epoch_done):
                     report(RoundReport(dataclasses.replace(c), window.score, window.skipped))
                     window = _Window()
             if epoch_done:
                 self.counters.epoch, self.counters.position = epoch + 1, 0
-                report(EpochReport(dataclasses.replace(self.counters), epoch, _mean(epoch_loss, epoch_samples)))
+                report(EpochReport(dataclasses.replace(self.counters), epoch, whole.score))
                 self.hooks.checkpoint(self, final=True)
             elif totals.samples > 0 or totals.stop:
                 self.hooks.checkpoint(self, final=totals.stop > 0)
@@ -404,7 +401,7 @@ class Replica:
 
 @dataclass
 class _Window:
-    """Totals of the rounds since the last score report."""
+    """Totals of a run of rounds: since the last score report, or over an epoch."""
 
     rounds: int = 0
     loss_sum: float = 0.0
