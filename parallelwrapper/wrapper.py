@@ -51,10 +51,6 @@ class ParallelWrapper:
     def samples(self) -> int:
         return self.counters.samples
 
-    @property
-    def epochs_done(self) -> int:
-        return self.counters.epoch
-
     @staticmethod
     def builder(model: torch.nn.Module) -> Builder:
         return Builder(model)
