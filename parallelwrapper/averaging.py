@@ -19,6 +19,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,33 +46,44 @@ class RoundTotals:
 
 
 _LAYOUT_BITS = 20  # h and h² of a 20-bit hash sum exactly in float64 for any sane world size
+STALE = 1 << _LAYOUT_BITS  # the layout sent by a worker whose state outgrew the buffers in flight
 
 
-def reduce_header(
+def make_header(
     *,
     samples: int,
     loss_sum: float,
     batches: int,
     finished: bool,
     skipped: bool,
-    layout: int,
+    layout: int | None,
     stop: bool = False,
     device: torch.device,
-    world_size: int,
-    group: ProcessGroup = None,
-) -> RoundTotals:
-    """All-reduce the round's header. `layout` is a hash of the sender's state layout; the layouts
-    agree iff Σh = N·h and Σh² = N·h² on every rank (equality case of Cauchy-Schwarz)."""
-    h = float(layout & ((1 << _LAYOUT_BITS) - 1))
-    header = torch.tensor(
+) -> torch.Tensor:
+    """The round's header, to all-reduce. `layout` is a hash of the sender's state layout, or None
+    when its state no longer matches the buffers it sends (see `read_header`)."""
+    h = float(STALE if layout is None else layout & (STALE - 1))
+    return torch.tensor(
         [samples, loss_sum, batches, float(finished), float(skipped), float(stop), h, h * h],
         dtype=torch.float64,
         device=device,
     )  # (8,)
-    dist.all_reduce(header, group=group)
+
+
+def read_header(header: torch.Tensor, layout: int | None, world_size: int) -> RoundTotals:
+    """The totals of an all-reduced header. The layouts agree iff Σh = N·h and Σh² = N·h² on every
+    rank (equality case of Cauchy-Schwarz) and nobody sent STALE."""
+    h = float(STALE if layout is None else layout & (STALE - 1))
     w, loss, nb, fin, skip, stp, sh, sh2 = header.tolist()
-    agree = sh == world_size * h and sh2 == world_size * h * h
+    agree = layout is not None and sh == world_size * h and sh2 == world_size * h * h
     return RoundTotals(w, loss, round(nb), round(fin), round(skip), round(stp), agree)
+
+
+def reduce_header(*, device: torch.device, world_size: int, group: ProcessGroup = None, **fields: Any) -> RoundTotals:
+    """All-reduce the round's header (the fields of `make_header`) and read the totals."""
+    header = make_header(device=device, **fields)
+    dist.all_reduce(header, group=group)
+    return read_header(header, fields["layout"], world_size)
 
 
 def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -84,6 +96,27 @@ def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64  # integers and bools: exact up to 2**53, rounded back after averaging
 
 
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    """The tensors grouped by the dtype they are reduced in, in order."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(_reduce_dtype(t.dtype), []).append(t)
+    return by_dtype
+
+
+def _views(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One view of `flat` per member, shaped like it, laid end to end."""
+    views, offset = [], 0
+    for t in members:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def _flat(members: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(sum(t.numel() for t in members), dtype=dtype, device=device)  # (Σ numel,)
+
+
 class FlatAverager:
     """Averages a fixed list of tensors in place, one flat buffer and one all-reduce per dtype.
 
@@ -91,17 +124,10 @@ class FlatAverager:
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(_reduce_dtype(t.dtype), []).append(t)
         self._groups: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        for dtype, members in by_dtype.items():
-            flat = torch.empty(sum(t.numel() for t in members), dtype=dtype, device=device)  # (Σ numel,)
-            pairs, offset = [], 0
-            for t in members:
-                pairs.append((t, flat[offset : offset + t.numel()].view(t.shape)))
-                offset += t.numel()
-            self._groups.append((flat, pairs))
+        for dtype, members in _by_dtype(tensors).items():
+            flat = _flat(members, dtype, device)
+            self._groups.append((flat, list(zip(members, _views(flat, members)))))
         self.numel = sum(flat.numel() for flat, _ in self._groups)
         self.nbytes = sum(flat.numel() * flat.element_size() for flat, _ in self._groups)
 
@@ -127,6 +153,62 @@ class FlatAverager:
             dist.all_reduce(flat, group=group)
             for t, view in pairs:
                 t.copy_(view if t.is_floating_point() else view.round())
+
+
+class DeltaAverager:
+    """Averaging in the background, for `Builder.overlap_averaging(True)`.
+
+    `launch(w)` snapshots the tensors and starts an all-reduce of w · snapshot without waiting;
+    the worker trains on; `land(Σw)` waits for it and moves every tensor by (average − snapshot),
+    so the steps taken since the snapshot are kept on top of the average. A worker that took no
+    step since (the end of an epoch, a stop) therefore lands exactly on the average.
+
+    `layout` is the state layout the buffers were built for: until the next synchronous round,
+    every launch sends buffers of this layout, whatever the optimizer has created since.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, layout: int) -> None:
+        self.layout = layout
+        self._groups: list[tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = []
+        for dtype, members in _by_dtype(tensors).items():
+            snapshot, total = _flat(members, dtype, device), _flat(members, dtype, device)
+            self._groups.append((snapshot, total, list(zip(members, _views(snapshot, members), _views(total, members)))))
+        self._in_flight: list[dist.Work] = []
+
+    @torch.no_grad()
+    def launch(self, weight: float, group: ProcessGroup = None) -> None:
+        """Snapshot the tensors and start summing weight · snapshot over the group."""
+        assert not self._in_flight, "land() the previous averaging first"
+        for snapshot, total, members in self._groups:
+            for t, snap, _ in members:
+                snap.copy_(t)
+            if weight == 0.0:
+                total.zero_()  # whatever the snapshot holds (even NaN) contributes nothing
+            else:
+                torch.mul(snapshot, weight, out=total)
+            work = dist.all_reduce(total, group=group, async_op=True)
+            assert work is not None
+            self._in_flight.append(work)
+
+    @torch.no_grad()
+    def land(self, total_weight: float, adopt: bool = False) -> None:
+        """Wait for the sums; move each tensor by (average − snapshot), or, with `adopt` (its own
+        progress is worthless: a non-finite loss), replace it by the average. Σw = 0: no change."""
+        for work in self._in_flight:
+            work.wait()
+        self._in_flight = []
+        if total_weight == 0:
+            return
+        for snapshot, total, members in self._groups:
+            total.div_(total_weight)  # the average
+            if not adopt:
+                total.sub_(snapshot)  # its difference from this worker's snapshot
+            for t, _, change in members:
+                change = change if t.is_floating_point() else change.round()
+                if adopt:
+                    t.copy_(change)
+                else:
+                    t.add_(change.to(t.dtype))
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -38,7 +38,9 @@ from .listeners import describe_config
 
 FILENAME = "checkpoint.pt"
 FORMAT = 1
-_FINGERPRINT_OPTIONS = ("workers", "averaging_frequency", "training_mode", "average_updaters", "deterministic")
+_FINGERPRINT_OPTIONS = (
+    "workers", "averaging_frequency", "training_mode", "average_updaters", "overlap_averaging", "deterministic",
+)  # fmt: skip
 
 
 class CheckpointError(ValueError):
@@ -143,8 +145,12 @@ class Checkpointer:
         self.directory, self.every, self.fingerprint = directory, every, fingerprint
         self.config = describe_config(config)
 
+    def due(self, rounds: int) -> bool:
+        """Whether a periodic checkpoint falls at the end of round number `rounds`."""
+        return rounds % self.every == 0
+
     def __call__(self, replica: Any, final: bool) -> None:
-        if not final and replica.counters.rounds % self.every:
+        if not final and not self.due(replica.counters.rounds):
             return
         states: list[Any] = [None] * replica.world_size
         dist.all_gather_object(states, rng_state(), group=replica.group)

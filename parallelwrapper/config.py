@@ -52,6 +52,7 @@ class Config:
     averaging_frequency: int = 1
     report_score_after_averaging: bool = True
     average_updaters: bool = True
+    overlap_averaging: bool = False  # average in the background during the next round's steps
     training_mode: TrainingMode = TrainingMode.AVERAGING
     deterministic: bool = False
     seed: int = 0
@@ -71,6 +72,11 @@ class Config:
             raise ValueError(
                 f"training_mode must be a TrainingMode, got {self.training_mode!r}; "
                 f"use one of {[m.name for m in TrainingMode]}, e.g. .training_mode(TrainingMode.AVERAGING)"
+            )
+        if self.overlap_averaging and self.training_mode is TrainingMode.SHARED_GRADIENTS:
+            raise ValueError(
+                "overlap_averaging applies to TrainingMode.AVERAGING only: with SHARED_GRADIENTS every step "
+                "needs the averaged gradients before it can be taken; drop .overlap_averaging(True)"
             )
         if not isinstance(self.nan_policy, NanPolicy):
             raise ValueError(f"nan_policy must be one of {[p.value for p in NanPolicy]}, got {self.nan_policy!r}")
@@ -221,6 +227,13 @@ class Builder:
     def average_updaters(self, flag: bool) -> Builder:
         """Average optimizer state (momentum, Adam moments, step) with the parameters. Default: True."""
         return self._set("average_updaters", bool(flag))
+
+    def overlap_averaging(self, flag: bool = True) -> Builder:
+        """Run each averaging in the background while the workers take the next round's steps,
+        then add each worker's steps since to the average: no worker waits for a slower one or
+        for the network, and the model a worker trains on is one round behind the average.
+        Replicas are equal again at every epoch's end, checkpoint and stop. Default: False."""
+        return self._set("overlap_averaging", bool(flag))
 
     def training_mode(self, mode: TrainingMode | str) -> Builder:
         """TrainingMode.AVERAGING (default) or TrainingMode.SHARED_GRADIENTS."""

@@ -10,6 +10,9 @@ A round, in both modes:
     payload      AVERAGING: params | buffers | optimizer state; SHARED_GRADIENTS: grads | buffers,
                  then the optimizer step every worker takes with the same gradients
     bookkeeping  counters, score report, checkpoint, stop
+
+With overlap_averaging (AVERAGING only), a round's header and payload are sent without waiting
+and land after the next round's steps, which are kept on top of the average (_overlapped_epoch).
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import torch
 import torch.distributed as dist
 
 from .averaging import (
+    DeltaAverager,
     FlatAverager,
     RoundTotals,
     agree_on_optimizer_layout,
+    make_header,
     optimizer_signature,
     optimizer_state_tensors,
+    read_header,
     reduce_header,
     signature_hash,
 )
@@ -91,11 +97,17 @@ class EpochReport:
 Reporter = Callable[[RoundReport | EpochReport], None]
 
 
+class Checkpointing(Protocol):
+    def __call__(self, replica: Replica, final: bool) -> None: ...
+
+    def due(self, rounds: int) -> bool: ...
+
+
 class Hooks:
     """What the loop may ask of its host. The defaults do nothing but checkpoint, when given a
     checkpointer: a torchrun worker, a test."""
 
-    def __init__(self, checkpointer: Callable[[Replica, bool], None] | None = None) -> None:
+    def __init__(self, checkpointer: Checkpointing | None = None) -> None:
         self._checkpointer = checkpointer
 
     def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
@@ -104,6 +116,10 @@ class Hooks:
     def stop_requested(self) -> bool:
         """True when the main process wants training to stop after the current round."""
         return False
+
+    def checkpoint_due(self, rounds: int) -> bool:
+        """Whether a periodic checkpoint falls at the end of round number `rounds`."""
+        return self._checkpointer is not None and self._checkpointer.due(rounds)
 
     def checkpoint(self, replica: Replica, final: bool) -> None:
         """Called on every worker at the same rounds (a collective may run inside); `final`
@@ -192,6 +208,7 @@ class Replica:
         self.counters = Counters()
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
         self._payload: FlatAverager | None = None
+        self._delta: DeltaAverager | None = None  # overlap_averaging's buffers
         self._layout = 0
         self._finished = False
 
@@ -204,7 +221,7 @@ class Replica:
         # it loads when they already have the right device and dtype (Adam's step is increased
         # in place): without a copy, the workers would step one shared counter.
         self.optimizer.load_state_dict(to_cpu(optimizer_state))
-        self._payload = None  # the tensors were replaced
+        self._payload = self._delta = None  # the tensors were replaced
 
     def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and optimizer's state on the CPU, to send to the main process."""
@@ -290,12 +307,16 @@ class Replica:
             self._layout, self._payload = layout, None
         return layout
 
+    def _averaged_tensors(self) -> list[torch.Tensor]:
+        """AVERAGING's state: params | buffers | optimizer state (with average_updaters)."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        if self.config.average_updaters:
+            tensors += optimizer_state_tensors(self.optimizer)
+        return tensors
+
     def _state_payload(self) -> FlatAverager:
         if self._payload is None:
-            tensors = list(self.model.parameters()) + list(self.model.buffers())
-            if self.config.average_updaters:
-                tensors += optimizer_state_tensors(self.optimizer)
-            self._payload = FlatAverager(tensors, self.device)
+            self._payload = FlatAverager(self._averaged_tensors(), self.device)
         return self._payload
 
     def _gradient_payload(self) -> FlatAverager:
@@ -333,53 +354,139 @@ class Replica:
 
     def _epoch(self, report: Reporter) -> None:
         epoch = self.counters.epoch
-        local_work = self._local_steps if self.config.training_mode is TrainingMode.AVERAGING else self._one_gradient
         # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
-        report_every = 1 if self.config.training_mode is TrainingMode.AVERAGING else self.config.averaging_frequency
-        window, whole = _Window(), _Window()  # since the last report; the whole epoch
+        book = _Book(
+            report,
+            every=1 if self.config.training_mode is TrainingMode.AVERAGING else self.config.averaging_frequency,
+            rounds=self.config.report_score_after_averaging,
+        )
         self._finished = False
+        if self.config.overlap_averaging:
+            self._overlapped_epoch(epoch, book)
+            return
+        local_work = self._local_steps if self.config.training_mode is TrainingMode.AVERAGING else self._one_gradient
         while True:
             work = local_work(epoch)
+            if self._synchronous_round(epoch, work, book):
+                return
+
+    def _synchronous_round(self, epoch: int, work: _Work, book: _Book) -> bool:
+        """Header, then the payload, then bookkeeping; True at the epoch's end."""
+        loss_sum, skipped = self._checked_loss(work)
+        self.hooks.progress(Phase.AVERAGING, epoch, -1, self.local_steps)
+        totals = reduce_header(
+            layout=self._layout_hash(), device=self.device, world_size=self.world_size, group=self.group,
+            **self._header_fields(work, loss_sum, skipped),
+        )  # fmt: skip
+        self._check_diverged(totals)
+        if totals.samples > 0:
+            self._apply(totals, 0.0 if skipped else work.samples / totals.samples)
+        epoch_done = self._settle(totals, book)
+        if epoch_done or totals.samples > 0 or totals.stop:
+            self.hooks.checkpoint(self, final=epoch_done or totals.stop > 0)
+        if totals.stop:
+            raise Stopped(f"stopped at round {self.counters.rounds}, as the main process asked")
+        return epoch_done
+
+    def _overlapped_epoch(self, epoch: int, book: _Book) -> None:
+        """Rounds whose averaging runs while the next round's steps are taken.
+
+        Round r's header and payload go out together after r's steps, without waiting; they land
+        (DeltaAverager.land) after round r + 1's steps, and r + 1 goes out. Every worker sends the
+        same collectives in the same order; only when it waits differs. When the totals of a
+        landed round ask for a stop, or a checkpoint falls due, the next round lands at once:
+        nobody steps in between, so every replica lands exactly on the average. The epoch ends
+        the same way: when every worker had finished in the landed round, nobody stepped since.
+        """
+        if self._delta is None:  # every replica holds the same state here: fit() or an epoch starts
+            self._delta = DeltaAverager(self._averaged_tensors(), self.device, self._layout_hash())
+        in_flight: _InFlight | None = None
+        while True:
+            work = self._local_steps(epoch)
             loss_sum, skipped = self._checked_loss(work)
             self.hooks.progress(Phase.AVERAGING, epoch, -1, self.local_steps)
-            totals = reduce_header(
-                samples=0 if skipped else work.samples,
-                loss_sum=0.0 if skipped else loss_sum,
-                batches=len(work.losses),
-                finished=self._finished,
-                skipped=skipped,
-                stop=self.hooks.stop_requested(),
-                layout=self._layout_hash(),
-                device=self.device,
-                world_size=self.world_size,
-                group=self.group,
+            land_now = False
+            if in_flight is not None:
+                totals = self._land(in_flight, skipped)
+                in_flight = None
+                if self._settle(totals, book):
+                    self.hooks.checkpoint(self, final=True)
+                    return
+                land_now = totals.stop > 0 or self.hooks.checkpoint_due(self.counters.rounds + 1)
+            in_flight = self._launch(work, loss_sum, skipped)
+            if land_now:
+                totals = self._land(in_flight, skipped)
+                in_flight = None
+                epoch_done = self._settle(totals, book)
+                self.hooks.checkpoint(self, final=epoch_done or totals.stop > 0)
+                if totals.stop:
+                    raise Stopped(f"stopped at round {self.counters.rounds}, as the main process asked")
+                if epoch_done:
+                    return
+
+    def _launch(self, work: _Work, loss_sum: float, skipped: bool) -> _InFlight:
+        """Send this round's header and payload; do not wait."""
+        assert self._delta is not None
+        layout = self._layout_hash()
+        sent = layout if layout == self._delta.layout else None  # None: grew since; everyone will know
+        header = make_header(layout=sent, device=self.device, **self._header_fields(work, loss_sum, skipped))
+        header_work = dist.all_reduce(header, group=self.group, async_op=True)
+        assert header_work is not None
+        weight = 0.0 if skipped else float(work.samples)
+        self._delta.launch(weight, self.group)
+        return _InFlight(header, header_work, sent, weight, skipped, self.local_steps)
+
+    def _land(self, in_flight: _InFlight, skipped_since: bool) -> RoundTotals:
+        """Wait for a launched round and move the state by its average (DeltaAverager.land).
+
+        A worker adopts the average outright when its progress since is worthless (a non-finite
+        loss then or since) or nil (no step since). When some worker's optimizer created state
+        the buffers lack, the buffers still matched (they keep their layout), so the average
+        applies; then every worker agrees on the new layout and averages it all once, at once.
+        """
+        assert self._delta is not None
+        in_flight.header_work.wait()
+        totals = read_header(in_flight.header, in_flight.layout, self.world_size)
+        self._check_diverged(totals)
+        worthless = in_flight.skipped or skipped_since
+        self._delta.land(totals.samples, adopt=worthless or self.local_steps == in_flight.local_steps)
+        if not totals.layouts_agree:
+            agree_on_optimizer_layout(self.optimizer, self.group)
+            share = in_flight.weight / totals.samples if totals.samples > 0 else 1.0 / self.world_size
+            layout = self._layout_hash()  # drops the synchronous buffers of the old layout
+            self._state_payload().average(0.0 if worthless else share, self.group)
+            self._delta = DeltaAverager(self._averaged_tensors(), self.device, layout)
+        return totals
+
+    def _header_fields(self, work: _Work, loss_sum: float, skipped: bool) -> dict[str, Any]:
+        return {
+            "samples": 0 if skipped else work.samples,
+            "loss_sum": 0.0 if skipped else loss_sum,
+            "batches": len(work.losses),
+            "finished": self._finished,
+            "skipped": skipped,
+            "stop": self.hooks.stop_requested(),
+        }
+
+    def _check_diverged(self, totals: RoundTotals) -> None:
+        if totals.samples == 0 and totals.skipped > 0:
+            raise FloatingPointError(
+                f"the loss of every worker that trained in this round was non-finite ({totals.skipped} "
+                f"workers): training has diverged; lower the learning rate"
             )
-            if totals.samples == 0 and totals.skipped > 0:
-                raise FloatingPointError(
-                    f"the loss of every worker that trained in this round was non-finite ({totals.skipped} "
-                    f"workers): training has diverged; lower the learning rate"
-                )
-            epoch_done = totals.finished == self.world_size
-            if totals.samples > 0:
-                self._apply(totals, 0.0 if skipped else work.samples / totals.samples)
-                c = self.counters
-                c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
-                c.position += totals.batches
-                window.add(totals)
-                whole.add(totals)
-                if self.config.report_score_after_averaging and (window.rounds == report_every or epoch_done):
-                    report(RoundReport(dataclasses.replace(c), window.score, window.skipped))
-                    window = _Window()
-            if epoch_done:
-                self.counters.epoch, self.counters.position = epoch + 1, 0
-                report(EpochReport(dataclasses.replace(self.counters), epoch, whole.score))
-                self.hooks.checkpoint(self, final=True)
-            elif totals.samples > 0 or totals.stop:
-                self.hooks.checkpoint(self, final=totals.stop > 0)
-            if totals.stop:
-                raise Stopped(f"stopped at round {self.counters.rounds}, as the main process asked")
-            if epoch_done:
-                return
+
+    def _settle(self, totals: RoundTotals, book: _Book) -> bool:
+        """Counters and score reports for a round's totals; True when it ended the epoch."""
+        epoch_done = totals.finished == self.world_size
+        c = self.counters
+        if totals.samples > 0:
+            c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
+            c.position += totals.batches
+            book.add(totals, c, end_of_epoch=epoch_done)
+        if epoch_done:
+            c.epoch, c.position = c.epoch + 1, 0
+            book.report(EpochReport(dataclasses.replace(c), c.epoch - 1, book.whole.score))
+        return epoch_done
 
     def _checked_loss(self, work: _Work) -> tuple[float, bool]:
         """Σ loss·n of the round, one device sync per round; applies the NaN policy."""
@@ -417,6 +524,33 @@ class _Window:
     @property
     def score(self) -> float:
         return _mean(self.loss_sum, self.samples)
+
+
+class _Book:
+    """The score windows of an epoch and the reports they make."""
+
+    def __init__(self, report: Reporter, every: int, rounds: bool) -> None:
+        self.report, self._every, self._rounds = report, every, rounds
+        self.window, self.whole = _Window(), _Window()  # since the last report; the whole epoch
+
+    def add(self, totals: RoundTotals, counters: Counters, end_of_epoch: bool) -> None:
+        self.window.add(totals)
+        self.whole.add(totals)
+        if self._rounds and (self.window.rounds == self._every or end_of_epoch):
+            self.report(RoundReport(dataclasses.replace(counters), self.window.score, self.window.skipped))
+            self.window = _Window()
+
+
+@dataclass
+class _InFlight:
+    """A launched round of the overlapped protocol: its header, still being summed."""
+
+    header: torch.Tensor  # (8,) float64
+    header_work: dist.Work
+    layout: int | None  # as sent
+    weight: float  # this worker's weight in the payload
+    skipped: bool  # this worker's contribution was dropped: its state is not worth keeping
+    local_steps: int  # Replica.local_steps at the launch
 
 
 def _mean(total: float, count: int) -> float:

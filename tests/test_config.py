@@ -18,6 +18,7 @@ def test_defaults_are_documented_values() -> None:
     c = Config()
     assert (c.workers, c.prefetch_buffer, c.averaging_frequency) == (2, 24, 1)
     assert c.report_score_after_averaging and c.average_updaters and not c.deterministic
+    assert not c.overlap_averaging
     assert c.training_mode is TrainingMode.AVERAGING and c.nan_policy is NanPolicy.RAISE
     assert c.seed == 0 and c.devices is None and c.backend == "auto"
     assert c.resolved_devices() == ("cpu", "cpu") and c.resolved_backend() == "gloo"
@@ -72,6 +73,14 @@ def test_fluent_builder_sets_every_option() -> None:
 def test_bad_values_are_refused_with_the_fix(setter: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         getattr(ParallelWrapper.builder(model()), setter)(value).build()
+
+
+def test_overlap_averaging_is_for_averaging_only() -> None:
+    b = ParallelWrapper.builder(model()).overlap_averaging(True)
+    with b.build() as w:
+        assert w.config.overlap_averaging
+    with pytest.raises(ValueError, match=r"overlap_averaging applies to TrainingMode.AVERAGING only.*drop"):
+        b.training_mode("shared-gradients").build()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs NCCL needs")

@@ -184,9 +184,10 @@ def test_nan_loss_raises_by_default() -> None:
     assert error.rank == 1 and "loss is nan at local step 4" in str(error) and "nan_policy" in str(error)
 
 
-def test_nan_loss_skip_drops_that_workers_round() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nan_loss_skip_drops_that_workers_round(overlap: bool) -> None:
     model = mlp()
-    w = builder(model).training_step(nan_step).nan_policy(NanPolicy.SKIP).averaging_frequency(2).build()
+    w = builder(model).training_step(nan_step).nan_policy(NanPolicy.SKIP).averaging_frequency(2).overlap_averaging(overlap).build()
     with w:
         history = w.fit(mark(make_batches(20), 9))
     skipped = [s for s in history.scores if s.skipped]
@@ -237,9 +238,14 @@ def test_data_that_raises_mid_epoch_reaches_the_caller_and_the_wrapper_recovers(
 # -- checkpoints ----------------------------------------------------------------------------------
 
 
-def checkpointed(model: nn.Module, directory: Path, mode: TrainingMode) -> Any:
+def checkpointed(model: nn.Module, directory: Path, mode: TrainingMode | str) -> Any:
+    """`mode` "overlap": AVERAGING with overlap_averaging. Dealt deterministically: with k = 2,
+    which two batches a worker trains in a round changes its Adam state, and first-come dealing
+    pairs them by timing."""
+    overlap = mode == "overlap"
     return (
-        builder(model).optimizer(torch.optim.Adam, lr=0.01).averaging_frequency(2).training_mode(mode)
+        builder(model).optimizer(torch.optim.Adam, lr=0.01).averaging_frequency(2)
+        .training_mode(TrainingMode.AVERAGING if overlap else mode).overlap_averaging(overlap).deterministic(True)
         .checkpoint(directory, every=2)
     )
 
@@ -251,8 +257,8 @@ def state(model: nn.Module, w: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("mode", list(TrainingMode))
-def test_interrupted_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, mode: TrainingMode) -> None:
+@pytest.mark.parametrize("mode", [*TrainingMode, "overlap"])
+def test_interrupted_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, mode: TrainingMode | str) -> None:
     data = make_batches(22)
     model = mlp()
     with checkpointed(model, tmp_path / "straight", mode).build() as w:

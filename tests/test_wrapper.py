@@ -87,14 +87,19 @@ def test_k1_averaging_shared_gradients_and_one_process_agree() -> None:
     assert not torch.equal(value, mlp().state_dict()[key]), "the model did not train"
 
 
-@pytest.mark.parametrize("mode", list(TrainingMode))
-def test_every_batch_once_in_an_uneven_epoch(mode: TrainingMode, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "overlap"), [(TrainingMode.AVERAGING, False), (TrainingMode.SHARED_GRADIENTS, False), (TrainingMode.AVERAGING, True)]
+)
+def test_every_batch_once_in_an_uneven_epoch(mode: TrainingMode, overlap: bool, tmp_path: Path) -> None:
     """Invariant 4: 23 batches (not a multiple of N·k = 6), a short last batch, a slow worker."""
     base = make_batches(23, last=5)
     data = [(x, y, torch.arange(100 * i, 100 * i + len(y)), str(tmp_path)) for i, (x, y) in enumerate(base)]
     scores: list[Score] = []
     model = mlp()
-    w = builder(model, averaging_frequency=3, training_mode=mode).training_step(recording_step).listeners(scores.append).build()
+    w = (
+        builder(model, averaging_frequency=3, training_mode=mode, overlap_averaging=overlap)
+        .training_step(recording_step).listeners(scores.append).build()
+    )  # fmt: skip
     with w:
         history = w.fit(data, epochs=2)
     seen = [int(line) for f in sorted(tmp_path.glob("*.txt")) for line in f.read_text().split()]
