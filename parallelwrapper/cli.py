@@ -74,6 +74,7 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
 @click.option("--averaging-frequency", type=click.IntRange(min=1), default=3, show_default=True, help="Local iterations per worker between averagings.")
 @click.option("--mode", type=click.Choice([m.value for m in TrainingMode]), default=TrainingMode.AVERAGING.value, show_default=True, help="averaging: local steps, then average; shared-gradients: average gradients every step.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
+@click.option("--overlap-averaging/--no-overlap-averaging", default=False, show_default=True, help="Run each averaging in the background during the next round's steps (averaging mode only).")
 @click.option("--deterministic/--no-deterministic", default=False, show_default=True, help="Deal batch i to worker i mod N: the same run gives the same model, and a resumed run ends as an uninterrupted one.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save a checkpoint here every --checkpoint-every rounds, at each epoch's end and on Ctrl-C.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=50, show_default=True, help="Rounds between checkpoints.")

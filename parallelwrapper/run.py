@@ -78,6 +78,7 @@ class RunOptions:
     out: Path | None = None
     train_samples: int | None = None  # the first N training images only: for smoke tests
     test_samples: int | None = None  # the first N test images only: for smoke tests
+    overlap_averaging: bool = False  # averaging during the next round's steps (Builder.overlap_averaging)
     deterministic: bool = False  # batch i to worker i mod N (reproducible, see Builder.deterministic)
     checkpoint_dir: Path | None = None  # save here every `checkpoint_every` rounds and each epoch
     checkpoint_every: int = 50
@@ -188,6 +189,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .average_updaters(options.average_updaters)
         .training_mode(options.mode)
         .optimizer(choice.cls, lr=options.learning_rate, **choice.kwargs)
+        .overlap_averaging(options.overlap_averaging)
         .deterministic(options.deterministic)
         .seed(options.seed)
         .listeners(*listeners)

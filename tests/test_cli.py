@@ -98,6 +98,12 @@ def test_defaults_follow_dl4j_example(captured: dict[str, Any]) -> None:
     assert "test accuracy 0.9900" in result.output and "samples/s" in result.output and "wall time" in result.output
 
 
+def test_overlap_averaging_reaches_the_run(captured: dict[str, Any]) -> None:
+    result = invoke("--overlap-averaging", "--deterministic")
+    assert result.exit_code == 0, result.output
+    assert captured["train"] == RunOptions(overlap_averaging=True, deterministic=True)
+
+
 def test_every_option_reaches_the_run(captured: dict[str, Any], tmp_path: Path, mnist_dir: Path) -> None:
     result = invoke(
         "--workers", "3", "--prefetch-buffer", "7", "--averaging-frequency", "5",
