@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from common import DEFAULT_DATA_DIR, table, write_results
+from slow_link_worker import WRAPPERS
 
 WORKER = Path(__file__).resolve().with_name("slow_link_worker.py")
 ADDRESSES = ("10.213.37.1", "10.213.37.2")  # a private /30 that exists only inside the two namespaces
@@ -167,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="100mbit", help="tc rate of the link, each direction")
     parser.add_argument("--target", type=float, default=0.98, help="test accuracy to reach")
-    parser.add_argument("--contenders", default="ddp,pma:4,pma:16,wrapper:4,wrapper:16,wrapper-params:16,none")
+    parser.add_argument("--contenders", default="ddp,pma:4,pma:16,wrapper:4,wrapper:16,wrapper-params:16,wrapper-overlap:4,wrapper-overlap:16,none")
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between scores (a multiple of every k)")
     parser.add_argument("--lr", type=float, default=0.04, help="Nesterov SGD, every contender (pw-fit's default)")
@@ -178,9 +179,9 @@ def main() -> None:
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in contenders:
         kind, _, k = c.partition(":")
-        periodic = ("pma", "wrapper", "wrapper-params")
+        periodic = ("pma", *WRAPPERS)
         if kind not in ("ddp", "none", *periodic) or (kind in periodic) != k.isdigit():
-            parser.error(f"unknown contender {c!r}: use ddp, none, pma:K, wrapper:K or wrapper-params:K")
+            parser.error(f"unknown contender {c!r}: use ddp, none, pma:K, or {', '.join(w + ':K' for w in WRAPPERS)}")
         if k and args.eval_every % int(k):
             parser.error(f"--eval-every {args.eval_every} is not a multiple of k = {k}: the model would be scored between averagings")
     problem = check_privileges()

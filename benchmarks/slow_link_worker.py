@@ -7,6 +7,7 @@ Contenders (every one trains the same model from the same init on the same batch
   pma K        PyTorch's PeriodicModelAverager: local SGD, parameters averaged every K steps
   wrapper K    this project under torchrun, AVERAGING every K steps (parameters and momentum)
   wrapper-params K   the same with .average_updaters(False): parameters only, the bytes PMA sends
+  wrapper-overlap K  wrapper K with .overlap_averaging(True): the averaging runs during the next K steps
   none         no communication: each rank trains alone on its shard (rank 0's model is scored)
   link         no training: times a one-way 10 MB send and a 10 MB all_reduce over the link
 
@@ -49,6 +50,9 @@ SEED = 123  # pw-fit's: model init and shuffling
 LINK_BYTES = 10 * 2**20
 
 
+WRAPPERS = ("wrapper", "wrapper-params", "wrapper-overlap")
+
+
 def batch_stream(data_dir: str, epochs: int) -> Iterator[Batch]:
     """Every full batch of `epochs` epochs, in order; one epoch is in memory at a time."""
     train = load_mnist(data_dir, "train", download=False)
@@ -78,14 +82,15 @@ def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Call
 
 def make_trainer(kind: str, k: int, model: nn.Module, lr: float, stack: contextlib.ExitStack) -> Trainer:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if kind in ("wrapper", "wrapper-params"):
+    if kind in WRAPPERS:
         # Under torchrun fit() runs this process as one worker, trains `model` in place on its
         # shard and ends with an averaging; it reuses the process group created in main().
         wrapper = stack.enter_context(
             ParallelWrapper.builder(model)
             .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)
             .averaging_frequency(k)
-            .average_updaters(kind == "wrapper")  # wrapper-params: parameters only, as PMA sends
+            .average_updaters(kind != "wrapper-params")  # parameters only, as PMA sends
+            .overlap_averaging(kind == "wrapper-overlap")
             .threads_per_worker(1)  # the two "machines" share this machine's cores
             .seed(SEED)
             .build()
@@ -169,7 +174,7 @@ def measure_link() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("contender", choices=["ddp", "pma", "wrapper", "wrapper-params", "none", "link"])
+    parser.add_argument("contender", choices=["ddp", "pma", *WRAPPERS, "none", "link"])
     parser.add_argument("k", type=int, nargs="?", default=1, help="averaging period (pma, wrapper)")
     parser.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     parser.add_argument("--target", type=float, default=0.98)
@@ -179,7 +184,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may take")
     args = parser.parse_args()
-    if args.contender in ("pma", "wrapper", "wrapper-params") and args.eval_every % args.k:
+    if args.contender in ("pma", *WRAPPERS) and args.eval_every % args.k:
         parser.error(f"--eval-every {args.eval_every} must be a multiple of k = {args.k}, to score right after an averaging")
 
     torch.set_num_threads(1)  # both "machines" share this machine's cores

@@ -7,6 +7,7 @@ Contenders, one after another in this run, each worker training `steps` batches 
   ddp          DistributedDataParallel, N processes, gloo
   pma k        PyTorch's PeriodicModelAverager (local SGD, parameters only), period k
   wrapper k    this project, AVERAGING every k iterations (parameters and optimizer state)
+  overlap k    the same with .overlap_averaging(True): each averaging runs during the next k steps
   threads      one process with N threads on the same batches
 Steady state counts the samples after each worker's first `warmup` steps; end to end is the wall
 time from launch to the last process's exit, start-up included.
@@ -72,7 +73,7 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, data_dir: str)
     return {"samples_per_s": rate, "wall_s": wall}
 
 
-def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
+def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap: bool = False) -> dict[str, float]:
     batches = mnist_batches(data_dir)[: world * steps]
     scores: list[Score] = []
     wall = time.monotonic()
@@ -82,6 +83,7 @@ def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str) -> dict[
         .workers(world)
         .threads_per_worker(1)
         .averaging_frequency(k)
+        .overlap_averaging(overlap)
         .listeners(scores.append)
         .build()
     )
@@ -114,6 +116,7 @@ def main() -> None:
     for k in frequencies:
         contenders[f"pma k={k}"] = functools.partial(peers, "pma", n, k, steps, warmup, args.data_dir)
         contenders[f"wrapper k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir)
+        contenders[f"overlap k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir, overlap=True)
     # Interleaved rounds: the machine's drift over minutes touches every contender alike.
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     for r in range(args.repeats):

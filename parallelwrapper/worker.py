@@ -211,6 +211,7 @@ class Replica:
         self._delta: DeltaAverager | None = None  # overlap_averaging's buffers
         self._layout = 0
         self._finished = False
+        self._ahead: tuple[int, Any] | None = None  # a batch taken, not yet trained (overlap only)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -260,6 +261,9 @@ class Replica:
 
     def _next(self, epoch: int) -> tuple[int, Any] | None:
         """The next batch, or None at this worker's end of the epoch."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            return ahead
         if self._finished:
             return None
         self.hooks.progress(Phase.WAITING, epoch, -1, self.local_steps)
@@ -284,6 +288,11 @@ class Replica:
             self.local_steps += 1
             work.losses.append(loss)
             work.samples += n
+        if self.config.overlap_averaging and work.losses:
+            # Look one batch ahead, so that the round that trains a worker's last batch already
+            # says it has finished: the epoch then ends when that round lands, without one more
+            # round whose payload (zeros) would cross the network.
+            self._ahead = self._next(epoch)
         return work
 
     def _one_gradient(self, epoch: int) -> _Work:
