@@ -49,6 +49,11 @@ _LAYOUT_BITS = 20  # h and h² of a 20-bit hash sum exactly in float64 for any s
 STALE = 1 << _LAYOUT_BITS  # the layout sent by a worker whose state outgrew the buffers in flight
 
 
+def _layout_value(layout: int | None) -> float:
+    """What a worker puts in the header for its layout: the hash's low bits, or STALE."""
+    return float(STALE if layout is None else layout & (STALE - 1))
+
+
 def make_header(
     *,
     samples: int,
@@ -62,7 +67,7 @@ def make_header(
 ) -> torch.Tensor:
     """The round's header, to all-reduce. `layout` is a hash of the sender's state layout, or None
     when its state no longer matches the buffers it sends (see `read_header`)."""
-    h = float(STALE if layout is None else layout & (STALE - 1))
+    h = _layout_value(layout)
     return torch.tensor(
         [samples, loss_sum, batches, float(finished), float(skipped), float(stop), h, h * h],
         dtype=torch.float64,
@@ -73,7 +78,7 @@ def make_header(
 def read_header(header: torch.Tensor, layout: int | None, world_size: int) -> RoundTotals:
     """The totals of an all-reduced header. The layouts agree iff Σh = N·h and Σh² = N·h² on every
     rank (equality case of Cauchy-Schwarz) and nobody sent STALE."""
-    h = float(STALE if layout is None else layout & (STALE - 1))
+    h = _layout_value(layout)
     w, loss, nb, fin, skip, stp, sh, sh2 = header.tolist()
     agree = layout is not None and sh == world_size * h and sh2 == world_size * h * h
     return RoundTotals(w, loss, round(nb), round(fin), round(skip), round(stp), agree)
@@ -163,8 +168,8 @@ class DeltaAverager:
     so the steps taken since the snapshot are kept on top of the average. A worker that took no
     step since (the end of an epoch, a stop) therefore lands exactly on the average.
 
-    `layout` is the state layout the buffers were built for: until the next synchronous round,
-    every launch sends buffers of this layout, whatever the optimizer has created since.
+    `layout` is the state layout the buffers were built for: every launch sends buffers of this
+    layout, whatever the optimizer has created since, until the workers agree on a new one.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, layout: int) -> None:
@@ -193,7 +198,7 @@ class DeltaAverager:
     @torch.no_grad()
     def land(self, total_weight: float, adopt: bool = False) -> None:
         """Wait for the sums; move each tensor by (average − snapshot), or, with `adopt` (its own
-        progress is worthless: a non-finite loss), replace it by the average. Σw = 0: no change."""
+        progress since is worthless or nil), replace it by the average. Σw = 0: no change."""
         for work in self._in_flight:
             work.wait()
         self._in_flight = []

@@ -391,11 +391,16 @@ class Replica:
         if totals.samples > 0:
             self._apply(totals, 0.0 if skipped else work.samples / totals.samples)
         epoch_done = self._settle(totals, book)
+        self._after_landing(totals, epoch_done)
+        return epoch_done
+
+    def _after_landing(self, totals: RoundTotals, epoch_done: bool) -> None:
+        """After a round every replica holds the average of: checkpoint (when due, or at an
+        epoch's end or a stop), then stop if asked."""
         if epoch_done or totals.samples > 0 or totals.stop:
             self.hooks.checkpoint(self, final=epoch_done or totals.stop > 0)
         if totals.stop:
             raise Stopped(f"stopped at round {self.counters.rounds}, as the main process asked")
-        return epoch_done
 
     def _overlapped_epoch(self, epoch: int, book: _Book) -> None:
         """Rounds whose averaging runs while the next round's steps are taken.
@@ -419,7 +424,7 @@ class Replica:
                 totals = self._land(in_flight, skipped)
                 in_flight = None
                 if self._settle(totals, book):
-                    self.hooks.checkpoint(self, final=True)
+                    self._after_landing(totals, epoch_done=True)
                     return
                 land_now = totals.stop > 0 or self.hooks.checkpoint_due(self.counters.rounds + 1)
             in_flight = self._launch(work, loss_sum, skipped)
@@ -427,9 +432,7 @@ class Replica:
                 totals = self._land(in_flight, skipped)
                 in_flight = None
                 epoch_done = self._settle(totals, book)
-                self.hooks.checkpoint(self, final=epoch_done or totals.stop > 0)
-                if totals.stop:
-                    raise Stopped(f"stopped at round {self.counters.rounds}, as the main process asked")
+                self._after_landing(totals, epoch_done)
                 if epoch_done:
                     return
 
