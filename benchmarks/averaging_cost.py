@@ -3,10 +3,11 @@ same bytes, for models of about 0.4M, 10M and 50M parameters, two processes, in 
 
     python benchmarks/averaging_cost.py
 
-An averaging is what a worker does at the end of a round: the header all-reduce, packing
-params | buffers | SGD momentum into one flat buffer, the all-reduce, and unpacking. The bare
-all_reduce sends one float32 buffer of the same number of elements, preallocated and filled
-with random values (gloo sums a buffer of zeros measurably faster than one of real values).
+An averaging is what a worker does at the end of a round (Replica._exchange): the header
+all-reduce and the all-reduce of params | buffers | SGD momentum, which live in one flat buffer,
+sent together, then one pass that scales the sum to the average. The bare all_reduce sends one
+float32 buffer of the same number of elements, preallocated and filled with random values (gloo
+sums a buffer of zeros measurably faster than one of real values).
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from common import lenet, run_processes, table, write_results
-from parallelwrapper.averaging import reduce_header
 from parallelwrapper.config import Config, Job
-from parallelwrapper.worker import Replica
+from parallelwrapper.worker import Replica, _Work
 
 
 def model(name: str) -> nn.Module:
@@ -33,7 +33,7 @@ def model(name: str) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
 
 
-def _measure(rank: int, world: int, name: str, repeats: int) -> dict[str, float]:
+def _measure(rank: int, world: int, name: str, seconds: float) -> dict[str, float]:
     net = model(name)
     job = Job(net, torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}, nn.functional.mse_loss, None)
     replica = Replica(net, job.make_optimizer(net), job, Config(workers=world), torch.device("cpu"), rank, world)
@@ -42,51 +42,58 @@ def _measure(rank: int, world: int, name: str, repeats: int) -> dict[str, float]
     replica.optimizer.step()
 
     def averaging() -> None:
-        totals = reduce_header(
-            samples=128, loss_sum=1.0, batches=1, finished=False, skipped=False,
-            layout=replica._layout_hash(), device=replica.device, world_size=world,
-        )  # fmt: skip
-        replica._apply(totals, 128 / totals.samples)
+        replica._exchange(_Work(samples=128), loss_sum=1.0, skipped=False)
 
     averaging()  # builds the flat buffers
-    numel = replica._state_payload().numel
+    averaging()  # learns the common reference weight: from here on, the steady state
+    assert replica._payload is not None
+    numel = replica._payload.numel
     flat = torch.randn(numel)  # values like a model's: a buffer of zeros reduces faster
-    ours, bare = [], []
-    for _ in range(repeats):  # alternated, so that drift touches both alike
-        dist.barrier()
-        start = time.perf_counter()
-        averaging()
-        ours.append(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
+
+    def bare() -> None:
         dist.all_reduce(flat)
-        bare.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    for _ in range(3):
+        bare()
+    # Rank 0's count for both: as many pairs as fit in `seconds`, within [20, 2000].
+    repeats = torch.tensor(min(2000, max(20, round(seconds / (2 * (time.perf_counter() - start) / 3)))))
+    dist.broadcast(repeats, src=0)
+    times: dict[str, list[float]] = {"ours": [], "bare": []}
+    contenders = [("ours", averaging), ("bare", bare)]
+    for i in range(int(repeats)):  # alternated, each first in turn: the one after a barrier runs slower
+        for key, fn in contenders if i % 2 == 0 else contenders[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
     return {
         "parameters": sum(p.numel() for p in net.parameters()),
         "numel": numel,
-        "ours_s": statistics.median(ours),
-        "bare_s": statistics.median(bare),
+        "repeats": int(repeats),
+        "ours_s": statistics.median(times["ours"]),
+        "bare_s": statistics.median(times["bare"]),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="lenet,mlp-10M,mlp-50M")
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--seconds", type=float, default=20.0, help="measuring time per model (median of 20 to 2000 pairs)")
     parser.add_argument("--out", default="benchmarks/results/averaging_cost.json")
     args = parser.parse_args()
     results = {}
     for name in args.models.split(","):
-        r0 = run_processes(_measure, 2, name, args.repeats)[0]
+        r0 = run_processes(_measure, 2, name, args.seconds)[0]
         r0["ratio"] = r0["ours_s"] / r0["bare_s"]
         results[name] = r0
     rows = [
-        (name, r["parameters"], r["numel"] * 4 / 2**20, r["ours_s"] * 1e3, r["bare_s"] * 1e3, r["ratio"])
+        (name, r["parameters"], r["numel"] * 4 / 2**20, r["repeats"], r["ours_s"] * 1e3, r["bare_s"] * 1e3, r["ratio"])
         for name, r in results.items()
     ]
-    print(f"2 processes, gloo on loopback, median of {args.repeats}")
-    print(table(["model", "parameters", "MiB averaged", "averaging ms", "bare all_reduce ms", "ratio"], rows))
-    write_results(args.out, {"repeats": args.repeats, "models": results})
+    print("2 processes, gloo on loopback, medians")
+    print(table(["model", "parameters", "MiB averaged", "pairs", "averaging ms", "bare all_reduce ms", "ratio"], rows))
+    write_results(args.out, {"seconds": args.seconds, "models": results})
 
 
 if __name__ == "__main__":

@@ -30,14 +30,14 @@ from typing import TypeVar
 
 import torch
 
-from .averaging import FlatAverager, optimizer_state_tensors
+from .averaging import HEADER_LEN, FlatAverager, optimizer_state_tensors
 from .config import TrainingMode
 from .run import OPTIMIZERS, Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
 from .wrapper import ParallelWrapper
 
 T = TypeVar("T")
 MODEL_TITLES = {"lenet": "LeNet", "mlp": "MLP"}
-HEADER_BYTES = 8 * 8  # averaging.reduce_header: 8 float64 per round (checked by a test)
+HEADER_BYTES = HEADER_LEN * 8  # averaging.reduce_header, float64: a fit()'s first round (checked by a test)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def run_specs(options: CompareOptions) -> list[RunSpec]:
 class Communication:
     """What one round sends, per worker. Computed from the layout, not measured."""
 
-    payload_bytes: int  # the flat buffers of one round, all dtypes
+    payload_bytes: int  # the flat buffers of one round, all dtypes, with the header they carry
     payload_collectives: int  # one all-reduce per dtype
     workers: int
 
@@ -97,20 +97,20 @@ class Communication:
         return 2 * (self.workers - 1) / self.workers * size
 
     def collectives(self, rounds: int, fits: int) -> int:
-        """Headers and payloads. Headers: one per round, plus the header-only round that closes a
-        fit() call when no worker met the end of its data while training (counted for every fit():
-        an overcount of at most one header per call)."""
-        return rounds + fits + rounds * self.payload_collectives
+        """Payloads, one per round, which carry the header, and the header a fit()'s first round
+        sends alone before the buffers exist (counted for every fit(): an overcount of at most
+        one per call)."""
+        return fits + rounds * self.payload_collectives
 
     def bytes_per_worker(self, rounds: int, fits: int) -> float:
-        return self.ring_bytes(HEADER_BYTES) * (rounds + fits) + self.ring_bytes(self.payload_bytes) * rounds
+        return self.ring_bytes(HEADER_BYTES) * fits + self.ring_bytes(self.payload_bytes) * rounds
 
 
 def estimated_communication(options: RunOptions, spec: RunSpec) -> Communication:
     """The all-reduce payload of one round, computed (not measured) from the same flat-buffer
     layout the workers build: AVERAGING sends params | buffers (| optimizer state with
-    average_updaters), SHARED_GRADIENTS sends gradients | buffers, one all-reduce per dtype; each
-    round also sends a header of HEADER_BYTES. A rank-local throwaway optimizer takes one step on
+    average_updaters), SHARED_GRADIENTS sends gradients | buffers, one all-reduce per dtype, the
+    first with the round's header after the tensors. A rank-local throwaway optimizer takes one step on
     zero gradients to create its lazily built state (SGD momentum: one buffer per parameter;
     Adam: two, and a step count)."""
     model = initial_model(options)

@@ -6,13 +6,13 @@ queue or a file.
 
 A round, in both modes:
     local work   AVERAGING: up to k steps; SHARED_GRADIENTS: one forward/backward
-    header       all-reduce of samples, loss, finished and stop flags (averaging.reduce_header)
     payload      AVERAGING: params | buffers | optimizer state; SHARED_GRADIENTS: grads | buffers,
-                 then the optimizer step every worker takes with the same gradients
+                 one all-reduce per dtype, with the header (samples, loss, finished and stop
+                 flags) in the first; SHARED_GRADIENTS then steps with the same gradients
     bookkeeping  counters, score report, checkpoint, stop
 
-With overlap_averaging (AVERAGING only), a round's header and payload are sent without waiting
-and land after the next round's steps, which are kept on top of the average (_overlapped_epoch).
+With overlap_averaging (AVERAGING only), a round's payload is sent without waiting and lands after
+the next round's steps, which are kept on top of the average (_overlapped_epoch).
 """
 
 from __future__ import annotations
@@ -209,9 +209,11 @@ class Replica:
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
         self._payload: FlatAverager | None = None
         self._delta: DeltaAverager | None = None  # overlap_averaging's buffers
-        self._layout = 0
+        # Σw of the last round that trained, the same on every worker: the payload goes out before
+        # the header, pre-scaled by w / _reference, on the guess that this round's Σw is the same.
+        self._reference = 0.0
         self._finished = False
-        self._ahead: tuple[int, Any] | None = None  # a batch taken, not yet trained (overlap only)
+        self._ahead: tuple[int, Any] | None = None  # a batch taken, not yet trained
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -223,6 +225,7 @@ class Replica:
         # in place): without a copy, the workers would step one shared counter.
         self.optimizer.load_state_dict(to_cpu(optimizer_state))
         self._payload = self._delta = None  # the tensors were replaced
+        self._reference = 0.0
 
     def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and optimizer's state on the CPU, to send to the main process."""
@@ -288,12 +291,15 @@ class Replica:
             self.local_steps += 1
             work.losses.append(loss)
             work.samples += n
-        if self.config.overlap_averaging and work.losses:
-            # Look one batch ahead, so that the round that trains a worker's last batch already
-            # says it has finished: the epoch then ends when that round lands, without one more
-            # round whose payload (zeros) would cross the network.
-            self._ahead = self._next(epoch)
+        self._look_ahead(epoch, work)
         return work
+
+    def _look_ahead(self, epoch: int, work: _Work) -> None:
+        """Take the next batch now, so that the round that trains a worker's last batch already
+        says it has finished: the epoch then ends with that round, without one more round whose
+        payload (zeros) would cross the network."""
+        if work.losses:
+            self._ahead = self._next(epoch)
 
     def _one_gradient(self, epoch: int) -> _Work:
         """SHARED_GRADIENTS: one forward/backward; the step waits for the averaged gradients."""
@@ -304,17 +310,14 @@ class Replica:
         if item is not None:
             loss, work.samples = self.forward_backward(item[0], epoch, item[1])
             work.losses.append(loss)
+        self._look_ahead(epoch, work)
         return work
 
     def _layout_hash(self) -> int:
-        """Hash of the optimizer state layout (created lazily by the optimizer); a change drops
-        the flat buffers built for the old layout."""
+        """Hash of the optimizer state layout (created lazily by the optimizer)."""
         if self.config.training_mode is TrainingMode.SHARED_GRADIENTS or not self.config.average_updaters:
             return 0
-        layout = signature_hash(optimizer_signature(self.optimizer))
-        if layout != self._layout:
-            self._layout, self._payload = layout, None
-        return layout
+        return signature_hash(optimizer_signature(self.optimizer))
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
         """AVERAGING's state: params | buffers | optimizer state (with average_updaters)."""
@@ -322,11 +325,6 @@ class Replica:
         if self.config.average_updaters:
             tensors += optimizer_state_tensors(self.optimizer)
         return tensors
-
-    def _state_payload(self) -> FlatAverager:
-        if self._payload is None:
-            self._payload = FlatAverager(self._averaged_tensors(), self.device)
-        return self._payload
 
     def _gradient_payload(self) -> FlatAverager:
         if self._payload is None:
@@ -338,27 +336,19 @@ class Replica:
             self._payload = FlatAverager(grads + list(self.model.buffers()), self.device)
         return self._payload
 
-    def _apply(self, totals: RoundTotals, share: float) -> None:
-        if self.config.training_mode is TrainingMode.AVERAGING:
-            if not totals.layouts_agree:
-                agree_on_optimizer_layout(self.optimizer, self.group)
-                self._layout_hash()
-            self._state_payload().average(share, self.group)
-        else:
-            self._gradient_payload().average(share, self.group)
-            self.optimizer.step()  # the same averaged gradients on every worker
-            self.local_steps += 1
-
     # -- the round protocol ---------------------------------------------------------------------
 
     def fit(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
         self.model.train()
-        self._source = source
+        self._source, self._ahead = source, None  # a batch looked ahead at before a stop is not trained
         try:
             while self.counters.epoch < until_epoch:
                 self._epoch(report)
         finally:
+            if self._payload is not None:  # between fits, the model's tensors own their storage
+                self._payload.release()
+                self._payload = None
             self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.local_steps)
 
     def _epoch(self, report: Reporter) -> None:
@@ -380,19 +370,61 @@ class Replica:
                 return
 
     def _synchronous_round(self, epoch: int, work: _Work, book: _Book) -> bool:
-        """Header, then the payload, then bookkeeping; True at the epoch's end."""
+        """Header and payload, then bookkeeping; True at the epoch's end."""
         loss_sum, skipped = self._checked_loss(work)
         self.hooks.progress(Phase.AVERAGING, epoch, -1, self.local_steps)
-        totals = reduce_header(
-            layout=self._layout_hash(), device=self.device, world_size=self.world_size, group=self.group,
-            **self._header_fields(work, loss_sum, skipped),
-        )  # fmt: skip
-        self._check_diverged(totals)
-        if totals.samples > 0:
-            self._apply(totals, 0.0 if skipped else work.samples / totals.samples)
+        totals = self._exchange(work, loss_sum, skipped)
         epoch_done = self._settle(totals, book)
         self._after_landing(totals, epoch_done)
         return epoch_done
+
+    def _exchange(self, work: _Work, loss_sum: float, skipped: bool) -> RoundTotals:
+        """One round's payload and header; every replica ends it holding the average.
+
+        Once the buffers exist and a round has trained, the header rides in the payload: one
+        all-reduce per dtype, sent without waiting for anyone's Σw. The payload is pre-scaled by
+        w / _reference, the last round's Σw (the same on every worker); when this round's Σw is
+        the same, as it is but at an epoch's end, the sum is the average, so a round costs no pass
+        over memory but the one that scales it; otherwise one more scales it by _reference / Σw.
+        A worker that did not train sends zeros; when nobody did, every worker drops the sums.
+
+        The first round of a fit() sends the header alone and builds the buffers. Their layout
+        changes only when every worker knows it must: after a round where some worker's optimizer
+        had created state they lack; then all agree on the new layout and average it all again.
+        """
+        payload = self._gradient_payload() if self.config.training_mode is TrainingMode.SHARED_GRADIENTS else self._payload
+        layout = self._layout_hash()
+        if payload is not None and layout != payload.layout:
+            layout_sent: int | None = None  # grew since the buffers were built; everyone will know
+        else:
+            layout_sent = layout
+        header = make_header(layout=layout_sent, **self._header_fields(work, loss_sum, skipped))
+        weight = 0.0 if skipped else float(work.samples)
+        if payload is not None and self._reference > 0:
+            reference = self._reference
+            payload.send(weight / reference, header, self.group)
+            totals = read_header(payload.wait(), layout_sent, self.world_size)
+        else:
+            totals = read_header(reduce_header(header, self.device, self.group), layout_sent, self.world_size)
+            reference = totals.samples
+            if payload is not None and totals.samples > 0:
+                payload.send(weight / reference, group=self.group)
+                payload.wait()
+        if totals.samples == 0:
+            self._check_diverged(totals)
+            return totals
+        if payload is not None:
+            payload.apply(reference / totals.samples)
+        if self.config.training_mode is TrainingMode.SHARED_GRADIENTS:
+            self.optimizer.step()  # the same averaged gradients on every worker
+            self.local_steps += 1
+        elif payload is None or not totals.layouts_agree:
+            if not totals.layouts_agree:
+                agree_on_optimizer_layout(self.optimizer, self.group)
+            self._payload = FlatAverager(self._averaged_tensors(), self.device, self._layout_hash())
+            self._payload.average(weight / totals.samples, self.group)
+        self._reference = totals.samples
+        return totals
 
     def _after_landing(self, totals: RoundTotals, epoch_done: bool) -> None:
         """After a round every replica holds the average of: checkpoint (when due, or at an
@@ -437,16 +469,13 @@ class Replica:
                     return
 
     def _launch(self, work: _Work, loss_sum: float, skipped: bool) -> _InFlight:
-        """Send this round's header and payload; do not wait."""
+        """Send this round's payload, with its header; do not wait."""
         assert self._delta is not None
         layout = self._layout_hash()
         sent = layout if layout == self._delta.layout else None  # None: grew since; everyone will know
-        header = make_header(layout=sent, device=self.device, **self._header_fields(work, loss_sum, skipped))
-        header_work = dist.all_reduce(header, group=self.group, async_op=True)
-        assert header_work is not None
         weight = 0.0 if skipped else float(work.samples)
-        self._delta.launch(weight, self.group)
-        return _InFlight(header, header_work, sent, weight, skipped, self.local_steps)
+        self._delta.launch(weight, make_header(layout=sent, **self._header_fields(work, loss_sum, skipped)), self.group)
+        return _InFlight(sent, weight, skipped, self.local_steps)
 
     def _land(self, in_flight: _InFlight, skipped_since: bool) -> RoundTotals:
         """Wait for a launched round and move the state by its average (DeltaAverager.land).
@@ -457,16 +486,16 @@ class Replica:
         applies; then every worker agrees on the new layout and averages it all once, at once.
         """
         assert self._delta is not None
-        in_flight.header_work.wait()
-        totals = read_header(in_flight.header, in_flight.layout, self.world_size)
+        totals = read_header(self._delta.wait(), in_flight.layout, self.world_size)
         self._check_diverged(totals)
         worthless = in_flight.skipped or skipped_since
         self._delta.land(totals.samples, adopt=worthless or self.local_steps == in_flight.local_steps)
         if not totals.layouts_agree:
             agree_on_optimizer_layout(self.optimizer, self.group)
             share = in_flight.weight / totals.samples if totals.samples > 0 else 1.0 / self.world_size
-            layout = self._layout_hash()  # drops the synchronous buffers of the old layout
-            self._state_payload().average(0.0 if worthless else share, self.group)
+            layout = self._layout_hash()
+            self._payload = FlatAverager(self._averaged_tensors(), self.device, layout)  # released after fit()
+            self._payload.average(0.0 if worthless else share, self.group)
             self._delta = DeltaAverager(self._averaged_tensors(), self.device, layout)
         return totals
 
@@ -555,10 +584,8 @@ class _Book:
 
 @dataclass
 class _InFlight:
-    """A launched round of the overlapped protocol: its header, still being summed."""
+    """A launched round of the overlapped protocol, still being summed."""
 
-    header: torch.Tensor  # (8,) float64
-    header_work: dist.Work
     layout: int | None  # as sent
     weight: float  # this worker's weight in the payload
     skipped: bool  # this worker's contribution was dropped: its state is not worth keeping

@@ -34,10 +34,8 @@ AVG = RunSpec(TrainingMode.AVERAGING, 4)
 def test_header_bytes_match_the_real_header(monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[torch.Tensor] = []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: sent.append(t.clone()))
-    averaging.reduce_header(
-        samples=1, loss_sum=1.0, batches=1, finished=False, skipped=False, layout=0,
-        device=torch.device("cpu"), world_size=1,
-    )  # fmt: skip
+    header = averaging.make_header(samples=1, loss_sum=1.0, batches=1, finished=False, skipped=False, layout=0)
+    averaging.reduce_header(header, torch.device("cpu"))
     assert [t.numel() * t.element_size() for t in sent] == [HEADER_BYTES]
 
 
@@ -54,16 +52,16 @@ def test_header_bytes_match_the_real_header(monkeypatch: pytest.MonkeyPatch) -> 
 def test_payload_follows_the_optimizer_state(spec: RunSpec, optimizer: str, average_updaters: bool, numbers: int) -> None:
     options = RunOptions(optimizer=optimizer, average_updaters=average_updaters)
     cost = estimated_communication(options, spec)
-    assert cost.payload_bytes == 4 * numbers and cost.payload_collectives == 1
+    assert cost.payload_bytes == 4 * (numbers + averaging.HEADER_LEN) and cost.payload_collectives == 1
 
 
 def test_ring_all_reduce_volume() -> None:
     one, two, four = (Communication(1000, 1, n) for n in (1, 2, 4))
     assert one.ring_bytes(1000) == 0.0  # a group of one sends nothing
     assert two.ring_bytes(1000) == 1000.0 and four.ring_bytes(1000) == 1500.0
-    # 10 rounds in 2 fit() calls: 12 headers (one closing round each) and 10 payloads.
-    assert two.collectives(10, 2) == 22
-    assert two.bytes_per_worker(10, 2) == 12 * HEADER_BYTES + 10 * 1000
+    # 10 rounds in 2 fit() calls: 10 payloads, with their headers, and a fit()'s first header.
+    assert two.collectives(10, 2) == 12
+    assert two.bytes_per_worker(10, 2) == 2 * HEADER_BYTES + 10 * 1000
 
 
 def test_chunks_end_on_round_boundaries() -> None:

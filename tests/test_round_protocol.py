@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from groups import run_group
-from parallelwrapper.averaging import FlatAverager, reduce_header
+from parallelwrapper import averaging
+from parallelwrapper.averaging import FlatAverager, make_header, read_header, reduce_header
 from parallelwrapper.config import Config, Job
 from parallelwrapper.worker import END, Replica
 
@@ -122,17 +123,14 @@ def _flat_average(rank: int, world: int) -> tuple[list[torch.Tensor], dict[str, 
     ]
     averager = FlatAverager(tensors, CPU)
     weight = [3, 0][rank]  # rank 1 is dropped (as NanPolicy.SKIP does): it declares no samples
-    totals = reduce_header(
-        samples=weight, loss_sum=2.0 * weight, batches=1, finished=rank == 1, skipped=False,
-        layout=123, device=CPU, world_size=world,
-    )
+    header = make_header(samples=weight, loss_sum=2.0 * weight, batches=1, finished=rank == 1, skipped=False, layout=123)
+    totals = read_header(reduce_header(header, CPU), 123, world)
     averager.average(weight / totals.samples)  # share 0 sends zeros: rank 1's NaN must not arrive
-    mismatched = reduce_header(
-        samples=0, loss_sum=0.0, batches=0, finished=True, skipped=False, layout=rank, device=CPU, world_size=world
-    )
+    mismatched = make_header(samples=0, loss_sum=0.0, batches=0, finished=True, skipped=False, layout=rank)
+    agree_after_mismatch = read_header(reduce_header(mismatched, CPU), rank, world).layouts_agree
     return tensors, {
         "totals": totals,
-        "agree_after_mismatch": mismatched.layouts_agree,
+        "agree_after_mismatch": agree_after_mismatch,
         "collectives": averager.collectives,
         "numel": averager.numel,
     }
@@ -159,9 +157,8 @@ def test_reduce_header_single_process_group_is_identity() -> None:
     try:
         model = bn_model()
         before = copy.deepcopy(model.state_dict())
-        totals = reduce_header(
-            samples=5, loss_sum=1.5, batches=2, finished=True, skipped=False, layout=9, device=CPU, world_size=1
-        )
+        header = make_header(samples=5, loss_sum=1.5, batches=2, finished=True, skipped=False, layout=9)
+        totals = read_header(reduce_header(header, CPU), 9, 1)
         FlatAverager(list(model.parameters()) + list(model.buffers()), CPU).average(1.0)
         assert totals.layouts_agree and totals.finished == 1 and totals.score == pytest.approx(0.3)
         for k, v in model.state_dict().items():
@@ -170,7 +167,7 @@ def test_reduce_header_single_process_group_is_identity() -> None:
         dist.destroy_process_group()
 
 
-# -- overlap_averaging: the same run, simulated in one process ---------------------------------------
+# -- several rounds: the header rides in the payload, pre-scaled by the last round's Σw --------------
 
 
 def plain_model() -> nn.Module:
@@ -178,7 +175,106 @@ def plain_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
-OVERLAP_SIZES = {0: [8, 8, 8, 8, 8, 4, 8], 1: [8, 8, 8]}  # rank 1 finishes rounds before rank 0
+ROUNDS_SIZES = {0: [8, 8, 8, 8, 8, 4, 8], 1: [8, 8, 8]}  # rank 1 finishes rounds before rank 0
+
+
+def _rounds(rank: int, world: int, k: int, epochs: int) -> dict[str, Any]:
+    model = plain_model()
+    job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None)
+    replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
+    sent: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        replica.fit(epochs, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)
+    finally:
+        dist.all_reduce = all_reduce
+    owns_storage = all(
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        for t in list(model.parameters()) + [s["momentum_buffer"] for s in replica.optimizer.state.values()]
+    )
+    return {"state": flat_state(model, replica.optimizer), "rounds": replica.counters.rounds, "sent": sent, "owns": owns_storage}
+
+
+def synchronous_reference(k: int) -> dict[str, torch.Tensor]:
+    """Two replicas (SGD with momentum) trained and averaged round by round in one process: each
+    takes up to k steps from the average, then both adopt the sample-weighted mean of params and
+    momentum."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        models = [plain_model(), plain_model()]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+        todo = [batches(r, ROUNDS_SIZES[r]) for r in (0, 1)]
+        while todo[0] or todo[1]:
+            weights = [0, 0]
+            for r in (0, 1):
+                for x, y in [todo[r].pop(0) for _ in range(min(k, len(todo[r])))]:
+                    opts[r].zero_grad()
+                    nn.functional.cross_entropy(models[r](x), y).backward()
+                    opts[r].step()
+                    weights[r] += len(y)
+            with torch.no_grad():
+                for p0, p1 in zip(models[0].parameters(), models[1].parameters()):
+                    for a, b in ((p0, p1), (opts[0].state[p0]["momentum_buffer"], opts[1].state[p1]["momentum_buffer"])):
+                        average = (a * weights[0] + b * weights[1]) / sum(weights)
+                        a.copy_(average)
+                        b.copy_(average)
+        return flat_state(models[0], opts[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rounds_of_changing_weights_send_one_collective_each_and_equal_the_weighted_mean() -> None:
+    results = run_group(_rounds, 2, 2, 1)
+    expected = synchronous_reference(2)
+    for key, value in expected.items():
+        assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # Σw per round: 32, 24 (rank 1 ends: the sum is rescaled), 16 and 8 (rank 1 sends zeros).
+    # The first round sends its header alone, then builds the buffers; each later one, one
+    # all-reduce with the header in it; none closes the epoch (each worker looked ahead).
+    assert results[0]["rounds"] == 4
+    numel = sum(v.numel() for v in expected.values()) + averaging.HEADER_LEN
+    assert results[0]["sent"] == results[1]["sent"] == [averaging.HEADER_LEN] + [numel] * 4
+    assert results[0]["owns"] and results[1]["owns"]  # after fit(), no tensor is a view of a buffer
+
+
+def test_an_epoch_where_nobody_trains_leaves_the_state_as_it_was() -> None:
+    # The second epoch has no batches: its one round (Σw = 0) goes out in the payload of zeros,
+    # and every worker drops the sums.
+    one, two = run_group(_rounds, 2, 2, 1), run_group(_rounds, 2, 2, 2)
+    for key, value in one[0]["state"].items():
+        assert torch.equal(two[0]["state"][key], value) and torch.equal(two[1]["state"][key], value), key
+    assert two[0]["sent"][-1] == two[0]["sent"][-2] and len(two[0]["sent"]) == len(one[0]["sent"]) + 1
+
+
+def _reallocated(rank: int, world: int) -> list[torch.Tensor]:
+    tensors = [torch.full((3,), float(rank)), torch.full((2,), 10.0 * rank)]
+    averager = FlatAverager(tensors, CPU)
+    assert tensors[0].data_ptr() == averager._groups[0].data.data_ptr()  # resident: a view of the buffer
+    tensors[1].data = torch.full((2,), 10.0 * rank + 4)  # as an optimizer that reallocates its state
+    averager.average(0.5)
+    averager.release()
+    return tensors
+
+
+def test_a_tensor_reallocated_since_the_buffers_were_built_is_still_averaged() -> None:
+    (a0, b0), (a1, b1) = run_group(_reallocated, 2)
+    assert torch.equal(a0, torch.full((3,), 0.5)) and torch.equal(a1, a0)
+    assert torch.equal(b0, torch.full((2,), 9.0)) and torch.equal(b1, b0)
+    assert b0.untyped_storage().nbytes() == 2 * 4  # released: its own storage again
+
+
+# -- overlap_averaging: the same run, simulated in one process ---------------------------------------
+
+
+OVERLAP_SIZES = ROUNDS_SIZES
 
 
 def _overlapped(rank: int, world: int, k: int, momentum: float) -> dict[str, Any]:
