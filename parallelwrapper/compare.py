@@ -110,9 +110,9 @@ def estimated_communication(options: RunOptions, spec: RunSpec) -> Communication
     """The all-reduce payload of one round, computed (not measured) from the same flat-buffer
     layout the workers build: AVERAGING sends params | buffers (| optimizer state with
     average_updaters), SHARED_GRADIENTS sends gradients | buffers, one all-reduce per dtype, the
-    first with the round's header after the tensors. A rank-local throwaway optimizer takes one step on
-    zero gradients to create its lazily built state (SGD momentum: one buffer per parameter;
-    Adam: two, and a step count)."""
+    first with the round's header after the tensors. A rank-local throwaway optimizer takes one
+    step on zero gradients to create its lazily built state (SGD momentum: one buffer per
+    parameter; Adam: two, and a step count)."""
     model = initial_model(options)
     params = [p for p in model.parameters() if p.requires_grad]
     if spec.mode is TrainingMode.SHARED_GRADIENTS:

@@ -209,7 +209,7 @@ class Replica:
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
         self._payload: FlatAverager | None = None
         self._delta: DeltaAverager | None = None  # overlap_averaging's buffers
-        # Σw of the last round that trained, the same on every worker: the payload goes out before
+        # Σw of the last round that trained, the same on every worker: the payload goes out with
         # the header, pre-scaled by w / _reference, on the guess that this round's Σw is the same.
         self._reference = 0.0
         self._finished = False
