@@ -48,7 +48,8 @@ class RoundTotals:
 
 
 _LAYOUT_BITS = 20
-HEADER_LEN = 7 + _LAYOUT_BITS  # numbers in a header
+_SAMPLES_SPLIT = 1 << 12  # samples go as (w // 4096, w % 4096): sums exact in float32 to 2**36
+HEADER_LEN = 8 + _LAYOUT_BITS  # numbers in a header
 
 
 def make_header(
@@ -63,19 +64,21 @@ def make_header(
 ) -> list[float]:
     """The round's header: HEADER_LEN numbers to sum over the workers. `layout` is a hash of the
     sender's state layout, or None (stale) when its state no longer matches the buffers it sends.
-    The hash goes as one 0/1 number per bit, so that every sum is a small integer, exact even in
-    float32, the dtype of a model's buffer the header usually rides in."""
+    Every count sums exactly even in float32, the dtype of the buffer the header usually rides
+    in: the sample count goes in two parts, the hash as one 0/1 number per bit."""
     bits = [0.0] * _LAYOUT_BITS if layout is None else [float(layout >> i & 1) for i in range(_LAYOUT_BITS)]
     flags = [float(finished), float(skipped), float(stop), float(layout is None)]
-    return [float(samples), float(loss_sum), float(batches), *flags, *bits]
+    high, low = divmod(samples, _SAMPLES_SPLIT)
+    return [float(high), float(low), float(loss_sum), float(batches), *flags, *bits]
 
 
 def read_header(summed: Sequence[float], layout: int | None, world_size: int) -> RoundTotals:
     """The totals of a summed header. The layouts agree iff nobody was stale and every bit's sum
     is N times this worker's bit: all 0 or all 1."""
-    w, loss, nb, fin, skip, stp, stale, *bits = summed
+    high, low, loss, nb, fin, skip, stp, stale, *bits = summed
     agree = layout is not None and stale == 0 and all(b == world_size * (layout >> i & 1) for i, b in enumerate(bits))
-    return RoundTotals(w, loss, round(nb), round(fin), round(skip), round(stp), agree)
+    samples = float(round(high) * _SAMPLES_SPLIT + round(low))
+    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree)
 
 
 def reduce_header(header: Sequence[float], device: torch.device, group: ProcessGroup = None) -> list[float]:

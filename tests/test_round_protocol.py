@@ -151,6 +151,15 @@ def test_flat_averager_dtypes_header_and_dropped_worker() -> None:
     assert m0["numel"] == 6 + 4 + 1 + 2
 
 
+def test_header_counts_sum_exactly_in_float32() -> None:
+    # Three workers of 30M samples a round: past 2**24, where float32 stops counting by ones.
+    headers = [make_header(samples=30_000_001 + r, loss_sum=1.0, batches=3, finished=r == 0, skipped=False, layout=0xABCDE) for r in range(3)]
+    summed = torch.tensor(headers, dtype=torch.float32).sum(dim=0).tolist()
+    totals = read_header(summed, 0xABCDE, 3)
+    assert totals.samples == 90_000_006 and totals.batches == 9 and totals.finished == 1 and totals.layouts_agree
+    assert not read_header(summed, 0xABCDF, 3).layouts_agree
+
+
 def test_reduce_header_single_process_group_is_identity() -> None:
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
