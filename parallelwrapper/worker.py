@@ -319,6 +319,13 @@ class Replica:
             return 0
         return signature_hash(optimizer_signature(self.optimizer))
 
+    def _layout_to_send(self, built: int | None) -> int | None:
+        """The layout hash for the header, or None (stale) when the optimizer has created state
+        since the buffers in use were built for layout `built` (None: no buffers yet): every
+        worker then learns that the layout must be agreed again."""
+        layout = self._layout_hash()
+        return None if built is not None and layout != built else layout
+
     def _averaged_tensors(self) -> list[torch.Tensor]:
         """AVERAGING's state: params | buffers | optimizer state (with average_updaters)."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
@@ -393,11 +400,7 @@ class Replica:
         had created state they lack; then all agree on the new layout and average it all again.
         """
         payload = self._gradient_payload() if self.config.training_mode is TrainingMode.SHARED_GRADIENTS else self._payload
-        layout = self._layout_hash()
-        if payload is not None and layout != payload.layout:
-            layout_sent: int | None = None  # grew since the buffers were built; everyone will know
-        else:
-            layout_sent = layout
+        layout_sent = self._layout_to_send(None if payload is None else payload.layout)
         header = make_header(layout=layout_sent, **self._header_fields(work, loss_sum, skipped))
         weight = 0.0 if skipped else float(work.samples)
         if payload is not None and self._reference > 0:
@@ -471,8 +474,7 @@ class Replica:
     def _launch(self, work: _Work, loss_sum: float, skipped: bool) -> _InFlight:
         """Send this round's payload, with its header; do not wait."""
         assert self._delta is not None
-        layout = self._layout_hash()
-        sent = layout if layout == self._delta.layout else None  # None: grew since; everyone will know
+        sent = self._layout_to_send(self._delta.layout)
         weight = 0.0 if skipped else float(work.samples)
         self._delta.launch(weight, make_header(layout=sent, **self._header_fields(work, loss_sum, skipped)), self.group)
         return _InFlight(sent, weight, skipped, self.local_steps)

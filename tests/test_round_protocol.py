@@ -7,7 +7,9 @@ holds it bitwise.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -70,21 +72,35 @@ def _one_round(rank: int, world: int, k: int, sizes: dict[int, list[int]]) -> li
     return out
 
 
-def reference(rank: int, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sizes: list[int]) -> dict[str, torch.Tensor]:
-    """One replica trained alone in this process, without any averaging, on one thread as the
-    workers are (the thread count changes the rounding of a matrix product)."""
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One-process references run on one thread, as the workers do (the thread count changes the
+    rounding of a matrix product)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = bn_model()
-        opt = cls(model.parameters(), **kwargs)
-        for x, y in batches(rank, sizes):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        return flat_state(model, opt)
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_replicas_match(results: list[dict[str, Any]], expected: dict[str, torch.Tensor]) -> None:
+    """Both replicas end bitwise equal, and close to the one-process reference."""
+    for key, value in expected.items():
+        assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@one_thread()
+def reference(rank: int, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sizes: list[int]) -> dict[str, torch.Tensor]:
+    """One replica trained alone in this process, without any averaging."""
+    model = bn_model()
+    opt = cls(model.parameters(), **kwargs)
+    for x, y in batches(rank, sizes):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return flat_state(model, opt)
 
 
 def test_average_equals_sample_weighted_mean_and_replicas_are_bitwise_equal() -> None:
@@ -210,41 +226,35 @@ def _rounds(rank: int, world: int, k: int, epochs: int) -> dict[str, Any]:
     return {"state": flat_state(model, replica.optimizer), "rounds": replica.counters.rounds, "sent": sent, "owns": owns_storage}
 
 
+@one_thread()
 def synchronous_reference(k: int) -> dict[str, torch.Tensor]:
     """Two replicas (SGD with momentum) trained and averaged round by round in one process: each
     takes up to k steps from the average, then both adopt the sample-weighted mean of params and
     momentum."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        models = [plain_model(), plain_model()]
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-        todo = [batches(r, ROUNDS_SIZES[r]) for r in (0, 1)]
-        while todo[0] or todo[1]:
-            weights = [0, 0]
-            for r in (0, 1):
-                for x, y in [todo[r].pop(0) for _ in range(min(k, len(todo[r])))]:
-                    opts[r].zero_grad()
-                    nn.functional.cross_entropy(models[r](x), y).backward()
-                    opts[r].step()
-                    weights[r] += len(y)
-            with torch.no_grad():
-                for p0, p1 in zip(models[0].parameters(), models[1].parameters()):
-                    for a, b in ((p0, p1), (opts[0].state[p0]["momentum_buffer"], opts[1].state[p1]["momentum_buffer"])):
-                        average = (a * weights[0] + b * weights[1]) / sum(weights)
-                        a.copy_(average)
-                        b.copy_(average)
-        return flat_state(models[0], opts[0])
-    finally:
-        torch.set_num_threads(threads)
+    models = [plain_model(), plain_model()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    todo = [batches(r, ROUNDS_SIZES[r]) for r in (0, 1)]
+    while todo[0] or todo[1]:
+        weights = [0, 0]
+        for r in (0, 1):
+            for x, y in [todo[r].pop(0) for _ in range(min(k, len(todo[r])))]:
+                opts[r].zero_grad()
+                nn.functional.cross_entropy(models[r](x), y).backward()
+                opts[r].step()
+                weights[r] += len(y)
+        with torch.no_grad():
+            for p0, p1 in zip(models[0].parameters(), models[1].parameters()):
+                for a, b in ((p0, p1), (opts[0].state[p0]["momentum_buffer"], opts[1].state[p1]["momentum_buffer"])):
+                    average = (a * weights[0] + b * weights[1]) / sum(weights)
+                    a.copy_(average)
+                    b.copy_(average)
+    return flat_state(models[0], opts[0])
 
 
 def test_rounds_of_changing_weights_send_one_collective_each_and_equal_the_weighted_mean() -> None:
     results = run_group(_rounds, 2, 2, 1)
     expected = synchronous_reference(2)
-    for key, value in expected.items():
-        assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"
-        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert_replicas_match(results, expected)
     # Σw per round: 32, 24 (rank 1 ends: the sum is rescaled), 16 and 8 (rank 1 sends zeros).
     # The first round sends its header alone, then builds the buffers; each later one, one
     # all-reduce with the header in it; none closes the epoch (each worker looked ahead).
@@ -296,52 +306,45 @@ def _overlapped(rank: int, world: int, k: int, momentum: float) -> dict[str, Any
     return {"state": flat_state(replica.model, replica.optimizer), "rounds": replica.counters.rounds, "reports": reports}
 
 
+@one_thread()
 def overlapped_reference(k: int) -> dict[str, torch.Tensor]:
     """Two replicas (plain SGD: no optimizer state) run the overlapped protocol step by step:
     a round's average lands after the next round's steps, which stay on top of it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        models = [plain_model(), plain_model()]
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-        todo = [batches(r, OVERLAP_SIZES[r]) for r in (0, 1)]
-        finished = [False, False]
-        in_flight: tuple[list[list[torch.Tensor]], list[int], list[bool]] | None = None
-        while True:
-            stepped = [0, 0]
-            samples = [0, 0]
-            for r in (0, 1):
-                while stepped[r] < k and not finished[r]:
-                    if not todo[r]:
-                        finished[r] = True
-                        break
-                    x, y = todo[r].pop(0)
-                    opts[r].zero_grad()
-                    nn.functional.cross_entropy(models[r](x), y).backward()
-                    opts[r].step()
-                    stepped[r] += 1
-                    samples[r] += len(y)
-            if in_flight is not None:
-                snapshots, weights, was_finished = in_flight
-                with torch.no_grad():
-                    for i in range(len(snapshots[0])):
-                        avg = (snapshots[0][i] * weights[0] + snapshots[1][i] * weights[1]) / sum(weights)
-                        for r in (0, 1):
-                            p = list(models[r].parameters())[i]
-                            p.copy_(avg if stepped[r] == 0 else p + (avg - snapshots[r][i]))
-                if all(was_finished):
-                    return flat_state(models[0], opts[0])
-            in_flight = ([[p.detach().clone() for p in m.parameters()] for m in models], samples, list(finished))
-    finally:
-        torch.set_num_threads(threads)
+    models = [plain_model(), plain_model()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    todo = [batches(r, OVERLAP_SIZES[r]) for r in (0, 1)]
+    finished = [False, False]
+    in_flight: tuple[list[list[torch.Tensor]], list[int], list[bool]] | None = None
+    while True:
+        stepped = [0, 0]
+        samples = [0, 0]
+        for r in (0, 1):
+            while stepped[r] < k and not finished[r]:
+                if not todo[r]:
+                    finished[r] = True
+                    break
+                x, y = todo[r].pop(0)
+                opts[r].zero_grad()
+                nn.functional.cross_entropy(models[r](x), y).backward()
+                opts[r].step()
+                stepped[r] += 1
+                samples[r] += len(y)
+        if in_flight is not None:
+            snapshots, weights, was_finished = in_flight
+            with torch.no_grad():
+                for i in range(len(snapshots[0])):
+                    avg = (snapshots[0][i] * weights[0] + snapshots[1][i] * weights[1]) / sum(weights)
+                    for r in (0, 1):
+                        p = list(models[r].parameters())[i]
+                        p.copy_(avg if stepped[r] == 0 else p + (avg - snapshots[r][i]))
+            if all(was_finished):
+                return flat_state(models[0], opts[0])
+        in_flight = ([[p.detach().clone() for p in m.parameters()] for m in models], samples, list(finished))
 
 
 def test_overlapped_averaging_lands_each_average_under_the_next_rounds_steps() -> None:
     results = run_group(_overlapped, 2, 2, 0.0)
-    expected = overlapped_reference(2)
-    for key, value in expected.items():
-        assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ at the end"
-        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert_replicas_match(results, overlapped_reference(2))
     # 7 + 3 batches at k = 2: rounds of 2+2, 2+1 (rank 1 finishes), 2+0, 1+0, and the landing of
     # the last; the score reports arrive one round late but all of them.
     assert results[0]["rounds"] == 4
