@@ -457,10 +457,11 @@ class WorkerPool:
         self.kill()
 
     def kill(self) -> None:
-        for p in self._processes:
+        started = [p for p in self._processes if p.pid is not None]  # start() may have failed
+        for p in started:
             if p.is_alive():
                 p.kill()
-        for p in self._processes:
+        for p in started:
             p.join(timeout=_JOIN_TIMEOUT_S)
         for q in [*self.data_queues, self._free_slots, *self._commands, self._results]:
             q.cancel_join_thread()

@@ -327,12 +327,14 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monke
 
 
 def test_script_without_main_guard_fails_fast_with_the_fix(tmp_path: Path) -> None:
+    # The model pickles to more than a pipe holds (64 KiB): the worker that fails to start
+    # must still exit, not wait for ever to flush its own unread job.
     script = tmp_path / "unguarded.py"
     script.write_text(
         "import torch\n"
         "from parallelwrapper import ParallelWrapper\n"
-        "w = ParallelWrapper.builder(torch.nn.Linear(4, 2)).workers(2).build()\n"
-        "w.fit([(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 4)\n"
+        "w = ParallelWrapper.builder(torch.nn.Linear(256, 256)).workers(2).build()\n"
+        "w.fit([(torch.randn(8, 256), torch.randint(0, 2, (8,)))] * 4)\n"
     )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
     assert result.returncode != 0
