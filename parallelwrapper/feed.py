@@ -59,6 +59,21 @@ class FeedError(RuntimeError):
     """The user's iterable raised, or yielded nothing; the message says which epoch."""
 
 
+def data_raised(error: Exception, epoch: int, count: int) -> FeedError:
+    return FeedError(f"the training data raised in epoch {epoch} after {count} batches: {error!r}")
+
+
+def check_epoch_length(count: int, skip: int, epoch: int) -> None:
+    """An epoch of `count` batches, of which a resumed run skips the first `skip`."""
+    if count == 0:
+        raise FeedError(f"the training data yielded no batches in epoch {epoch}: nothing to train on")
+    if count < skip:
+        raise FeedError(
+            f"the training data yielded {count} batches in epoch {epoch}, but the checkpoint "
+            f"resumed from had trained {skip} of them: resume with the same data"
+        )
+
+
 class Feeder:
     """A daemon thread that puts epochs `first_epoch` to `until_epoch - 1` of batches into the
     workers' queues, skipping the first `skip` batches of the first (already trained, when
@@ -112,14 +127,8 @@ class Feeder:
                         if packed is None or not self._put(self._queues[index % len(self._queues)], (index, packed)):
                             return
                 except Exception as e:
-                    raise FeedError(f"the training data raised in epoch {epoch} after {count} batches: {e!r}") from e
-                if count == 0:
-                    raise FeedError(f"the training data yielded no batches in epoch {epoch}: nothing to train on")
-                if count < skip:
-                    raise FeedError(
-                        f"the training data yielded {count} batches in epoch {epoch}, but the checkpoint "
-                        f"resumed from had trained {skip} of them: resume with the same data"
-                    )
+                    raise data_raised(e, epoch, count) from e
+                check_epoch_length(count, skip, epoch)
                 # One sentinel per worker: in shared mode all N go into the one queue.
                 for rank in range(self._workers):
                     if not self._put(self._queues[rank % len(self._queues)], _SENTINEL):
@@ -150,7 +159,8 @@ class QueueSource:
 
 
 class ShardSource:
-    """torchrun: this rank's batches of each epoch, index ≡ rank (mod world_size).
+    """torchrun, or one worker in this process: this rank's batches of each epoch,
+    index ≡ rank (mod world_size).
 
     Every rank iterates the same data (same order: seed any shuffling the same on every rank)
     and keeps its own shard, so no data is sent between machines. A DataLoader whose sampler is
@@ -168,12 +178,24 @@ class ShardSource:
     def _mine(self, index: int) -> bool:
         return self._sampler is not None or index % self._world == self._rank
 
+    def _shard(self, skip: int) -> Iterator[tuple[int, Any]]:
+        count = 0
+        try:
+            for index, batch in enumerate(self._make_epoch()):
+                count += 1
+                if index >= skip and self._mine(index):
+                    yield index, batch
+        except Exception as e:
+            raise data_raised(e, self._epoch, count) from e
+        if self._sampler is None:  # else `count` is this rank's share, which may be empty
+            check_epoch_length(count, skip, self._epoch)
+
     def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
         if self._it is None:
             if self._sampler is not None:
                 self._sampler.set_epoch(self._epoch)
             skip, self._skip = self._skip, 0  # only the first epoch resumes mid-way
-            self._it = ((i, b) for i, b in enumerate(self._make_epoch()) if i >= skip and self._mine(i))
+            self._it = self._shard(skip)
         item = next(self._it, None)
         if item is None:
             self._it = None  # the next call starts the next epoch

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from .checkpoint import Checkpointer, fingerprint, set_rng_state
 from .config import Config, Job
-from .feed import Feeder, QueueSource
+from .feed import Batches, Feeder, QueueSource
 from .slots import SlotReader, SlotWriter
 from .worker import Counters, EpochReport, Hooks, Phase, Replica, RoundReport, Stopped
 
@@ -94,7 +94,7 @@ def _prepare_worker(config: Config, device: torch.device, rank: int, local_worke
     torch.manual_seed(config.seed + rank)
 
 
-def _timeout(config: Config) -> datetime.timedelta:
+def collective_timeout(config: Config) -> datetime.timedelta:
     """The collectives' own timeout: past the stall watchdog's, so that the watchdog, which can
     name the stalled worker, speaks first; it is the only guard under torchrun."""
     return datetime.timedelta(seconds=config.stall_timeout_s + _COLLECTIVE_MARGIN_S)
@@ -118,7 +118,7 @@ def join_torchrun(config: Config) -> tuple[TorchrunEnv, torch.device, bool]:
     if dist.is_initialized():
         return env, device, False
     backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, timeout=_timeout(config))
+    dist.init_process_group(backend, timeout=collective_timeout(config))
     return env, device, True
 
 
@@ -188,9 +188,9 @@ def _worker_entry(
     try:
         device = torch.device(config.resolved_devices()[rank])
         _prepare_worker(config, device, rank, world)
-        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=_timeout(config))
+        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=collective_timeout(config))
         dist.init_process_group(
-            config.resolved_backend(), store=store, rank=rank, world_size=world, timeout=_timeout(config)
+            config.resolved_backend(), store=store, rank=rank, world_size=world, timeout=collective_timeout(config)
         )
         job: Job = pickle.loads(_get(command_queue, parent_pid))
         model = job.model.to(device)
@@ -278,7 +278,7 @@ class WorkerPool:
         job_bytes = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         # The main process serves the rendezvous store: port 0 lets the OS choose a free port,
         # so pools running side by side (tests, several trainers) never collide.
-        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_timeout(config))
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout(config))
         if config.deterministic:
             per_worker = max(1, config.prefetch_buffer // n)
             self.data_queues = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
@@ -328,13 +328,15 @@ class WorkerPool:
             self.kill()
             raise
 
-    def fit(self, command: FitCommand, feeder: Feeder, on_report: Callable[[RoundReport | EpochReport], None]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Run one fit on all workers; return rank 0's final (model, optimizer) state.
+    def fit(self, command: FitCommand, data: Batches, on_report: Callable[[RoundReport | EpochReport], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run one fit on all workers, fed from `data`; return rank 0's final (model, optimizer) state.
 
         Ctrl-C: with checkpoints on, the workers finish the round and save it (for up to
         `_STOP_GRACE_S`), then KeyboardInterrupt propagates; without, it propagates at once.
         """
         self._stop.clear()
+        c = command.counters
+        feeder = Feeder(data, c.epoch, command.until_epoch, c.position, self.data_queues, len(self._processes), self.slots)
         for q in self._commands:
             q.put(command)
         feeder.start()

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .config import Builder, Config, Job
-from .feed import Batches, Feeder, ShardSource, check_epochs, epoch_iterable
+from .feed import Batches, ShardSource, check_epochs, epoch_iterable
+from .inprocess import InProcessWorker, runs_in_process
 from .launch import FitCommand, WorkerError, WorkerPool, join_torchrun, make_checkpointer, torchrun_env
 from .listeners import EpochEnd, History, Score, notify
 from .worker import Counters, EpochReport, Hooks, Replica, RoundReport, to_cpu
@@ -33,7 +34,7 @@ class ParallelWrapper:
         self.optimizer = job.make_optimizer(job.model)  # holds the averaged optimizer state
         self._job = job
         self._listeners = listeners
-        self._pool: WorkerPool | None = None
+        self._pool: WorkerPool | InProcessWorker | None = None
         self._replica: Replica | None = None  # torchrun: this process is a worker
         self._owns_group = False  # torchrun: we created the process group, so we destroy it
         self._closed = False
@@ -137,7 +138,7 @@ class ParallelWrapper:
         if torchrun_env() is not None:
             self._fit_torchrun(data, until_epoch, rng, on_report)
         else:
-            self._fit_spawned(data, until_epoch, rng, on_report)
+            self._fit_local(data, until_epoch, rng, on_report)
         notify(self._listeners, "on_fit_end", history)
         return history
 
@@ -150,19 +151,22 @@ class ParallelWrapper:
         rng: list[dict[str, Any]] = payload["rng"]
         return rng
 
-    def _fit_spawned(self, data: Batches, until_epoch: int, rng: list[dict[str, Any]] | None, on_report: Any) -> None:
+    def _fit_local(self, data: Batches, until_epoch: int, rng: list[dict[str, Any]] | None, on_report: Any) -> None:
+        """Spawned workers, or with one worker on gloo this process (inprocess.py)."""
         try:
             if self._pool is None:
-                self._pool = WorkerPool(self.config, self._job)
-            c = self.counters
-            pool = self._pool
-            feeder = Feeder(data, c.epoch, until_epoch, c.position, pool.data_queues, self.config.workers, pool.slots)
+                in_process = runs_in_process(self.config)
+                self._pool = (InProcessWorker if in_process else WorkerPool)(self.config, self._job)
             # Copies: sending a tensor moves its storage into shared memory, and the user's own
             # model must not be changed under them.
             command = FitCommand(
-                until_epoch, dataclasses.replace(c), to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict()), rng
+                until_epoch,
+                dataclasses.replace(self.counters),
+                to_cpu(self.model.state_dict()),
+                to_cpu(self.optimizer.state_dict()),
+                rng,
             )
-            model_state, optimizer_state = self._pool.fit(command, feeder, on_report)
+            model_state, optimizer_state = self._pool.fit(command, data, on_report)
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
             # afresh next time. The user's model keeps its state from before this fit().

@@ -37,8 +37,8 @@ def make_batches(n: int, size: int = 16, seed: int = 1) -> list[tuple[torch.Tens
     return [(torch.randn(size, 10, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
 
 
-def builder(model: nn.Module | None = None) -> Any:
-    return ParallelWrapper.builder(model or mlp()).workers(2).threads_per_worker(1).deterministic(True)
+def builder(model: nn.Module | None = None, workers: int = 2) -> Any:
+    return ParallelWrapper.builder(model or mlp()).workers(workers).threads_per_worker(1).deterministic(True)
 
 
 # -- training steps that fail on batches whose targets are marked (module level: they travel) ------
@@ -148,9 +148,10 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_ctrl_c_stops_every_worker_and_saves_the_last_round(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [2, 1], ids=["spawned", "in-process"])
+def test_ctrl_c_stops_every_worker_and_saves_the_last_round(tmp_path: Path, workers: int) -> None:
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "interrupt_train.py"), str(tmp_path)],
+        [sys.executable, str(SCRIPTS / "interrupt_train.py"), str(tmp_path), str(workers)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -158,8 +159,8 @@ def test_ctrl_c_stops_every_worker_and_saves_the_last_round(tmp_path: Path) -> N
         for line in proc.stdout:
             if line.startswith("SCORE 3"):
                 break
-        workers = children_of(proc.pid)
-        assert len(workers) >= 2
+        children = children_of(proc.pid)
+        assert len(children) >= 2 if workers > 1 else not children  # one worker: this process
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=30)
@@ -168,7 +169,7 @@ def test_ctrl_c_stops_every_worker_and_saves_the_last_round(tmp_path: Path) -> N
         proc.kill()
     assert proc.returncode != 0 and "KeyboardInterrupt" in stderr
     deadline = time.monotonic() + 5  # multiprocessing's resource tracker exits just after its parent
-    while (alive := [pid for pid in workers if running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in children if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in alive]
     saved = torch.load(tmp_path / FILENAME, weights_only=False)
@@ -216,7 +217,8 @@ def test_malformed_batch_is_named() -> None:
 # -- 7-8: bad data from the caller ------------------------------------------------------------------
 
 
-def test_data_that_raises_mid_epoch_reaches_the_caller_and_the_wrapper_recovers() -> None:
+@pytest.mark.parametrize("workers", [2, 1], ids=["spawned", "in-process"])
+def test_data_that_raises_mid_epoch_reaches_the_caller_and_the_wrapper_recovers(workers: int) -> None:
     good = make_batches(6)
 
     def broken() -> Iterator[Any]:
@@ -224,7 +226,7 @@ def test_data_that_raises_mid_epoch_reaches_the_caller_and_the_wrapper_recovers(
         raise OSError("disk went away")
 
     model = mlp()
-    w = builder(model).build()
+    w = builder(model, workers).build()
     with w:
         with pytest.raises(FeedError, match=r"raised in epoch 0 after 5 batches: OSError\('disk went away'\)"):
             w.fit(broken)
@@ -238,13 +240,13 @@ def test_data_that_raises_mid_epoch_reaches_the_caller_and_the_wrapper_recovers(
 # -- checkpoints ----------------------------------------------------------------------------------
 
 
-def checkpointed(model: nn.Module, directory: Path, mode: TrainingMode | str) -> Any:
+def checkpointed(model: nn.Module, directory: Path, mode: TrainingMode | str, workers: int = 2) -> Any:
     """`mode` "overlap": AVERAGING with overlap_averaging. Dealt deterministically: with k = 2,
     which two batches a worker trains in a round changes its Adam state, and first-come dealing
     pairs them by timing."""
     overlap = mode == "overlap"
     return (
-        builder(model).optimizer(torch.optim.Adam, lr=0.01).averaging_frequency(2)
+        builder(model, workers).optimizer(torch.optim.Adam, lr=0.01).averaging_frequency(2)
         .training_mode(TrainingMode.AVERAGING if overlap else mode).overlap_averaging(overlap).deterministic(True)
         .checkpoint(directory, every=2)
     )
@@ -257,11 +259,14 @@ def state(model: nn.Module, w: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("workers", [2, 1], ids=["spawned", "in-process"])
 @pytest.mark.parametrize("mode", [*TrainingMode, "overlap"])
-def test_interrupted_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, mode: TrainingMode | str) -> None:
+def test_interrupted_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(
+    tmp_path: Path, mode: TrainingMode | str, workers: int
+) -> None:
     data = make_batches(22)
     model = mlp()
-    with checkpointed(model, tmp_path / "straight", mode).build() as w:
+    with checkpointed(model, tmp_path / "straight", mode, workers).build() as w:
         w.fit(data, epochs=2)
         expected = state(model, w)
 
@@ -275,14 +280,14 @@ def test_interrupted_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tm
             yield batch
 
     # A short read-ahead, so that the workers are in epoch 1 when the data fails.
-    with checkpointed(mlp(), tmp_path / "run", mode).prefetch_buffer(2).build() as w:
+    with checkpointed(mlp(), tmp_path / "run", mode, workers).prefetch_buffer(2).build() as w:
         with pytest.raises(FeedError, match="power cut"):
             w.fit(crashing, epochs=2)
     saved = torch.load(tmp_path / "run" / FILENAME, weights_only=False)["counters"]
     assert saved["epoch"] == 1 and 0 < saved["position"] <= 15, saved
 
     model = mlp()
-    with checkpointed(model, tmp_path / "run", mode).build() as w:
+    with checkpointed(model, tmp_path / "run", mode, workers).build() as w:
         history = w.fit(data, epochs=2, resume=tmp_path / "run")
         resumed = state(model, w)
     assert [e.epoch for e in history.epochs] == [1]

@@ -1,5 +1,5 @@
 """Trains slowly with checkpoints on and prints each score, so a test can press Ctrl-C mid-fit:
-`python interrupt_train.py CHECKPOINT_DIR`."""
+`python interrupt_train.py CHECKPOINT_DIR WORKERS`."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ def announce(score: Score) -> None:
     print(f"SCORE {score.round}", flush=True)
 
 
-def main(directory: str) -> None:
+def main(directory: str, workers: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
     data = [(torch.randn(16, 10), torch.randint(0, 3, (16,))) for _ in range(2000)]
     builder = (
-        ParallelWrapper.builder(model).workers(2).threads_per_worker(1).training_step(slow_step)
+        ParallelWrapper.builder(model).workers(workers).threads_per_worker(1).training_step(slow_step)
         .checkpoint(directory, every=10_000).listeners(announce)
     )
     with builder.build() as wrapper:
@@ -35,4 +35,4 @@ def main(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,100 @@
+"""`.workers(1)` on gloo trains in the caller's process (inprocess.py): the same results as a
+spawned worker, and none of the caller's state touched but the model and optimizer it gave."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallelwrapper import ParallelWrapper, Score
+from parallelwrapper.feed import FeedError
+from parallelwrapper.inprocess import InProcessWorker
+from parallelwrapper.launch import FitCommand, WorkerPool
+from parallelwrapper.worker import Counters, RoundReport
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def dropout_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+def make_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 10, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def one_worker(model: nn.Module) -> Any:
+    return ParallelWrapper.builder(model).workers(1).threads_per_worker(1).averaging_frequency(3)
+
+
+def test_in_process_worker_trains_as_a_spawned_worker_0_bitwise() -> None:
+    """Dropout draws from the worker's RNG stream: seeded as spawned worker 0's, and carried
+    from one fit() to the next."""
+    data = make_batches(10)
+    with one_worker(dropout_mlp()).optimizer(torch.optim.Adam, lr=0.01).build() as w:
+        config, job = w.config, w._job
+
+    def two_fits(worker: Any) -> tuple[list[float], dict[str, Any], dict[str, Any]]:
+        scores: list[float] = []
+
+        def keep(report: Any) -> None:
+            if isinstance(report, RoundReport):
+                scores.append(report.score)
+
+        try:
+            model_state, optimizer_state = dropout_mlp().state_dict(), job.make_optimizer(dropout_mlp()).state_dict()
+            counters = Counters()
+            for until_epoch in (2, 3):
+                command = FitCommand(until_epoch, counters, model_state, optimizer_state, None)
+                model_state, optimizer_state = worker.fit(command, data, keep)
+                counters = Counters(epoch=until_epoch)
+        finally:
+            worker.close()
+        return scores, model_state, optimizer_state
+
+    spawned = two_fits(WorkerPool(config, job))
+    in_process = two_fits(InProcessWorker(config, job))
+    assert len(in_process[0]) == 3 * 4 and in_process[0] == spawned[0]  # 10 batches, k = 3: 4 rounds an epoch
+    for k, v in spawned[1].items():
+        assert torch.equal(in_process[1][k], v), k
+    for i, st in spawned[2]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(in_process[2]["state"][i][k], v), (i, k)
+
+
+def test_one_worker_leaves_the_callers_process_as_it_was() -> None:
+    """No process spawned, no default group made; the caller's RNG state and thread count are
+    theirs again after fit(); and a fit() that fails leaves the model as it was."""
+    model = dropout_mlp()
+    torch.manual_seed(123)
+    rng, threads = torch.get_rng_state(), torch.get_num_threads()
+    during: list[tuple[int, int]] = []
+
+    def look(score: Score) -> None:
+        children = [p for p in multiprocessing.active_children() if p.name.startswith("parallelwrapper")]
+        during.append((len(children), torch.get_num_threads()))
+
+    builder = one_worker(model).threads_per_worker(threads + 1).listeners(look)
+    with builder.build() as w:
+        w.fit(make_batches(6))
+        assert during == [(0, threads + 1)] * 2
+        assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
+        assert not dist.is_initialized()
+
+        trained = {k: v.clone() for k, v in model.state_dict().items()}
+
+        def fails_after_two_rounds() -> Any:
+            yield from make_batches(6)
+            raise OSError("disk went away")
+
+        with pytest.raises(FeedError, match="disk went away"):
+            w.fit(fails_after_two_rounds)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+        assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
