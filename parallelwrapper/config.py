@@ -209,11 +209,12 @@ class Builder:
         return self
 
     def workers(self, n: int) -> Builder:
-        """Number of worker processes, one device each. Default: 2."""
+        """Number of workers, one process and device each. Default: 2. One worker on gloo (the CPU)
+        is the caller's own process: nothing is spawned, and batches are not copied."""
         return self._set("workers", n)
 
     def prefetch_buffer(self, n: int) -> Builder:
-        """Batches read ahead into the shared queue. Default: 24."""
+        """Batches read ahead into the spawned workers' shared queue. Default: 24."""
         return self._set("prefetch_buffer", n)
 
     def averaging_frequency(self, k: int) -> Builder:
@@ -260,7 +261,7 @@ class Builder:
         return self._set("backend", name)
 
     def stall_timeout(self, seconds: float) -> Builder:
-        """How long a worker may go without progress (a batch, a step, an averaging) before fit()
+        """How long a spawned worker may go without progress (a batch, a step, an averaging) before fit()
         fails naming it and where it was. Default: 300 s."""
         return self._set("stall_timeout_s", float(seconds))
 
