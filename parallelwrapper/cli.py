@@ -30,8 +30,8 @@ _LR_DEFAULTS = ", ".join(f"{name} {choice.default_lr:g}" for name, choice in OPT
 def _run_options(f: F) -> F:
     """The options `pw-fit` and `pw-fit compare` share; the first four mirror the builder."""
     options = [
-        click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Worker processes, one device each."),
-        click.option("--prefetch-buffer", type=click.IntRange(min=1), default=24, show_default=True, help="Batches read ahead into the shared queue."),
+        click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Workers, one process and device each; one worker on the CPU trains in this process."),
+        click.option("--prefetch-buffer", type=click.IntRange(min=1), default=24, show_default=True, help="Batches read ahead into the spawned workers' shared queue."),
         click.option("--report-score-after-averaging/--no-report-score-after-averaging", default=True, show_default=True, help="Report the averaged score after every averaging, or once per epoch."),
         click.option("--average-updaters/--no-average-updaters", default=True, show_default=True, help="Average optimizer state (momentum, Adam moments) with the parameters."),
         click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True),
