@@ -1,4 +1,6 @@
-"""Where the one-worker overhead goes: the same worker loop in a spawned process, fed two ways.
+"""What the feed costs a spawned worker: the same worker loop in a spawned process, fed two ways.
+(`.workers(1)` on the CPU trains in the caller's process and has no feed; two or more workers
+are spawned and fed this way.)
 
     python benchmarks/feed_cost.py
 
