@@ -209,8 +209,8 @@ class Builder:
         return self
 
     def workers(self, n: int) -> Builder:
-        """Number of workers, one process and device each. Default: 2. One worker on gloo (the CPU)
-        is the caller's own process: nothing is spawned, and batches are not copied."""
+        """Number of workers, one process and device each. Default: 2. One worker on the CPU is
+        the caller's own process: nothing is spawned, and batches are not copied."""
         return self._set("workers", n)
 
     def prefetch_buffer(self, n: int) -> Builder:

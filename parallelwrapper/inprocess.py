@@ -1,4 +1,4 @@
-"""One worker in the caller's own process: `.workers(1)` on gloo.
+"""One worker in the caller's own process: `.workers(1)` on the CPU.
 
 With one worker there is nobody to share batches with, so nothing is spawned, queued or copied:
 the worker takes each batch from the iterable when it needs it and trains on it where it lies,
@@ -15,8 +15,7 @@ What stays as with spawned workers, so that `.workers(1)` and `.workers(2)` diff
 - checkpoints, and Ctrl-C with checkpoints on: the round finishes and is saved, then
   KeyboardInterrupt (a second Ctrl-C interrupts at once).
 
-On a GPU under NCCL one worker is still spawned: an NCCL group of one built this way has not
-been run on a GPU yet.
+One worker on a GPU is still spawned: a group of one built this way has not been run on a GPU.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from .worker import Hooks, Replica, Reporter, Stopped
 
 
 def runs_in_process(config: Config) -> bool:
-    return config.workers == 1 and config.resolved_backend() == "gloo"
+    return config.workers == 1 and torch.device(config.resolved_devices()[0]).type == "cpu"
 
 
 def group_of_one(config: Config) -> dist.ProcessGroup:

@@ -152,7 +152,7 @@ class ParallelWrapper:
         return rng
 
     def _fit_local(self, data: Batches, until_epoch: int, rng: list[dict[str, Any]] | None, on_report: Any) -> None:
-        """Spawned workers, or with one worker on gloo this process (inprocess.py)."""
+        """Spawned workers, or with one worker on the CPU this process (inprocess.py)."""
         try:
             if self._pool is None:
                 in_process = runs_in_process(self.config)

@@ -1,4 +1,4 @@
-"""`.workers(1)` on gloo trains in the caller's process (inprocess.py): the same results as a
+"""`.workers(1)` on the CPU trains in the caller's process (inprocess.py): the same results as a
 spawned worker, and none of the caller's state touched but the model and optimizer it gave."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from torch import nn
 
 from parallelwrapper import ParallelWrapper, Score
 from parallelwrapper.feed import FeedError
-from parallelwrapper.inprocess import InProcessWorker
+from parallelwrapper.config import Config
+from parallelwrapper.inprocess import InProcessWorker, runs_in_process
 from parallelwrapper.launch import FitCommand, WorkerPool
 from parallelwrapper.worker import Counters, RoundReport
 
@@ -98,3 +99,8 @@ def test_one_worker_leaves_the_callers_process_as_it_was() -> None:
             w.fit(fails_after_two_rounds)
         assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
         assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
+
+
+def test_only_one_worker_on_the_cpu_runs_in_process() -> None:
+    assert runs_in_process(Config(workers=1)) and runs_in_process(Config(workers=1, devices=("cpu",)))
+    assert not runs_in_process(Config(workers=2))
