@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from .checkpoint import Checkpointer, fingerprint, set_rng_state
 from .config import Config, Job
-from .feed import Batches, Feeder, QueueSource
+from .feed import Batches, Feeder, QueueSource, RoundBudget
 from .slots import SlotReader, SlotWriter
 from .worker import Counters, EpochReport, Hooks, Phase, Replica, RoundReport, Stopped
 
@@ -177,11 +177,11 @@ def _worker_entry(
     rank: int,
     config: Config,
     store_port: int,
-    channels: tuple[Any, Any, Any, Any, Any, ProgressBoard],
+    channels: tuple[Any, Any, Any, Any, Any, ProgressBoard, RoundBudget | None],
     parent_pid: int,
 ) -> None:
     """A spawned worker: join the group, then run fit commands until told to close."""
-    data_queue, free_slots, command_queue, result_queue, stop, board = channels
+    data_queue, free_slots, command_queue, result_queue, stop, board, budget = channels
     world = config.workers
     # Ctrl-C in a terminal reaches every process of the group: the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -195,7 +195,7 @@ def _worker_entry(
         job: Job = pickle.loads(_get(command_queue, parent_pid))
         model = job.model.to(device)
         hooks = _SpawnedHooks(board, rank, stop, make_checkpointer(config, job, world))
-        replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world, hooks=hooks)
+        replica = Replica(model, job.make_optimizer(model), job, config, device, rank, world, hooks=hooks, budget=budget)
         source = QueueSource(data_queue, SlotReader(free_slots), parent_pid)
         report = _Reports(result_queue, rank)
         result_queue.put(("ready", rank, None))
@@ -290,6 +290,10 @@ class WorkerPool:
         self._results = ctx.Queue()
         self._stop = ctx.Event()
         self._board = ProgressBoard(ctx, n)
+        # First-come rounds of N·k batches in all only where a worker does not wait for the others
+        # at each round's end anyway, and batches are not dealt by number.
+        first_come = config.overlap_averaging and not config.deterministic
+        self._budget = RoundBudget(ctx, n * config.averaging_frequency) if first_come else None
         self._processes = [
             ctx.Process(
                 target=_worker_entry,
@@ -304,6 +308,7 @@ class WorkerPool:
                         self._results,
                         self._stop,
                         self._board,
+                        self._budget,
                     ),
                     os.getpid(),
                 ),
@@ -335,6 +340,8 @@ class WorkerPool:
         `_STOP_GRACE_S`), then KeyboardInterrupt propagates; without, it propagates at once.
         """
         self._stop.clear()
+        if self._budget is not None:
+            self._budget.clear()
         c = command.counters
         feeder = Feeder(data, c.epoch, command.until_epoch, c.position, self.data_queues, len(self._processes), self.slots)
         for q in self._commands:

@@ -97,6 +97,14 @@ class EpochReport:
 Reporter = Callable[[RoundReport | EpochReport], None]
 
 
+class Budget(Protocol):
+    """How many batches a round may have in all (feed.RoundBudget), when not k per worker."""
+
+    def take(self, round_index: int) -> bool: ...
+
+    def landed(self, round_index: int) -> None: ...
+
+
 class Checkpointing(Protocol):
     def __call__(self, replica: Replica, final: bool) -> None: ...
 
@@ -201,10 +209,13 @@ class Replica:
         world_size: int,
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.model, self.optimizer, self.job, self.config = model, optimizer, job, config
         self.device, self.rank, self.world_size, self.group = device, rank, world_size, group
         self.hooks = hooks or Hooks()
+        self._budget = budget  # overlap_averaging, first-come feed: N·k batches a round in all
+        self._round = 0  # rounds launched in this fit(), the same count on every worker
         self.counters = Counters()
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
         self._payload: FlatAverager | None = None
@@ -281,7 +292,7 @@ class Replica:
     def _local_steps(self, epoch: int) -> _Work:
         """AVERAGING: up to k independent steps."""
         work = _Work(first_step=self.local_steps)
-        while len(work.losses) < self.config.averaging_frequency:
+        while self._may_take(work):
             item = self._next(epoch)
             if item is None:
                 break
@@ -294,11 +305,20 @@ class Replica:
         self._look_ahead(epoch, work)
         return work
 
+    def _may_take(self, work: _Work) -> bool:
+        """Another step in this round: k of them, or with a budget as long as the round has
+        batches left (a batch looked ahead at was counted against this round when taken)."""
+        if self._budget is None:
+            return len(work.losses) < self.config.averaging_frequency
+        if self._ahead is not None:
+            return True
+        return not self._finished and self._budget.take(self._round)
+
     def _look_ahead(self, epoch: int, work: _Work) -> None:
         """Take the next batch now, so that the round that trains a worker's last batch already
         says it has finished: the epoch then ends with that round, without one more round whose
         payload (zeros) would cross the network."""
-        if work.losses:
+        if work.losses and not self._finished and (self._budget is None or self._budget.take(self._round + 1)):
             self._ahead = self._next(epoch)
 
     def _one_gradient(self, epoch: int) -> _Work:
@@ -349,6 +369,7 @@ class Replica:
         """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
         self.model.train()
         self._source, self._ahead = source, None  # a batch looked ahead at before a stop is not trained
+        self._round = 0
         try:
             while self.counters.epoch < until_epoch:
                 self._epoch(report)
@@ -477,7 +498,8 @@ class Replica:
         sent = self._layout_to_send(self._delta.layout)
         weight = 0.0 if skipped else float(work.samples)
         self._delta.launch(weight, make_header(layout=sent, **self._header_fields(work, loss_sum, skipped)), self.group)
-        return _InFlight(sent, weight, skipped, self.local_steps)
+        self._round += 1
+        return _InFlight(sent, weight, skipped, self.local_steps, self._round - 1)
 
     def _land(self, in_flight: _InFlight, skipped_since: bool) -> RoundTotals:
         """Wait for a launched round and move the state by its average (DeltaAverager.land).
@@ -489,6 +511,8 @@ class Replica:
         """
         assert self._delta is not None
         totals = read_header(self._delta.wait(), in_flight.layout, self.world_size)
+        if self._budget is not None:
+            self._budget.landed(in_flight.round_index)
         self._check_diverged(totals)
         worthless = in_flight.skipped or skipped_since
         self._delta.land(totals.samples, adopt=worthless or self.local_steps == in_flight.local_steps)
@@ -592,6 +616,7 @@ class _InFlight:
     weight: float  # this worker's weight in the payload
     skipped: bool  # this worker's contribution was dropped: its state is not worth keeping
     local_steps: int  # Replica.local_steps at the launch
+    round_index: int  # Replica._round of the round launched
 
 
 def _mean(total: float, count: int) -> float:
