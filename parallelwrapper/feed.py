@@ -165,6 +165,10 @@ class RoundBudget:
             self._counts[slot] += 1
             return True
 
+    def untake(self, round_index: int) -> None:
+        with self._counts.get_lock():
+            self._counts[round_index % self.RING] -= 1
+
     def landed(self, round_index: int) -> None:
         with self._counts.get_lock():
             self._counts[round_index % self.RING] = 0

@@ -102,6 +102,8 @@ class Budget(Protocol):
 
     def take(self, round_index: int) -> bool: ...
 
+    def untake(self, round_index: int) -> None: ...
+
     def landed(self, round_index: int) -> None: ...
 
 
@@ -295,6 +297,7 @@ class Replica:
         while self._may_take(work):
             item = self._next(epoch)
             if item is None:
+                self._not_taken(self._round)
                 break
             self.optimizer.zero_grad(set_to_none=True)
             loss, n = self.forward_backward(item[0], epoch, item[1])
@@ -320,6 +323,14 @@ class Replica:
         payload (zeros) would cross the network."""
         if work.losses and not self._finished and (self._budget is None or self._budget.take(self._round + 1)):
             self._ahead = self._next(epoch)
+            if self._ahead is None:
+                self._not_taken(self._round + 1)
+
+    def _not_taken(self, round_index: int) -> None:
+        """The end of the epoch came instead of a batch counted against the round: uncount it,
+        or the next epoch's first round would have one batch less (and the epoch a round more)."""
+        if self._budget is not None:
+            self._budget.untake(round_index)
 
     def _one_gradient(self, epoch: int) -> _Work:
         """SHARED_GRADIENTS: one forward/backward; the step waits for the averaged gradients."""

@@ -120,15 +120,17 @@ def test_every_batch_once_in_an_uneven_epoch(mode: TrainingMode, overlap: bool, 
 
 def test_overlap_lets_the_faster_worker_take_more_of_each_round(tmp_path: Path) -> None:
     """With overlap_averaging and the first-come feed a round is N·k batches in all: the slow
-    worker (rank 1) takes fewer of them instead of holding rank 0 up at every landing."""
+    worker (rank 1) takes fewer of them instead of holding rank 0 up at every landing, and each
+    epoch of 60 batches is 10 rounds of 6."""
     base = make_batches(60)
     data = [(x, y, torch.arange(100 * i, 100 * i + len(y)), str(tmp_path)) for i, (x, y) in enumerate(base)]
     w = builder(mlp(), averaging_frequency=3, overlap_averaging=True).training_step(recording_step).build()
     with w:
-        history = w.fit(data)
+        history = w.fit(data, epochs=2)
     batches = {f.stem: len(f.read_text().split()) // 16 for f in tmp_path.glob("*.txt")}
-    assert batches["0"] + batches["1"] == 60 and history.epochs[0].iteration == 60
-    assert batches["0"] > 1.5 * batches["1"], batches  # with k each, both would train 30
+    assert batches["0"] + batches["1"] == 120 and [e.iteration for e in history.epochs] == [60, 120]
+    assert batches["0"] > 1.5 * batches["1"], batches  # with k each, both would train 60
+    assert [s.iteration for s in history.scores] == list(range(6, 121, 6))
 
 
 def test_deterministic_runs_are_bitwise_equal() -> None:
