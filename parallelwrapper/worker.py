@@ -275,17 +275,22 @@ class Replica:
             ) from e
         return loss.detach().reshape(()) * n, n
 
-    def _next(self, epoch: int) -> tuple[int, Any] | None:
-        """The next batch, or None at this worker's end of the epoch."""
+    def _next(self, epoch: int, round_index: int) -> tuple[int, Any] | None:
+        """The next batch, or None at this worker's end of the epoch or, with a budget, when
+        round `round_index` has all its batches. A batch is counted against the round it is
+        taken for (a batch looked ahead at, against the next); the end of the epoch is not, or
+        the next epoch's first round would have a batch less."""
         if self._ahead is not None:
             ahead, self._ahead = self._ahead, None
             return ahead
-        if self._finished:
+        if self._finished or (self._budget is not None and not self._budget.take(round_index)):
             return None
         self.hooks.progress(Phase.WAITING, epoch, -1, self.local_steps)
         item = self._source.next_batch()
         if isinstance(item, EndOfEpoch):
             self._finished = True
+            if self._budget is not None:
+                self._budget.untake(round_index)
             return None
         return item
 
@@ -294,10 +299,10 @@ class Replica:
     def _local_steps(self, epoch: int) -> _Work:
         """AVERAGING: up to k independent steps."""
         work = _Work(first_step=self.local_steps)
-        while self._may_take(work):
-            item = self._next(epoch)
+        most = self.config.averaging_frequency if self._budget is None else math.inf  # else: what the round has
+        while len(work.losses) < most:
+            item = self._next(epoch, self._round)
             if item is None:
-                self._not_taken(self._round)
                 break
             self.optimizer.zero_grad(set_to_none=True)
             loss, n = self.forward_backward(item[0], epoch, item[1])
@@ -308,36 +313,19 @@ class Replica:
         self._look_ahead(epoch, work)
         return work
 
-    def _may_take(self, work: _Work) -> bool:
-        """Another step in this round: k of them, or with a budget as long as the round has
-        batches left (a batch looked ahead at was counted against this round when taken)."""
-        if self._budget is None:
-            return len(work.losses) < self.config.averaging_frequency
-        if self._ahead is not None:
-            return True
-        return not self._finished and self._budget.take(self._round)
-
     def _look_ahead(self, epoch: int, work: _Work) -> None:
         """Take the next batch now, so that the round that trains a worker's last batch already
         says it has finished: the epoch then ends with that round, without one more round whose
         payload (zeros) would cross the network."""
-        if work.losses and not self._finished and (self._budget is None or self._budget.take(self._round + 1)):
-            self._ahead = self._next(epoch)
-            if self._ahead is None:
-                self._not_taken(self._round + 1)
-
-    def _not_taken(self, round_index: int) -> None:
-        """The end of the epoch came instead of a batch counted against the round: uncount it,
-        or the next epoch's first round would have one batch less (and the epoch a round more)."""
-        if self._budget is not None:
-            self._budget.untake(round_index)
+        if work.losses:
+            self._ahead = self._next(epoch, self._round + 1)
 
     def _one_gradient(self, epoch: int) -> _Work:
         """SHARED_GRADIENTS: one forward/backward; the step waits for the averaged gradients."""
         work = _Work(first_step=self.local_steps)
         self._gradient_payload()  # allocates zero gradients before the first backward
         self.optimizer.zero_grad(set_to_none=False)
-        item = self._next(epoch)
+        item = self._next(epoch, self._round)
         if item is not None:
             loss, work.samples = self.forward_backward(item[0], epoch, item[1])
             work.losses.append(loss)
