@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .batches import map_leaves
+
 _ALIGN = 64  # every tensor starts on a cache line, so any dtype's view is aligned
 _POLL_S = 0.1
 
@@ -41,36 +43,37 @@ class TensorMeta:
         return (TensorMeta, (self.offset, self.dtype, self.shape))
 
 
-def _hollow(batch: Any, tensors: list[torch.Tensor], offset: list[int]) -> Any:
-    """The batch's structure (tuples, lists, dicts, named tuples) with each tensor replaced by
-    a TensorMeta; the tensors are appended to `tensors` in order. Anything else stays as it is."""
-    if isinstance(batch, torch.Tensor):
-        tensors.append(batch)
-        meta = TensorMeta(offset[0], batch.dtype, tuple(batch.shape))
-        offset[0] += _aligned(batch.numel() * batch.element_size())
+def _hollow(batch: Any) -> tuple[Any, list[torch.Tensor], int]:
+    """(skeleton, tensors, size): the batch's structure (as batches.map_leaves walks it) with each
+    tensor leaf replaced by a TensorMeta of its place in a slot, the tensors in that order, and
+    the bytes the slot needs. Every other leaf stays as it is."""
+    tensors: list[torch.Tensor] = []
+    offset = 0
+
+    def place(leaf: Any) -> Any:
+        nonlocal offset
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf)
+        meta = TensorMeta(offset, leaf.dtype, tuple(leaf.shape))
+        offset += _aligned(leaf.numel() * leaf.element_size())
         return meta
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_hollow(b, tensors, offset) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_hollow(b, tensors, offset) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _hollow(v, tensors, offset) for k, v in batch.items()}
-    return batch
+
+    skeleton = map_leaves(batch, place)
+    return skeleton, tensors, offset
 
 
 def _fill(skeleton: Any, buffer: torch.Tensor) -> Any:
     """The inverse of _hollow: each TensorMeta becomes a copy of its bytes in the slot."""
-    if isinstance(skeleton, TensorMeta):
-        nbytes = torch.Size(skeleton.shape).numel() * skeleton.dtype.itemsize
-        raw = buffer[skeleton.offset : skeleton.offset + nbytes]
-        return raw.view(skeleton.dtype).view(skeleton.shape).clone()
-    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
-        return type(skeleton)(*(_fill(b, buffer) for b in skeleton))
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_fill(b, buffer) for b in skeleton)
-    if isinstance(skeleton, dict):
-        return {k: _fill(v, buffer) for k, v in skeleton.items()}
-    return skeleton
+
+    def copy_out(leaf: Any) -> Any:
+        if not isinstance(leaf, TensorMeta):
+            return leaf
+        nbytes = torch.Size(leaf.shape).numel() * leaf.dtype.itemsize
+        raw = buffer[leaf.offset : leaf.offset + nbytes]
+        return raw.view(leaf.dtype).view(leaf.shape).clone()
+
+    return map_leaves(skeleton, copy_out)
 
 
 class SlotWriter:
@@ -85,13 +88,11 @@ class SlotWriter:
     def pack(self, batch: Any, stop: threading.Event) -> tuple[int, str, Any] | None:
         """(slot, segment name, skeleton): the batch with each tensor replaced by its place in
         the slot, where it has been copied."""
-        tensors: list[torch.Tensor] = []
-        size = [0]
-        skeleton = _hollow(batch, tensors, size)
+        skeleton, tensors, size = _hollow(batch)
         slot = self._take(stop)
         if slot is None:
             return None
-        segment = self._segment(slot, size[0])
+        segment = self._segment(slot, size)
         offset = 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()

@@ -1,0 +1,137 @@
+"""One walker over batch structures: tuples, named tuples, lists, dicts (any nesting); every other
+object is a leaf.
+
+`map_leaves` is the only code in the package that decides what a container is and how to rebuild
+it. Everything that moves, measures, describes or copies a batch (or a state dict) goes through it,
+so that a named tuple, an OrderedDict or a tuple inside a list is treated the same way everywhere.
+
+This module imports nothing of the package: only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["map_leaves", "leaves", "tensors", "move_to", "batch_size", "describe", "to_cpu"]
+
+DESCRIBE_MAX_CHARS = 300  # longer descriptions are cut there and end in "..."
+
+
+def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """The same structure with fn applied to every leaf. Containers are rebuilt with their own type:
+    named tuples as type(obj)(*items), other tuples/lists as type(obj)(items), dicts (and dict
+    subclasses such as OrderedDict) as type(obj)((k, v) ...) with keys kept as they are. This is THE
+    walker; everything below uses it.
+
+    Leaves are visited depth first, in order (dicts in their iteration order); fn is called once per
+    leaf and never on a container. A defaultdict keeps its default_factory.
+    """
+    cls = type(obj)
+    # Exact builtins first: the common case of every training step, without the subclass checks.
+    if cls is tuple:
+        return tuple([map_leaves(x, fn) for x in obj])
+    if cls is list:
+        return [map_leaves(x, fn) for x in obj]
+    if cls is dict:
+        return {k: map_leaves(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        items = [map_leaves(x, fn) for x in obj]
+        # A named tuple takes its fields as arguments; other tuple subclasses (torch.Size,
+        # torch.return_types.*) take one sequence.
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)
+    if isinstance(obj, list):
+        return cls([map_leaves(x, fn) for x in obj])
+    if isinstance(obj, dict):
+        pairs = ((k, map_leaves(v, fn)) for k, v in obj.items())
+        if isinstance(obj, defaultdict):  # its first argument is the factory
+            return cls(obj.default_factory, pairs)
+        return cls(pairs)
+    return fn(obj)
+
+
+def leaves(obj: Any) -> list[Any]:
+    """Every leaf of obj, in order."""
+    found: list[Any] = []
+    map_leaves(obj, found.append)  # append returns None: the rebuilt structure is thrown away
+    return found
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensor leaves of obj, in order."""
+    return [leaf for leaf in leaves(obj) if isinstance(leaf, torch.Tensor)]
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """The batch with every tensor moved to `device` (non-blocking; a tensor already there is kept
+    as it is, as Tensor.to does). Every other leaf is kept as it is."""
+
+    def move(leaf: Any) -> Any:
+        return leaf.to(device, non_blocking=True) if isinstance(leaf, torch.Tensor) else leaf
+
+    return map_leaves(batch, move)
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: dim 0 of its first tensor leaf (the others are not looked at).
+
+    Raises ValueError if the batch holds no tensor, or its first tensor has no dimensions.
+    """
+    found = tensors(batch)
+    if found and found[0].dim() > 0:
+        return int(found[0].shape[0])
+    raise ValueError(f"cannot count the samples of batch {describe(batch)}: it holds no tensor with a batch dimension")
+
+
+class _Label:
+    """What describe shows of a leaf: a tensor's dtype and shape, or another object's type name."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, leaf: Any) -> None:
+        if isinstance(leaf, torch.Tensor):
+            self.text = f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}"
+        else:
+            self.text = type(leaf).__name__
+
+
+def describe(obj: Any) -> str:
+    """A short, readable shape of a batch for error messages, never a tensor's values:
+    (float32[128, 1, 28, 28], int64[128]); lists render as tuples, dicts as {x: float32[3]},
+    named tuples as Pair(a=float32[2], b=str). Cut to DESCRIBE_MAX_CHARS characters plus "..."."""
+    text = _render(map_leaves(obj, _Label))
+    return text if len(text) <= DESCRIBE_MAX_CHARS else text[:DESCRIBE_MAX_CHARS] + "..."
+
+
+def _render(shape: Any) -> str:
+    """Joins a structure whose leaves are all _Labels into one string.
+
+    map_leaves rebuilds containers; it cannot fold them into a string, and Python's own repr of the
+    labelled structure would quote dict keys and bracket lists. So this small fold remains; it makes
+    no decision of its own about what is a container: map_leaves has left only _Labels and
+    tuples, lists and dicts.
+    """
+    if isinstance(shape, _Label):
+        return shape.text
+    if isinstance(shape, dict):
+        return "{" + ", ".join(f"{k}: {_render(v)}" for k, v in shape.items()) + "}"
+    fields = getattr(type(shape), "_fields", None) if isinstance(shape, tuple) else None
+    if fields is not None:
+        inner = ", ".join(f"{f}={_render(v)}" for f, v in zip(fields, shape))
+        return f"{type(shape).__name__}({inner})"
+    return "(" + ", ".join(_render(v) for v in shape) + ")"
+
+
+def to_cpu(state: Any) -> Any:
+    """A deep copy of a structure (a model's or an optimizer's state dict, say) with every tensor
+    detached and copied to the CPU: a tensor already on the CPU is cloned too, since the sender
+    keeps training on its own. Tuples and named tuples are copied like lists and dicts; other
+    leaves (numbers, strings, None) are kept as they are."""
+
+    def copy(leaf: Any) -> Any:
+        return leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf
+
+    return map_leaves(state, copy)
