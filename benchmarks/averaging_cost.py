@@ -3,7 +3,7 @@ same bytes, for models of about 0.4M, 10M and 50M parameters, two processes, in 
 
     python benchmarks/averaging_cost.py
 
-An averaging is what a worker does at the end of a round (Replica._exchange): the header
+An averaging is what a worker does at the end of a round (rounds/driver.py, Rounds._exchange): the header
 all-reduce and the all-reduce of params | buffers | SGD momentum, which live in one flat buffer,
 sent together, then one pass that scales the sum to the average. The bare all_reduce sends one
 float32 buffer of the same number of elements, preallocated and filled with random values (gloo
@@ -22,7 +22,8 @@ from torch import nn
 
 from common import lenet, run_processes, table, write_results
 from parallelwrapper.config import Config, Job
-from parallelwrapper.worker import Replica, _Work
+from parallelwrapper.rounds.driver import _Work
+from parallelwrapper.worker import Replica
 
 
 def model(name: str) -> nn.Module:
@@ -42,12 +43,12 @@ def _measure(rank: int, world: int, name: str, seconds: float) -> dict[str, floa
     replica.optimizer.step()
 
     def averaging() -> None:
-        replica._exchange(_Work(samples=128), loss_sum=1.0, skipped=False)
+        replica.rounds._exchange(_Work(samples=128, loss_sum=1.0))
 
     averaging()  # builds the flat buffers
     averaging()  # learns the common reference weight: from here on, the steady state
-    assert replica._payload is not None
-    numel = replica._payload.numel
+    assert replica.rounds._payload is not None
+    numel = replica.rounds._payload.numel
     flat = torch.randn(numel)  # values like a model's: a buffer of zeros reduces faster
 
     def bare() -> None:

@@ -5,11 +5,10 @@
         history = wrapper.fit(batches, epochs=1)
 """
 
-from .config import Builder, Config, NanPolicy, TrainingMode
-from .launch import WorkerError
+from .config import Config, NanPolicy, TrainingMode
 from .listeners import CsvWriter, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger
-from .worker import TrainingError
-from .wrapper import ParallelWrapper
+from .types import TrainingError, WorkerError
+from .wrapper import Builder, ParallelWrapper
 
 __all__ = [
     "Builder",

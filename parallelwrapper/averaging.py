@@ -1,19 +1,15 @@
 """Sample-weighted averaging of tensors over a process group, on flat buffers.
 
-A round of the protocol in DESIGN.md is one all-reduce per dtype of the state (params | buffers |
-optimizer state, or gradients), which lives in one contiguous buffer per dtype. The round's
-header (samples w, loss sum, batches, finished, skipped and stop flags, a layout check) rides in
-the first buffer, after the state, so a round costs one collective for most models. Each worker
-pre-scales its state by w_i / Σw' where Σw' is the last round's Σw, a guess every worker shares:
-when it holds, the sum *is* the average; when it does not (an epoch's last round), one more pass
-scales the sum by Σw' / Σw. The first round of a fit() sends the header alone, first, and builds
-the buffers.
+The state (params | buffers | optimizer state, or gradients) lives in one contiguous buffer per
+dtype, so an averaging is one all-reduce per dtype and no copy. The first buffer can carry a
+trailer: a few numbers that the caller sums with the state in the same collective (the round
+protocol rides there, see rounds.py); this module does not read them.
 
-A worker with w = 0 sends zeros and receives the average; when Σw = 0 nobody trained and the
-sums are dropped. Low-precision floats are averaged in float32 (w·x in fp16 can overflow),
+A worker that sends scale 0 sends zeros and receives the sum; not applying the sums leaves its
+tensors as they were. Low-precision floats are averaged in float32 (w·x in fp16 can overflow),
 integer tensors (BatchNorm's num_batches_tracked) in float64 and rounded back.
 
-This module knows nothing of queues or processes: it takes a process group.
+This module knows nothing of queues, processes or the protocol: it takes a process group.
 """
 
 from __future__ import annotations
@@ -28,61 +24,9 @@ import torch.distributed as dist
 ProcessGroup = dist.ProcessGroup | None  # None: the default group
 
 
-@dataclass(frozen=True)
-class RoundTotals:
-    """The header of a round, summed over all workers."""
-
-    samples: float  # Σw: samples trained on in this round
-    loss_sum: float  # Σ loss·batch_size
-    batches: int
-    finished: int  # workers that have reached the end of the epoch
-    skipped: int  # workers whose contribution was dropped (non-finite loss, NanPolicy.SKIP)
-    stop: int  # workers asked to stop after this round
-    layouts_agree: bool
-
-    @property
-    def score(self) -> float:
-        """The sample-weighted mean loss of the round (NaN when nobody trained)."""
-        return self.loss_sum / self.samples if self.samples > 0 else float("nan")
-
-
-_LAYOUT_BITS = 20
-_SAMPLES_SPLIT = 1 << 12  # samples go as (w // 4096, w % 4096): sums exact in float32 to 2**36
-HEADER_LEN = 8 + _LAYOUT_BITS  # numbers in a header
-
-
-def make_header(
-    *,
-    samples: int,
-    loss_sum: float,
-    batches: int,
-    finished: bool,
-    skipped: bool,
-    layout: int | None,
-    stop: bool = False,
-) -> list[float]:
-    """The round's header: HEADER_LEN numbers to sum over the workers. `layout` is a hash of the
-    sender's state layout, or None (stale) when its state no longer matches the buffers it sends.
-    Every count sums exactly even in float32, the dtype of the buffer the header usually rides
-    in: the sample count goes in two parts, the hash as one 0/1 number per bit."""
-    bits = [0.0] * _LAYOUT_BITS if layout is None else [float(layout >> i & 1) for i in range(_LAYOUT_BITS)]
-    flags = [float(finished), float(skipped), float(stop), float(layout is None)]
-    high, low = divmod(samples, _SAMPLES_SPLIT)
-    return [float(high), float(low), float(loss_sum), float(batches), *flags, *bits]
-
-
-def read_header(summed: Sequence[float], layout: int | None, world_size: int) -> RoundTotals:
-    """The totals of a summed header. The layouts agree iff nobody was stale and every bit's sum
-    is N times this worker's bit: all 0 or all 1."""
-    high, low, loss, nb, fin, skip, stp, stale, *bits = summed
-    agree = layout is not None and stale == 0 and all(b == world_size * (layout >> i & 1) for i, b in enumerate(bits))
-    samples = float(round(high) * _SAMPLES_SPLIT + round(low))
-    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree)
-
-
-def reduce_header(header: Sequence[float], device: torch.device, group: ProcessGroup = None) -> list[float]:
-    """All-reduce a header on its own (the first round of a fit()), in float64."""
-    summed = torch.tensor(header, dtype=torch.float64, device=device)  # (HEADER_LEN,)
+def all_reduce_values(values: Sequence[float], device: torch.device, group: ProcessGroup = None) -> list[float]:
+    """Sum a few numbers over the group on their own, in float64 (a trailer before any buffer exists)."""
+    summed = torch.tensor(values, dtype=torch.float64, device=device)  # (len(values),)
     dist.all_reduce(summed, group=group)
     return summed.tolist()
 
@@ -99,7 +43,7 @@ def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
     """The tensors grouped by the dtype they are reduced in, in order. The first group carries the
-    header: with no tensors at all, it is a float64 group of none."""
+    trailer: with no tensors at all, it is a float64 group of none."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(_reduce_dtype(t.dtype), []).append(t)
@@ -115,20 +59,26 @@ def _views(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> list[torch.Te
     return views
 
 
-def _flat(members: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, header: bool) -> torch.Tensor:
-    """A buffer for the members, end to end, then room for a header when `header`."""
-    return torch.empty(sum(t.numel() for t in members) + (HEADER_LEN if header else 0), dtype=dtype, device=device)
+def _flat(members: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, trailer: int = 0) -> torch.Tensor:
+    """A buffer for the members, end to end, then room for `trailer` numbers."""
+    return torch.empty(sum(t.numel() for t in members) + trailer, dtype=dtype, device=device)
 
 
-def _header_slots(buffer: torch.Tensor) -> torch.Tensor:
-    return buffer[-HEADER_LEN:]  # (HEADER_LEN,)
+def _trailer(buffer: torch.Tensor, data_numel: int) -> torch.Tensor:
+    return buffer[data_numel:]  # (trailer,)
+
+
+def _put_trailer(buffer: torch.Tensor, data_numel: int, values: Sequence[float] | None) -> None:
+    slots = _trailer(buffer, data_numel)
+    if slots.numel():
+        slots.copy_(torch.tensor(values if values is not None else [0.0] * slots.numel(), dtype=buffer.dtype))
 
 
 @dataclass
 class _Group:
     """The tensors of one dtype in a FlatAverager."""
 
-    flat: torch.Tensor  # (Σ numel [+ HEADER_LEN],): the tensors' data end to end [and the header]
+    flat: torch.Tensor  # (Σ numel [+ trailer],): the tensors' data end to end [and the trailer]
     data: torch.Tensor  # the tensors' part of flat
     resident: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): its storage is the view
     copied: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): copied in and out
@@ -144,21 +94,19 @@ class FlatAverager:
     was replaced since (an optimizer that reallocates its state) is moved back in at the next send.
     `release()` gives every tensor its own storage again.
 
-    `send(scale, header)` multiplies the tensors by `scale`, puts the header after them and starts
-    the sums without waiting; `wait()` returns the header's sums; `apply(scale)` multiplies the
-    summed tensors by `scale`: with send scale w_i / ref and apply scale ref / Σw the tensors end
-    as Σ_i w_i·x_i / Σw for any common ref. A scale of 1 costs no pass over memory.
+    `send(scale, trailer)` multiplies the tensors by `scale`, puts the trailer after them and
+    starts the sums without waiting; `wait()` returns the trailer's sums; `apply(scale)` multiplies
+    the summed tensors by `scale`: with send scale w_i / ref and apply scale ref / Σw the tensors
+    end as Σ_i w_i·x_i / Σw for any common ref. A scale of 1 costs no pass over memory.
 
-    The list's layout (`layout`, a hash the caller keeps) is fixed at construction; build a new
-    averager when it changes.
+    The list of tensors is fixed at construction; build a new averager when it changes.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, layout: int = 0) -> None:
-        self.layout = layout
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0) -> None:
         self._groups: list[_Group] = []
         with torch.no_grad():
             for dtype, members in _by_dtype(tensors):
-                flat = _flat(members, dtype, device, header=not self._groups)
+                flat = _flat(members, dtype, device, 0 if self._groups else trailer)
                 group = _Group(flat, flat[: sum(t.numel() for t in members)], [], [])
                 for t, view in zip(members, _views(group.data, members)):
                     view.copy_(t)
@@ -169,7 +117,7 @@ class FlatAverager:
                         group.copied.append((t, view))
                 self._groups.append(group)
         self.numel = sum(g.data.numel() for g in self._groups)
-        self.nbytes = sum(g.flat.numel() * g.flat.element_size() for g in self._groups)  # header included
+        self.nbytes = sum(g.flat.numel() * g.flat.element_size() for g in self._groups)  # trailer included
         self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # (work, the buffer it sums)
 
     @property
@@ -177,8 +125,8 @@ class FlatAverager:
         return len(self._groups)
 
     @torch.no_grad()
-    def send(self, scale: float, header: Sequence[float] | None = None, group: ProcessGroup = None) -> None:
-        """Multiply every tensor by `scale`, put the header (zeros when None) after them and start
+    def send(self, scale: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None) -> None:
+        """Multiply every tensor by `scale`, put the trailer (zeros when None) after them and start
         summing over the group.
 
         scale = 0 sends zeros from a scratch buffer and leaves the tensors as they are (they may
@@ -198,17 +146,16 @@ class FlatAverager:
                     view.copy_(t)
                 if scale != 1.0:
                     g.data.mul_(scale)
-            if g is self._groups[0]:
-                _header_slots(buffer).copy_(torch.tensor(header or [0.0] * HEADER_LEN, dtype=buffer.dtype))
+            _put_trailer(buffer, g.data.numel(), trailer)
             work = dist.all_reduce(buffer, group=group, async_op=True)
             assert work is not None
             self._in_flight.append((work, buffer))
 
     def wait(self) -> list[float]:
-        """Wait for the sums; the header's sums."""
+        """Wait for the sums; the trailer's sums."""
         for work, _ in self._in_flight:
             work.wait()
-        return _header_slots(self._in_flight[0][1]).tolist()
+        return _trailer(self._in_flight[0][1], self._groups[0].data.numel()).tolist()
 
     @torch.no_grad()
     def apply(self, scale: float) -> None:
@@ -241,28 +188,26 @@ class FlatAverager:
 class DeltaAverager:
     """Averaging in the background, for `Builder.overlap_averaging(True)`.
 
-    `launch(w, header)` snapshots the tensors and starts an all-reduce of w · snapshot, with the
-    header after it, without waiting; the worker trains on; `wait()` returns the header's sums and
+    `launch(w, trailer)` snapshots the tensors and starts an all-reduce of w · snapshot, with the
+    trailer after it, without waiting; the worker trains on; `wait()` returns the trailer's sums and
     `land(Σw)` moves every tensor by (average − snapshot), so the steps taken since the snapshot
-    are kept on top of the average. A worker that took no step since (the end of an epoch, a
-    stop) therefore lands exactly on the average.
+    are kept on top of the average. A worker that took no step since the snapshot therefore lands
+    exactly on the average.
 
-    `layout` is the state layout the buffers were built for: every launch sends buffers of this
-    layout, whatever the optimizer has created since, until the workers agree on a new one.
+    Every launch sends the tensors it was built with, whatever an optimizer has created since.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, layout: int) -> None:
-        self.layout = layout
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0) -> None:
         self._groups: list[tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = []
         for dtype, members in _by_dtype(tensors):
-            first = not self._groups
-            snapshot, total = _flat(members, dtype, device, header=False), _flat(members, dtype, device, header=first)
+            extra = 0 if self._groups else trailer
+            snapshot, total = _flat(members, dtype, device), _flat(members, dtype, device, extra)
             self._groups.append((snapshot, total, list(zip(members, _views(snapshot, members), _views(total, members)))))
         self._in_flight: list[dist.Work] = []
 
     @torch.no_grad()
-    def launch(self, weight: float, header: Sequence[float], group: ProcessGroup = None) -> None:
-        """Snapshot the tensors and start summing weight · snapshot, and the header, over the group."""
+    def launch(self, weight: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None) -> None:
+        """Snapshot the tensors and start summing weight · snapshot, and the trailer, over the group."""
         assert not self._in_flight, "land() the previous averaging first"
         for snapshot, total, members in self._groups:
             for t, snap, _ in members:
@@ -272,17 +217,17 @@ class DeltaAverager:
                 data.zero_()  # whatever the snapshot holds (even NaN) contributes nothing
             else:
                 torch.mul(snapshot, weight, out=data)
-            if snapshot is self._groups[0][0]:
-                _header_slots(total).copy_(torch.tensor(header, dtype=total.dtype))
+            _put_trailer(total, snapshot.numel(), trailer)
             work = dist.all_reduce(total, group=group, async_op=True)
             assert work is not None
             self._in_flight.append(work)
 
     def wait(self) -> list[float]:
-        """Wait for the sums; the header's sums."""
+        """Wait for the sums; the trailer's sums."""
         for work in self._in_flight:
             work.wait()
-        return _header_slots(self._groups[0][1]).tolist()
+        snapshot, total, _ = self._groups[0]
+        return _trailer(total, snapshot.numel()).tolist()
 
     @torch.no_grad()
     def land(self, total_weight: float, adopt: bool = False) -> None:

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .config import Config, Job
-from .listeners import describe_config
+from .config import Config, Job, describe_config
+from .types import Counters
 
 FILENAME = "checkpoint.pt"
 FORMAT = 1
@@ -138,8 +137,8 @@ def _short(value: Any) -> str:
 
 
 class Checkpointer:
-    """Saves at round boundaries; called on every worker at the same rounds (it gathers the RNG
-    states of all workers, a collective), and only rank 0 writes."""
+    """Writes a round's state (rounds.py decides when, gathers every worker's RNG state and has
+    rank 0 call `save`)."""
 
     def __init__(self, directory: str, every: int, fingerprint: dict[str, Any], config: Config) -> None:
         self.directory, self.every, self.fingerprint = directory, every, fingerprint
@@ -149,14 +148,7 @@ class Checkpointer:
         """Whether a periodic checkpoint falls at the end of round number `rounds`."""
         return rounds % self.every == 0
 
-    def __call__(self, replica: Any, final: bool) -> None:
-        if not final and not self.due(replica.counters.rounds):
-            return
-        states: list[Any] = [None] * replica.world_size
-        dist.all_gather_object(states, rng_state(), group=replica.group)
-        if replica.rank != 0:
-            return
-        model, optimizer = replica.state_dicts()
+    def save(self, model: dict[str, Any], optimizer: dict[str, Any], counters: Counters, rng: list[Any]) -> None:
         save(
             self.directory,
             {
@@ -165,7 +157,14 @@ class Checkpointer:
                 "config": self.config,
                 "model": model,
                 "optimizer": optimizer,
-                "counters": dataclasses.asdict(replica.counters),
-                "rng": states,
+                "counters": dataclasses.asdict(counters),
+                "rng": rng,
             },
         )
+
+
+def make_checkpointer(config: Config, job: Job, world_size: int) -> Checkpointer | None:
+    """The checkpointer `.checkpoint(directory)` asks for, or None."""
+    if config.checkpoint_dir is None:
+        return None
+    return Checkpointer(config.checkpoint_dir, config.checkpoint_every, fingerprint(config, job, world_size), config)

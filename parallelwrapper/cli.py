@@ -17,7 +17,7 @@ from click.core import ParameterSource
 from .compare import CompareOptions, compare, markdown
 from .config import TrainingMode
 from .data.mnist import MnistError
-from .launch import WorkerError
+from .types import WorkerError
 from .models import MODEL_NAMES
 from .run import DEVICES, OPTIMIZERS, RunOptions, train_mnist
 

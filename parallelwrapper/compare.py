@@ -30,14 +30,15 @@ from typing import TypeVar
 
 import torch
 
-from .averaging import HEADER_LEN, FlatAverager, optimizer_state_tensors
+from .averaging import FlatAverager, optimizer_state_tensors
+from .rounds import HEADER_LEN
 from .config import TrainingMode
 from .run import OPTIMIZERS, Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
 from .wrapper import ParallelWrapper
 
 T = TypeVar("T")
 MODEL_TITLES = {"lenet": "LeNet", "mlp": "MLP"}
-HEADER_BYTES = HEADER_LEN * 8  # averaging.reduce_header, float64: a fit()'s first round (checked by a test)
+HEADER_BYTES = HEADER_LEN * 8  # averaging.all_reduce_values, float64: a fit()'s first round (checked by a test)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def estimated_communication(options: RunOptions, spec: RunSpec) -> Communication
                 p.grad = torch.zeros_like(p)
             optimizer.step()
             tensors += optimizer_state_tensors(optimizer)
-    flat = FlatAverager(tensors, torch.device("cpu"))
+    flat = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN)
     return Communication(flat.nbytes, flat.collectives, options.workers)
 
 

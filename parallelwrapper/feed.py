@@ -24,7 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .config import check_int
 from .slots import SlotReader, SlotWriter
-from .worker import END, EndOfEpoch
+from .types import END, EndOfEpoch
 
 Batches = Iterable[Any] | Callable[[], Iterable[Any]]
 _SENTINEL = None  # what ends a worker's epoch in a queue; batches travel as (index, batch)
@@ -135,48 +135,6 @@ class Feeder:
                         return
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
             self.error = e
-
-
-class RoundBudget:
-    """Shared mode with overlap_averaging: a round is N·k batches in all, taken first-come, so a
-    worker that runs faster (its core shared with fewer other threads) takes more of them,
-    instead of each taking k and the faster one waiting for the slower at every landing. The
-    sample-weighted average is exact whatever the split.
-
-    One count per round in a ring of `RING` in shared memory; every worker resets round r's
-    count when it lands r. A ring of 4 is enough: a worker first takes a batch for round r + 4
-    (looking ahead, at the end of r + 3's steps) after it landed r + 1, so after every worker
-    launched r + 1, and every worker lands r before it launches r + 1. (With 3, a worker could
-    take a batch for r + 3 before a slower one has landed r and reset its count.)
-    """
-
-    RING = 4
-
-    def __init__(self, ctx: Any, batches_per_round: int) -> None:
-        self._counts = ctx.Array("q", self.RING, lock=True)
-        self._limit = batches_per_round
-
-    def take(self, round_index: int) -> bool:
-        """Count one batch against round `round_index`; False when the round has all it may have."""
-        with self._counts.get_lock():
-            slot = round_index % self.RING
-            if self._counts[slot] >= self._limit:
-                return False
-            self._counts[slot] += 1
-            return True
-
-    def untake(self, round_index: int) -> None:
-        with self._counts.get_lock():
-            self._counts[round_index % self.RING] -= 1
-
-    def landed(self, round_index: int) -> None:
-        with self._counts.get_lock():
-            self._counts[round_index % self.RING] = 0
-
-    def clear(self) -> None:
-        """Before a fit, while no worker trains."""
-        with self._counts.get_lock():
-            self._counts[:] = [0] * self.RING
 
 
 class QueueSource:

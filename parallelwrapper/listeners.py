@@ -150,9 +150,3 @@ class ScoreLogger:
     def on_score(self, score: Score) -> None:
         if score.round % self.every == 0:
             print(f"round {score.round} iteration {score.iteration} epoch {score.epoch}: score {score.score:.5f}")
-
-
-def describe_config(config: Config) -> dict[str, Any]:
-    """The config as JSON-ready data (enums by value)."""
-    out = dataclasses.asdict(config)
-    return {k: (v.value if hasattr(v, "value") else v) for k, v in out.items()}

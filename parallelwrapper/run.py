@@ -25,11 +25,12 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from .config import Builder, TrainingMode, check_int
+from .config import TrainingMode, check_int
+from .env import gpu_count, gpu_devices
 from .data.mnist import MnistSplit, load_mnist
 from .listeners import JsonlWriter, ProgressBar, Score
 from .models import MODEL_NAMES, build_model
-from .wrapper import ParallelWrapper
+from .wrapper import Builder, ParallelWrapper
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 
@@ -113,8 +114,7 @@ class RunOptions:
         if self.device == "cpu":
             return ("cpu",) * self.workers
         if self.device == "cuda":
-            gpus = torch.cuda.device_count()
-            return tuple(f"cuda:{i % gpus}" for i in range(self.workers))
+            return gpu_devices(self.workers, gpu_count())
         return None
 
 

@@ -1,23 +1,29 @@
-"""ParallelWrapper: the object users hold. It orchestrates; the algorithm lives in worker.py and
-averaging.py, the processes in launch.py, the data in feed.py."""
+"""ParallelWrapper, the object users hold, and its Builder. It validates, picks a host for the
+workers and orchestrates; the algorithm lives in rounds.py and worker.py, the processes in
+hosts/, the data in feed.py, and what the environment means in env.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import io
 import os
+import pickle
 import time
+import warnings
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import checkpoint
-from .config import Builder, Config, Job
-from .feed import Batches, ShardSource, check_epochs, epoch_iterable
-from .inprocess import InProcessWorker, runs_in_process
-from .launch import FitCommand, WorkerError, WorkerPool, join_torchrun, make_checkpointer, torchrun_env
+from .batches import to_cpu
+from .config import Config, Job, LossFn, NanPolicy, TrainingMode, TrainingStep
+from .env import Placement, resolve, torchrun_env
+from .feed import Batches, check_epochs, epoch_iterable
+from .hosts import Host, start_host
 from .listeners import EpochEnd, History, Score, notify
-from .worker import Counters, EpochReport, Hooks, Replica, RoundReport, to_cpu
+from .types import Counters, EpochReport, FitCommand, RoundReport, WorkerError
 
 
 class ParallelWrapper:
@@ -25,18 +31,18 @@ class ParallelWrapper:
 
     Build one with `ParallelWrapper.builder(model)...build()`. Workers start on the first `fit()`
     and live until `close()` (or the end of a `with` block); each `fit()` starts from the state of
-    the user's model and `optimizer`, and leaves the averaged result in them.
+    the user's model and `optimizer`, and leaves the averaged result in them. A fit() that fails
+    leaves them as they were.
     """
 
-    def __init__(self, config: Config, job: Job, listeners: list[Any]) -> None:
+    def __init__(self, config: Config, job: Job, listeners: list[Any], placement: Placement | None = None) -> None:
         self.config = config
+        self.placement = placement or resolve(config, torchrun_env())
         self.model = job.model
         self.optimizer = job.make_optimizer(job.model)  # holds the averaged optimizer state
         self._job = job
         self._listeners = listeners
-        self._pool: WorkerPool | InProcessWorker | None = None
-        self._replica: Replica | None = None  # torchrun: this process is a worker
-        self._owns_group = False  # torchrun: we created the process group, so we destroy it
+        self._pool: Host | None = None
         self._closed = False
         self.counters = Counters()  # as the workers report them after each round
 
@@ -70,9 +76,6 @@ class ParallelWrapper:
         if self._pool is not None:
             pool, self._pool = self._pool, None
             pool.close()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_group = False
 
     def _abort(self) -> None:
         if self._pool is not None:
@@ -87,14 +90,12 @@ class ParallelWrapper:
 
     @property
     def world_size(self) -> int:
-        env = torchrun_env()
-        return env.world_size if env else self.config.workers
+        return self.placement.world_size
 
     @property
     def is_main(self) -> bool:
-        """True in the process that reports: the caller's, or rank 0 under torchrun."""
-        env = torchrun_env()
-        return env is None or env.rank == 0
+        """True in the process that reports to the listeners: the caller's, or rank 0 under torchrun."""
+        return self.placement.torchrun is None or self.placement.torchrun.rank == 0
 
     def fit(self, data: Batches, epochs: int = 1, *, resume: str | os.PathLike[str] | None = None) -> History:
         """Train on `epochs` passes over `data` and return the averaged scores.
@@ -105,6 +106,10 @@ class ParallelWrapper:
         `resume`: a checkpoint directory (or file) to continue from. Model, optimizer, counters,
         RNG states and the place in the epoch are restored; `epochs` then counts from the start
         of the run that wrote the checkpoint, so the same call finishes an interrupted run.
+
+        A worker's failure raises WorkerError, whichever host runs the workers; the data's own
+        errors raise FeedError. Under torchrun every rank returns the same History, and the
+        listeners run on rank 0.
         """
         if self._closed:
             raise RuntimeError("this ParallelWrapper is closed; build a new one to train again")
@@ -120,8 +125,9 @@ class ParallelWrapper:
                     f"asks for no more; pass epochs > {self.counters.epoch} to train on"
                 )
         history = History()
+        listeners = self._listeners if self.is_main else []
         start = time.monotonic()  # reports carry the system-wide monotonic time they were made
-        notify(self._listeners, "on_fit_start", self.config, until_epoch - self.counters.epoch)
+        notify(listeners, "on_fit_start", self.config, until_epoch - self.counters.epoch)
 
         def on_report(report: RoundReport | EpochReport) -> None:
             self.counters = report.counters
@@ -129,34 +135,15 @@ class ParallelWrapper:
             if isinstance(report, RoundReport):
                 score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped)
                 history.scores.append(score)
-                notify(self._listeners, "on_score", score)
+                notify(listeners, "on_score", score)
             else:
                 end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds)
                 history.epochs.append(end)
-                notify(self._listeners, "on_epoch_end", end)
+                notify(listeners, "on_epoch_end", end)
 
-        if torchrun_env() is not None:
-            self._fit_torchrun(data, until_epoch, rng, on_report)
-        else:
-            self._fit_local(data, until_epoch, rng, on_report)
-        notify(self._listeners, "on_fit_end", history)
-        return history
-
-    def _restore(self, location: str | os.PathLike[str]) -> list[dict[str, Any]]:
-        """Load a checkpoint into the model, optimizer and counters; return the workers' RNG states."""
-        payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size))
-        self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.counters = Counters(**payload["counters"])
-        rng: list[dict[str, Any]] = payload["rng"]
-        return rng
-
-    def _fit_local(self, data: Batches, until_epoch: int, rng: list[dict[str, Any]] | None, on_report: Any) -> None:
-        """Spawned workers, or with one worker on the CPU this process (inprocess.py)."""
         try:
             if self._pool is None:
-                in_process = runs_in_process(self.config)
-                self._pool = (InProcessWorker if in_process else WorkerPool)(self.config, self._job)
+                self._pool = start_host(self.config, self._job, self.placement)
             # Copies: sending a tensor moves its storage into shared memory, and the user's own
             # model must not be changed under them.
             command = FitCommand(
@@ -174,32 +161,26 @@ class ParallelWrapper:
             raise
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(optimizer_state)
+        notify(listeners, "on_fit_end", history)
+        return history
 
-    def _fit_torchrun(self, data: Batches, until_epoch: int, rng: list[dict[str, Any]] | None, on_report: Any) -> None:
-        if self._replica is None:
-            env, device, self._owns_group = join_torchrun(self.config)
-            self.model.to(device)
-            hooks = Hooks(make_checkpointer(self.config, self._job, env.world_size))
-            self._replica = Replica(
-                self.model, self.optimizer, self._job, self.config, device, env.rank, env.world_size, hooks=hooks
-            )
-        replica = self._replica
-        replica.counters = dataclasses.replace(self.counters)
-        if rng is not None:
-            checkpoint.set_rng_state(rng[replica.rank])
-        source = ShardSource(data, replica.rank, replica.world_size, self.counters.epoch, self.counters.position)
-        replica.fit(until_epoch, source, on_report if self.is_main else self._keep_counters)
-        self.counters = dataclasses.replace(replica.counters)
-
-    def _keep_counters(self, report: RoundReport | EpochReport) -> None:
-        """Non-reporting torchrun ranks keep their counters in step all the same."""
-        self.counters = report.counters
+    def _restore(self, location: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """Load a checkpoint into the model, optimizer and counters; return the workers' RNG states."""
+        payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size))
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.counters = Counters(**payload["counters"])
+        rng: list[dict[str, Any]] = payload["rng"]
+        return rng
 
     @torch.no_grad()
-    def evaluate(self, data: Batches, *, device: str | torch.device = "cpu") -> dict[str, float]:
+    def evaluate(self, data: Batches, *, device: str | torch.device | None = None) -> dict[str, float]:
         """Mean loss and accuracy of the averaged model over `(inputs, targets)` batches, in this
-        process. Accuracy is the share of argmax(outputs) == targets."""
+        process, on `device` (default: where the model's parameters are). Accuracy is the share of
+        argmax(outputs) == targets."""
         model = self.model
+        if device is None:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
         was_training = model.training
         model.eval()
         loss_sum, correct, count = 0.0, 0, 0
@@ -219,4 +200,186 @@ class ParallelWrapper:
         return {"loss": loss_sum / count, "accuracy": correct / count, "samples": float(count)}
 
 
-__all__ = ["ParallelWrapper", "WorkerError"]
+class Builder:
+    """Fluent configuration of a ParallelWrapper, after DL4J's `ParallelWrapper.Builder`.
+
+    Every setter returns the builder; `build()` validates everything and raises `ValueError`
+    naming the option and the fix.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"ParallelWrapper.builder() takes a torch.nn.Module, got {type(model).__name__}")
+        self._model = model
+        self._options: dict[str, Any] = {}
+        self._optimizer_cls: type[torch.optim.Optimizer] = torch.optim.SGD
+        self._optimizer_kwargs: dict[str, Any] = {"lr": 0.01}
+        self._loss_fn: LossFn | None = torch.nn.functional.cross_entropy
+        self._training_step: TrainingStep | None = None
+        self._listeners: list[Any] = []
+
+    def optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Builder:
+        """Any `torch.optim` optimizer class and its keyword arguments. Default: SGD, lr=0.01."""
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise ValueError(
+                f"optimizer takes an optimizer class and its kwargs, e.g. .optimizer(torch.optim.SGD, lr=0.01); "
+                f"got {optimizer_cls!r}"
+            )
+        self._optimizer_cls, self._optimizer_kwargs = optimizer_cls, dict(kwargs)
+        return self
+
+    def loss_fn(self, fn: LossFn) -> Builder:
+        """`fn(model(inputs), targets) -> scalar loss` for `(inputs, targets)` batches. Default: cross_entropy."""
+        self._loss_fn, self._training_step = fn, None
+        return self
+
+    def training_step(self, fn: TrainingStep) -> Builder:
+        """`fn(model, batch) -> scalar loss`, for batches that are not `(inputs, targets)`."""
+        self._training_step, self._loss_fn = fn, None
+        return self
+
+    def listeners(self, *listeners: Any) -> Builder:
+        """Objects with any of `on_fit_start`, `on_score`, `on_epoch_end`, `on_fit_end`, or plain
+        callables, which receive each averaged `Score`. They run in the main process."""
+        self._listeners.extend(listeners)
+        return self
+
+    def workers(self, n: int) -> Builder:
+        """Number of workers, one process and device each. Default: 2. One worker on the CPU is
+        the caller's own process: nothing is spawned, and batches are not copied."""
+        return self._set("workers", n)
+
+    def prefetch_buffer(self, n: int) -> Builder:
+        """Batches read ahead into the spawned workers' shared queue. Default: 24."""
+        return self._set("prefetch_buffer", n)
+
+    def averaging_frequency(self, k: int) -> Builder:
+        """Local iterations per worker between two averagings. Default: 1."""
+        return self._set("averaging_frequency", k)
+
+    def report_score_after_averaging(self, flag: bool) -> Builder:
+        """Report the averaged score after every averaging (True) or once per epoch. Default: True."""
+        return self._set("report_score_after_averaging", bool(flag))
+
+    def average_updaters(self, flag: bool) -> Builder:
+        """Average optimizer state (momentum, Adam moments, step) with the parameters. Default: True."""
+        return self._set("average_updaters", bool(flag))
+
+    def overlap_averaging(self, flag: bool = True) -> Builder:
+        """Run each averaging in the background while the workers take the next round's steps,
+        then add each worker's steps since to the average: no worker waits for a slower one or
+        for the network, and the model a worker trains on is one round behind the average.
+        Replicas are equal again at every epoch's end, checkpoint and stop. Default: False."""
+        return self._set("overlap_averaging", bool(flag))
+
+    def training_mode(self, mode: TrainingMode | str) -> Builder:
+        """TrainingMode.AVERAGING (default) or TrainingMode.SHARED_GRADIENTS."""
+        return self._set("training_mode", _enum(TrainingMode, mode, "training_mode"))
+
+    def deterministic(self, flag: bool = True) -> Builder:
+        """Deal batch i to worker i mod N instead of first-come, so two runs give the same model.
+        Default: False."""
+        return self._set("deterministic", bool(flag))
+
+    def seed(self, n: int) -> Builder:
+        """Seed of worker i's RNGs is `n + i`. Default: 0."""
+        return self._set("seed", n)
+
+    def devices(self, devices: Sequence[str | torch.device]) -> Builder:
+        """One device per worker, e.g. ["cuda:0", "cuda:1"]. Default: a GPU each if there are
+        enough, else the CPU."""
+        if isinstance(devices, (str, torch.device)):
+            raise ValueError(f"devices takes one device per worker, e.g. .devices(['cpu', 'cpu']); got {devices!r}")
+        return self._set("devices", tuple(str(d) for d in devices))
+
+    def backend(self, name: str) -> Builder:
+        """"auto" (default), "gloo" or "nccl"."""
+        return self._set("backend", name)
+
+    def stall_timeout(self, seconds: float) -> Builder:
+        """How long a spawned worker may go without progress (a batch, a step, an averaging) before fit()
+        fails naming it and where it was. Default: 300 s."""
+        return self._set("stall_timeout_s", float(seconds))
+
+    def checkpoint(self, directory: str | os.PathLike[str], every: int = 50) -> Builder:
+        """Save a checkpoint to `directory` every `every` rounds, at each epoch's end, and on
+        Ctrl-C. Resume with `fit(..., resume=directory)`. Default: no checkpoints."""
+        self._set("checkpoint_every", every)
+        return self._set("checkpoint_dir", os.fspath(directory))
+
+    def nan_policy(self, policy: NanPolicy | str) -> Builder:
+        """NanPolicy.RAISE (default) fails fit(); NanPolicy.SKIP drops that worker from the round."""
+        return self._set("nan_policy", _enum(NanPolicy, policy, "nan_policy"))
+
+    def threads_per_worker(self, n: int) -> Builder:
+        """torch threads in each worker. Default: the machine's cores divided among the workers."""
+        return self._set("threads_per_worker", n)
+
+    def _set(self, name: str, value: Any) -> Builder:
+        self._options[name] = value
+        return self
+
+    def build(self) -> ParallelWrapper:
+        config = Config(**self._options)
+        job = Job(self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step)
+        try:
+            job.make_optimizer(self._model)
+        except Exception as e:  # noqa: BLE001 - any failure here is a bad optimizer argument
+            raise ValueError(f"optimizer: {self._optimizer_cls.__name__}(**{self._optimizer_kwargs}) failed: {e}") from e
+        for i, listener in enumerate(self._listeners):
+            if not callable(listener) and not any(hasattr(listener, m) for m in LISTENER_METHODS):
+                raise ValueError(f"listeners[{i}] ({listener!r}) is neither callable nor has any of {LISTENER_METHODS}")
+        torchrun = torchrun_env()
+        placement = resolve(config, torchrun, explicit=self._options.keys())
+        for note in placement.notes:
+            warnings.warn(note, stacklevel=2)
+        if torchrun is None:
+            _check_sendable(job)
+        return ParallelWrapper(config, job, list(self._listeners), placement)
+
+
+LISTENER_METHODS = ("on_fit_start", "on_score", "on_epoch_end", "on_fit_end")
+
+
+def _enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        choices = [m.value for m in cls]
+        raise ValueError(f"{name} must be one of {choices} or a {cls.__name__}, got {value!r}") from None
+
+
+class _NullWriter(io.RawIOBase):
+    """Counts nothing, keeps nothing: pickling into it checks picklability without a copy."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return len(b)
+
+
+def _check_sendable(job: Job) -> None:
+    """Workers are spawned processes: everything they rebuild must pickle."""
+    parts: Iterable[tuple[str, object]] = [
+        ("model", job.model),
+        ("optimizer", (job.optimizer_cls, job.optimizer_kwargs)),
+        ("loss_fn", job.loss_fn),
+        ("training_step", job.training_step),
+    ]
+    for name, obj in parts:
+        try:
+            pickle.Pickler(_NullWriter(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        except Exception as e:  # noqa: BLE001 - pickle raises many types
+            raise ValueError(
+                f"{name} cannot be sent to a spawned worker process ({type(e).__name__}: {e}). "
+                f"Define functions and classes at module level (not lambdas or local functions), "
+                f"and guard the script's entry point with `if __name__ == '__main__':`"
+            ) from e
+
+
+
+
+__all__ = ["Builder", "ParallelWrapper", "WorkerError"]

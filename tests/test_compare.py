@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallelwrapper import TrainingMode, averaging
+from parallelwrapper import TrainingMode, averaging, rounds
 from parallelwrapper.compare import (
     HEADER_BYTES,
     CompareOptions,
@@ -26,6 +26,8 @@ from parallelwrapper.compare import (
 )
 from parallelwrapper.run import RunOptions
 
+pytestmark = pytest.mark.fast
+
 LENET_PARAMS = 431_080  # 8 tensors
 SG = RunSpec(TrainingMode.SHARED_GRADIENTS, 1)
 AVG = RunSpec(TrainingMode.AVERAGING, 4)
@@ -34,8 +36,8 @@ AVG = RunSpec(TrainingMode.AVERAGING, 4)
 def test_header_bytes_match_the_real_header(monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[torch.Tensor] = []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: sent.append(t.clone()))
-    header = averaging.make_header(samples=1, loss_sum=1.0, batches=1, finished=False, skipped=False, layout=0)
-    averaging.reduce_header(header, torch.device("cpu"))
+    header = rounds.make_header(samples=1, loss_sum=1.0, batches=1, finished=False, skipped=False, layout=0)
+    averaging.all_reduce_values(header, torch.device("cpu"))
     assert [t.numel() * t.element_size() for t in sent] == [HEADER_BYTES]
 
 
@@ -52,7 +54,7 @@ def test_header_bytes_match_the_real_header(monkeypatch: pytest.MonkeyPatch) -> 
 def test_payload_follows_the_optimizer_state(spec: RunSpec, optimizer: str, average_updaters: bool, numbers: int) -> None:
     options = RunOptions(optimizer=optimizer, average_updaters=average_updaters)
     cost = estimated_communication(options, spec)
-    assert cost.payload_bytes == 4 * (numbers + averaging.HEADER_LEN) and cost.payload_collectives == 1
+    assert cost.payload_bytes == 4 * (numbers + rounds.HEADER_LEN) and cost.payload_collectives == 1
 
 
 def test_ring_all_reduce_volume() -> None:

@@ -3,6 +3,8 @@ DistributedSampler shards already."""
 
 from __future__ import annotations
 
+import pytest
+
 from typing import Any
 
 import torch
@@ -10,7 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from parallelwrapper.feed import ShardSource
-from parallelwrapper.worker import EndOfEpoch
+from parallelwrapper.types import EndOfEpoch
+
+pytestmark = pytest.mark.fast
 
 
 def drain(source: ShardSource) -> list[Any]:

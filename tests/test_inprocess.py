@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallelwrapper import ParallelWrapper, Score
+from parallelwrapper import ParallelWrapper, Score, WorkerError
 from parallelwrapper.feed import FeedError
 from parallelwrapper.config import Config
-from parallelwrapper.inprocess import InProcessWorker, runs_in_process
-from parallelwrapper.launch import FitCommand, WorkerPool
-from parallelwrapper.worker import Counters, RoundReport
+from parallelwrapper.hosts.inprocess import InProcessWorker, runs_in_process
+from parallelwrapper.hosts.spawned import WorkerPool
+from parallelwrapper.types import Counters, FitCommand, RoundReport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,3 +104,39 @@ def test_one_worker_leaves_the_callers_process_as_it_was() -> None:
 def test_only_one_worker_on_the_cpu_runs_in_process() -> None:
     assert runs_in_process(Config(workers=1)) and runs_in_process(Config(workers=1, devices=("cpu",)))
     assert not runs_in_process(Config(workers=2))
+
+
+def fails_on_batch_4(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    if int(y[0]) == 7:
+        raise RuntimeError("boom on batch 4")
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def nan_on_batch_4(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    loss = nn.functional.cross_entropy(model(x), y.clamp(max=2))
+    return loss * float("nan") if int(y[0]) == 7 else loss
+
+
+@pytest.mark.parametrize(
+    ("step", "first_line"),
+    [
+        (fails_on_batch_4, "worker 0 failed while training on batch 4 of epoch 0 (float32[16, 10], int64[16]) (local step 4): RuntimeError: boom on batch 4"),
+        (nan_on_batch_4, "worker 0 failed in epoch 0 (local step 4): loss is nan at local step 4 (epoch 0); lower the learning rate"),
+    ],
+    ids=["raise", "nan"],
+)
+def test_a_failure_is_the_same_worker_error_as_from_spawned_workers(step: Any, first_line: str) -> None:
+    """Before, one worker raised the bare TrainingError or FloatingPointError."""
+    data = make_batches(8)
+    data[4] = (data[4][0], torch.full_like(data[4][1], 7))
+    model = dropout_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with one_worker(model).training_step(step).build() as w:
+        with pytest.raises(WorkerError) as info:
+            w.fit(data)
+    error = info.value
+    assert str(error).splitlines()[0].startswith(first_line)
+    assert (error.rank, error.epoch, error.local_step) == (0, 0, 4) and "Traceback" in str(error)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())

@@ -23,6 +23,8 @@ import torch
 from parallelwrapper.data import DEFAULT_CACHE_DIR, MnistError, MnistSplit, load_mnist
 from parallelwrapper.data import mnist as mnist_module
 
+pytestmark = pytest.mark.fast
+
 IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049
 TEST_FILES = ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 TRAIN_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte")

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from parallelwrapper.models import MLP, LeNet, build_model
 
+pytestmark = pytest.mark.fast
+
 
 def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

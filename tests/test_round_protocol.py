@@ -18,10 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from groups import run_group
-from parallelwrapper import averaging
-from parallelwrapper.averaging import FlatAverager, make_header, read_header, reduce_header
+from parallelwrapper import rounds
+from parallelwrapper.averaging import FlatAverager
+from parallelwrapper.averaging import all_reduce_values as reduce_header
 from parallelwrapper.config import Config, Job
-from parallelwrapper.worker import END, Replica
+from parallelwrapper.rounds import make_header, read_header
+from parallelwrapper.types import END
+from parallelwrapper.worker import Replica
 
 CPU = torch.device("cpu")
 
@@ -259,8 +262,8 @@ def test_rounds_of_changing_weights_send_one_collective_each_and_equal_the_weigh
     # The first round sends its header alone, then builds the buffers; each later one, one
     # all-reduce with the header in it; none closes the epoch (each worker looked ahead).
     assert results[0]["rounds"] == 4
-    numel = sum(v.numel() for v in expected.values()) + averaging.HEADER_LEN
-    assert results[0]["sent"] == results[1]["sent"] == [averaging.HEADER_LEN] + [numel] * 4
+    numel = sum(v.numel() for v in expected.values()) + rounds.HEADER_LEN
+    assert results[0]["sent"] == results[1]["sent"] == [rounds.HEADER_LEN] + [numel] * 4
     assert results[0]["owns"] and results[1]["owns"]  # after fit(), no tensor is a view of a buffer
 
 

@@ -13,6 +13,8 @@ import torch
 
 from parallelwrapper.slots import SlotReader, SlotWriter
 
+pytestmark = pytest.mark.fast
+
 Pair = collections.namedtuple("Pair", "a b")
 
 

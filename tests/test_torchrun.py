@@ -1,13 +1,16 @@
 """The torchrun path: every process is one worker, reads its own shard, and runs the same round
-protocol. Real `torchrun` launches: one node with two processes, and two agents as two nodes
-on loopback."""
+protocol, fails with the same WorkerError and stops the same way as spawned workers. Real
+`torchrun` launches: one node with two processes, and two agents as two nodes on loopback."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +103,45 @@ def test_two_agents_as_two_nodes_on_loopback(tmp_path: Path) -> None:
         for agent in agents:
             agent.kill()
     assert_ranks_equal_reference(tmp_path)
+
+
+# -- faults under torchrun: the same WorkerError as spawned workers, the same stop ------------------
+
+FAULTS = Path(__file__).parent / "scripts" / "torchrun_faults.py"
+
+
+def standalone(*args: str) -> list[str]:
+    return torchrun("--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(FAULTS), *args)
+
+
+def test_a_failing_rank_raises_worker_error_and_leaves_every_model_untouched(tmp_path: Path) -> None:
+    result = subprocess.run(standalone("fail", str(tmp_path)), capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env())
+    check(result)  # each rank caught what fit() raised
+    failed, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 0))
+    assert failed["type"] == "WorkerError" and failed["traceback"] and failed["untouched"]
+    assert (failed["rank"], failed["epoch"], failed["batch"], failed["local_step"]) == (1, 0, 9, 4)
+    assert failed["first_line"].startswith("worker 1 failed while training on batch 9 of epoch 0")
+    assert "RuntimeError: boom on a marked batch" in failed["first_line"]
+    # The peer lost its collective: its own WorkerError, one line of cause, its model untouched too.
+    assert peer["type"] == "WorkerError" and peer["rank"] == 0 and peer["untouched"]
+
+
+def test_sigterm_finishes_the_round_saves_it_and_the_run_resumes(tmp_path: Path) -> None:
+    agent = subprocess.Popen(standalone("interrupt", str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        assert agent.stdout is not None
+        for line in agent.stdout:
+            if line.startswith("SCORE 3"):
+                break
+        start = time.monotonic()
+        agent.send_signal(signal.SIGTERM)  # as a scheduler stops a job: torchrun passes it to every worker
+        _, stderr = agent.communicate(timeout=60)
+        assert time.monotonic() - start < 30  # before torchrun's own 30 s grace runs out
+    finally:
+        agent.kill()
+    assert agent.returncode != 0, stderr
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)["counters"]
+    assert saved["rounds"] >= 3 and saved["epoch"] == 0 and saved["position"] == saved["iterations"] < 400, saved
+    resumed = subprocess.run(standalone("interrupt", str(tmp_path), "resume"), capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env())
+    check(resumed)
+    assert json.loads((tmp_path / "resumed.json").read_text()) == {"samples": 400 * 16}

@@ -1,0 +1,198 @@
+"""The only reader of the environment: torchrun's variables, the GPUs and cores of this machine, and the
+policy that turns them and the config into devices, a backend, threads and timeouts. An explicit option
+wins over what the environment suggests.
+
+`resolve` reads nothing itself when it is given `gpus` and `cores`: tests fake a machine that way, and
+it never warns, it returns `notes` for the caller to show once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .config import Config
+
+# Past the stall watchdog's limit: the watchdog can name the stalled worker, a collective's timeout cannot.
+_COLLECTIVE_MARGIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """This process's place in a torchrun group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
+    """The torchrun identity of this process (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), or None outside
+    torchrun (None when RANK or WORLD_SIZE is missing). environ defaults to os.environ."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+
+    def number(name: str, default: str) -> int:
+        value = env.get(name, default)
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not an integer; torchrun sets it, launch with torchrun") from None
+
+    # A single-node launcher that sets only RANK and WORLD_SIZE runs one process here: local rank 0 of 1.
+    return TorchrunEnv(number("RANK", "0"), number("WORLD_SIZE", "1"), number("LOCAL_RANK", "0"), number("LOCAL_WORLD_SIZE", "1"))
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count()
+
+
+def core_count() -> int:
+    # The affinity mask, not the machine: a container or taskset may give this process fewer cores.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def gpu_devices(workers: int, gpus: int) -> tuple[str, ...]:
+    """cuda:i mod gpus for each of `workers` workers (they share GPUs when they outnumber them)."""
+    if gpus < 1:
+        raise ValueError(f"gpu_devices needs at least one GPU, got gpus={gpus}")
+    return tuple(f"cuda:{i % gpus}" for i in range(workers))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the workers of this machine run, resolved once from the config and the environment."""
+
+    world_size: int  # workers in the whole group: config.workers, or torchrun's WORLD_SIZE
+    devices: tuple[str, ...]  # one per worker on this machine, by local rank (spawned: the rank)
+    backend: str  # "gloo" or "nccl"
+    threads: int  # torch intra-op threads for each worker process
+    torchrun: TorchrunEnv | None
+    notes: tuple[str, ...] = ()  # warnings for the caller to show once
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device(self.devices[local_rank])
+
+    @property
+    def in_process(self) -> bool:
+        """One CPU worker trains in the caller's process: nothing to spawn, no batch to copy."""
+        return self.torchrun is None and self.world_size == 1 and self.device(0).type == "cpu"
+
+    def __str__(self) -> str:
+        on = self.devices[0] if len(set(self.devices)) == 1 else ", ".join(self.devices)
+        each = f"with {self.backend}, {self.threads} threads each"
+        if self.torchrun is not None:
+            return f"{self.world_size} workers under torchrun, {len(self.devices)} on this node on {on} {each}"
+        if self.in_process:
+            return f"1 worker in this process on cpu, {self.threads} threads"
+        return f"{self.world_size} workers on {on} {each}"
+
+
+def _gpu_index(device: torch.device) -> int:
+    return device.index or 0  # a bare "cuda" is the current device, cuda:0 in a fresh process
+
+
+def _share_note(n: int, gpus: int, fix: str) -> str:
+    return f"{n} workers share {gpus} GPUs: using gloo, which is slower than NCCL; use {fix} with n <= the number of GPUs for NCCL"
+
+
+def resolve(
+    config: Config,
+    torchrun: TorchrunEnv | None = None,
+    *,
+    gpus: int | None = None,
+    cores: int | None = None,
+    explicit: Collection[str] = (),
+) -> Placement:
+    """The placement of this machine's workers. torchrun None means spawned (or in-process) workers.
+    gpus/cores default to gpu_count()/core_count(); tests pass them to fake a machine. `explicit` is the
+    set of option names the user set on the builder (e.g. {"workers", "devices"})."""
+    gpus = gpu_count() if gpus is None else gpus
+    cores = core_count() if cores is None else cores
+    if torchrun is not None:
+        return _resolve_torchrun(config, torchrun, gpus, cores, explicit)
+
+    workers = config.workers
+    if config.devices is not None:
+        if len(config.devices) != workers:
+            raise ValueError(
+                f"devices names {len(config.devices)} devices for {workers} workers; "
+                f"give one device per worker, e.g. .devices({['cpu'] * workers})"
+            )
+        devices = config.devices
+    else:
+        devices = gpu_devices(workers, gpus) if gpus > 0 else ("cpu",) * workers
+    parsed = [torch.device(d) for d in devices]
+    cuda = [_gpu_index(d) for d in parsed if d.type == "cuda"]
+    for name, d in zip(devices, parsed):
+        if d.type == "cuda" and _gpu_index(d) >= gpus:
+            raise ValueError(f"devices: {name} does not exist, this machine has {gpus} CUDA devices")
+    own_gpu = len(cuda) == workers and len(set(cuda)) == workers
+    notes: list[str] = []
+    backend = config.backend
+    if backend == "nccl" and not own_gpu:
+        raise ValueError(
+            f"backend 'nccl' needs one CUDA device per worker: {workers} workers, devices {list(devices)}, "
+            f"{gpus} GPUs here. Use .workers({max(gpus, 1)}) or .backend('gloo')"
+        )
+    if backend == "auto":
+        backend = "nccl" if own_gpu else "gloo"
+        if len(set(cuda)) < len(cuda):  # gloo because workers share a GPU, not because some are on the CPU
+            notes.append(_share_note(len(cuda), len(set(cuda)), ".workers(n)"))
+    # Oversubscribed cores cost more than they give: each worker's threads would fight the others'.
+    threads = config.threads_per_worker if config.threads_per_worker is not None else max(1, cores // workers)
+    return Placement(workers, devices, backend, threads, None, tuple(notes))
+
+
+def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, explicit: Collection[str]) -> Placement:
+    """torchrun's --nnodes and --nproc-per-node decide the workers and LOCAL_RANK the GPU, so `workers` and
+    `devices` are ignored rather than checked: a config written for spawned workers still runs here."""
+    notes: list[str] = []
+    ignored = [f".{name}()" for name in ("workers", "devices") if name in explicit]
+    if ignored:
+        verb = "are" if len(ignored) > 1 else "is"
+        notes.append(
+            f"under torchrun, {' and '.join(ignored)} {verb} ignored: torchrun's --nnodes and --nproc-per-node "
+            f"decide how many workers run, and each uses GPU LOCAL_RANK when there are GPUs"
+        )
+    local = env.local_world_size
+    devices = gpu_devices(local, gpus) if gpus > 0 else ("cpu",) * local
+    own_gpu = 0 < local <= gpus
+    backend = config.backend
+    if backend == "nccl" and not own_gpu:
+        raise ValueError(
+            f"backend 'nccl' needs one CUDA device per process: torchrun started {local} processes on this node "
+            f"and it has {gpus} GPUs. Use --nproc-per-node {max(gpus, 1)} or .backend('gloo')"
+        )
+    if backend == "auto":
+        backend = "nccl" if own_gpu else "gloo"
+        if gpus > 0 and not own_gpu:
+            notes.append(_share_note(local, gpus, "--nproc-per-node n"))
+    threads = config.threads_per_worker if config.threads_per_worker is not None else max(1, cores // max(local, 1))
+    return Placement(env.world_size, devices, backend, threads, env, tuple(notes))
+
+
+def collective_timeout(config: Config) -> datetime.timedelta:
+    """The collectives' own timeout: stall_timeout_s + 30 s, past the stall watchdog's, so that the watchdog,
+    which can name the stalled worker, speaks first; it is the only guard under torchrun."""
+    return datetime.timedelta(seconds=config.stall_timeout_s + _COLLECTIVE_MARGIN_S)
+
+
+__all__ = [
+    "Placement",
+    "TorchrunEnv",
+    "collective_timeout",
+    "core_count",
+    "gpu_count",
+    "gpu_devices",
+    "resolve",
+    "torchrun_env",
+]

@@ -1,0 +1,39 @@
+"""Where workers run, behind one interface: spawned processes on this machine (spawned.py, with
+supervisor.py watching them), the caller's own process for one CPU worker (inprocess.py), or this
+process as one rank of a torchrun group (torchrun.py). All three run a worker by the same path
+(runtime.py), so a worker trains, stops, checkpoints and fails the same way under each."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ..config import Config, Job
+from ..env import Placement
+from ..feed import Batches
+from ..types import FitCommand, Reporter
+from .inprocess import InProcessWorker
+from .spawned import WorkerPool
+from .torchrun import TorchrunWorker
+
+
+class Host(Protocol):
+    """Runs a fit on every worker and returns the final (model, optimizer) state; `close` lets the
+    workers go, `kill` after a failure stops them at once."""
+
+    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def start_host(config: Config, job: Job, placement: Placement) -> Host:
+    """The host the placement calls for."""
+    if placement.torchrun is not None:
+        return TorchrunWorker(config, job, placement)
+    if placement.in_process:
+        return InProcessWorker(config, job, placement)
+    return WorkerPool(config, job, placement)
+
+
+__all__ = ["Host", "InProcessWorker", "TorchrunWorker", "WorkerPool", "start_host"]

@@ -1,0 +1,157 @@
+"""The one path by which every host runs a worker: build its replica on its device, restore a
+fit's state, train the epochs, stop when asked, and turn a failure into a `WorkerError` that says
+who failed, where, and why.
+
+The hosts (spawned.py, inprocess.py, torchrun.py) differ only in where the worker's process is,
+how batches reach it, how it is asked to stop and how its reports travel; what a worker does is
+written here once. By construction:
+- the replica trains a deep copy of the user's model, so a failed fit() leaves theirs as it was;
+- the model moves to its device before any state is loaded, so the optimizer's state (which
+  `load_state_dict` casts to the params' device) lands on the worker's device;
+- the worker has its own RNG stream (seeded `seed + rank`, carried from fit() to fit(), restored
+  from a checkpoint) and its own thread count, swapped in for the fit and out after it, so the
+  caller's process is left as it was whichever host it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import rng_state, set_rng_state
+from ..config import Config, Job
+from ..env import Placement
+from ..feed import FeedError
+from ..rounds import Budget
+from ..types import BatchSource, FitCommand, Hooks, Reporter, Stopped, TrainingError, WorkerError
+from ..worker import Replica
+
+_SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
+# One Ctrl-C reaches a torchrun worker twice, from the terminal and forwarded by torchrun's agent:
+# a signal this soon after the first is the same request, not a second press.
+_REPEAT_S = 2.0
+
+
+class Worker:
+    """One worker under any host: its replica, RNG stream and threads."""
+
+    def __init__(
+        self,
+        job: Job,
+        config: Config,
+        placement: Placement,
+        rank: int,
+        local_rank: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        hooks: Hooks | None = None,
+        budget: Budget | None = None,
+    ) -> None:
+        self.rank, self._threads = rank, placement.threads
+        device = placement.device(local_rank)
+        model = copy.deepcopy(job.model).to(device)
+        self.replica = Replica(
+            model, job.make_optimizer(model), job, config, device, rank, placement.world_size,
+            group=group, hooks=hooks, budget=budget,
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed + rank)
+            self._rng = rng_state()
+
+    def fit(self, command: FitCommand, source: BatchSource, report: Reporter) -> None:
+        """Train from `command`'s state to its last epoch. A stop (Stopped) and the data's own
+        errors (FeedError) pass through; any other failure is a WorkerError."""
+        replica = self.replica
+        replica.load_state(command.model_state, command.optimizer_state)
+        replica.counters = dataclasses.replace(command.counters)
+        if command.rng is not None:
+            self._rng = command.rng[self.rank]
+        with self._own_threads_and_rng():
+            try:
+                replica.fit(command.until_epoch, source, report)
+            except (Stopped, FeedError):
+                raise
+            except Exception as e:
+                raise self.failure(e) from e
+
+    def failure(self, error: BaseException) -> WorkerError:
+        """A WorkerError for `error`, raised in this worker: call it while handling the error."""
+        where = error.where if isinstance(error, TrainingError) and error.where else self.replica.hooks.where
+        return WorkerError(self.rank, summary(error), traceback.format_exc(), where)
+
+    @contextlib.contextmanager
+    def _own_threads_and_rng(self) -> Iterator[None]:
+        threads, caller_rng = torch.get_num_threads(), rng_state()
+        torch.set_num_threads(self._threads)
+        set_rng_state(self._rng)
+        try:
+            yield
+        finally:
+            self._rng = rng_state()
+            set_rng_state(caller_rng)
+            torch.set_num_threads(threads)
+
+
+def summary(error: BaseException) -> str:
+    """One line that says what happened: the exception's type and the first line of its message."""
+    text = str(error) if isinstance(error, TrainingError) else f"{type(error).__name__}: {error}"
+    line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return line if len(line) <= _SUMMARY_CHARS else line[:_SUMMARY_CHARS] + "..."
+
+
+class SignalHooks(Hooks):
+    """Hooks of a worker in a process that the user signals directly (in-process, torchrun): the
+    first signal asks for a stop after the round in flight, which is then checkpointed."""
+
+    def __init__(self, checkpointer: Any = None) -> None:
+        super().__init__(checkpointer)
+        self.signalled: int | None = None  # the signal that asked for the stop
+
+    def stop_requested(self) -> bool:
+        return self.signalled is not None
+
+
+@contextlib.contextmanager
+def stop_on_signals(hooks: SignalHooks, signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """With checkpoints on, the first of `signals` finishes the round and saves it (a second one,
+    `_REPEAT_S` or more later, interrupts at once); then the signal takes effect as it would have:
+    KeyboardInterrupt for SIGINT, the previous handler (by default: the end of the process) for
+    the others. A stop that another worker asked for ends in KeyboardInterrupt. Without
+    checkpoints, nothing changes."""
+    hooks.signalled = None
+    if hooks.checkpointer is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    first = 0.0
+
+    def first_stops_second_interrupts(signum: int, frame: FrameType | None) -> None:
+        nonlocal first
+        if hooks.signalled is None:
+            hooks.signalled, first = signum, time.monotonic()
+        elif time.monotonic() - first >= _REPEAT_S:
+            raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, first_stops_second_interrupts) for s in signals}
+    try:
+        yield
+    except Stopped as stop:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        previous = {}
+        if hooks.signalled not in (None, signal.SIGINT):
+            signal.raise_signal(hooks.signalled)  # the checkpoint is saved: now as the signal meant
+        raise KeyboardInterrupt(str(stop)) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

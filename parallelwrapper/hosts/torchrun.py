@@ -1,0 +1,57 @@
+"""torchrun: this process is one worker of a group that torchrun started, on this machine or on
+many. torchrun's variables say the rank and the node's share of processes (env.resolve); the
+worker reads its own shard of the data (feed.ShardSource), and runs the shared runtime.
+
+The signals torchrun sends its workers when it stops them (SIGTERM; SIGINT from a terminal)
+finish the round in flight and save it when checkpoints are on, as Ctrl-C does for spawned
+workers; then the signal takes effect.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import make_checkpointer
+from ..config import Config, Job
+from ..env import Placement, collective_timeout
+from ..feed import Batches, ShardSource
+from ..types import FitCommand, Reporter
+from .runtime import SignalHooks, Worker, stop_on_signals
+
+
+class TorchrunWorker:
+    """The host interface (`fit`, `close`, `kill`) for this process in a torchrun group."""
+
+    def __init__(self, config: Config, job: Job, placement: Placement) -> None:
+        env = placement.torchrun
+        assert env is not None, "TorchrunWorker outside torchrun"
+        self._rank, self._world = env.rank, env.world_size
+        device = placement.device(env.local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # The caller may have joined the group itself (to use it beside the wrapper): then it is theirs.
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            dist.init_process_group(placement.backend, timeout=collective_timeout(config))
+        self._hooks = SignalHooks(make_checkpointer(config, job, env.world_size))
+        self._worker = Worker(job, config, placement, env.rank, env.local_rank, hooks=self._hooks)
+
+    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Train this rank's shard; return the final (model, optimizer) state, the same on every rank."""
+        counters = command.counters
+        source = ShardSource(data, self._rank, self._world, counters.epoch, counters.position)
+        with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):
+            self._worker.fit(command, source, on_report)
+        return self._worker.replica.state_dicts()
+
+    def close(self) -> None:
+        """Leave the group, if this host joined it."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    kill = close  # after a failure the group may be broken: the next fit() joins a new one

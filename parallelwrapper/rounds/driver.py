@@ -1,0 +1,378 @@
+"""The drivers of the round protocol: one worker's side of a synchronous or an overlapped round,
+from its local work to the bookkeeping after the average lands (see the package's docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..averaging import (
+    DeltaAverager,
+    FlatAverager,
+    agree_on_optimizer_layout,
+    all_reduce_values,
+    optimizer_signature,
+    optimizer_state_tensors,
+    signature_hash,
+)
+from ..checkpoint import rng_state
+from ..config import Config, TrainingMode
+from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
+from .budget import Budget
+from .header import HEADER_LEN, RoundTotals, make_header, read_header
+from .scores import _Book
+
+
+class Trainer(Protocol):
+    """A worker's model, optimizer and steps (worker.Replica)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    local_steps: int  # optimizer steps this worker has taken
+
+    def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+        """AVERAGING: one whole local step; (loss·n, n)."""
+        ...
+
+    def accumulate(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+        """SHARED_GRADIENTS: forward and backward into .grad; (loss·n, n)."""
+        ...
+
+    def step(self) -> None:
+        """SHARED_GRADIENTS: the optimizer step on the averaged gradients."""
+        ...
+
+    def checked_loss(self, losses: list[torch.Tensor], first_step: int, epoch: int) -> tuple[float, bool]:
+        """Σ loss·n of a round, and whether the NaN policy drops it."""
+        ...
+
+    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+
+@dataclass
+class _Work:
+    """One worker's local work in a round."""
+
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # loss·n per step
+    samples: int = 0
+    first_step: int = 0
+    loss_sum: float = 0.0
+    skipped: bool = False  # dropped by the NaN policy
+
+    @property
+    def weight(self) -> float:
+        return 0.0 if self.skipped else float(self.samples)
+
+
+@dataclass
+class _InFlight:
+    """A launched round of the overlapped protocol, still being summed."""
+
+    layout: int | None  # as sent
+    weight: float  # this worker's weight in the payload
+    skipped: bool  # this worker's contribution was dropped: its state is not worth keeping
+    local_steps: int  # Trainer.local_steps at the launch
+    round_index: int
+
+
+class Rounds:
+    """One worker's side of the round protocol over a process group (None: the default group)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        config: Config,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        hooks: Hooks,
+        budget: Budget | None = None,
+    ) -> None:
+        self.trainer, self.config, self.device, self.hooks, self.budget = trainer, config, device, hooks, budget
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.counters = Counters()
+        self._averaging = config.training_mode is TrainingMode.AVERAGING
+        self._payload: FlatAverager | None = None
+        self._payload_layout: int | None = None  # the state layout the payload was built for
+        self._delta: DeltaAverager | None = None  # overlap_averaging's buffers ...
+        self._delta_layout = 0  # ... and their layout
+        self._reference = 0.0  # Σw of the last round that trained, the same on every worker
+        self._round = 0  # rounds launched in this fit(), the same count on every worker
+        self._finished = False
+        self._ahead: tuple[int, Any] | None = None  # a batch taken, not yet trained
+        self._source: BatchSource | None = None
+
+    def reset(self) -> None:
+        """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
+        self._payload = self._delta = None
+        self._reference = 0.0
+
+    def run(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
+        """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
+        self._source, self._ahead, self._round = source, None, 0  # a batch looked ahead at before a stop is not trained
+        try:
+            while self.counters.epoch < until_epoch:
+                self._epoch(report)
+        finally:
+            if self._payload is not None:  # between fits, the model's tensors own their storage
+                self._payload.release()
+                self._payload = None
+            self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.trainer.local_steps)
+
+    def _epoch(self, report: Reporter) -> None:
+        # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
+        every = 1 if self._averaging else self.config.averaging_frequency
+        book = _Book(report, every, self.config.report_score_after_averaging)
+        self._finished = False
+        if self.config.overlap_averaging:
+            self._overlapped_epoch(book)
+            return
+        while True:
+            work = self._local_work()
+            totals = self._exchange(work)
+            epoch_done = self._settle(totals, book)
+            self._after_landing(totals, epoch_done)
+            if epoch_done:
+                return
+
+    # -- local work ------------------------------------------------------------------------------
+
+    def _next(self, round_index: int) -> tuple[int, Any] | None:
+        """The next batch, or None at this worker's end of the epoch or, with a budget, when
+        round `round_index` has all its batches. A batch is counted against the round it is
+        taken for (a batch looked ahead at, against the next); the end of the epoch is not, or
+        the next epoch's first round would have a batch less."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            return ahead
+        if self._finished or (self.budget is not None and not self.budget.take(round_index)):
+            return None
+        assert self._source is not None
+        self.hooks.progress(Phase.WAITING, self.counters.epoch, -1, self.trainer.local_steps)
+        item = self._source.next_batch()
+        if item is END:
+            self._finished = True
+            if self.budget is not None:
+                self.budget.untake(round_index)
+            return None
+        assert isinstance(item, tuple)
+        return item
+
+    def _local_work(self) -> _Work:
+        """AVERAGING: up to k independent steps (with a budget: what the round has left).
+        SHARED_GRADIENTS: one forward/backward; the step waits for the averaged gradients.
+        Then look one batch ahead, so that the round that trains a worker's last batch already
+        says it finished: the epoch ends with that round, not one more round of zeros."""
+        epoch, trainer = self.counters.epoch, self.trainer
+        work = _Work(first_step=trainer.local_steps)
+        if self._averaging:
+            most = self.config.averaging_frequency if self.budget is None else math.inf
+            step = trainer.train_step
+        else:
+            self._gradient_payload()  # allocates zero gradients before the first backward
+            trainer.optimizer.zero_grad(set_to_none=False)
+            most, step = 1, trainer.accumulate
+        while len(work.losses) < most:
+            item = self._next(self._round)
+            if item is None:
+                break
+            loss, n = step(epoch, *item)
+            work.losses.append(loss)
+            work.samples += n
+        if work.losses:
+            self._ahead = self._next(self._round + 1)
+        work.loss_sum, work.skipped = trainer.checked_loss(work.losses, work.first_step, epoch)
+        self.hooks.progress(Phase.AVERAGING, epoch, -1, trainer.local_steps)
+        return work
+
+    # -- payloads and headers --------------------------------------------------------------------
+
+    def _layout(self) -> int:
+        """Hash of the averaged optimizer state's layout (optimizers create it lazily)."""
+        if not self._averaging or not self.config.average_updaters:
+            return 0
+        return signature_hash(optimizer_signature(self.trainer.optimizer))
+
+    def _header(self, work: _Work, built: int | None) -> tuple[list[float], int | None]:
+        """The round's header, and the layout it declares: stale (None) when the optimizer has
+        created state since the buffers in use were built for layout `built` (None: no buffers
+        yet), so that every worker learns that the layout must be agreed again."""
+        layout: int | None = self._layout()
+        if built is not None and layout != built:
+            layout = None
+        header = make_header(
+            samples=0 if work.skipped else work.samples,
+            loss_sum=0.0 if work.skipped else work.loss_sum,
+            batches=len(work.losses),
+            finished=self._finished,
+            skipped=work.skipped,
+            stop=self.hooks.stop_requested(),
+            layout=layout,
+        )
+        return header, layout
+
+    def _averaged_tensors(self) -> list[torch.Tensor]:
+        """AVERAGING's state: params | buffers | optimizer state (with average_updaters)."""
+        model = self.trainer.model
+        tensors = list(model.parameters()) + list(model.buffers())
+        if self.config.average_updaters:
+            tensors += optimizer_state_tensors(self.trainer.optimizer)
+        return tensors
+
+    def _gradient_payload(self) -> FlatAverager:
+        if self._payload is None:
+            params = [p for p in self.trainer.model.parameters() if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params if p.grad is not None]  # all of them, just allocated
+            self._payload = FlatAverager(grads + list(self.trainer.model.buffers()), self.device, HEADER_LEN)
+            self._payload_layout = 0
+        return self._payload
+
+    def _average_anew(self, share: float, agree: bool) -> None:
+        """Build the payload and average all of the state at once: on the first round of a fit(),
+        and after a round whose layouts disagreed (some optimizer created state the buffers lack),
+        where every worker first takes the union of the layouts (`agree`)."""
+        if agree:
+            agree_on_optimizer_layout(self.trainer.optimizer, self.group)
+        self._payload_layout = self._layout()
+        self._payload = FlatAverager(self._averaged_tensors(), self.device, HEADER_LEN)  # released after fit()
+        self._payload.average(share, self.group)
+
+    def _exchange(self, work: _Work) -> RoundTotals:
+        """One synchronous round's header and payload; every replica ends it holding the average
+        (SHARED_GRADIENTS: the averaged gradients, then its step).
+
+        Once the buffers exist and a round has trained, the header rides in the payload's trailer,
+        pre-scaled by w / _reference; else the header goes alone, then the payload when anyone
+        trained. A worker that did not train sends zeros; when nobody did, every worker drops the
+        sums. The first round of a fit() builds the buffers, averaging as it does so."""
+        payload = self._payload if self._averaging else self._gradient_payload()
+        header, layout = self._header(work, None if payload is None else self._payload_layout)
+        if payload is not None and self._reference > 0:
+            reference = self._reference
+            payload.send(work.weight / reference, header, self.group)
+            totals = read_header(payload.wait(), layout, self.world_size)
+        else:
+            totals = read_header(all_reduce_values(header, self.device, self.group), layout, self.world_size)
+            reference = totals.samples
+            if payload is not None and totals.samples > 0:
+                payload.send(work.weight / reference, group=self.group)
+                payload.wait()
+        if totals.samples == 0:
+            self._check_diverged(totals)
+            return totals
+        if payload is not None:
+            payload.apply(reference / totals.samples)
+        if not self._averaging:
+            self.trainer.step()  # the same averaged gradients on every worker
+        elif payload is None or not totals.layouts_agree:
+            self._average_anew(work.weight / totals.samples, agree=not totals.layouts_agree)
+        self._reference = totals.samples
+        return totals
+
+    # -- the overlapped protocol -----------------------------------------------------------------
+
+    def _overlapped_epoch(self, book: _Book) -> None:
+        """Rounds whose averaging runs while the next round's steps are taken.
+
+        Round r's header and payload go out together after r's steps, without waiting; they land
+        (DeltaAverager.land) after round r + 1's steps, and r + 1 goes out. Every worker sends the
+        same collectives in the same order; only when it waits differs. When the totals of a
+        landed round ask for a stop, or a checkpoint falls due, the next round lands at once:
+        nobody steps in between, so every replica lands exactly on the average. The epoch ends
+        the same way: when every worker had finished in the landed round, nobody stepped since.
+        """
+        if self._delta is None:  # every replica holds the same state here: fit() or an epoch starts
+            self._delta_layout = self._layout()
+            self._delta = DeltaAverager(self._averaged_tensors(), self.device, HEADER_LEN)
+        in_flight: _InFlight | None = None
+        while True:
+            work = self._local_work()
+            land_now = False
+            if in_flight is not None:
+                totals = self._land(in_flight, work.skipped)
+                if self._settle(totals, book):
+                    self._after_landing(totals, epoch_done=True)
+                    return
+                land_now = totals.stop > 0 or self.hooks.checkpoint_due(self.counters.rounds + 1)
+            in_flight = self._launch(work)
+            if land_now:
+                totals = self._land(in_flight, work.skipped)
+                in_flight = None
+                epoch_done = self._settle(totals, book)
+                self._after_landing(totals, epoch_done)
+                if epoch_done:
+                    return
+
+    def _launch(self, work: _Work) -> _InFlight:
+        """Send this round's payload, with its header; do not wait."""
+        assert self._delta is not None
+        header, layout = self._header(work, self._delta_layout)
+        self._delta.launch(work.weight, header, self.group)
+        self._round += 1
+        return _InFlight(layout, work.weight, work.skipped, self.trainer.local_steps, self._round - 1)
+
+    def _land(self, in_flight: _InFlight, skipped_since: bool) -> RoundTotals:
+        """Wait for a launched round and move the state by its average (DeltaAverager.land).
+
+        A worker adopts the average outright when its progress since is worthless (a non-finite
+        loss then or since) or nil (no step since). When the layouts disagreed, the buffers still
+        matched (they keep their layout), so the average applies; then the state is averaged anew.
+        """
+        assert self._delta is not None
+        totals = read_header(self._delta.wait(), in_flight.layout, self.world_size)
+        if self.budget is not None:
+            self.budget.landed(in_flight.round_index)
+        self._check_diverged(totals)
+        worthless = in_flight.skipped or skipped_since
+        self._delta.land(totals.samples, adopt=worthless or self.trainer.local_steps == in_flight.local_steps)
+        if not totals.layouts_agree:
+            share = in_flight.weight / totals.samples if totals.samples > 0 else 1.0 / self.world_size
+            self._average_anew(0.0 if worthless else share, agree=True)
+            self._delta_layout = self._layout()
+            self._delta = DeltaAverager(self._averaged_tensors(), self.device, HEADER_LEN)
+        return totals
+
+    # -- after a round ---------------------------------------------------------------------------
+
+    def _check_diverged(self, totals: RoundTotals) -> None:
+        if totals.samples == 0 and totals.skipped > 0:
+            raise FloatingPointError(
+                f"the loss of every worker that trained in this round was non-finite ({totals.skipped} "
+                f"workers): training has diverged; lower the learning rate"
+            )
+
+    def _settle(self, totals: RoundTotals, book: _Book) -> bool:
+        """Counters and score reports for a round's totals; True when it ended the epoch."""
+        epoch_done = totals.finished == self.world_size
+        c = self.counters
+        if totals.samples > 0:
+            c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
+            c.position += totals.batches
+            book.add(totals, c, end_of_epoch=epoch_done)
+        if epoch_done:
+            c.epoch, c.position = c.epoch + 1, 0
+            book.report(EpochReport(dataclasses.replace(c), c.epoch - 1, book.whole.score))
+        return epoch_done
+
+    def _after_landing(self, totals: RoundTotals, epoch_done: bool) -> None:
+        """After a round every replica holds the average: checkpoint when one is due, at an
+        epoch's end and at a stop (every worker gives its RNG state, rank 0 writes), then stop
+        if any worker was asked to."""
+        final = epoch_done or totals.stop > 0
+        trained = totals.samples > 0
+        if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
+            rng: list[Any] = [None] * self.world_size
+            dist.all_gather_object(rng, rng_state(), group=self.group)
+            if self.rank == 0:
+                self.hooks.checkpointer.save(*self.trainer.state_dicts(), dataclasses.replace(self.counters), rng)
+        if totals.stop:
+            raise Stopped(f"stopped at round {self.counters.rounds}, as the host asked")

@@ -1,0 +1,53 @@
+"""A round's header: what every worker says about its round, summed in the same all-reduce as the
+state (it rides in the payload's trailer, see averaging.py): samples, loss, batches, the finished,
+skipped and stop flags, and a check that every worker sends the same state layout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundTotals:
+    """The header of a round, summed over all workers."""
+
+    samples: float  # Σw: samples trained on in this round
+    loss_sum: float  # Σ loss·batch_size
+    batches: int
+    finished: int  # workers that have reached the end of the epoch
+    skipped: int  # workers whose contribution was dropped (non-finite loss, NanPolicy.SKIP)
+    stop: int  # workers asked to stop after this round
+    layouts_agree: bool
+
+    @property
+    def score(self) -> float:
+        """The sample-weighted mean loss of the round (NaN when nobody trained)."""
+        return self.loss_sum / self.samples if self.samples > 0 else float("nan")
+
+
+_LAYOUT_BITS = 20
+_SAMPLES_SPLIT = 1 << 12  # samples go as (w // 4096, w % 4096): sums exact in float32 to 2**36
+HEADER_LEN = 8 + _LAYOUT_BITS  # numbers in a header
+
+
+def make_header(
+    *, samples: int, loss_sum: float, batches: int, finished: bool, skipped: bool, layout: int | None, stop: bool = False
+) -> list[float]:
+    """The round's header: HEADER_LEN numbers to sum over the workers. `layout` is a hash of the
+    sender's state layout, or None (stale) when its state no longer matches the buffers it sends.
+    Every count sums exactly even in float32, the dtype of the buffer the header usually rides
+    in: the sample count goes in two parts, the hash as one 0/1 number per bit."""
+    bits = [0.0] * _LAYOUT_BITS if layout is None else [float(layout >> i & 1) for i in range(_LAYOUT_BITS)]
+    flags = [float(finished), float(skipped), float(stop), float(layout is None)]
+    high, low = divmod(samples, _SAMPLES_SPLIT)
+    return [float(high), float(low), float(loss_sum), float(batches), *flags, *bits]
+
+
+def read_header(summed: Sequence[float], layout: int | None, world_size: int) -> RoundTotals:
+    """The totals of a summed header. The layouts agree iff nobody was stale and every bit's sum
+    is N times this worker's bit: all 0 or all 1."""
+    high, low, loss, nb, fin, skip, stp, stale, *bits = summed
+    agree = layout is not None and stale == 0 and all(b == world_size * (layout >> i & 1) for i, b in enumerate(bits))
+    samples = float(round(high) * _SAMPLES_SPLIT + round(low))
+    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree)

@@ -1,0 +1,191 @@
+"""The records and sentinels that several modules share: what a worker reports, where it is, the
+end of its epoch, and the errors a user can meet from a worker. Imports nothing of the package."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class EndOfEpoch:
+    """The sentinel a batch source returns when this worker's share of the epoch is done."""
+
+
+END = EndOfEpoch()
+
+
+class BatchSource(Protocol):
+    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+        """(batch index in the epoch, batch) or END."""
+        ...
+
+
+class Phase(enum.IntEnum):
+    """Where a worker is, for the supervisor's stall watchdog."""
+
+    IDLE = 0
+    WAITING = 1  # for a batch
+    TRAINING = 2
+    AVERAGING = 3
+
+
+@dataclass
+class Counters:
+    """Progress over the wrapper's life; identical on every worker after each round. Anything that
+    must stay in step across workers (the averaging period, checkpoints) reads these."""
+
+    rounds: int = 0  # averagings (SHARED_GRADIENTS: steps)
+    iterations: int = 0  # batches trained, all workers
+    samples: int = 0  # samples trained, all workers
+    epoch: int = 0  # the epoch in progress (= epochs completed, between epochs)
+    position: int = 0  # batches of `epoch` trained in completed rounds: where a resumed feed starts
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """A worker's word after a round (or k steps): totals over all workers."""
+
+    counters: Counters
+    score: float  # sample-weighted mean loss over the reported rounds
+    skipped: int
+    at: float = dataclasses.field(default_factory=time.monotonic)  # when (system-wide clock)
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    counters: Counters
+    epoch: int
+    score: float  # sample-weighted mean loss of the epoch
+    at: float = dataclasses.field(default_factory=time.monotonic)
+
+
+Reporter = Callable[[RoundReport | EpochReport], None]
+
+
+@dataclass(frozen=True)
+class FitCommand:
+    """What every worker starts a fit() from: the user's model and optimizer state, the counters,
+    and (resuming from a checkpoint) each rank's RNG state."""
+
+    until_epoch: int
+    counters: Counters
+    model_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+    rng: list[dict[str, Any]] | None  # per rank, when resuming from a checkpoint
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a worker was: `batch` is -1 between batches; `shape` describes the batch, when known."""
+
+    epoch: int
+    batch: int
+    local_step: int
+    shape: str = ""
+
+    def __str__(self) -> str:
+        if self.batch < 0:
+            return f"in epoch {self.epoch} (local step {self.local_step})"
+        shape = f" {self.shape}" if self.shape else ""
+        return f"while training on batch {self.batch} of epoch {self.epoch}{shape} (local step {self.local_step})"
+
+
+class CheckpointWriter(Protocol):
+    """Writes a round's state to disk (checkpoint.Checkpointer); rank 0 calls it."""
+
+    def due(self, rounds: int) -> bool: ...
+
+    def save(self, model: dict[str, Any], optimizer: dict[str, Any], counters: Counters, rng: list[Any]) -> None: ...
+
+
+class Hooks:
+    """What the round protocol may ask of the host it runs under. The defaults report nothing,
+    never stop, and checkpoint only when given a writer: a test, a benchmark."""
+
+    def __init__(self, checkpointer: CheckpointWriter | None = None) -> None:
+        self.checkpointer = checkpointer
+        self._at: tuple[int, int, int] = (0, -1, 0)
+
+    def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
+        """Called on every change of phase: keep it cheap (a host may write shared memory)."""
+        self._at = (epoch, index, step)
+
+    @property
+    def where(self) -> Where:
+        """Where the worker was at its last change of phase, for error messages."""
+        return Where(*self._at)
+
+    def stop_requested(self) -> bool:
+        """True when the host wants training to stop after the current round."""
+        return False
+
+    def checkpoint_due(self, rounds: int) -> bool:
+        """Whether a periodic checkpoint falls at the end of round number `rounds`."""
+        return self.checkpointer is not None and self.checkpointer.due(rounds)
+
+
+class TrainingError(RuntimeError):
+    """A worker could not train on a batch: the message says why, `where` says where."""
+
+    def __init__(self, message: str, where: Where | None = None) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+class Stopped(Exception):
+    """Training stopped early, at a round boundary, because a worker's host asked."""
+
+
+class WorkerError(RuntimeError):
+    """A worker failed, under any host (spawned, in-process, torchrun).
+
+    `rank` names it; `where` says the epoch, batch and local step when known. The first line of
+    the message says who failed where, and what happened; the worker's traceback follows it."""
+
+    def __init__(self, rank: int, summary: str, details: str = "", where: Where | None = None) -> None:
+        at = f" {where}" if where is not None else ""
+        super().__init__(f"worker {rank} failed{at}: {summary}" + (f"\n\n{details.rstrip()}" if details else ""))
+        self.rank, self.summary, self.details, self.where = rank, summary, details, where
+
+    @property
+    def epoch(self) -> int | None:
+        return None if self.where is None else self.where.epoch
+
+    @property
+    def batch(self) -> int | None:
+        return None if self.where is None or self.where.batch < 0 else self.where.batch
+
+    @property
+    def local_step(self) -> int | None:
+        return None if self.where is None else self.where.local_step
+
+    def __reduce__(self) -> tuple[Any, ...]:  # travels from a spawned worker as a value
+        return (WorkerError, (self.rank, self.summary, self.details, self.where))
+
+    def with_echoes(self, echoes: dict[int, str]) -> WorkerError:
+        """This error, and one line each for the peers that failed because of it."""
+        lines = "".join(f"\n(also worker {r}: {line})" for r, line in sorted(echoes.items()) if r != self.rank)
+        return WorkerError(self.rank, self.summary, self.details + ("\n" + lines if lines else ""), self.where)
+
+
+__all__ = [
+    "END",
+    "BatchSource",
+    "CheckpointWriter",
+    "Counters",
+    "EndOfEpoch",
+    "EpochReport",
+    "FitCommand",
+    "Hooks",
+    "Phase",
+    "Reporter",
+    "RoundReport",
+    "Stopped",
+    "TrainingError",
+    "Where",
+    "WorkerError",
+]
