@@ -1,0 +1,225 @@
+"""Module contracts that need no process (the fast tier): the averaging algebra over a fake
+two-worker all-reduce, the header's encoding, the round budget, the score windows, the
+checkpoint format, the shape of a WorkerError, and where a worker puts its state. The same
+contracts run with real processes and real gloo in test_round_protocol.py and test_faults.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallelwrapper import checkpoint
+from parallelwrapper.averaging import DeltaAverager, FlatAverager
+from parallelwrapper.config import Config, Job
+from parallelwrapper.env import Placement
+from parallelwrapper.hosts.runtime import Worker
+from parallelwrapper.rounds import HEADER_LEN, RoundBudget, RoundTotals, make_header, read_header
+from parallelwrapper.rounds.scores import _Book
+from parallelwrapper.types import Counters, EpochReport, RoundReport, Where, WorkerError
+
+pytestmark = pytest.mark.fast
+CPU = torch.device("cpu")
+
+
+class FakeAllReduce:
+    """`dist.all_reduce` for two workers that live in this process: each worker's n-th call is
+    summed with the other's n-th, in float64, when the first of them waits."""
+
+    def __init__(self, world: int = 2) -> None:
+        self.world, self.rank = world, 0
+        self.calls: list[list[torch.Tensor]] = [[] for _ in range(world)]
+
+    def __call__(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        self.calls[self.rank].append(tensor)
+        fake, index = self, len(self.calls[self.rank]) - 1
+
+        class Work:
+            def wait(self) -> None:
+                buffers = [fake.calls[r][index] for r in range(fake.world)]
+                if getattr(buffers[0], "_summed", False):
+                    return
+                total = sum(b.double() for b in buffers)
+                for b in buffers:
+                    b.copy_(total.to(b.dtype))
+                    b._summed = True  # type: ignore[attr-defined]
+
+        work = Work()
+        if not async_op:
+            work.wait()
+            return None
+        return work
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeAllReduce:
+    f = FakeAllReduce()
+    monkeypatch.setattr(dist, "all_reduce", f)
+    return f
+
+
+def state(rank: int) -> list[torch.Tensor]:
+    return [
+        torch.full((3, 2), float(rank + 1)),
+        torch.full((4,), 10.0 * rank, dtype=torch.float16),  # copied in and out, reduced in float32
+        torch.tensor([7 * rank], dtype=torch.int64),  # reduced in float64, rounded back
+    ]
+
+
+@pytest.mark.parametrize("reference", [10.0, 7.0], ids=["reference-holds", "reference-stale"])
+def test_prescaled_send_then_apply_is_the_sample_weighted_mean(fake: FakeAllReduce, reference: float) -> None:
+    """w_i / ref on the way out, ref / Σw on the way back: Σ w_i x_i / Σw whatever the ref."""
+    weights = [6.0, 4.0]  # Σw = 10
+    tensors = [state(0), state(1)]
+    averagers = [FlatAverager(t, CPU, trailer=3) for t in tensors]
+    for rank in (0, 1):
+        fake.rank = rank
+        averagers[rank].send(weights[rank] / reference, [weights[rank], 1.0, float(rank)])
+    trailers = []
+    for rank in (0, 1):
+        fake.rank = rank
+        trailers.append(averagers[rank].wait())
+        averagers[rank].apply(reference / sum(weights))
+    assert trailers[0] == trailers[1] == [10.0, 2.0, 1.0]
+    expected = [0.6 * 1.0 + 0.4 * 2.0, 0.4 * 10.0, round(0.4 * 7)]
+    for rank in (0, 1):
+        floats, halves, ints = tensors[rank]
+        torch.testing.assert_close(floats, torch.full((3, 2), expected[0]))
+        assert halves.dtype == torch.float16 and torch.equal(halves, torch.full((4,), expected[1], dtype=torch.float16))
+        assert ints.dtype == torch.int64 and int(ints) == expected[2]
+    assert all(torch.equal(a, b) for a, b in zip(tensors[0], tensors[1]))  # bitwise the same on both
+
+
+def test_a_worker_sending_scale_zero_contributes_nothing_not_even_nan(fake: FakeAllReduce) -> None:
+    tensors = [[torch.full((2,), 5.0)], [torch.full((2,), float("nan"))]]
+    averagers = [FlatAverager(t, CPU) for t in tensors]
+    for rank, share in ((0, 1.0), (1, 0.0)):
+        fake.rank = rank
+        averagers[rank].send(share)
+    for rank in (0, 1):
+        fake.rank = rank
+        averagers[rank].wait()
+        averagers[rank].apply(1.0)
+    assert torch.equal(tensors[0][0], torch.full((2,), 5.0)) and torch.equal(tensors[1][0], tensors[0][0])
+
+
+def test_delta_averager_keeps_the_steps_taken_since_the_snapshot(fake: FakeAllReduce) -> None:
+    tensors = [[torch.full((2,), 1.0)], [torch.full((2,), 3.0)]]
+    deltas = [DeltaAverager(t, CPU, trailer=1) for t in tensors]
+    for rank in (0, 1):
+        fake.rank = rank
+        deltas[rank].launch(1.0, [1.0])
+    tensors[0][0].add_(0.5)  # rank 0 steps while the averaging is in flight; rank 1 does not
+    for rank in (0, 1):
+        fake.rank = rank
+        assert deltas[rank].wait() == [2.0]
+        deltas[rank].land(2.0, adopt=rank == 1)
+    assert torch.equal(tensors[0][0], torch.full((2,), 2.5))  # the average (2.0) plus its own step
+    assert torch.equal(tensors[1][0], torch.full((2,), 2.0))  # no step since: exactly the average
+
+
+def test_header_round_trip_and_layout_agreement() -> None:
+    headers = [
+        make_header(samples=5000, loss_sum=2.5, batches=2, finished=True, skipped=False, layout=0xBEEF),
+        make_header(samples=0, loss_sum=0.0, batches=0, finished=True, skipped=True, layout=0xBEEF, stop=True),
+    ]
+    assert all(len(h) == HEADER_LEN for h in headers)
+    summed = [a + b for a, b in zip(*headers)]
+    totals = read_header(summed, 0xBEEF, 2)
+    assert totals == RoundTotals(5000.0, 2.5, 2, 2, 1, 1, True) and totals.score == 2.5 / 5000
+    assert not read_header(summed, 0xBEEE, 2).layouts_agree  # another layout
+    stale = make_header(samples=1, loss_sum=0.0, batches=1, finished=False, skipped=False, layout=None)
+    assert not read_header([a + b for a, b in zip(headers[0], stale)], 0xBEEF, 2).layouts_agree
+    nobody = read_header(make_header(samples=0, loss_sum=0.0, batches=0, finished=True, skipped=False, layout=0), 0, 1)
+    assert nobody.samples == 0 and nobody.score != nobody.score  # NaN: nobody trained
+
+
+def test_round_budget_counts_each_round_of_its_ring_apart() -> None:
+    budget = RoundBudget(multiprocessing.get_context("spawn"), batches_per_round=2)
+    assert [budget.take(0) for _ in range(3)] == [True, True, False]
+    assert budget.take(1) and budget.take(5) and not budget.take(1)  # 5 ≡ 1 in a ring of 4
+    budget.untake(0)
+    assert budget.take(0) and not budget.take(0)
+    budget.landed(0)
+    assert budget.take(4) and budget.take(4) and not budget.take(4)  # round 4 reuses round 0's slot
+    budget.clear()
+    assert budget.take(1)
+
+
+def totals(samples: float, loss_sum: float, skipped: int = 0) -> RoundTotals:
+    return RoundTotals(samples, loss_sum, 1, 0, skipped, 0, True)
+
+
+def test_score_windows_report_every_k_rounds_and_at_the_epochs_end() -> None:
+    reports: list[RoundReport | EpochReport] = []
+    book = _Book(reports.append, every=2, rounds=True)
+    counters = Counters()
+    for i, (n, loss) in enumerate([(10, 10.0), (30, 0.0), (20, 4.0)]):
+        counters.rounds += 1
+        book.add(totals(n, loss, skipped=i == 2), counters, end_of_epoch=i == 2)
+    assert [r.counters.rounds for r in reports] == [2, 3]
+    assert [r.score for r in reports] == [10.0 / 40, 4.0 / 20] and [r.skipped for r in reports] == [0, 1]  # type: ignore[union-attr]
+    assert book.whole.score == 14.0 / 60  # the epoch's: sample-weighted over every round
+    assert reports[0].counters is not counters  # a snapshot, not the live counters
+
+
+def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.mse_loss, None)
+    config = Config(workers=2, averaging_frequency=3)
+    writer = checkpoint.Checkpointer(str(tmp_path), 5, checkpoint.fingerprint(config, job, 2), config)
+    assert writer.due(10) and not writer.due(11)
+    counters = Counters(rounds=10, iterations=30, samples=300, epoch=1, position=4)
+    writer.save(model.state_dict(), {"state": {}, "param_groups": []}, counters, [{"torch": torch.get_rng_state()}] * 2)
+    payload = torch.load(tmp_path / checkpoint.FILENAME, weights_only=False)
+    assert set(payload) == {"format", "fingerprint", "config", "model", "optimizer", "counters", "rng"}
+    assert payload["format"] == checkpoint.FORMAT and payload["config"]["averaging_frequency"] == 3
+    assert checkpoint.peek(tmp_path) == dataclasses.asdict(counters)
+    assert checkpoint.load(tmp_path, checkpoint.fingerprint(config, job, 2))["counters"]["position"] == 4
+    other = checkpoint.fingerprint(Config(workers=2, averaging_frequency=4), job, 3)
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        checkpoint.load(tmp_path, other)
+    assert "workers: checkpoint has 2, this run has 3" in str(error.value)
+    assert "averaging_frequency: checkpoint has 3, this run has 4" in str(error.value)
+    assert not list(tmp_path.glob(".checkpoint-*"))  # no temporary file left
+
+
+def test_worker_error_says_who_where_and_what_in_its_first_line_and_travels() -> None:
+    error = WorkerError(1, "RuntimeError: boom", "Traceback (most recent call last):\n  ...", Where(0, 9, 4, "(float32[16, 7])"))
+    first = str(error).splitlines()[0]
+    assert first == "worker 1 failed while training on batch 9 of epoch 0 (float32[16, 7]) (local step 4): RuntimeError: boom"
+    assert (error.rank, error.epoch, error.batch, error.local_step) == (1, 0, 9, 4)
+    echoed = error.with_echoes({1: "ignored: the error itself", 0: "RuntimeError: Connection closed by peer"})
+    assert str(echoed).endswith("\n(also worker 0: RuntimeError: Connection closed by peer)")
+    assert str(echoed).count("also worker") == 1
+    copy = pickle.loads(pickle.dumps(echoed))
+    assert str(copy) == str(echoed) and copy.where == error.where
+    between = WorkerError(0, "FloatingPointError: diverged", where=Where(2, -1, 7))
+    assert str(between) == "worker 0 failed in epoch 2 (local step 7): FloatingPointError: diverged"
+    assert between.batch is None and WorkerError(3, "killed").where is None
+
+
+def test_a_worker_trains_a_copy_on_its_device_and_loads_state_there() -> None:
+    """By construction, on any host: the model is copied and moved before state is loaded, so the
+    optimizer's state lands on the worker's device ('meta' stands in for a GPU here)."""
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    job = Job(model, torch.optim.Adam, {"lr": 0.1}, nn.functional.mse_loss, None)
+    worker = Worker(job, Config(workers=1), Placement(1, ("meta",), "gloo", 1, None), 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # loading into meta tensors is a no-op, and torch says so
+        worker.replica.load_state(model.state_dict(), optimizer.state_dict())
+    assert all(p.device.type == "meta" for p in worker.replica.model.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the user's model stays
+    moments = [v for st in worker.replica.optimizer.state.values() for k, v in st.items() if k != "step"]
+    assert len(moments) == 4 and all(v.device.type == "meta" for v in moments)
