@@ -21,7 +21,6 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist

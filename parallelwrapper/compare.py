@@ -274,7 +274,7 @@ def markdown(results: Sequence[RunResult], options: CompareOptions) -> str:
     """One row per run: final accuracy, samples and seconds to the target, communication."""
     target = options.target_accuracy
     lines = [
-        f"# Synchronous gradients against model averaging\n",
+        "# Synchronous gradients against model averaging\n",
         f"{describe_setup(options, results)}; the same initial weights and batches in every run. "
         f"Seconds are training time (no start-up, no evaluation). Communication is computed from "
         f"the all-reduce layout (ring all-reduce: 2(N-1)/N of each buffer sent per worker), not "

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .config import Config
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ class RunOptions:
             raise ValueError(f"model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device == "cuda" and gpu_count() == 0:
             raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device here; use device 'cpu' or 'auto'")
 
     @property

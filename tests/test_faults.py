@@ -4,7 +4,6 @@ exactly. Real processes, real gloo."""
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import subprocess
@@ -16,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallelwrapper import NanPolicy, ParallelWrapper, TrainingMode, WorkerError

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import os
 import shutil
 import struct
 import urllib.error

@@ -7,7 +7,6 @@ fails any test that leaves a worker process behind.
 from __future__ import annotations
 
 import copy
-import os
 import time
 from pathlib import Path
 from typing import Any

@@ -43,6 +43,15 @@ _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback
 _REPEAT_S = 2.0
 
 
+def claim_device(placement: Placement, local_rank: int) -> torch.device:
+    """This process's device, made the current CUDA device when it is one: before the process
+    group starts, so that NCCL's communicator and every later allocation use it."""
+    device = placement.device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 class Worker:
     """One worker under any host: its replica, RNG stream and threads."""
 

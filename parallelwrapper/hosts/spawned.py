@@ -18,7 +18,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 import torch.multiprocessing as mp
@@ -30,7 +29,7 @@ from ..feed import Batches, Feeder, QueueSource
 from ..rounds import RoundBudget
 from ..slots import SlotReader, SlotWriter
 from ..types import EpochReport, FitCommand, Hooks, Phase, Reporter, RoundReport, Stopped, WorkerError
-from .runtime import Worker, summary
+from .runtime import Worker, claim_device, summary
 from .supervisor import ProgressBoard, Supervisor
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
@@ -72,8 +71,7 @@ def _worker_entry(
     # Ctrl-C in a terminal reaches every process of the group: the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        if placement.device(rank).type == "cuda":
-            torch.cuda.set_device(placement.device(rank))
+        claim_device(placement, rank)
         store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=collective_timeout(config))
         dist.init_process_group(placement.backend, store=store, rank=rank, world_size=world, timeout=collective_timeout(config))
         job: Job = pickle.loads(_get(command_queue, parent_pid))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..checkpoint import make_checkpointer
@@ -20,7 +19,7 @@ from ..config import Config, Job
 from ..env import Placement, collective_timeout
 from ..feed import Batches, ShardSource
 from ..types import FitCommand, Reporter
-from .runtime import SignalHooks, Worker, stop_on_signals
+from .runtime import SignalHooks, Worker, claim_device, stop_on_signals
 
 
 class TorchrunWorker:
@@ -30,9 +29,7 @@ class TorchrunWorker:
         env = placement.torchrun
         assert env is not None, "TorchrunWorker outside torchrun"
         self._rank, self._world = env.rank, env.world_size
-        device = placement.device(env.local_rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        claim_device(placement, env.local_rank)
         # The caller may have joined the group itself (to use it beside the wrapper): then it is theirs.
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
