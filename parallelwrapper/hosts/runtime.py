@@ -82,12 +82,12 @@ class Worker:
         """Train from `command`'s state to its last epoch. A stop (Stopped) and the data's own
         errors (FeedError) pass through; any other failure is a WorkerError."""
         replica = self.replica
-        replica.load_state(command.model_state, command.optimizer_state)
-        replica.counters = dataclasses.replace(command.counters)
         if command.rng is not None:
             self._rng = command.rng[self.rank]
         with self._own_threads_and_rng():
             try:
+                replica.load_state(command.model_state, command.optimizer_state)
+                replica.counters = dataclasses.replace(command.counters)
                 replica.fit(command.until_epoch, source, report)
             except (Stopped, FeedError):
                 raise
