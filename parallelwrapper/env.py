@@ -130,26 +130,36 @@ def resolve(
         devices = config.devices
     else:
         devices = gpu_devices(workers, gpus) if gpus > 0 else ("cpu",) * workers
-    parsed = [torch.device(d) for d in devices]
-    cuda = [_gpu_index(d) for d in parsed if d.type == "cuda"]
-    for name, d in zip(devices, parsed):
+    for name in devices:
+        d = torch.device(name)
         if d.type == "cuda" and _gpu_index(d) >= gpus:
             raise ValueError(f"devices: {name} does not exist, this machine has {gpus} CUDA devices")
-    own_gpu = len(cuda) == workers and len(set(cuda)) == workers
+    refusal = (
+        f"backend 'nccl' needs one CUDA device per worker: {workers} workers, devices {list(devices)}, "
+        f"{gpus} GPUs here. Use .workers({max(gpus, 1)}) or .backend('gloo')"
+    )
+    backend, threads, notes = _backend_and_threads(config, devices, cores, refusal, ".workers(n)")
+    return Placement(workers, devices, backend, threads, None, tuple(notes))
+
+
+def _backend_and_threads(
+    config: Config, devices: tuple[str, ...], cores: int, refusal: str, fix: str
+) -> tuple[str, int, list[str]]:
+    """For the workers of this machine, one per device: NCCL when each has a GPU of its own (asked
+    for without, the `refusal`), else gloo; and the cores shared out among them."""
+    cuda = [_gpu_index(d) for d in map(torch.device, devices) if d.type == "cuda"]
+    own_gpu = len(cuda) == len(devices) and len(set(cuda)) == len(devices)
+    if config.backend == "nccl" and not own_gpu:
+        raise ValueError(refusal)
     notes: list[str] = []
     backend = config.backend
-    if backend == "nccl" and not own_gpu:
-        raise ValueError(
-            f"backend 'nccl' needs one CUDA device per worker: {workers} workers, devices {list(devices)}, "
-            f"{gpus} GPUs here. Use .workers({max(gpus, 1)}) or .backend('gloo')"
-        )
     if backend == "auto":
         backend = "nccl" if own_gpu else "gloo"
         if len(set(cuda)) < len(cuda):  # gloo because workers share a GPU, not because some are on the CPU
-            notes.append(_share_note(len(cuda), len(set(cuda)), ".workers(n)"))
+            notes.append(_share_note(len(cuda), len(set(cuda)), fix))
     # Oversubscribed cores cost more than they give: each worker's threads would fight the others'.
-    threads = config.threads_per_worker if config.threads_per_worker is not None else max(1, cores // workers)
-    return Placement(workers, devices, backend, threads, None, tuple(notes))
+    threads = config.threads_per_worker if config.threads_per_worker is not None else max(1, cores // len(devices))
+    return backend, threads, notes
 
 
 def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, explicit: Collection[str]) -> Placement:
@@ -165,19 +175,12 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
         )
     local = env.local_world_size
     devices = gpu_devices(local, gpus) if gpus > 0 else ("cpu",) * local
-    own_gpu = 0 < local <= gpus
-    backend = config.backend
-    if backend == "nccl" and not own_gpu:
-        raise ValueError(
-            f"backend 'nccl' needs one CUDA device per process: torchrun started {local} processes on this node "
-            f"and it has {gpus} GPUs. Use --nproc-per-node {max(gpus, 1)} or .backend('gloo')"
-        )
-    if backend == "auto":
-        backend = "nccl" if own_gpu else "gloo"
-        if gpus > 0 and not own_gpu:
-            notes.append(_share_note(local, gpus, "--nproc-per-node n"))
-    threads = config.threads_per_worker if config.threads_per_worker is not None else max(1, cores // max(local, 1))
-    return Placement(env.world_size, devices, backend, threads, env, tuple(notes))
+    refusal = (
+        f"backend 'nccl' needs one CUDA device per process: torchrun started {local} processes on this node "
+        f"and it has {gpus} GPUs. Use --nproc-per-node {max(gpus, 1)} or .backend('gloo')"
+    )
+    backend, threads, more = _backend_and_threads(config, devices, cores, refusal, "--nproc-per-node n")
+    return Placement(env.world_size, devices, backend, threads, env, tuple(notes + more))
 
 
 def collective_timeout(config: Config) -> datetime.timedelta:

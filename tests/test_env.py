@@ -93,15 +93,16 @@ def test_gpu_devices_deal_gpus_round_robin() -> None:
 # -- spawned workers -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("gpus", "devices", "backend", "shared"),
-    [
-        (0, ("cpu", "cpu"), "gloo", False),
-        (1, ("cuda:0", "cuda:0"), "gloo", True),
-        (2, ("cuda:0", "cuda:1"), "nccl", False),
-        (4, ("cuda:0", "cuda:1"), "nccl", False),
-    ],
-)
+# Two workers on this machine (spawned, or two torchrun processes on this node) with 0 to 4 GPUs.
+TWO_WORKERS = [
+    (0, ("cpu", "cpu"), "gloo", False),
+    (1, ("cuda:0", "cuda:0"), "gloo", True),
+    (2, ("cuda:0", "cuda:1"), "nccl", False),
+    (4, ("cuda:0", "cuda:1"), "nccl", False),
+]
+
+
+@pytest.mark.parametrize(("gpus", "devices", "backend", "shared"), TWO_WORKERS)
 def test_spawned_auto_placement(gpus: int, devices: tuple[str, ...], backend: str, shared: bool) -> None:
     """Default config (2 workers): a GPU each when there are enough, NCCL only then."""
     p = resolve(Config(), gpus=gpus, cores=8)
@@ -193,15 +194,7 @@ def test_nccl_with_a_gpu_per_worker_resolves() -> None:
 # -- under torchrun --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("gpus", "devices", "backend", "shared"),
-    [
-        (0, ("cpu", "cpu"), "gloo", False),
-        (1, ("cuda:0", "cuda:0"), "gloo", True),
-        (2, ("cuda:0", "cuda:1"), "nccl", False),
-        (4, ("cuda:0", "cuda:1"), "nccl", False),
-    ],
-)
+@pytest.mark.parametrize(("gpus", "devices", "backend", "shared"), TWO_WORKERS)
 def test_torchrun_auto_placement(gpus: int, devices: tuple[str, ...], backend: str, shared: bool) -> None:
     """Two processes on this node of an 8-worker group: a device per local rank, threads per local process."""
     env = node(local_world_size=2)
