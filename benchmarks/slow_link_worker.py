@@ -83,8 +83,8 @@ def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Call
 def make_trainer(kind: str, k: int, model: nn.Module, lr: float, stack: contextlib.ExitStack) -> Trainer:
     rank, world = dist.get_rank(), dist.get_world_size()
     if kind in WRAPPERS:
-        # Under torchrun fit() runs this process as one worker, trains `model` in place on its
-        # shard and ends with an averaging; it reuses the process group created in main().
+        # Under torchrun fit() runs this process as one worker on its shard, ends with an
+        # averaging and loads the average into `model`; it reuses the process group of main().
         wrapper = stack.enter_context(
             ParallelWrapper.builder(model)
             .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)

@@ -39,7 +39,7 @@ class Replica:
         self.device, self.rank, self.world_size = device, rank, world_size
         self.hooks = hooks or Hooks()
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
-        self.rounds = Rounds(self, config, device, rank, world_size, group, self.hooks, budget)
+        self.rounds = Rounds(self, config, device, rank, world_size, group=group, hooks=self.hooks, budget=budget)
 
     @property
     def counters(self) -> Counters:

@@ -23,7 +23,7 @@ from parallelwrapper.config import Config, Job
 from parallelwrapper.env import Placement
 from parallelwrapper.hosts.runtime import Worker
 from parallelwrapper.rounds import HEADER_LEN, RoundBudget, RoundTotals, make_header, read_header
-from parallelwrapper.rounds.scores import _Book
+from parallelwrapper.rounds.scores import ScoreBook
 from parallelwrapper.types import Counters, EpochReport, RoundReport, Where, WorkerError
 
 pytestmark = pytest.mark.fast
@@ -160,7 +160,7 @@ def totals(samples: float, loss_sum: float, skipped: int = 0) -> RoundTotals:
 
 def test_score_windows_report_every_k_rounds_and_at_the_epochs_end() -> None:
     reports: list[RoundReport | EpochReport] = []
-    book = _Book(reports.append, every=2, rounds=True)
+    book = ScoreBook(reports.append, every=2, rounds=True)
     counters = Counters()
     for i, (n, loss) in enumerate([(10, 10.0), (30, 0.0), (20, 4.0)]):
         counters.rounds += 1

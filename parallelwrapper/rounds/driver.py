@@ -25,7 +25,7 @@ from ..config import Config, TrainingMode
 from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
 from .budget import Budget
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
-from .scores import _Book
+from .scores import ScoreBook
 
 
 class Trainer(Protocol):
@@ -90,6 +90,7 @@ class Rounds:
         device: torch.device,
         rank: int,
         world_size: int,
+        *,
         group: dist.ProcessGroup | None,
         hooks: Hooks,
         budget: Budget | None = None,
@@ -128,7 +129,7 @@ class Rounds:
     def _epoch(self, report: Reporter) -> None:
         # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
         every = 1 if self._averaging else self.config.averaging_frequency
-        book = _Book(report, every, self.config.report_score_after_averaging)
+        book = ScoreBook(report, every, self.config.report_score_after_averaging)
         self._finished = False
         if self.config.overlap_averaging:
             self._overlapped_epoch(book)
@@ -280,7 +281,7 @@ class Rounds:
 
     # -- the overlapped protocol -----------------------------------------------------------------
 
-    def _overlapped_epoch(self, book: _Book) -> None:
+    def _overlapped_epoch(self, book: ScoreBook) -> None:
         """Rounds whose averaging runs while the next round's steps are taken.
 
         Round r's header and payload go out together after r's steps, without waiting; they land
@@ -350,7 +351,7 @@ class Rounds:
                 f"workers): training has diverged; lower the learning rate"
             )
 
-    def _settle(self, totals: RoundTotals, book: _Book) -> bool:
+    def _settle(self, totals: RoundTotals, book: ScoreBook) -> bool:
         """Counters and score reports for a round's totals; True when it ended the epoch."""
         epoch_done = totals.finished == self.world_size
         c = self.counters

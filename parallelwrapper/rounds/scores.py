@@ -30,7 +30,7 @@ class _Window:
         return self.loss_sum / self.samples if self.samples else float("nan")
 
 
-class _Book:
+class ScoreBook:
     """The score windows of an epoch and the reports they make."""
 
     def __init__(self, report: Reporter, every: int, rounds: bool) -> None:
