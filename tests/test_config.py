@@ -138,3 +138,15 @@ def test_fit_rejects_bad_data_before_spawning() -> None:
         w.fit(42)  # type: ignore[arg-type]
     assert w._pool is None  # nothing was spawned
     w.close()
+
+
+def test_under_torchrun_workers_and_devices_are_ignored_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun decides the workers and their devices: options written for spawned workers (here
+    three workers on two devices, which build() refuses outside torchrun) still build there."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.warns(UserWarning) as warned:
+        w = ParallelWrapper.builder(model()).workers(3).devices(["cpu", "cpu"]).build()
+    assert len(warned) == 1 and ".workers() and .devices() are ignored" in str(warned[0].message)
+    assert w.world_size == 4 and not w.is_main and w.placement.devices == ("cpu", "cpu")
+    w.close()
