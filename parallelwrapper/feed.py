@@ -2,14 +2,15 @@
 
 Shared mode (default): one queue of `prefetch_buffer` batches; whichever worker is free first
 takes the next batch, so a slow worker never holds the others up. Batches travel through
-shared-memory slots (slots.py). The end of an epoch is one sentinel per worker; a worker that takes its sentinel stops pulling until the epoch's last
-averaging, so it can never take a batch of the next epoch (the feeder puts those after all N
-sentinels, and the queue is FIFO).
+shared-memory slots (slots.py). The end of an epoch is one sentinel per worker; a worker that
+takes its sentinel stops pulling until the epoch's last averaging, so it can never take a batch
+of the next epoch (the feeder puts those after all N sentinels, and the queue is FIFO).
 
 Deterministic mode: batch i goes to worker i mod N through a queue of its own, so the same data
 gives the same model on every run.
 
-Under torchrun there is no queue: each process reads its own rank-strided shard (`ShardSource`).
+Under torchrun, and for one worker in the caller's process, there is no queue: each process
+reads its own rank-strided shard (`ShardSource`).
 """
 
 from __future__ import annotations

@@ -246,7 +246,8 @@ class Builder:
 
     def workers(self, n: int) -> Builder:
         """Number of workers, one process and device each. Default: 2. One worker on the CPU is
-        the caller's own process: nothing is spawned, and batches are not copied."""
+        the caller's own process: nothing is spawned, and batches are not copied. Ignored under
+        torchrun, whose --nnodes and --nproc-per-node decide (with a warning)."""
         return self._set("workers", n)
 
     def prefetch_buffer(self, n: int) -> Builder:
@@ -286,14 +287,16 @@ class Builder:
         return self._set("seed", n)
 
     def devices(self, devices: Sequence[str | torch.device]) -> Builder:
-        """One device per worker, e.g. ["cuda:0", "cuda:1"]. Default: a GPU each if there are
-        enough, else the CPU."""
+        """One device per worker, e.g. ["cuda:0", "cuda:1"]. Default: cuda:i for worker i when
+        there are GPUs (shared round-robin when workers outnumber them), else the CPU. Ignored
+        under torchrun, where LOCAL_RANK picks the GPU (with a warning)."""
         if isinstance(devices, (str, torch.device)):
             raise ValueError(f"devices takes one device per worker, e.g. .devices(['cpu', 'cpu']); got {devices!r}")
         return self._set("devices", tuple(str(d) for d in devices))
 
     def backend(self, name: str) -> Builder:
-        """"auto" (default), "gloo" or "nccl"."""
+        """"auto" (default): NCCL when every worker has a GPU of its own, else gloo; or "gloo", or
+        "nccl", which build() refuses without a GPU per worker."""
         return self._set("backend", name)
 
     def stall_timeout(self, seconds: float) -> Builder:
