@@ -119,7 +119,7 @@ def estimated_communication(options: RunOptions, spec: RunSpec) -> Communication
     if spec.mode is TrainingMode.SHARED_GRADIENTS:
         tensors = [torch.zeros_like(p) for p in params] + list(model.buffers())
     else:
-        tensors = list(model.parameters()) + list(model.buffers())
+        tensors = params + list(model.buffers())
         if options.average_updaters:
             optimizer = OPTIMIZERS[options.optimizer].make(params, options.learning_rate)
             for p in params:

@@ -364,3 +364,38 @@ def test_overlapped_averaging_agrees_on_optimizer_state_created_after_the_first_
     for key in s0:
         assert torch.equal(s0[key], s1[key]), key
         assert torch.isfinite(s0[key].float()).all(), key
+
+
+# -- frozen parameters are not averaged ---------------------------------------------------------------
+
+
+def _frozen(rank: int, world: int) -> dict[str, Any]:
+    model = plain_model()
+    model[0].requires_grad_(False)  # the first layer is frozen: 6·8 + 8 numbers nobody moves
+    job = Job(model, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, nn.functional.cross_entropy, None)
+    replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
+    sent: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        replica.fit(1, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)  # uneven rounds
+    finally:
+        dist.all_reduce = all_reduce
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "sent": sent}
+
+
+def test_frozen_parameters_are_not_averaged_and_stay_bitwise_unchanged() -> None:
+    results = run_group(_frozen, 2)
+    initial = plain_model().state_dict()
+    for r in (0, 1):
+        for key in ("0.weight", "0.bias"):
+            assert torch.equal(results[r]["state"][key], initial[key]), f"rank {r}: frozen {key} moved"
+        assert not torch.equal(results[r]["state"]["2.weight"], initial["2.weight"])  # the rest trained
+        assert torch.equal(results[r]["state"]["2.weight"], results[0]["state"]["2.weight"])
+    # Trainable 3·8 + 3 = 27 numbers, AdamW's two moments of them and a step per tensor: 83, not 139.
+    assert set(results[0]["sent"][1:]) == {27 + 2 * 27 + 2 + rounds.HEADER_LEN}

@@ -219,9 +219,12 @@ class Rounds:
         return header, layout
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
-        """AVERAGING's state: params | buffers | optimizer state (with average_updaters)."""
+        """AVERAGING's state: trainable params | buffers | optimizer state (with average_updaters).
+        Frozen parameters (requires_grad=False) are left out: they are the same on every worker
+        from the fit's start and nothing moves them, so averaging them would only cost bytes and,
+        with uneven weights, an ulp of rounding."""
         model = self.trainer.model
-        tensors = list(model.parameters()) + list(model.buffers())
+        tensors = [p for p in model.parameters() if p.requires_grad] + list(model.buffers())
         if self.config.average_updaters:
             tensors += optimizer_state_tensors(self.trainer.optimizer)
         return tensors
