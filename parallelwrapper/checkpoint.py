@@ -51,7 +51,7 @@ def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
     options["workers"] = world_size  # under torchrun the world size is the worker count
     return {
         **options,
-        "optimizer": f"{job.optimizer_cls.__module__}.{job.optimizer_cls.__qualname__}({job.optimizer_kwargs!r})",
+        "optimizer": job.optimizer_name,
         "tensors": [(k, list(v.shape), str(v.dtype)) for k, v in job.model.state_dict().items()],
     }
 

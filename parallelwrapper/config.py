@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+import io
+import pickle
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,7 @@ class NanPolicy(enum.Enum):
 
 
 BACKENDS = ("auto", "gloo", "nccl")
+PRECISIONS = ("32", "bf16-mixed")  # bf16-mixed: forward and loss under autocast; params, grads, averaging in float32
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class Config:
     checkpoint_every: int = 50  # rounds; a checkpoint is also saved at every epoch's end
     nan_policy: NanPolicy = NanPolicy.RAISE
     threads_per_worker: int | None = None  # None: the machine's cores shared out among workers
+    gradient_clip_norm: float | None = None  # clip_grad_norm_ of each step's gradients to this
+    precision: str = "32"  # or "bf16-mixed"
 
     def __post_init__(self) -> None:
         check_int("workers", self.workers, 1, "ParallelWrapper.builder(model).workers(2)")
@@ -85,6 +90,15 @@ class Config:
         check_int("checkpoint_every", self.checkpoint_every, 1, "the rounds between checkpoints, e.g. .checkpoint(dir, every=50)")
         if self.threads_per_worker is not None:
             check_int("threads_per_worker", self.threads_per_worker, 1, "or leave it unset to share the cores out")
+        if self.gradient_clip_norm is not None and not (
+            isinstance(self.gradient_clip_norm, (int, float)) and 0 < self.gradient_clip_norm < float("inf")
+        ):
+            raise ValueError(
+                f"gradient_clip_norm must be a positive number, got {self.gradient_clip_norm!r}; "
+                f"e.g. .gradient_clipping(max_norm=1.0)"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for d in self.devices or ():  # how many there must be is env.resolve's to check
             try:
                 torch.device(d)
@@ -100,20 +114,104 @@ def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> Non
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 TrainingStep = Callable[[torch.nn.Module, Any], torch.Tensor]
+OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
+BeforeStep = Callable[[torch.nn.Module, torch.optim.Optimizer], None]
 
 
 @dataclass(frozen=True)
 class Job:
-    """What a worker needs besides the config: the objects it rebuilds in its own process."""
+    """What a worker needs besides the config: the objects it rebuilds in its own process. The
+    optimizer is a class and its keyword arguments, or `optimizer_fn(model) -> optimizer` (for
+    parameter groups), which each worker calls on its own copy of the model."""
 
     model: torch.nn.Module
     optimizer_cls: type[torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
     loss_fn: LossFn | None
     training_step: TrainingStep | None
+    optimizer_fn: OptimizerFn | None = None
+    before_step: BeforeStep | None = None  # fn(model, optimizer) between backward and step
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        if self.optimizer_fn is not None:
+            return self.optimizer_fn(model)
         return self.optimizer_cls(model.parameters(), **self.optimizer_kwargs)
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer as a checkpoint's fingerprint and error messages name it."""
+        if self.optimizer_fn is not None:
+            return f"{self.optimizer_fn.__module__}.{getattr(self.optimizer_fn, '__qualname__', type(self.optimizer_fn).__name__)}(model)"
+        return f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}({self.optimizer_kwargs!r})"
+
+
+def check_job(job: Job, sendable: bool) -> list[str]:
+    """A ValueError naming the fix for a job that cannot train (an optimizer that fails or trains
+    another model; with `sendable`, an object a spawned worker cannot receive); the warnings for
+    one that trains but loses something on the way (parameter hooks)."""
+    _check_optimizer(job)
+    if sendable:
+        _check_sendable(job)
+    hooked = [name for name, p in job.model.named_parameters() if getattr(p, "_backward_hooks", None)]
+    if not hooked:
+        return []
+    return [
+        f"parameters {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} carry hooks "
+        f"(Parameter.register_hook), which do not reach the workers' copies of the model; "
+        f"do that gradient work in .before_step(fn) with fn(model, optimizer) instead"
+    ]
+
+
+def _check_optimizer(job: Job) -> None:
+    """The optimizer builds, and optimizes the model it was given: a function that reached for
+    another model (a global, a closure) would train nothing on the workers."""
+    fn = job.optimizer_fn
+    name = f"{getattr(fn, '__qualname__', 'optimizer_fn')}(model)" if fn else f"{job.optimizer_cls.__name__}(**{job.optimizer_kwargs})"
+    name = name if len(name) <= 200 else name[:200] + "..."  # kwargs may hold tensors: never print them whole
+    try:
+        optimizer = job.make_optimizer(job.model)
+    except Exception as e:  # noqa: BLE001 - any failure here is a bad optimizer argument
+        cause = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"optimizer: {name} failed: {type(e).__name__}: {cause}") from None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer: {name} returned a {type(optimizer).__name__}, not a torch optimizer")
+    own = {id(p) for p in job.model.parameters()}
+    foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise ValueError(
+            f"optimizer: {name} optimizes {foreign} tensors that are not the parameters of the model it was "
+            f"given; build the groups from its `model` argument"
+        )
+
+
+class _NullWriter(io.RawIOBase):
+    """Counts nothing, keeps nothing: pickling into it checks picklability without a copy."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return len(b)
+
+
+def _check_sendable(job: Job) -> None:
+    """Workers are spawned processes: everything they rebuild must pickle."""
+    parts: Iterable[tuple[str, object]] = [
+        ("model", job.model),
+        ("optimizer", job.optimizer_fn or (job.optimizer_cls, job.optimizer_kwargs)),
+        ("loss_fn", job.loss_fn),
+        ("training_step", job.training_step),
+        ("before_step", job.before_step),
+    ]
+    for name, obj in parts:
+        try:
+            pickle.Pickler(_NullWriter(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        except Exception as e:  # noqa: BLE001 - pickle raises many types
+            raise ValueError(
+                f"{name} cannot be sent to a spawned worker process ({type(e).__name__}: {e}). "
+                f"Define functions and classes at module level (not lambdas or local functions), "
+                f"and guard the script's entry point with `if __name__ == '__main__':`"
+            ) from e
 
 
 def describe_config(config: Config) -> dict[str, Any]:
@@ -122,4 +220,4 @@ def describe_config(config: Config) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in out.items()}
 
 
-__all__ = ["Config", "Job", "NanPolicy", "TrainingMode", "check_int", "describe_config"]
+__all__ = ["Config", "Job", "NanPolicy", "TrainingMode", "check_int", "check_job", "describe_config"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from .config import TrainingMode, check_int
+from .config import PRECISIONS, TrainingMode, check_int
 from .env import gpu_count, gpu_devices
 from .data.mnist import MnistSplit, load_mnist
 from .listeners import JsonlWriter, ProgressBar, Score
@@ -84,6 +84,7 @@ class RunOptions:
     checkpoint_dir: Path | None = None  # save here every `checkpoint_every` rounds and each epoch
     checkpoint_every: int = 50
     resume: Path | None = None  # a checkpoint directory to continue from (and to keep saving to)
+    precision: str = "32"  # or "bf16-mixed" (Builder.precision)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
@@ -100,6 +101,8 @@ class RunOptions:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.model not in MODEL_NAMES:
             raise ValueError(f"model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and gpu_count() == 0:
@@ -192,6 +195,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .overlap_averaging(options.overlap_averaging)
         .deterministic(options.deterministic)
         .seed(options.seed)
+        .precision(options.precision)
         .listeners(*listeners)
     )
     checkpoints = options.checkpoint_dir or options.resume

@@ -6,6 +6,7 @@ a `BatchSource`, a `Reporter` and `Hooks`, and its rounds (rounds.py) decide whe
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -91,14 +92,22 @@ class Replica:
         try:
             n = batch_size(batch)
             batch = move_to(batch, self.device)
-            loss = self.loss(batch)
+            with self._autocast():
+                loss = self.loss(batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TrainingError(f"the loss must be a scalar tensor, got {describe(loss)}")
             loss.backward()  # type: ignore[no-untyped-call]
         except Exception as e:
             cause = str(e) if isinstance(e, TrainingError) else f"{type(e).__name__}: {e}"
             raise TrainingError(cause, Where(epoch, index, self.local_steps, describe(batch))) from e
-        return loss.detach().reshape(()) * n, n
+        return loss.detach().float().reshape(()) * n, n
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16-mixed: forward and loss in bfloat16 where autocast deems it safe; the backward, the
+        parameters, their gradients and the averaging stay float32."""
+        if self.config.precision == "bf16-mixed":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
         """AVERAGING's local step: forward, backward and the optimizer's step."""
@@ -108,6 +117,13 @@ class Replica:
         return loss, n
 
     def step(self) -> None:
+        """The optimizer's step on the gradients in .grad (SHARED_GRADIENTS: the averaged ones),
+        after the user's `before_step(model, optimizer)` and then clipping, so that the clipping
+        bound holds whatever the function did."""
+        if self.job.before_step is not None:
+            self.job.before_step(self.model, self.optimizer)
+        if self.config.gradient_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.gradient_clip_norm)
         self.optimizer.step()
         self.local_steps += 1
 

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import io
 import os
-import pickle
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import checkpoint
 from .batches import to_cpu
-from .config import Config, Job, LossFn, NanPolicy, TrainingMode, TrainingStep
+from .config import BeforeStep, Config, Job, check_job, LossFn, NanPolicy, OptimizerFn, TrainingMode, TrainingStep
 from .env import Placement, resolve, torchrun_env
 from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, start_host
@@ -214,18 +212,53 @@ class Builder:
         self._options: dict[str, Any] = {}
         self._optimizer_cls: type[torch.optim.Optimizer] = torch.optim.SGD
         self._optimizer_kwargs: dict[str, Any] = {"lr": 0.01}
+        self._optimizer_fn: OptimizerFn | None = None
+        self._before_step: BeforeStep | None = None
         self._loss_fn: LossFn | None = torch.nn.functional.cross_entropy
         self._training_step: TrainingStep | None = None
         self._listeners: list[Any] = []
 
-    def optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Builder:
-        """Any `torch.optim` optimizer class and its keyword arguments. Default: SGD, lr=0.01."""
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+    def optimizer(self, optimizer: type[torch.optim.Optimizer] | OptimizerFn, **kwargs: Any) -> Builder:
+        """Any `torch.optim` optimizer class and its keyword arguments (default: SGD, lr=0.01), or
+        a function `model -> optimizer`, for parameter groups: each worker calls it on its own
+        copy of the model. Define the function at module level, so that it reaches the workers."""
+        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+            if "params" in kwargs:
+                raise ValueError(
+                    "optimizer: params= would hold this process's tensors, not a worker's; for parameter "
+                    "groups pass a function instead, e.g. .optimizer(make_optimizer) with "
+                    "`def make_optimizer(model): return torch.optim.AdamW([{'params': [...], 'weight_decay': 0.1}, ...])`"
+                )
+            self._optimizer_cls, self._optimizer_kwargs, self._optimizer_fn = optimizer, dict(kwargs), None
+        elif callable(optimizer) and not isinstance(optimizer, (type, torch.optim.Optimizer)) and not kwargs:
+            self._optimizer_fn = optimizer
+        else:
+            got = f"an instance of {type(optimizer).__name__}" if isinstance(optimizer, torch.optim.Optimizer) else repr(optimizer)
+            extra = " with keyword arguments (a function takes none: it builds the whole optimizer)" if kwargs else ""
             raise ValueError(
-                f"optimizer takes an optimizer class and its kwargs, e.g. .optimizer(torch.optim.SGD, lr=0.01); "
-                f"got {optimizer_cls!r}"
+                f"optimizer takes an optimizer class and its kwargs, e.g. .optimizer(torch.optim.SGD, lr=0.01), "
+                f"or a function model -> optimizer; got {got}{extra}"
             )
-        self._optimizer_cls, self._optimizer_kwargs = optimizer_cls, dict(kwargs)
+        return self
+
+    def gradient_clipping(self, max_norm: float) -> Builder:
+        """Clip each step's gradients to a total norm of `max_norm` (clip_grad_norm_), after
+        backward and `before_step`, before the optimizer's step; in SHARED_GRADIENTS, the averaged
+        gradients. Default: no clipping."""
+        return self._set("gradient_clip_norm", max_norm)
+
+    def precision(self, name: str) -> Builder:
+        """"32" (default) or "bf16-mixed": each worker's forward and loss under autocast to
+        bfloat16 (CPU and CUDA); parameters, gradients, optimizer state and averaging stay float32."""
+        return self._set("precision", name)
+
+    def before_step(self, fn: BeforeStep) -> Builder:
+        """`fn(model, optimizer)` on each worker after backward, before the step (and before
+        clipping): any gradient work, where a parameter hook would not reach the workers. In
+        SHARED_GRADIENTS it sees the averaged gradients. Define it at module level."""
+        if not callable(fn):
+            raise ValueError(f"before_step takes a function fn(model, optimizer), got {type(fn).__name__}")
+        self._before_step = fn
         return self
 
     def loss_fn(self, fn: LossFn) -> Builder:
@@ -324,20 +357,18 @@ class Builder:
 
     def build(self) -> ParallelWrapper:
         config = Config(**self._options)
-        job = Job(self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step)
-        try:
-            job.make_optimizer(self._model)
-        except Exception as e:  # noqa: BLE001 - any failure here is a bad optimizer argument
-            raise ValueError(f"optimizer: {self._optimizer_cls.__name__}(**{self._optimizer_kwargs}) failed: {e}") from e
+        job = Job(
+            self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step,
+            self._optimizer_fn, self._before_step,
+        )  # fmt: skip
+        torchrun = torchrun_env()
+        notes = check_job(job, sendable=torchrun is None)  # under torchrun nothing travels
         for i, listener in enumerate(self._listeners):
             if not callable(listener) and not any(hasattr(listener, m) for m in LISTENER_METHODS):
                 raise ValueError(f"listeners[{i}] ({listener!r}) is neither callable nor has any of {LISTENER_METHODS}")
-        torchrun = torchrun_env()
         placement = resolve(config, torchrun, explicit=self._options.keys())
-        for note in placement.notes:
+        for note in [*notes, *placement.notes]:
             warnings.warn(note, stacklevel=2)
-        if torchrun is None:
-            _check_sendable(job)
         return ParallelWrapper(config, job, list(self._listeners), placement)
 
 
@@ -352,37 +383,6 @@ def _enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
     except ValueError:
         choices = [m.value for m in cls]
         raise ValueError(f"{name} must be one of {choices} or a {cls.__name__}, got {value!r}") from None
-
-
-class _NullWriter(io.RawIOBase):
-    """Counts nothing, keeps nothing: pickling into it checks picklability without a copy."""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        return len(b)
-
-
-def _check_sendable(job: Job) -> None:
-    """Workers are spawned processes: everything they rebuild must pickle."""
-    parts: Iterable[tuple[str, object]] = [
-        ("model", job.model),
-        ("optimizer", (job.optimizer_cls, job.optimizer_kwargs)),
-        ("loss_fn", job.loss_fn),
-        ("training_step", job.training_step),
-    ]
-    for name, obj in parts:
-        try:
-            pickle.Pickler(_NullWriter(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        except Exception as e:  # noqa: BLE001 - pickle raises many types
-            raise ValueError(
-                f"{name} cannot be sent to a spawned worker process ({type(e).__name__}: {e}). "
-                f"Define functions and classes at module level (not lambdas or local functions), "
-                f"and guard the script's entry point with `if __name__ == '__main__':`"
-            ) from e
-
-
 
 
 __all__ = ["Builder", "ParallelWrapper", "WorkerError"]
