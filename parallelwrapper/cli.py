@@ -41,6 +41,7 @@ def _run_options(f: F) -> F:
         click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="lenet: DL4J's LeNet; mlp: a small MLP."),
         click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: a GPU per worker when there are enough, else the CPU."),
         click.option("--seed", type=int, default=123, show_default=True, help="Model init, shuffling and worker RNGs."),
+        click.option("--clip-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, help="Clip each step's gradients to this total norm (default: no clipping)."),
         click.option("--precision", type=click.Choice(list(PRECISIONS)), default="32", show_default=True, help="bf16-mixed: forward and loss under autocast to bfloat16; weights and averaging stay float32."),
         click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files (gzipped or not). Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist)."),
         click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir."),

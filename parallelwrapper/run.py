@@ -85,6 +85,7 @@ class RunOptions:
     checkpoint_every: int = 50
     resume: Path | None = None  # a checkpoint directory to continue from (and to keep saving to)
     precision: str = "32"  # or "bf16-mixed" (Builder.precision)
+    clip_grad_norm: float | None = None  # Builder.gradient_clipping(max_norm)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
@@ -101,6 +102,8 @@ class RunOptions:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.model not in MODEL_NAMES:
             raise ValueError(f"model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
+        if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
+            raise ValueError(f"clip_grad_norm must be a positive number, got {self.clip_grad_norm!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if self.device not in DEVICES:
@@ -198,6 +201,8 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .precision(options.precision)
         .listeners(*listeners)
     )
+    if options.clip_grad_norm is not None:
+        b = b.gradient_clipping(options.clip_grad_norm)
     checkpoints = options.checkpoint_dir or options.resume
     if checkpoints is not None:
         b = b.checkpoint(checkpoints, every=options.checkpoint_every)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from parallelwrapper import TrainingMode, cli
+from parallelwrapper import TrainingMode, cli, run
 from parallelwrapper.compare import CSV_FIELDS, CompareOptions
 from parallelwrapper.models import LeNet
 from parallelwrapper.run import RunOptions, Summary
@@ -119,6 +119,16 @@ def test_every_option_reaches_the_run(captured: dict[str, Any], tmp_path: Path, 
         optimizer="adamw", model="mlp", device="cpu", seed=9, data_dir=mnist_dir, download=False,
         out=tmp_path / "o", train_samples=100, test_samples=50,
     )  # fmt: skip
+
+
+def test_recipe_options_reach_the_run_and_the_builder(captured: dict[str, Any]) -> None:
+    result = invoke("--precision", "bf16-mixed", "--clip-grad-norm", "0.5")
+    assert result.exit_code == 0, result.output
+    options = captured["train"]
+    assert options == RunOptions(precision="bf16-mixed", clip_grad_norm=0.5)
+    with run.builder(LeNet(), options).build() as w:
+        assert (w.config.precision, w.config.gradient_clip_norm) == ("bf16-mixed", 0.5)
+    assert invoke("--precision", "fp8").exit_code != 0 and invoke("--clip-grad-norm", "0").exit_code != 0
 
 
 def test_lr_defaults_per_optimizer(captured: dict[str, Any]) -> None:
