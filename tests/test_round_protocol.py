@@ -206,10 +206,9 @@ def plain_model() -> nn.Module:
 ROUNDS_SIZES = {0: [8, 8, 8, 8, 8, 4, 8], 1: [8, 8, 8]}  # rank 1 finishes rounds before rank 0
 
 
-def _rounds(rank: int, world: int, k: int, epochs: int) -> dict[str, Any]:
-    model = plain_model()
-    job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
+@contextlib.contextmanager
+def counting_all_reduce() -> Iterator[list[int]]:
+    """The numel of every all-reduce this process sends while inside."""
     sent: list[int] = []
     all_reduce = dist.all_reduce
 
@@ -219,9 +218,17 @@ def _rounds(rank: int, world: int, k: int, epochs: int) -> dict[str, Any]:
 
     dist.all_reduce = counting  # type: ignore[assignment]
     try:
-        replica.fit(epochs, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)
+        yield sent
     finally:
         dist.all_reduce = all_reduce
+
+
+def _rounds(rank: int, world: int, k: int, epochs: int) -> dict[str, Any]:
+    model = plain_model()
+    job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None)
+    replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
+    with counting_all_reduce() as sent:
+        replica.fit(epochs, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)
     owns_storage = all(
         t.untyped_storage().nbytes() == t.numel() * t.element_size()
         for t in list(model.parameters()) + [s["momentum_buffer"] for s in replica.optimizer.state.values()]
@@ -374,18 +381,8 @@ def _frozen(rank: int, world: int) -> dict[str, Any]:
     model[0].requires_grad_(False)  # the first layer is frozen: 6·8 + 8 numbers nobody moves
     job = Job(model, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, nn.functional.cross_entropy, None)
     replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
-    sent: list[int] = []
-    all_reduce = dist.all_reduce
-
-    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sent.append(tensor.numel())
-        return all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting  # type: ignore[assignment]
-    try:
+    with counting_all_reduce() as sent:
         replica.fit(1, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)  # uneven rounds
-    finally:
-        dist.all_reduce = all_reduce
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "sent": sent}
 
 
