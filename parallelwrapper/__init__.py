@@ -6,7 +6,7 @@
 """
 
 from .config import Config, NanPolicy, TrainingMode
-from .listeners import CsvWriter, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger
+from .listeners import CsvWriter, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation
 from .types import TrainingError, WorkerError
 from .wrapper import Builder, ParallelWrapper
 
@@ -24,6 +24,7 @@ __all__ = [
     "ScoreLogger",
     "TrainingError",
     "TrainingMode",
+    "Validation",
     "WorkerError",
 ]
 __version__ = "0.1.0"

@@ -64,6 +64,7 @@ class Config:
     threads_per_worker: int | None = None  # None: the machine's cores shared out among workers
     gradient_clip_norm: float | None = None  # clip_grad_norm_ of each step's gradients to this
     precision: str = "32"  # or "bf16-mixed"
+    validation_every: int = 50  # averagings between validations (and at each epoch's end), with .validation(data)
 
     def __post_init__(self) -> None:
         check_int("workers", self.workers, 1, "ParallelWrapper.builder(model).workers(2)")
@@ -97,6 +98,7 @@ class Config:
                 f"gradient_clip_norm must be a positive number, got {self.gradient_clip_norm!r}; "
                 f"e.g. .gradient_clipping(max_norm=1.0)"
             )
+        check_int("validation_every", self.validation_every, 1, "e.g. .validation(data, every=50)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for d in self.devices or ():  # how many there must be is env.resolve's to check
@@ -116,6 +118,7 @@ LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 TrainingStep = Callable[[torch.nn.Module, Any], torch.Tensor]
 OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
 BeforeStep = Callable[[torch.nn.Module, torch.optim.Optimizer], None]
+ValidationStep = Callable[[torch.nn.Module, Any], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class Job:
     training_step: TrainingStep | None
     optimizer_fn: OptimizerFn | None = None
     before_step: BeforeStep | None = None  # fn(model, optimizer) between backward and step
+    validation_data: Any = None  # batches (or a function returning them) the averaged model is scored on
+    validation_step: ValidationStep | None = None  # fn(model, batch) -> {name: batch mean}
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if self.optimizer_fn is not None:
@@ -202,6 +207,8 @@ def _check_sendable(job: Job) -> None:
         ("loss_fn", job.loss_fn),
         ("training_step", job.training_step),
         ("before_step", job.before_step),
+        ("validation data", job.validation_data),
+        ("validation_step", job.validation_step),
     ]
     for name, obj in parts:
         try:
@@ -214,10 +221,21 @@ def _check_sendable(job: Job) -> None:
             ) from e
 
 
+def parse_enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
+    """An option given as an enum member or its value, or a ValueError naming the choices."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        choices = [m.value for m in cls]
+        raise ValueError(f"{name} must be one of {choices} or a {cls.__name__}, got {value!r}") from None
+
+
 def describe_config(config: Config) -> dict[str, Any]:
     """The config as JSON-ready data (enums by value), for checkpoints, summaries and people."""
     out = dataclasses.asdict(config)
     return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in out.items()}
 
 
-__all__ = ["Config", "Job", "NanPolicy", "TrainingMode", "check_int", "check_job", "describe_config"]
+__all__ = ["Config", "Job", "NanPolicy", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]

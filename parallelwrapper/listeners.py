@@ -1,7 +1,8 @@
 """What the main process hears during fit(): averaged scores and epoch ends, as plain records.
 
 A listener is any object with some of `on_fit_start(config, epochs)`, `on_score(score)`,
-`on_epoch_end(epoch)`, `on_fit_end(history)`, or a plain callable, which receives each `Score`.
+`on_validation(validation)`, `on_epoch_end(epoch)`, `on_fit_end(history)`, or a plain callable,
+which receives each `Score`.
 Listeners run in the main process (on rank 0 under torchrun), between rounds: a slow listener
 slows nothing but the reporting.
 """
@@ -16,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
-
 
 
 @dataclass(frozen=True)
@@ -41,16 +41,38 @@ class EpochEnd:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Validation:
+    """The averaged model's metrics on the validation data (`Builder.validation`)."""
+
+    round: int
+    iteration: int
+    samples: int
+    epoch: int
+    metrics: dict[str, float]  # val_loss and val_accuracy, or what the validation step returns
+    seconds: float
+
+
 @dataclass
 class History:
-    """What fit() returns: every averaged score and every epoch end of that call."""
+    """What fit() returns: every averaged score, epoch end and validation of that call."""
 
     scores: list[Score] = field(default_factory=list)
     epochs: list[EpochEnd] = field(default_factory=list)
+    validations: list[Validation] = field(default_factory=list)
 
     @property
     def final_score(self) -> float:
         return self.epochs[-1].score if self.epochs else math.nan
+
+
+LISTENER_METHODS = ("on_fit_start", "on_score", "on_validation", "on_epoch_end", "on_fit_end")
+
+
+def check_listeners(listeners: Sequence[Any]) -> None:
+    for i, listener in enumerate(listeners):
+        if not callable(listener) and not any(hasattr(listener, m) for m in LISTENER_METHODS):
+            raise ValueError(f"listeners[{i}] ({listener!r}) is neither callable nor has any of {LISTENER_METHODS}")
 
 
 def notify(listeners: Sequence[Any], method: str, *args: Any) -> None:
@@ -85,6 +107,10 @@ class ProgressBar:
         bar.update(score.iteration - self._last_iteration)
         self._last_iteration = score.iteration
         bar.set_postfix(score=f"{score.score:.4f}", refresh=False)
+
+    def on_validation(self, validation: Validation) -> None:
+        bar = self._open(validation.epoch)
+        bar.set_postfix({k: f"{v:.4f}" for k, v in validation.metrics.items()}, refresh=False)
 
     def on_epoch_end(self, epoch: EpochEnd) -> None:
         bar = self._open(epoch.epoch)

@@ -63,7 +63,17 @@ class EpochReport:
     at: float = dataclasses.field(default_factory=time.monotonic)
 
 
-Reporter = Callable[[RoundReport | EpochReport], None]
+@dataclass(frozen=True)
+class ValidationReport:
+    """The averaged model's metrics on the validation data, all workers' shards together."""
+
+    counters: Counters
+    metrics: dict[str, float]
+    at: float = dataclasses.field(default_factory=time.monotonic)
+
+
+Report = RoundReport | EpochReport | ValidationReport
+Reporter = Callable[[Report], None]
 
 
 @dataclass(frozen=True)
@@ -183,9 +193,11 @@ __all__ = [
     "Hooks",
     "Phase",
     "Reporter",
+    "Report",
     "RoundReport",
     "Stopped",
     "TrainingError",
+    "ValidationReport",
     "Where",
     "WorkerError",
 ]

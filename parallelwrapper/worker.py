@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -101,6 +102,44 @@ class Replica:
             cause = str(e) if isinstance(e, TrainingError) else f"{type(e).__name__}: {e}"
             raise TrainingError(cause, Where(epoch, index, self.local_steps, describe(batch))) from e
         return loss.detach().float().reshape(()) * n, n
+
+    @property
+    def validates(self) -> bool:
+        return self.job.validation_data is not None
+
+    @torch.no_grad()
+    def validation_sums(self, rank: int, world_size: int) -> tuple[dict[str, float], int] | None:
+        """This worker's share of the validation data (batch i on worker i mod N), scored on its
+        model in eval mode: Σ metric·n per metric, and Σ n; None without validation data."""
+        data = self.job.validation_data
+        if data is None:
+            return None
+        batches = data() if callable(data) and not isinstance(data, Iterable) else data
+        sums: dict[str, float] = {}
+        count = 0
+        self.model.eval()
+        try:
+            for index, batch in enumerate(batches):
+                if index % world_size != rank:
+                    continue
+                n = batch_size(batch)
+                with self._autocast():
+                    metrics = self._validation_metrics(move_to(batch, self.device))
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * n
+                count += n
+        finally:
+            self.model.train()
+        return sums, count
+
+    def _validation_metrics(self, batch: Any) -> dict[str, Any]:
+        if self.job.validation_step is not None:
+            return self.job.validation_step(self.model, batch)
+        inputs, targets = batch
+        outputs = self.model(inputs)
+        assert self.job.loss_fn is not None  # build() refuses validation without a loss or a step
+        accuracy = (outputs.argmax(dim=1) == targets).float().mean()
+        return {"val_loss": self.job.loss_fn(outputs, targets), "val_accuracy": accuracy}
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bf16-mixed: forward and loss in bfloat16 where autocast deems it safe; the backward, the

@@ -5,7 +5,6 @@ hosts/, the data in feed.py, and what the environment means in env.py."""
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import time
 import warnings
@@ -16,12 +15,13 @@ import torch
 
 from . import checkpoint
 from .batches import to_cpu
-from .config import BeforeStep, Config, Job, check_job, LossFn, NanPolicy, OptimizerFn, TrainingMode, TrainingStep
+from .config import BeforeStep, Config, Job, LossFn, NanPolicy, OptimizerFn, TrainingMode, TrainingStep, ValidationStep
+from .config import check_job, parse_enum
 from .env import Placement, resolve, torchrun_env
 from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, start_host
-from .listeners import EpochEnd, History, Score, notify
-from .types import Counters, EpochReport, FitCommand, RoundReport, WorkerError
+from .listeners import EpochEnd, History, Score, Validation, check_listeners, notify
+from .types import Counters, FitCommand, Report, RoundReport, ValidationReport, WorkerError
 
 
 class ParallelWrapper:
@@ -127,13 +127,17 @@ class ParallelWrapper:
         start = time.monotonic()  # reports carry the system-wide monotonic time they were made
         notify(listeners, "on_fit_start", self.config, until_epoch - self.counters.epoch)
 
-        def on_report(report: RoundReport | EpochReport) -> None:
+        def on_report(report: Report) -> None:
             self.counters = report.counters
             c, seconds = report.counters, report.at - start
             if isinstance(report, RoundReport):
                 score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped)
                 history.scores.append(score)
                 notify(listeners, "on_score", score)
+            elif isinstance(report, ValidationReport):
+                validation = Validation(c.rounds, c.iterations, c.samples, c.epoch, report.metrics, seconds)
+                history.validations.append(validation)
+                notify(listeners, "on_validation", validation)
             else:
                 end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds)
                 history.epochs.append(end)
@@ -214,6 +218,8 @@ class Builder:
         self._optimizer_kwargs: dict[str, Any] = {"lr": 0.01}
         self._optimizer_fn: OptimizerFn | None = None
         self._before_step: BeforeStep | None = None
+        self._validation: Batches | None = None
+        self._validation_step: ValidationStep | None = None
         self._loss_fn: LossFn | None = torch.nn.functional.cross_entropy
         self._training_step: TrainingStep | None = None
         self._listeners: list[Any] = []
@@ -251,6 +257,13 @@ class Builder:
         """"32" (default) or "bf16-mixed": each worker's forward and loss under autocast to
         bfloat16 (CPU and CUDA); parameters, gradients, optimizer state and averaging stay float32."""
         return self._set("precision", name)
+
+    def validation(self, data: Batches, every: int = 50, step: ValidationStep | None = None) -> Builder:
+        """Score the averaged model on `data` every `every` averagings and at each epoch's end,
+        each worker its share (batch i on worker i mod N). Metrics: val_loss and val_accuracy, or
+        `step(model, batch) -> {name: batch mean}`; they reach `on_validation` and History."""
+        self._validation, self._validation_step = data, step
+        return self._set("validation_every", every)
 
     def before_step(self, fn: BeforeStep) -> Builder:
         """`fn(model, optimizer)` on each worker after backward, before the step (and before
@@ -308,7 +321,7 @@ class Builder:
 
     def training_mode(self, mode: TrainingMode | str) -> Builder:
         """TrainingMode.AVERAGING (default) or TrainingMode.SHARED_GRADIENTS."""
-        return self._set("training_mode", _enum(TrainingMode, mode, "training_mode"))
+        return self._set("training_mode", parse_enum(TrainingMode, mode, "training_mode"))
 
     def deterministic(self, flag: bool = True) -> Builder:
         """Deal batch i to worker i mod N instead of first-come, so two runs give the same model.
@@ -345,7 +358,7 @@ class Builder:
 
     def nan_policy(self, policy: NanPolicy | str) -> Builder:
         """NanPolicy.RAISE (default) fails fit(); NanPolicy.SKIP drops that worker from the round."""
-        return self._set("nan_policy", _enum(NanPolicy, policy, "nan_policy"))
+        return self._set("nan_policy", parse_enum(NanPolicy, policy, "nan_policy"))
 
     def threads_per_worker(self, n: int) -> Builder:
         """torch threads in each worker. Default: the machine's cores divided among the workers."""
@@ -359,30 +372,20 @@ class Builder:
         config = Config(**self._options)
         job = Job(
             self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step,
-            self._optimizer_fn, self._before_step,
+            self._optimizer_fn, self._before_step, self._validation, self._validation_step,
         )  # fmt: skip
+        if self._validation is not None and self._validation_step is None and self._loss_fn is None:
+            raise ValueError(
+                "validation: with .training_step(fn) the default metrics (val_loss, val_accuracy) have no "
+                "loss to use; pass .validation(data, step=fn) with fn(model, batch) -> {name: value}"
+            )
         torchrun = torchrun_env()
         notes = check_job(job, sendable=torchrun is None)  # under torchrun nothing travels
-        for i, listener in enumerate(self._listeners):
-            if not callable(listener) and not any(hasattr(listener, m) for m in LISTENER_METHODS):
-                raise ValueError(f"listeners[{i}] ({listener!r}) is neither callable nor has any of {LISTENER_METHODS}")
+        check_listeners(self._listeners)
         placement = resolve(config, torchrun, explicit=self._options.keys())
         for note in [*notes, *placement.notes]:
             warnings.warn(note, stacklevel=2)
         return ParallelWrapper(config, job, list(self._listeners), placement)
-
-
-LISTENER_METHODS = ("on_fit_start", "on_score", "on_epoch_end", "on_fit_end")
-
-
-def _enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        choices = [m.value for m in cls]
-        raise ValueError(f"{name} must be one of {choices} or a {cls.__name__}, got {value!r}") from None
 
 
 __all__ = ["Builder", "ParallelWrapper", "WorkerError"]

@@ -207,3 +207,45 @@ def test_bf16_mixed_trains_lenet_on_mnist_as_well_as_float32(mnist_dir: Path) ->
             w.fit(train)
             accuracy[precision] = w.evaluate(test)["accuracy"]
     assert accuracy["32"] > 0.85 and abs(accuracy["bf16-mixed"] - accuracy["32"]) < 0.02, accuracy
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+def mae_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"mae": (model(batch[0]) - 1.0).abs().mean()}
+
+
+def regression_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return ((model(batch[0]) - 1.0) ** 2).mean()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+def test_validation_runs_on_every_workers_share_and_scores_the_averaged_model(overlap: bool) -> None:
+    """Every 2 averagings and at the epoch's end; the last one scores the model fit() returns."""
+    val = make_batches(5, size=10)
+    model = mlp()
+    builder = (
+        ParallelWrapper.builder(model).optimizer(torch.optim.SGD, lr=0.1).workers(2).threads_per_worker(1)
+        .deterministic(True).overlap_averaging(overlap).validation(val, every=2)
+    )  # fmt: skip
+    with builder.build() as w:
+        history = w.fit(make_batches(12))  # 6 rounds of one batch each
+        expected = w.evaluate(val)
+    assert [v.round for v in history.validations] == [2, 4, 6]
+    last = history.validations[-1].metrics
+    assert set(last) == {"val_loss", "val_accuracy"}
+    assert last["val_loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert last["val_accuracy"] == pytest.approx(expected["accuracy"])
+
+
+def test_validation_with_its_own_step() -> None:
+    model = mlp()
+    builder = ParallelWrapper.builder(model).workers(1).training_step(regression_step)
+    with pytest.raises(ValueError, match=r"validation: with \.training_step\(fn\).*step=fn"):
+        builder.validation(make_batches(2), every=1).build()
+    with builder.validation(make_batches(2), every=1, step=mae_step).build() as w:
+        history = w.fit(make_batches(3))
+    with torch.no_grad():
+        expected = sum(float((model(x) - 1.0).abs().mean()) for x, _ in make_batches(2)) / 2
+    assert len(history.validations) == 3 and history.validations[-1].metrics["mae"] == pytest.approx(expected, rel=1e-6)

@@ -15,12 +15,11 @@ import queue
 import signal
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ..checkpoint import make_checkpointer
 from ..config import Config, Job
@@ -28,7 +27,7 @@ from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, Feeder, QueueSource
 from ..rounds import RoundBudget
 from ..slots import SlotReader, SlotWriter
-from ..types import EpochReport, FitCommand, Hooks, Phase, Reporter, RoundReport, Stopped, WorkerError
+from ..types import EpochReport, FitCommand, Hooks, Phase, Report, Reporter, Stopped, WorkerError
 from .runtime import Worker, claim_device, summary
 from .supervisor import ProgressBoard, Supervisor
 
@@ -104,7 +103,7 @@ def _worker_entry(
             dist.destroy_process_group()
 
 
-def _ignore(report: RoundReport | EpochReport) -> None:
+def _ignore(report: Report) -> None:
     """Only rank 0 reports: every worker holds the same totals."""
 
 
@@ -115,10 +114,10 @@ class _Reports:
 
     def __init__(self, results: Any, rank: int) -> None:
         self._results, self._rank = results, rank
-        self._pending: list[RoundReport | EpochReport] = []
+        self._pending: list[Report] = []
         self._last = time.monotonic()
 
-    def __call__(self, report: RoundReport | EpochReport) -> None:
+    def __call__(self, report: Report) -> None:
         self._pending.append(report)
         if isinstance(report, EpochReport) or time.monotonic() - self._last > _REPORT_S:
             self.flush()
@@ -260,7 +259,7 @@ class WorkerPool:
             if message is not None and message[0] in ("stopped", "done"):
                 stopped.add(message[1])
 
-    def _receive(self, stage: str, on_report: Callable[[RoundReport | EpochReport], None]) -> tuple[str, int, Any] | None:
+    def _receive(self, stage: str, on_report: Reporter) -> tuple[str, int, Any] | None:
         """The next message that is not a batch of reports; those go to `on_report` on the way."""
         message = self._supervisor.next(stage)
         if message is None or message[0] != "reports":

@@ -22,10 +22,10 @@ from ..averaging import (
 )
 from ..checkpoint import rng_state
 from ..config import Config, TrainingMode
-from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
+from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped, ValidationReport
 from .budget import Budget
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
-from .scores import ScoreBook
+from .scores import ScoreBook, combine_validation
 
 
 class Trainer(Protocol):
@@ -35,23 +35,26 @@ class Trainer(Protocol):
     optimizer: torch.optim.Optimizer
     local_steps: int  # optimizer steps this worker has taken
 
+    @property
+    def validates(self) -> bool:
+        """It has validation data."""
+
     def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
         """AVERAGING: one whole local step; (loss·n, n)."""
-        ...
 
     def accumulate(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
         """SHARED_GRADIENTS: forward and backward into .grad; (loss·n, n)."""
-        ...
 
     def step(self) -> None:
         """SHARED_GRADIENTS: the optimizer step on the averaged gradients."""
-        ...
 
     def checked_loss(self, losses: list[torch.Tensor], first_step: int, epoch: int) -> tuple[float, bool]:
         """Σ loss·n of a round, and whether the NaN policy drops it."""
-        ...
 
     def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def validation_sums(self, rank: int, world_size: int) -> tuple[dict[str, float], int] | None:
+        """This worker's share of the validation metrics (Σ metric·n, Σ n); None: no validation."""
 
 
 @dataclass
@@ -138,7 +141,7 @@ class Rounds:
             work = self._local_work()
             totals = self._exchange(work)
             epoch_done = self._settle(totals, book)
-            self._after_landing(totals, epoch_done)
+            self._after_landing(totals, epoch_done, book)
             if epoch_done:
                 return
 
@@ -304,15 +307,16 @@ class Rounds:
             if in_flight is not None:
                 totals = self._land(in_flight, work.skipped)
                 if self._settle(totals, book):
-                    self._after_landing(totals, epoch_done=True)
+                    self._after_landing(totals, True, book)
                     return
-                land_now = totals.stop > 0 or self.hooks.checkpoint_due(self.counters.rounds + 1)
+                upcoming = self.counters.rounds + 1
+                land_now = totals.stop > 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
             in_flight = self._launch(work)
             if land_now:
                 totals = self._land(in_flight, work.skipped)
                 in_flight = None
                 epoch_done = self._settle(totals, book)
-                self._after_landing(totals, epoch_done)
+                self._after_landing(totals, epoch_done, book)
                 if epoch_done:
                     return
 
@@ -364,15 +368,29 @@ class Rounds:
             book.add(totals, c, end_of_epoch=epoch_done)
         if epoch_done:
             c.epoch, c.position = c.epoch + 1, 0
-            book.report(EpochReport(dataclasses.replace(c), c.epoch - 1, book.whole.score))
         return epoch_done
 
-    def _after_landing(self, totals: RoundTotals, epoch_done: bool) -> None:
-        """After a round every replica holds the average: checkpoint when one is due, at an
-        epoch's end and at a stop (every worker gives its RNG state, rank 0 writes), then stop
-        if any worker was asked to."""
+    def _validation_due(self, rounds: int) -> bool:
+        return self.trainer.validates and rounds % self.config.validation_every == 0
+
+    def _validate(self, report: Reporter) -> None:
+        """Every worker scores its share and one gather merges them in rank order: nobody idles."""
+        local = self.trainer.validation_sums(self.rank, self.world_size)
+        assert local is not None, "validated without validation data"
+        shares: list[Any] = [None] * self.world_size
+        dist.all_gather_object(shares, local, group=self.group)
+        report(ValidationReport(dataclasses.replace(self.counters), combine_validation(shares)))
+
+    def _after_landing(self, totals: RoundTotals, epoch_done: bool, book: ScoreBook) -> None:
+        """After a round every replica holds the average: validate when due and at an epoch's
+        end, then report the epoch's end; checkpoint when due, at an epoch's end and at a stop
+        (every worker gives its RNG state, rank 0 writes); then stop if any worker was asked to."""
         final = epoch_done or totals.stop > 0
         trained = totals.samples > 0
+        if self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds))):
+            self._validate(book.report)
+        if epoch_done:
+            book.report(EpochReport(dataclasses.replace(self.counters), self.counters.epoch - 1, book.whole.score))
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
             rng: list[Any] = [None] * self.world_size
             dist.all_gather_object(rng, rng_state(), group=self.group)

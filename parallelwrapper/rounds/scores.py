@@ -1,5 +1,6 @@
 """Score windows: the sample-weighted mean loss since the last report and over the epoch, and
-the reports a worker makes of them (every round, every k steps, or once per epoch)."""
+the reports a worker makes of them (every round, every k steps, or once per epoch); and the
+validation metrics combined from every worker's share."""
 
 from __future__ import annotations
 
@@ -43,3 +44,14 @@ class ScoreBook:
         if self._rounds and (self.window.rounds == self._every or end_of_epoch):
             self.report(RoundReport(dataclasses.replace(counters), self.window.score, self.window.skipped))
             self.window = _Window()
+
+
+def combine_validation(shares: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The sample-weighted means of the workers' validation sums (Σ metric·n, Σ n), in rank order,
+    so that every worker computes the same floats."""
+    sums: dict[str, float] = {}
+    for share, _ in shares:
+        for name, value in share.items():
+            sums[name] = sums.get(name, 0.0) + value
+    count = sum(n for _, n in shares)
+    return {name: value / count for name, value in sums.items()} if count else {}
