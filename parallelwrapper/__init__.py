@@ -6,7 +6,7 @@
 """
 
 from .config import Config, NanPolicy, TrainingMode
-from .listeners import CsvWriter, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation
+from .listeners import CsvWriter, EarlyStopping, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation
 from .types import TrainingError, WorkerError
 from .wrapper import Builder, ParallelWrapper
 
@@ -14,6 +14,7 @@ __all__ = [
     "Builder",
     "Config",
     "CsvWriter",
+    "EarlyStopping",
     "EpochEnd",
     "History",
     "JsonlWriter",

@@ -136,6 +136,7 @@ class Job:
     before_step: BeforeStep | None = None  # fn(model, optimizer) between backward and step
     validation_data: Any = None  # batches (or a function returning them) the averaged model is scored on
     validation_step: ValidationStep | None = None  # fn(model, batch) -> {name: batch mean}
+    early_stopping: Any = None  # a listeners.EarlyStopping, which every worker applies to its validations
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if self.optimizer_fn is not None:

@@ -16,7 +16,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config
 
 
 @dataclass(frozen=True)
@@ -175,3 +178,56 @@ class ScoreLogger:
     def on_score(self, score: Score) -> None:
         if score.round % self.every == 0:
             print(f"round {score.round} iteration {score.iteration} epoch {score.epoch}: score {score.score:.5f}")
+
+
+class EarlyStopping:
+    """Stop fit() at the validation where `monitor` has not improved for `patience` validations,
+    after DL4J's EarlyStoppingParallelTrainer; with `restore_best`, fit() leaves the state of the
+    best validation in the model. Needs `.validation(data)`.
+
+    The decision is taken on every worker from the same combined metrics, so all stop after the
+    same round, with no message between them; this copy, in the main process, follows the same
+    validations, so `best` and `stopped_round` say what happened. State restarts at every fit()."""
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 3, mode: str = "min", min_delta: float = 0.0, restore_best: bool = False) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}")
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
+            raise ValueError(f"EarlyStopping patience must be an int >= 1, got {patience!r}")
+        if not min_delta >= 0:
+            raise ValueError(f"EarlyStopping min_delta must be >= 0, got {min_delta!r}")
+        self.monitor, self.patience, self.mode, self.min_delta, self.restore_best = monitor, patience, mode, min_delta, restore_best
+        self.reset()
+
+    def reset(self) -> None:
+        self.best: float | None = None
+        self.wait = 0
+        self.stopped_round: int | None = None
+
+    def on_fit_start(self, config: Config, epochs: int) -> None:
+        self.reset()
+
+    def update(self, metrics: dict[str, float]) -> tuple[bool, bool]:
+        """(improved, stop) after a validation's metrics."""
+        if self.monitor not in metrics:
+            raise ValueError(f"EarlyStopping monitors {self.monitor!r}, but the validation reports {sorted(metrics)}")
+        value = metrics[self.monitor]
+        sign = 1.0 if self.mode == "min" else -1.0
+        improved = self.best is None or sign * (self.best - value) > self.min_delta
+        if improved:
+            self.best, self.wait = value, 0
+        else:
+            self.wait += 1
+        return improved, self.wait >= self.patience
+
+    def on_validation(self, validation: Validation) -> None:
+        if self.stopped_round is None and self.update(validation.metrics)[1]:
+            self.stopped_round = validation.round
+
+
+def early_stopping_of(listeners: Sequence[Any]) -> EarlyStopping | None:
+    """The EarlyStopping among the listeners: the workers apply it to their validations."""
+    stoppers = [listener for listener in listeners if isinstance(listener, EarlyStopping)]
+    if len(stoppers) > 1:
+        raise ValueError(f"listeners: {len(stoppers)} EarlyStopping given; give one")
+    return stoppers[0] if stoppers else None

@@ -7,6 +7,7 @@ a `BatchSource`, a `Reporter` and `Hooks`, and its rounds (rounds.py) decide whe
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +42,8 @@ class Replica:
         self.device, self.rank, self.world_size = device, rank, world_size
         self.hooks = hooks or Hooks()
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
+        self._stopper = copy.deepcopy(job.early_stopping)  # this worker's own: it decides here
+        self._best: tuple[dict[str, Any], dict[str, Any]] | None = None  # EarlyStopping(restore_best)
         self.rounds = Rounds(self, config, device, rank, world_size, group=group, hooks=self.hooks, budget=budget)
 
     @property
@@ -70,6 +73,9 @@ class Replica:
     def fit(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
         self.model.train()
+        if self._stopper is not None:
+            self._stopper.reset()
+            self._best = None
         self.rounds.run(until_epoch, source, report)
 
     # -- one step -------------------------------------------------------------------------------
@@ -131,6 +137,19 @@ class Replica:
         finally:
             self.model.train()
         return sums, count
+
+    def after_validation(self, metrics: dict[str, float]) -> bool:
+        """Early stopping's decision on the combined metrics; with restore_best, the best state
+        is kept on the CPU and put back when it stops."""
+        if self._stopper is None:
+            return False
+        improved, stop = self._stopper.update(metrics)
+        if improved and self._stopper.restore_best:
+            self._best = self.state_dicts()
+        if stop and self._best is not None:
+            self.model.load_state_dict(self._best[0])
+            self.optimizer.load_state_dict(self._best[1])
+        return bool(stop)
 
     def _validation_metrics(self, batch: Any) -> dict[str, Any]:
         if self.job.validation_step is not None:

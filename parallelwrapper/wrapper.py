@@ -20,7 +20,7 @@ from .config import check_job, parse_enum
 from .env import Placement, resolve, torchrun_env
 from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, start_host
-from .listeners import EpochEnd, History, Score, Validation, check_listeners, notify
+from .listeners import EpochEnd, History, Score, Validation, check_listeners, early_stopping_of, notify
 from .types import Counters, FitCommand, Report, RoundReport, ValidationReport, WorkerError
 
 
@@ -372,8 +372,10 @@ class Builder:
         config = Config(**self._options)
         job = Job(
             self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step,
-            self._optimizer_fn, self._before_step, self._validation, self._validation_step,
+            self._optimizer_fn, self._before_step, self._validation, self._validation_step, early_stopping_of(self._listeners),
         )  # fmt: skip
+        if job.early_stopping is not None and job.validation_data is None:
+            raise ValueError("EarlyStopping stops on validation metrics: add .validation(data, every=...)")
         if self._validation is not None and self._validation_step is None and self._loss_fn is None:
             raise ValueError(
                 "validation: with .training_step(fn) the default metrics (val_loss, val_accuracy) have no "

@@ -249,3 +249,54 @@ def test_validation_with_its_own_step() -> None:
     with torch.no_grad():
         expected = sum(float((model(x) - 1.0).abs().mean()) for x, _ in make_batches(2)) / 2
     assert len(history.validations) == 3 and history.validations[-1].metrics["mae"] == pytest.approx(expected, rel=1e-6)
+
+
+# -- early stopping -------------------------------------------------------------------------------
+
+
+def flat_metric_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    return {"val_loss": 1.0}  # never improves after the first validation
+
+
+@pytest.mark.parametrize("workers", [2, 1], ids=["spawned", "in-process"])
+def test_early_stopping_stops_every_worker_after_the_same_round_and_the_next_fit_carries_on(workers: int) -> None:
+    from parallelwrapper import EarlyStopping
+
+    stopper = EarlyStopping(monitor="val_loss", patience=2)
+    data = make_batches(5 * workers)  # 5 rounds of one batch per worker
+    model = mlp()
+    builder = (
+        ParallelWrapper.builder(model).optimizer(torch.optim.SGD, lr=0.1).workers(workers).threads_per_worker(1)
+        .deterministic(True).validation(make_batches(2), every=1, step=flat_metric_step).listeners(stopper)
+    )  # fmt: skip
+    with builder.build() as w:
+        history = w.fit(data)
+        # The first validation sets the best; two more without improvement stop the fit there.
+        assert [v.round for v in history.validations] == [1, 2, 3] and not history.epochs
+        assert stopper.stopped_round == 3 and stopper.best == 1.0
+        assert (w.counters.rounds, w.counters.iterations, w.counters.epoch) == (3, 3 * workers, 0)
+        history = w.fit(data)  # the rest of the epoch: rounds 4 and 5, too few to stop again
+    assert [v.round for v in history.validations] == [4, 5] and stopper.stopped_round is None
+    # Every batch once: nothing left over from the stopped fit in the feed, nothing lost.
+    assert (history.epochs[-1].iteration, history.epochs[-1].samples) == (5 * workers, 5 * workers * 16)
+
+
+def test_early_stopping_restores_the_best_state_and_needs_validation() -> None:
+    from parallelwrapper import EarlyStopping
+
+    with pytest.raises(ValueError, match=r"EarlyStopping stops on validation metrics: add \.validation"):
+        ParallelWrapper.builder(mlp()).listeners(EarlyStopping()).build()
+    data = make_batches(8)
+    best = mlp()
+    with ParallelWrapper.builder(best).optimizer(torch.optim.SGD, lr=0.1).workers(1).build() as w:
+        w.fit(data[:1])  # the state after the first round, the best validation below
+    model = mlp()
+    builder = (
+        ParallelWrapper.builder(model).optimizer(torch.optim.SGD, lr=0.1).workers(1)
+        .validation(data[:1], every=1, step=flat_metric_step).listeners(EarlyStopping(patience=2, restore_best=True))
+    )  # fmt: skip
+    with builder.build() as w:
+        history = w.fit(data)
+    assert [v.round for v in history.validations] == [1, 2, 3]
+    for key, value in best.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key

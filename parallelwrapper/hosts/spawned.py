@@ -34,7 +34,8 @@ from .supervisor import ProgressBoard, Supervisor
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 _REPORT_S = 0.25  # how long rank 0 may hold scores back to send them together
-_STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
+_STOP_GRACE_S = 15.0
+_DRAIN_S = 0.05  # a queue's feeder thread may still be flushing: wait this long for one more item  # after Ctrl-C, how long workers get to finish the round and checkpoint
 
 
 # -- in the worker process -----------------------------------------------------------------------
@@ -83,14 +84,16 @@ def _worker_entry(
             command: FitCommand | None = _get(command_queue, parent_pid)
             if command is None:
                 break
+            stopped = False
             try:
                 worker.fit(command, source, report)
             except Stopped:
-                if isinstance(report, _Reports):
+                stopped = True
+            finally:
+                if isinstance(report, _Reports):  # the last reports, before the word that the fit ended
                     report.flush()
-                result_queue.put(("stopped", rank, None))
-                continue
-            result_queue.put(("done", rank, worker.replica.state_dicts() if rank == 0 else None))
+            done = None if stopped or rank != 0 else worker.replica.state_dicts()
+            result_queue.put(("stopped" if stopped else "done", rank, done))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
         error = e if isinstance(e, WorkerError) else WorkerError(rank, summary(e) + " (while starting)", traceback.format_exc())
         result_queue.put(("error", rank, error))
@@ -246,8 +249,21 @@ class WorkerPool:
                     final = message[2] if message[1] == 0 else final
         finally:
             feeder.stop()
+        self._drain()
         assert final is not None
         return final
+
+    def _drain(self) -> None:
+        """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
+        not find them, and their slots go back to the feeder."""
+        for q in self.data_queues:
+            while True:
+                try:
+                    item = q.get(timeout=_DRAIN_S)
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self._free_slots.put(item[1][0])
 
     def _stop_gracefully(self, on_report: Reporter) -> None:
         """Ask the workers to stop after this round (they checkpoint it), and wait a little."""

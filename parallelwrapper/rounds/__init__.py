@@ -18,14 +18,15 @@ With overlap_averaging (AVERAGING only), a round's payload goes out without wait
 the next round's steps, which are kept on top of the average (driver.py, `Rounds._overlapped_epoch`).
 
 Its parts: the header every worker sends with its state (header.py), the budget of a first-come
-round (budget.py), the score windows (scores.py), and the synchronous and overlapped drivers that
-run the rounds (driver.py).
+round (budget.py), the score windows (scores.py), what a round asks of a worker (trainer.py),
+and the synchronous and overlapped drivers that run the rounds (driver.py).
 """
 
 from __future__ import annotations
 
 from .budget import Budget, RoundBudget
-from .driver import Rounds, Trainer
+from .driver import Rounds
+from .trainer import Trainer
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
 
 __all__ = ["HEADER_LEN", "Budget", "RoundBudget", "RoundTotals", "Rounds", "Trainer", "make_header", "read_header"]

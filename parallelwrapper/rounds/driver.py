@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,35 +26,11 @@ from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Repor
 from .budget import Budget
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
 from .scores import ScoreBook, combine_validation
+from .trainer import Trainer
 
 
-class Trainer(Protocol):
-    """A worker's model, optimizer and steps (worker.Replica)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    local_steps: int  # optimizer steps this worker has taken
-
-    @property
-    def validates(self) -> bool:
-        """It has validation data."""
-
-    def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
-        """AVERAGING: one whole local step; (loss·n, n)."""
-
-    def accumulate(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
-        """SHARED_GRADIENTS: forward and backward into .grad; (loss·n, n)."""
-
-    def step(self) -> None:
-        """SHARED_GRADIENTS: the optimizer step on the averaged gradients."""
-
-    def checked_loss(self, losses: list[torch.Tensor], first_step: int, epoch: int) -> tuple[float, bool]:
-        """Σ loss·n of a round, and whether the NaN policy drops it."""
-
-    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
-
-    def validation_sums(self, rank: int, world_size: int) -> tuple[dict[str, float], int] | None:
-        """This worker's share of the validation metrics (Σ metric·n, Σ n); None: no validation."""
+class _EarlyStop(Exception):
+    """Early stopping's verdict, the same on every worker after the same round."""
 
 
 @dataclass
@@ -123,6 +99,8 @@ class Rounds:
         try:
             while self.counters.epoch < until_epoch:
                 self._epoch(report)
+        except _EarlyStop:
+            pass  # every worker stopped after the same round: the fit ends there, normally
         finally:
             if self._payload is not None:  # between fits, the model's tensors own their storage
                 self._payload.release()
@@ -373,22 +351,24 @@ class Rounds:
     def _validation_due(self, rounds: int) -> bool:
         return self.trainer.validates and rounds % self.config.validation_every == 0
 
-    def _validate(self, report: Reporter) -> None:
+    def _validate(self, report: Reporter) -> bool:
         """Every worker scores its share and one gather merges them in rank order: nobody idles."""
         local = self.trainer.validation_sums(self.rank, self.world_size)
         assert local is not None, "validated without validation data"
         shares: list[Any] = [None] * self.world_size
         dist.all_gather_object(shares, local, group=self.group)
-        report(ValidationReport(dataclasses.replace(self.counters), combine_validation(shares)))
+        metrics = combine_validation(shares)
+        report(ValidationReport(dataclasses.replace(self.counters), metrics))
+        return self.trainer.after_validation(metrics)
 
     def _after_landing(self, totals: RoundTotals, epoch_done: bool, book: ScoreBook) -> None:
         """After a round every replica holds the average: validate when due and at an epoch's
         end, then report the epoch's end; checkpoint when due, at an epoch's end and at a stop
         (every worker gives its RNG state, rank 0 writes); then stop if any worker was asked to."""
-        final = epoch_done or totals.stop > 0
         trained = totals.samples > 0
-        if self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds))):
-            self._validate(book.report)
+        early = self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds)))
+        early = early and self._validate(book.report)  # True: early stopping ends the fit here
+        final = epoch_done or totals.stop > 0 or early
         if epoch_done:
             book.report(EpochReport(dataclasses.replace(self.counters), self.counters.epoch - 1, book.whole.score))
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
@@ -398,3 +378,5 @@ class Rounds:
                 self.hooks.checkpointer.save(*self.trainer.state_dicts(), dataclasses.replace(self.counters), rng)
         if totals.stop:
             raise Stopped(f"stopped at round {self.counters.rounds}, as the host asked")
+        if early:
+            raise _EarlyStop

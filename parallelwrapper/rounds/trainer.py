@@ -1,0 +1,40 @@
+"""What the round protocol asks of a worker (worker.Replica implements it): its model and
+optimizer, its steps, the NaN policy, its state, and its share of a validation."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Trainer(Protocol):
+    """A worker's model, optimizer and steps (worker.Replica)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    local_steps: int  # optimizer steps this worker has taken
+
+    @property
+    def validates(self) -> bool:
+        """It has validation data."""
+
+    def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+        """AVERAGING: one whole local step; (loss·n, n)."""
+
+    def accumulate(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+        """SHARED_GRADIENTS: forward and backward into .grad; (loss·n, n)."""
+
+    def step(self) -> None:
+        """SHARED_GRADIENTS: the optimizer step on the averaged gradients."""
+
+    def checked_loss(self, losses: list[torch.Tensor], first_step: int, epoch: int) -> tuple[float, bool]:
+        """Σ loss·n of a round, and whether the NaN policy drops it."""
+
+    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def validation_sums(self, rank: int, world_size: int) -> tuple[dict[str, float], int] | None:
+        """This worker's share of the validation metrics (Σ metric·n, Σ n); None: no validation."""
+
+    def after_validation(self, metrics: dict[str, float]) -> bool:
+        """The combined metrics, the same on every worker: True to stop the fit (early stopping)."""
