@@ -159,6 +159,20 @@ class QueueSource:
             return index, self._slots.unpack(*packed)
 
 
+def distributed_sampler(data: Batches) -> DistributedSampler[Any] | None:
+    """The DistributedSampler of a DataLoader that has one: such data is one rank's share already."""
+    sampler = getattr(data, "sampler", None)
+    return sampler if isinstance(sampler, DistributedSampler) else None
+
+
+def rank_share(data: Batches, rank: int, world_size: int) -> Iterator[Any]:
+    """One pass over `data`, this rank's batches only, as ShardSource deals them."""
+    presharded = distributed_sampler(data) is not None
+    for index, batch in enumerate(epoch_iterable(data)()):
+        if presharded or index % world_size == rank:
+            yield batch
+
+
 class ShardSource:
     """torchrun, or one worker in this process: this rank's batches of each epoch,
     index ≡ rank (mod world_size).
@@ -172,8 +186,7 @@ class ShardSource:
     def __init__(self, data: Batches, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
         self._make_epoch = epoch_iterable(data)
         self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
-        sampler = getattr(data, "sampler", None)
-        self._sampler = sampler if isinstance(sampler, DistributedSampler) else None
+        self._sampler = distributed_sampler(data)
         self._it: Iterator[tuple[int, Any]] | None = None
 
     def _mine(self, index: int) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from .batches import batch_size, describe, move_to, to_cpu
 from .config import Config, Job, NanPolicy
+from .feed import rank_share
 from .rounds import Budget, Rounds
 from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, Where
 
@@ -115,19 +115,16 @@ class Replica:
 
     @torch.no_grad()
     def validation_sums(self, rank: int, world_size: int) -> tuple[dict[str, float], int] | None:
-        """This worker's share of the validation data (batch i on worker i mod N), scored on its
-        model in eval mode: Σ metric·n per metric, and Σ n; None without validation data."""
-        data = self.job.validation_data
-        if data is None:
+        """This worker's share of the validation data (dealt as the training shards are, so a
+        DataLoader with a DistributedSampler is taken as this rank's already), scored on its model
+        in eval mode: Σ metric·n per metric, and Σ n; None without validation data."""
+        if self.job.validation_data is None:
             return None
-        batches = data() if callable(data) and not isinstance(data, Iterable) else data
         sums: dict[str, float] = {}
         count = 0
         self.model.eval()
         try:
-            for index, batch in enumerate(batches):
-                if index % world_size != rank:
-                    continue
+            for batch in rank_share(self.job.validation_data, rank, world_size):
                 n = batch_size(batch)
                 with self._autocast():
                     metrics = self._validation_metrics(move_to(batch, self.device))
