@@ -35,7 +35,7 @@ _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-cor
 _JOIN_TIMEOUT_S = 10.0
 _REPORT_S = 0.25  # how long rank 0 may hold scores back to send them together
 _STOP_GRACE_S = 15.0
-_DRAIN_S = 0.05  # a queue's feeder thread may still be flushing: wait this long for one more item  # after Ctrl-C, how long workers get to finish the round and checkpoint
+_DRAIN_S = 0.05  # a queue left with batches may still be flushing: wait this long for one more  # after Ctrl-C, how long workers get to finish the round and checkpoint
 
 
 # -- in the worker process -----------------------------------------------------------------------
@@ -257,11 +257,13 @@ class WorkerPool:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
         not find them, and their slots go back to the feeder."""
         for q in self.data_queues:
+            wait = 0.0  # a fit that ended at an epoch's end left nothing: it costs no wait
             while True:
                 try:
-                    item = q.get(timeout=_DRAIN_S)
+                    item = q.get(timeout=wait) if wait else q.get_nowait()
                 except queue.Empty:
                     break
+                wait = _DRAIN_S
                 if item is not None:
                     self._free_slots.put(item[1][0])
 
