@@ -16,7 +16,7 @@ from click.core import ParameterSource
 
 from .compare import CompareOptions, compare, markdown
 from .config import PRECISIONS, TrainingMode
-from .data.mnist import MnistError
+from .data.mnist import MnistFilesMissing
 from .types import WorkerError
 from .models import MODEL_NAMES
 from .run import DEVICES, OPTIMIZERS, RunOptions, train_mnist
@@ -65,9 +65,9 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
     """Run the library; a data or worker failure becomes a one-message error."""
     try:
         return fn(*args)
-    except MnistError as e:  # its message says how to point --data-dir at the files
-        raise click.ClickException(str(e)) from None
-    except (ValueError, WorkerError) as e:
+    except MnistFilesMissing as e:
+        raise click.ClickException(e.explain("pass --data-dir DIR", "drop --no-download to fetch them")) from None
+    except (ValueError, WorkerError) as e:  # MnistError is a ValueError: it names the file
         raise click.ClickException(str(e)) from None
 
 

@@ -23,6 +23,7 @@ from click.testing import CliRunner, Result
 
 from parallelwrapper import TrainingMode, cli, run
 from parallelwrapper.compare import CSV_FIELDS, CompareOptions
+from parallelwrapper.data.mnist import FILES
 from parallelwrapper.models import LeNet
 from parallelwrapper.run import RunOptions, Summary
 
@@ -194,7 +195,10 @@ def test_missing_mnist_files_name_data_dir(tmp_path: Path) -> None:
     result = invoke("--data-dir", str(tmp_path), "--no-download")
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
-    assert "MNIST files missing" in result.output and "--data-dir" in result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith(f"Error: MNIST files missing from {tmp_path}: train-images-idx3-ubyte[.gz]")
+    assert "--data-dir DIR (or set $PW_DATA_DIR=DIR)" in first and "drop --no-download" in first
+    assert all(name in first for name in FILES) and "load_mnist" not in result.output
     assert not list(tmp_path.iterdir()), "a failed run leaves no files behind"
 
 

@@ -170,7 +170,7 @@ def test_label_out_of_range(tmp_path: Path) -> None:
         load_mnist(tmp_path, "test", download=False)
 
 
-def t10k_checks_its_tensors() -> None:
+def test_split_checks_its_tensors() -> None:
     with pytest.raises(ValueError, match="uint8"):
         MnistSplit(torch.zeros(2, 28, 28), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="int64"):
@@ -187,8 +187,12 @@ def test_missing_without_download(tmp_path: Path) -> None:
         load_mnist(tmp_path, "test", download=False)
     message = str(err.value)
     assert str(tmp_path) in message and "t10k-labels-idx1-ubyte" in message
-    assert "t10k-images" not in message  # present files are not reported missing
-    assert "--data-dir" in message and "load_mnist(data_dir=DIR)" in message
+    missing = message.split(";")[0]
+    assert "t10k-images" not in missing  # present files are not reported missing
+    assert "data_dir=DIR to load_mnist" in message and "$PW_DATA_DIR" in message
+    assert all(name in message for name in mnist_module.FILES), "the fix names all four files"
+    assert "--data-dir" not in message, "the library's message names the library's argument"
+    assert "download=True" in message
 
 
 def test_env_var_sets_default_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,8 +217,8 @@ def test_failed_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         load_mnist(cache, "train", download=True)
     message = str(err.value)
     assert str(cache) in message and "train-images-idx3-ubyte" in message
-    assert "train-labels-idx1-ubyte" in message and "--data-dir" in message
-    assert "no route to host" in message
+    assert "train-labels-idx1-ubyte" in message and "$PW_DATA_DIR" in message
+    assert "no route to host" in message and "download=True" not in message  # it was tried
     assert len(urls) == 2 and all(u.endswith("train-images-idx3-ubyte.gz") for u in urls)
     assert list(cache.iterdir()) == []  # no partial files left behind
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_CACHE_DIR", "MnistError", "MnistSplit", "default_data_dir", "load_mnist"]
+__all__ = ["DEFAULT_CACHE_DIR", "FILES", "MnistError", "MnistFilesMissing", "MnistSplit", "default_data_dir", "load_mnist"]
 
 # The fallback cache; $PW_DATA_DIR overrides it, read at call time in default_data_dir() so
 # that nothing about the environment is frozen at import.
@@ -59,14 +59,33 @@ _MIRRORS: tuple[str, ...] = (
 )
 _TIMEOUT_S = 30.0
 
-_FIX = (
-    "pass --data-dir DIR (or load_mnist(data_dir=DIR)) pointing at a directory holding "
-    "the four MNIST IDX files, gzipped or not"
-)
+# All four, named in every message about missing files: a directory needs them all.
+FILES: tuple[str, ...] = tuple(name for names in _SPLIT_FILES.values() for name in names)
 
 
 class MnistError(ValueError):
     """A missing, unreadable or malformed MNIST file; the message names the file."""
+
+
+class MnistFilesMissing(MnistError):
+    """Files missing from `root` and not downloaded. The message gives a library user's fix;
+    `explain` words it for another caller (pw-fit names its options)."""
+
+    def __init__(self, root: Path, missing: list[str], download_errors: list[str] | None = None) -> None:
+        self.root, self.missing, self.download_errors = root, tuple(missing), tuple(download_errors or ())
+        super().__init__(self.explain("pass data_dir=DIR to load_mnist", "pass download=True to fetch them"))
+
+    def explain(self, point: str, fetch: str) -> str:
+        """What is missing where, then: `point` (how to name a directory) at one holding all four
+        files, or `fetch` (how to download them) when no download was tried."""
+        listed = ", ".join(f"{name}[.gz]" for name in self.missing)
+        text = (
+            f"MNIST files missing from {self.root}: {listed}; {point} (or set $PW_DATA_DIR=DIR), where "
+            f"DIR holds all four MNIST files ({', '.join(FILES)}; each gzipped or not)"
+        )
+        if self.download_errors:
+            return f"{text}. Download failed: {'; '.join(self.download_errors)}"
+        return f"{text}, or {fetch}"
 
 
 @dataclass(frozen=True)
@@ -145,7 +164,7 @@ def load_mnist(
     missing = [name for name in names if _find(root, name) is None]
     if missing:
         if not download:
-            raise MnistError(_missing_message(root, missing))
+            raise MnistFilesMissing(root, missing)
         _download(root, missing)
     images_path, labels_path = (_find(root, name) for name in names)
     assert images_path is not None and labels_path is not None  # downloaded or raised above
@@ -174,11 +193,6 @@ def _find(root: Path, name: str) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
-
-
-def _missing_message(root: Path, missing: list[str]) -> str:
-    listed = ", ".join(f"{name}[.gz]" for name in missing)
-    return f"MNIST files missing from {root}: {listed}; {_FIX}"
 
 
 def _read_idx(path: Path, magic: int) -> np.ndarray:
@@ -238,8 +252,7 @@ def _download(root: Path, missing: list[str]) -> None:
             _write_verified(root / gz, body, _MD5[gz])
             break
         else:
-            still_missing = _missing_message(root, missing[i:])
-            raise MnistError(f"{still_missing}. Download failed: {'; '.join(errors)}")
+            raise MnistFilesMissing(root, missing[i:], errors)
 
 
 def _write_verified(dest: Path, body: bytes, md5: str) -> None:
