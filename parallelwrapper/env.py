@@ -146,7 +146,8 @@ def _backend_and_threads(
     config: Config, devices: tuple[str, ...], cores: int, refusal: str, fix: str
 ) -> tuple[str, int, list[str]]:
     """For the workers of this machine, one per device: NCCL when each has a GPU of its own (asked
-    for without, the `refusal`), else gloo; and the cores shared out among them."""
+    for without, the `refusal`), else gloo; and the cores shared out among them, with a note when the
+    workers outnumber them."""
     cuda = [_gpu_index(d) for d in map(torch.device, devices) if d.type == "cuda"]
     own_gpu = len(cuda) == len(devices) and len(set(cuda)) == len(devices)
     if config.backend == "nccl" and not own_gpu:
@@ -159,7 +160,17 @@ def _backend_and_threads(
             notes.append(_share_note(len(cuda), len(set(cuda)), fix))
     # Oversubscribed cores cost more than they give: each worker's threads would fight the others'.
     threads = config.threads_per_worker if config.threads_per_worker is not None else max(1, cores // len(devices))
+    if len(devices) > cores:
+        notes.append(_cores_note(len(devices), cores, fix))
     return backend, threads, notes
+
+
+def _cores_note(n: int, cores: int, fix: str) -> str:
+    # Every round waits for its slowest worker, and a worker that shares its core is the slowest.
+    return (
+        f"{n} workers on {cores} CPU cores: they take turns on the cores and every averaging waits for the "
+        f"slowest, so training is slower than with fewer workers; use {fix} with n <= {cores}"
+    )
 
 
 def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, explicit: Collection[str]) -> Placement:

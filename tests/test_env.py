@@ -135,6 +135,22 @@ def test_threads_share_the_cores_unless_set(workers: int, cores: int, threads_pe
     assert p.threads == threads
 
 
+@pytest.mark.parametrize(("workers", "cores", "noted"), [(3, 2, True), (2, 2, False), (1, 1, False), (16, 4, True)])
+def test_workers_outnumbering_the_cores_are_noted(workers: int, cores: int, noted: bool) -> None:
+    p = resolve(Config(workers=workers), gpus=0, cores=cores)
+    note = f"{workers} workers on {cores} CPU cores: they take turns on the cores"
+    assert [n for n in p.notes if n.startswith(note)] == ([p.notes[0]] if noted else [])
+    assert not noted or p.notes[0].endswith(f"use .workers(n) with n <= {cores}")
+
+
+def test_torchrun_processes_outnumbering_the_cores_are_noted() -> None:
+    p = resolve(Config(), node(4), gpus=0, cores=2)
+    assert p.notes == (
+        "4 workers on 2 CPU cores: they take turns on the cores and every averaging waits for the slowest, "
+        "so training is slower than with fewer workers; use --nproc-per-node n with n <= 2",
+    )
+
+
 @pytest.mark.parametrize(
     ("options", "gpus", "in_process"),
     [
