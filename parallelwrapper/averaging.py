@@ -277,7 +277,8 @@ def optimizer_signature(optimizer: torch.optim.Optimizer) -> StateSignature:
     return tuple(sig)
 
 
-def signature_hash(signature: StateSignature) -> int:
+def signature_hash(signature: object) -> int:
+    """A 32-bit hash of a layout (a StateSignature, or a tuple holding one), the same in every process."""
     return zlib.crc32(repr(signature).encode())
 
 

@@ -10,12 +10,15 @@ The file is a `torch.save`d dict:
     format       1
     fingerprint  what must match to resume: the options that change the arithmetic (workers,
                  averaging_frequency, training_mode, average_updaters, deterministic), the
-                 optimizer class and arguments, and every parameter and buffer's name, shape, dtype
+                 optimizer class and arguments, the scheduler's, and every parameter and
+                 buffer's name, shape, dtype
     config       the whole config, for people
     model        the averaged model's state_dict
     optimizer    the optimizer's state_dict (averaged; worker 0's with average_updaters(False))
+    lr_scheduler the schedule's state (schedule.Schedule), or None without .lr_scheduler(...)
     counters     rounds, iterations, samples, epoch, position (batches of `epoch` already trained)
-    rng          each worker's torch RNG state (and CUDA's), by rank
+    rng          each worker's own state, by rank: its torch RNG state (and CUDA's) and, with
+                 precision 16-mixed, its GradScaler's
 
 Resuming restores all of it; the feed skips the `position` batches of the epoch already trained.
 With the deterministic feed, an interrupted and resumed run ends bitwise equal to one that was
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from .config import Config, Job, describe_config
-from .types import Counters
+from .types import Counters, TrainingState
 
 FILENAME = "checkpoint.pt"
 FORMAT = 1
@@ -52,6 +55,7 @@ def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
     return {
         **options,
         "optimizer": job.optimizer_name,
+        "lr_scheduler": None if job.lr_scheduler is None else job.lr_scheduler.name,  # absent before schedules
         "tensors": [(k, list(v.shape), str(v.dtype)) for k, v in job.model.state_dict().items()],
     }
 
@@ -148,15 +152,16 @@ class Checkpointer:
         """Whether a periodic checkpoint falls at the end of round number `rounds`."""
         return rounds % self.every == 0
 
-    def save(self, model: dict[str, Any], optimizer: dict[str, Any], counters: Counters, rng: list[Any]) -> None:
+    def save(self, state: TrainingState, counters: Counters, rng: list[Any]) -> None:
         save(
             self.directory,
             {
                 "format": FORMAT,
                 "fingerprint": self.fingerprint,
                 "config": self.config,
-                "model": model,
-                "optimizer": optimizer,
+                "model": state.model,
+                "optimizer": state.optimizer,
+                "lr_scheduler": state.lr_scheduler,
                 "counters": dataclasses.asdict(counters),
                 "rng": rng,
             },

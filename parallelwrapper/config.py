@@ -39,7 +39,10 @@ class NanPolicy(enum.Enum):
 
 
 BACKENDS = ("auto", "gloo", "nccl")
-PRECISIONS = ("32", "bf16-mixed")  # bf16-mixed: forward and loss under autocast; params, grads, averaging in float32
+# bf16-mixed: forward and loss under autocast; 16-mixed: float16 with a GradScaler. Params, grads,
+# optimizer state and the averaging stay float32.
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.py)
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class Config:
     nan_policy: NanPolicy = NanPolicy.RAISE
     threads_per_worker: int | None = None  # None: the machine's cores shared out among workers
     gradient_clip_norm: float | None = None  # clip_grad_norm_ of each step's gradients to this
-    precision: str = "32"  # or "bf16-mixed"
+    precision: str = "32"  # or "bf16-mixed", "16-mixed"
     validation_every: int = 50  # averagings between validations (and at each epoch's end), with .validation(data)
 
     def __post_init__(self) -> None:
@@ -122,6 +125,28 @@ ValidationStep = Callable[[torch.nn.Module, Any], dict[str, Any]]
 
 
 @dataclass(frozen=True)
+class SchedulerSpec:
+    """`.lr_scheduler(...)`: a torch.optim.lr_scheduler class and its keyword arguments, or a
+    function optimizer -> scheduler (kwargs empty), which each worker calls on its own optimizer;
+    when it steps (INTERVALS), and the metric a ReduceLROnPlateau watches."""
+
+    factory: Callable[..., Any]
+    kwargs: dict[str, Any]
+    interval: str = "epoch"
+    monitor: str | None = None
+
+    def build(self, optimizer: torch.optim.Optimizer) -> Any:
+        return self.factory(optimizer, **self.kwargs)
+
+    @property
+    def name(self) -> str:
+        """The scheduler as a checkpoint's fingerprint and error messages name it."""
+        qualname = getattr(self.factory, "__qualname__", type(self.factory).__name__)
+        text = f"{qualname}(optimizer, **{self.kwargs!r}) per {self.interval}"
+        return text if len(text) <= 200 else text[:200] + "..."  # kwargs may hold tensors: never print them whole
+
+
+@dataclass(frozen=True)
 class Job:
     """What a worker needs besides the config: the objects it rebuilds in its own process. The
     optimizer is a class and its keyword arguments, or `optimizer_fn(model) -> optimizer` (for
@@ -137,6 +162,7 @@ class Job:
     validation_data: Any = None  # batches (or a function returning them) the averaged model is scored on
     validation_step: ValidationStep | None = None  # fn(model, batch) -> {name: batch mean}
     early_stopping: Any = None  # a listeners.EarlyStopping, which every worker applies to its validations
+    lr_scheduler: SchedulerSpec | None = None
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if self.optimizer_fn is not None:
@@ -155,7 +181,9 @@ def check_job(job: Job, sendable: bool) -> list[str]:
     """A ValueError naming the fix for a job that cannot train (an optimizer that fails or trains
     another model; with `sendable`, an object a spawned worker cannot receive); the warnings for
     one that trains but loses something on the way (parameter hooks)."""
-    _check_optimizer(job)
+    optimizer = _check_optimizer(job)
+    if job.lr_scheduler is not None:
+        _check_scheduler(job.lr_scheduler, optimizer, validates=job.validation_data is not None)
     if sendable:
         _check_sendable(job)
     hooked = [name for name, p in job.model.named_parameters() if getattr(p, "_backward_hooks", None)]
@@ -168,7 +196,7 @@ def check_job(job: Job, sendable: bool) -> list[str]:
     ]
 
 
-def _check_optimizer(job: Job) -> None:
+def _check_optimizer(job: Job) -> torch.optim.Optimizer:
     """The optimizer builds, and optimizes the model it was given: a function that reached for
     another model (a global, a closure) would train nothing on the workers."""
     fn = job.optimizer_fn
@@ -187,6 +215,30 @@ def _check_optimizer(job: Job) -> None:
         raise ValueError(
             f"optimizer: {name} optimizes {foreign} tensors that are not the parameters of the model it was "
             f"given; build the groups from its `model` argument"
+        )
+    return optimizer
+
+
+def _check_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, validates: bool) -> None:
+    """The scheduler builds on the optimizer it is given, and has what it steps on."""
+    if spec.interval not in INTERVALS:
+        raise ValueError(f"lr_scheduler: interval must be one of {list(INTERVALS)}, got {spec.interval!r}")
+    try:
+        scheduler = spec.build(optimizer)
+    except Exception as e:  # noqa: BLE001 - any failure here is a bad scheduler argument
+        cause = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"lr_scheduler: {spec.name} failed: {type(e).__name__}: {cause}") from None
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ValueError(f"lr_scheduler: {spec.name} returned a {type(scheduler).__name__}, not a torch.optim.lr_scheduler scheduler")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError(f"lr_scheduler: {spec.name} schedules another optimizer; build it on its `optimizer` argument")
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if spec.monitor is not None and not plateau:
+        raise ValueError(f"lr_scheduler: monitor= is for ReduceLROnPlateau, which steps on a metric; {spec.name} steps by a counter")
+    if spec.monitor is not None and not validates:
+        raise ValueError(
+            f"lr_scheduler: ReduceLROnPlateau monitors {spec.monitor!r}, a validation metric: add "
+            f".validation(data, every=...), or drop monitor= to step on the averaged training loss"
         )
 
 
@@ -208,6 +260,7 @@ def _check_sendable(job: Job) -> None:
         ("loss_fn", job.loss_fn),
         ("training_step", job.training_step),
         ("before_step", job.before_step),
+        ("lr_scheduler", job.lr_scheduler),
         ("validation data", job.validation_data),
         ("validation_step", job.validation_step),
     ]

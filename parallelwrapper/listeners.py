@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from .types import Report, RoundReport, ValidationReport
+
 if TYPE_CHECKING:
     from .config import Config
 
@@ -85,6 +87,29 @@ def notify(listeners: Sequence[Any], method: str, *args: Any) -> None:
             fn(*args)
         elif method == "on_score" and callable(listener):
             listener(*args)
+
+
+class Recorder:
+    """The workers' reports of one fit(), as History records and listener calls; `start` is
+    when the fit began (reports carry the system-wide monotonic time they were made)."""
+
+    def __init__(self, listeners: Sequence[Any], start: float) -> None:
+        self.listeners, self.start, self.history = listeners, start, History()
+
+    def __call__(self, report: Report) -> None:
+        c, seconds = report.counters, report.at - self.start
+        if isinstance(report, RoundReport):
+            score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped)
+            self.history.scores.append(score)
+            notify(self.listeners, "on_score", score)
+        elif isinstance(report, ValidationReport):
+            validation = Validation(c.rounds, c.iterations, c.samples, c.epoch, report.metrics, seconds)
+            self.history.validations.append(validation)
+            notify(self.listeners, "on_validation", validation)
+        else:
+            end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds)
+            self.history.epochs.append(end)
+            notify(self.listeners, "on_epoch_end", end)
 
 
 class ProgressBar:

@@ -77,14 +77,23 @@ Reporter = Callable[[Report], None]
 
 
 @dataclass(frozen=True)
+class TrainingState:
+    """What a fit() starts from and ends with, the same on every worker: state_dicts of the model,
+    the optimizer and, with `.lr_scheduler(...)`, the schedule (schedule.Schedule)."""
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    lr_scheduler: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class FitCommand:
-    """What every worker starts a fit() from: the user's model and optimizer state, the counters,
-    and (resuming from a checkpoint) each rank's RNG state."""
+    """What every worker starts a fit() from: the wrapper's state, the counters, and (resuming
+    from a checkpoint) each rank's own state: its RNG's, and its GradScaler's with 16-mixed."""
 
     until_epoch: int
     counters: Counters
-    model_state: dict[str, Any]
-    optimizer_state: dict[str, Any]
+    state: TrainingState
     rng: list[dict[str, Any]] | None  # per rank, when resuming from a checkpoint
 
 
@@ -109,7 +118,7 @@ class CheckpointWriter(Protocol):
 
     def due(self, rounds: int) -> bool: ...
 
-    def save(self, model: dict[str, Any], optimizer: dict[str, Any], counters: Counters, rng: list[Any]) -> None: ...
+    def save(self, state: TrainingState, counters: Counters, rng: list[Any]) -> None: ...
 
 
 class Hooks:
@@ -197,6 +206,7 @@ __all__ = [
     "RoundReport",
     "Stopped",
     "TrainingError",
+    "TrainingState",
     "ValidationReport",
     "Where",
     "WorkerError",

@@ -15,10 +15,12 @@ import torch
 import torch.distributed as dist
 
 from .batches import batch_size, describe, move_to, to_cpu
+from .checkpoint import rng_state
 from .config import Config, Job, NanPolicy
 from .feed import rank_share
 from .rounds import Budget, Rounds
-from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, Where
+from .schedule import make_schedule
+from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, TrainingState, Where
 
 
 class Replica:
@@ -42,8 +44,12 @@ class Replica:
         self.device, self.rank, self.world_size = device, rank, world_size
         self.hooks = hooks or Hooks()
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
+        self.schedule = make_schedule(job.lr_scheduler, optimizer, world_size)
+        # 16-mixed: the worker's own loss scale. In SHARED_GRADIENTS every worker unscales the same
+        # averaged gradients, so every scaler skips the same steps and keeps the same scale.
+        self.scaler = torch.amp.GradScaler(device.type) if config.precision == "16-mixed" else None
         self._stopper = copy.deepcopy(job.early_stopping)  # this worker's own: it decides here
-        self._best: tuple[dict[str, Any], dict[str, Any]] | None = None  # EarlyStopping(restore_best)
+        self._best: TrainingState | None = None  # EarlyStopping(restore_best)
         self.rounds = Rounds(self, config, device, rank, world_size, group=group, hooks=self.hooks, budget=budget)
 
     @property
@@ -56,19 +62,36 @@ class Replica:
 
     # -- state ----------------------------------------------------------------------------------
 
-    def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-        """Start from the main process's model and optimizer (every fit() starts from them). The
-        model is on its device already, so the optimizer's state is cast to the params' device."""
-        self.model.load_state_dict(model_state)
+    def load_state(self, state: TrainingState) -> None:
+        """Start from the main process's state (every fit() starts from it). The model is on its
+        device already, so the optimizer's state is cast to the params' device."""
+        self._load(state)
+        self.rounds.reset()  # the optimizer's tensors were replaced
+
+    def _load(self, state: TrainingState) -> None:
+        self.model.load_state_dict(state.model)
         # Every worker receives the same shared-memory tensors, and an optimizer keeps the tensors
         # it loads when they already have the right device and dtype (Adam's step is increased
         # in place): without a copy, the workers would step one shared counter.
-        self.optimizer.load_state_dict(to_cpu(optimizer_state))
-        self.rounds.reset()  # the tensors were replaced
+        self.optimizer.load_state_dict(to_cpu(state.optimizer))
+        if self.schedule is not None and state.lr_scheduler is not None:
+            self.schedule.load_state_dict(state.lr_scheduler)
 
-    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The model's and optimizer's state on the CPU, to send to the main process."""
-        return to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict())
+    def state_dicts(self) -> TrainingState:
+        """The model's, optimizer's and schedule's state on the CPU, to send to the main process."""
+        schedule = None if self.schedule is None else self.schedule.state_dict()
+        return TrainingState(to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict()), schedule)
+
+    def own_state(self) -> dict[str, Any]:
+        """What is this worker's alone, for a checkpoint: its RNG state and its loss scale."""
+        own = rng_state()
+        if self.scaler is not None:
+            own["grad_scaler"] = self.scaler.state_dict()
+        return own
+
+    def load_own_state(self, own: dict[str, Any]) -> None:
+        if self.scaler is not None and "grad_scaler" in own:
+            self.scaler.load_state_dict(own["grad_scaler"])
 
     def fit(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
@@ -103,7 +126,7 @@ class Replica:
                 loss = self.loss(batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TrainingError(f"the loss must be a scalar tensor, got {describe(loss)}")
-            loss.backward()  # type: ignore[no-untyped-call]
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
         except Exception as e:
             cause = str(e) if isinstance(e, TrainingError) else f"{type(e).__name__}: {e}"
             raise TrainingError(cause, Where(epoch, index, self.local_steps, describe(batch))) from e
@@ -135,17 +158,23 @@ class Replica:
             self.model.train()
         return sums, count
 
+    def landed(self, counters: Counters, score: float, epoch_done: bool) -> None:
+        """A round has landed (every worker agrees on `counters` and `score`): the schedule catches up."""
+        if self.schedule is not None:
+            self.schedule.landed(counters, score, epoch_done, self.validates)
+
     def after_validation(self, metrics: dict[str, float]) -> bool:
-        """Early stopping's decision on the combined metrics; with restore_best, the best state
-        is kept on the CPU and put back when it stops."""
+        """A plateau schedule steps on the combined metrics, and early stopping decides on them;
+        with restore_best, the best state is kept on the CPU and put back when it stops."""
+        if self.schedule is not None:
+            self.schedule.validated(metrics)
         if self._stopper is None:
             return False
         improved, stop = self._stopper.update(metrics)
         if improved and self._stopper.restore_best:
             self._best = self.state_dicts()
         if stop and self._best is not None:
-            self.model.load_state_dict(self._best[0])
-            self.optimizer.load_state_dict(self._best[1])
+            self._load(self._best)  # the fit ends here: its buffers are released, not rebuilt
         return bool(stop)
 
     def _validation_metrics(self, batch: Any) -> dict[str, Any]:
@@ -158,11 +187,10 @@ class Replica:
         return {"val_loss": self.job.loss_fn(outputs, targets), "val_accuracy": accuracy}
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """bf16-mixed: forward and loss in bfloat16 where autocast deems it safe; the backward, the
-        parameters, their gradients and the averaging stay float32."""
-        if self.config.precision == "bf16-mixed":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """bf16-mixed and 16-mixed: forward and loss in bfloat16 or float16 where autocast deems it
+        safe; the parameters, their gradients, the optimizer and the averaging stay float32."""
+        dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.config.precision)
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
         """AVERAGING's local step: forward, backward and the optimizer's step."""
@@ -174,12 +202,20 @@ class Replica:
     def step(self) -> None:
         """The optimizer's step on the gradients in .grad (SHARED_GRADIENTS: the averaged ones),
         after the user's `before_step(model, optimizer)` and then clipping, so that the clipping
-        bound holds whatever the function did."""
+        bound holds whatever the function did. With 16-mixed the gradients are unscaled first,
+        and a step the scaler skips (inf or NaN gradients) still counts: the worker stays in its
+        round, and in step with the others."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if self.job.before_step is not None:
             self.job.before_step(self.model, self.optimizer)
         if self.config.gradient_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.gradient_clip_norm)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.local_steps += 1
 
     def checked_loss(self, losses: list[torch.Tensor], first_step: int, epoch: int) -> tuple[float, bool]:

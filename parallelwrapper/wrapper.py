@@ -8,20 +8,21 @@ import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from . import checkpoint
 from .batches import to_cpu
-from .config import BeforeStep, Config, Job, LossFn, NanPolicy, OptimizerFn, TrainingMode, TrainingStep, ValidationStep
-from .config import check_job, parse_enum
+from .config import BeforeStep, Config, Job, LossFn, NanPolicy, OptimizerFn, SchedulerSpec, TrainingMode, TrainingStep
+from .config import ValidationStep, check_job, parse_enum
 from .env import Placement, resolve, torchrun_env
 from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, start_host
-from .listeners import EpochEnd, History, Score, Validation, check_listeners, early_stopping_of, notify
-from .types import Counters, FitCommand, Report, RoundReport, ValidationReport, WorkerError
+from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
+from .schedule import make_schedule
+from .types import Counters, FitCommand, Report, TrainingState, WorkerError
 
 
 class ParallelWrapper:
@@ -38,6 +39,7 @@ class ParallelWrapper:
         self.placement = placement or resolve(config, torchrun_env())
         self.model = job.model
         self.optimizer = job.make_optimizer(job.model)  # holds the averaged optimizer state
+        self._schedule = make_schedule(job.lr_scheduler, self.optimizer, self.placement.world_size)
         self._job = job
         self._listeners = listeners
         self._pool: Host | None = None
@@ -55,6 +57,12 @@ class ParallelWrapper:
     @property
     def samples(self) -> int:
         return self.counters.samples
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The scheduler of `.lr_scheduler(...)` on `optimizer`, in step with it after each fit()
+        (None without one). A fit() starts from its state, so a second fit() continues it."""
+        return None if self._schedule is None else self._schedule.scheduler
 
     @staticmethod
     def builder(model: torch.nn.Module) -> Builder:
@@ -106,9 +114,8 @@ class ParallelWrapper:
         of the run that wrote the checkpoint, so the same call finishes an interrupted run.
 
         A worker's failure raises WorkerError, whichever host runs the workers; the data's own
-        errors raise FeedError. Under torchrun every rank returns the same History, and the
-        listeners run on rank 0.
-        """
+        errors raise FeedError. Under torchrun every rank returns the same History; listeners
+        run on rank 0."""
         if self._closed:
             raise RuntimeError("this ParallelWrapper is closed; build a new one to train again")
         check_epochs(data, epochs)
@@ -122,58 +129,46 @@ class ParallelWrapper:
                     f"the checkpoint has already trained {self.counters.epoch} epochs, fit(epochs={epochs}) "
                     f"asks for no more; pass epochs > {self.counters.epoch} to train on"
                 )
-        history = History()
         listeners = self._listeners if self.is_main else []
-        start = time.monotonic()  # reports carry the system-wide monotonic time they were made
+        recorder = Recorder(listeners, time.monotonic())
         notify(listeners, "on_fit_start", self.config, until_epoch - self.counters.epoch)
 
         def on_report(report: Report) -> None:
             self.counters = report.counters
-            c, seconds = report.counters, report.at - start
-            if isinstance(report, RoundReport):
-                score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped)
-                history.scores.append(score)
-                notify(listeners, "on_score", score)
-            elif isinstance(report, ValidationReport):
-                validation = Validation(c.rounds, c.iterations, c.samples, c.epoch, report.metrics, seconds)
-                history.validations.append(validation)
-                notify(listeners, "on_validation", validation)
-            else:
-                end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds)
-                history.epochs.append(end)
-                notify(listeners, "on_epoch_end", end)
+            recorder(report)
 
         try:
             if self._pool is None:
                 self._pool = start_host(self.config, self._job, self.placement)
             # Copies: sending a tensor moves its storage into shared memory, and the user's own
             # model must not be changed under them.
-            command = FitCommand(
-                until_epoch,
-                dataclasses.replace(self.counters),
-                to_cpu(self.model.state_dict()),
-                to_cpu(self.optimizer.state_dict()),
-                rng,
-            )
-            model_state, optimizer_state = self._pool.fit(command, data, on_report)
+            command = FitCommand(until_epoch, dataclasses.replace(self.counters), self._state(), rng)
+            state = self._pool.fit(command, data, on_report)
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
             # afresh next time. The user's model keeps its state from before this fit().
             self._abort()
             raise
-        self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(optimizer_state)
-        notify(listeners, "on_fit_end", history)
-        return history
+        self._load(state)
+        notify(listeners, "on_fit_end", recorder.history)
+        return recorder.history
+
+    def _state(self) -> TrainingState:
+        schedule = None if self._schedule is None else self._schedule.state_dict()
+        return TrainingState(to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict()), schedule)
+
+    def _load(self, state: TrainingState) -> None:
+        self.model.load_state_dict(state.model)
+        self.optimizer.load_state_dict(state.optimizer)
+        if self._schedule is not None and state.lr_scheduler is not None:
+            self._schedule.load_state_dict(state.lr_scheduler)
 
     def _restore(self, location: str | os.PathLike[str]) -> list[dict[str, Any]]:
-        """Load a checkpoint into the model, optimizer and counters; return the workers' RNG states."""
+        """Load a checkpoint into the model, optimizer, schedule and counters; return each worker's own state."""
         payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size))
-        self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
+        self._load(TrainingState(payload["model"], payload["optimizer"], payload.get("lr_scheduler")))
         self.counters = Counters(**payload["counters"])
-        rng: list[dict[str, Any]] = payload["rng"]
-        return rng
+        return list(payload["rng"])
 
     @torch.no_grad()
     def evaluate(self, data: Batches, *, device: str | torch.device | None = None) -> dict[str, float]:
@@ -218,6 +213,7 @@ class Builder:
         self._optimizer_kwargs: dict[str, Any] = {"lr": 0.01}
         self._optimizer_fn: OptimizerFn | None = None
         self._before_step: BeforeStep | None = None
+        self._lr_scheduler: SchedulerSpec | None = None
         self._validation: Batches | None = None
         self._validation_step: ValidationStep | None = None
         self._loss_fn: LossFn | None = torch.nn.functional.cross_entropy
@@ -245,6 +241,15 @@ class Builder:
                 f"optimizer takes an optimizer class and its kwargs, e.g. .optimizer(torch.optim.SGD, lr=0.01), "
                 f"or a function model -> optimizer; got {got}{extra}"
             )
+        return self
+
+    def lr_scheduler(self, scheduler: Callable[..., Any], *, interval: str = "epoch", monitor: str | None = None, **kwargs: Any) -> Builder:
+        """A torch.optim.lr_scheduler class and its keyword arguments, or a function optimizer ->
+        scheduler; each worker builds one on its own optimizer, all step in lockstep: `interval`
+        "epoch" (default) at each epoch's end, "step" by ceil(batches trained by all workers / N)
+        after each averaging. ReduceLROnPlateau steps on `monitor` (default val_loss) at each
+        validation, or on the averaged loss without validation data. See README."""
+        self._lr_scheduler = SchedulerSpec(scheduler, dict(kwargs), interval, monitor)
         return self
 
     def gradient_clipping(self, max_norm: float) -> Builder:
@@ -373,6 +378,7 @@ class Builder:
         job = Job(
             self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step,
             self._optimizer_fn, self._before_step, self._validation, self._validation_step, early_stopping_of(self._listeners),
+            self._lr_scheduler,
         )  # fmt: skip
         if job.early_stopping is not None and job.validation_data is None:
             raise ValueError("EarlyStopping stops on validation metrics: add .validation(data, every=...)")

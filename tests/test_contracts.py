@@ -24,7 +24,7 @@ from parallelwrapper.env import Placement
 from parallelwrapper.hosts.runtime import Worker
 from parallelwrapper.rounds import HEADER_LEN, RoundBudget, RoundTotals, make_header, read_header
 from parallelwrapper.rounds.scores import ScoreBook
-from parallelwrapper.types import Counters, EpochReport, RoundReport, Where, WorkerError
+from parallelwrapper.types import Counters, EpochReport, RoundReport, TrainingState, Where, WorkerError
 
 pytestmark = pytest.mark.fast
 CPU = torch.device("cpu")
@@ -178,9 +178,10 @@ def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
     writer = checkpoint.Checkpointer(str(tmp_path), 5, checkpoint.fingerprint(config, job, 2), config)
     assert writer.due(10) and not writer.due(11)
     counters = Counters(rounds=10, iterations=30, samples=300, epoch=1, position=4)
-    writer.save(model.state_dict(), {"state": {}, "param_groups": []}, counters, [{"torch": torch.get_rng_state()}] * 2)
+    state = TrainingState(model.state_dict(), {"state": {}, "param_groups": []})
+    writer.save(state, counters, [{"torch": torch.get_rng_state()}] * 2)
     payload = torch.load(tmp_path / checkpoint.FILENAME, weights_only=False)
-    assert set(payload) == {"format", "fingerprint", "config", "model", "optimizer", "counters", "rng"}
+    assert set(payload) == {"format", "fingerprint", "config", "model", "optimizer", "lr_scheduler", "counters", "rng"}
     assert payload["format"] == checkpoint.FORMAT and payload["config"]["averaging_frequency"] == 3
     assert checkpoint.peek(tmp_path) == dataclasses.asdict(counters)
     assert checkpoint.load(tmp_path, checkpoint.fingerprint(config, job, 2))["counters"]["position"] == 4
@@ -218,7 +219,7 @@ def test_a_worker_trains_a_copy_on_its_device_and_loads_state_there() -> None:
     worker = Worker(job, Config(workers=1), Placement(1, ("meta",), "gloo", 1, None), 0, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # loading into meta tensors is a no-op, and torch says so
-        worker.replica.load_state(model.state_dict(), optimizer.state_dict())
+        worker.replica.load_state(TrainingState(model.state_dict(), optimizer.state_dict()))
     assert all(p.device.type == "meta" for p in worker.replica.model.parameters())
     assert all(p.device.type == "cpu" for p in model.parameters())  # the user's model stays
     moments = [v for st in worker.replica.optimizer.state.values() for k, v in st.items() if k != "step"]

@@ -16,7 +16,7 @@ from parallelwrapper.feed import FeedError
 from parallelwrapper.config import Config
 from parallelwrapper.hosts.inprocess import InProcessWorker, runs_in_process
 from parallelwrapper.hosts.spawned import WorkerPool
-from parallelwrapper.types import Counters, FitCommand, RoundReport
+from parallelwrapper.types import Counters, FitCommand, RoundReport, TrainingState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,15 +50,14 @@ def test_in_process_worker_trains_as_a_spawned_worker_0_bitwise() -> None:
                 scores.append(report.score)
 
         try:
-            model_state, optimizer_state = dropout_mlp().state_dict(), job.make_optimizer(dropout_mlp()).state_dict()
+            state = TrainingState(dropout_mlp().state_dict(), job.make_optimizer(dropout_mlp()).state_dict())
             counters = Counters()
             for until_epoch in (2, 3):
-                command = FitCommand(until_epoch, counters, model_state, optimizer_state, None)
-                model_state, optimizer_state = worker.fit(command, data, keep)
+                state = worker.fit(FitCommand(until_epoch, counters, state, None), data, keep)
                 counters = Counters(epoch=until_epoch)
         finally:
             worker.close()
-        return scores, model_state, optimizer_state
+        return scores, state.model, state.optimizer
 
     spawned = two_fits(WorkerPool(config, job))
     in_process = two_fits(InProcessWorker(config, job))

@@ -5,22 +5,22 @@ process as one rank of a torchrun group (torchrun.py). All three run a worker by
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..config import Config, Job
 from ..env import Placement
 from ..feed import Batches
-from ..types import FitCommand, Reporter
+from ..types import FitCommand, Reporter, TrainingState
 from .inprocess import InProcessWorker
 from .spawned import WorkerPool
 from .torchrun import TorchrunWorker
 
 
 class Host(Protocol):
-    """Runs a fit on every worker and returns the final (model, optimizer) state; `close` lets the
+    """Runs a fit on every worker and returns the final state (model, optimizer, schedule); `close` lets the
     workers go, `kill` after a failure stops them at once."""
 
-    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> tuple[dict[str, Any], dict[str, Any]]: ...
+    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState: ...
 
     def close(self) -> None: ...
 

@@ -18,7 +18,6 @@ One worker on a GPU is still spawned: a group of one built this way has not been
 from __future__ import annotations
 
 import signal
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, ShardSource
-from ..types import FitCommand, Reporter
+from ..types import FitCommand, Reporter, TrainingState
 from .runtime import SignalHooks, Worker, stop_on_signals
 
 
@@ -55,8 +54,8 @@ class InProcessWorker:
         placement = placement or resolve(config)
         self._worker = Worker(job, config, placement, 0, 0, group=group_of_one(config), hooks=self._hooks)
 
-    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Train as a spawned worker 0 would on `command`; return its final (model, optimizer) state."""
+    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
+        """Train as a spawned worker 0 would on `command`; return its final state (model, optimizer, schedule)."""
         source = ShardSource(data, 0, 1, command.counters.epoch, command.counters.position)
         with stop_on_signals(self._hooks, (signal.SIGINT,)):
             self._worker.fit(command, source, on_report)

@@ -84,9 +84,10 @@ class Worker:
         replica = self.replica
         if command.rng is not None:
             self._rng = command.rng[self.rank]
+            replica.load_own_state(command.rng[self.rank])
         with self._own_threads_and_rng():
             try:
-                replica.load_state(command.model_state, command.optimizer_state)
+                replica.load_state(command.state)
                 replica.counters = dataclasses.replace(command.counters)
                 replica.fit(command.until_epoch, source, report)
             except (Stopped, FeedError):

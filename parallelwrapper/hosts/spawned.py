@@ -27,7 +27,7 @@ from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, Feeder, QueueSource
 from ..rounds import RoundBudget
 from ..slots import SlotReader, SlotWriter
-from ..types import EpochReport, FitCommand, Hooks, Phase, Report, Reporter, Stopped, WorkerError
+from ..types import EpochReport, FitCommand, Hooks, Phase, Report, Reporter, Stopped, TrainingState, WorkerError
 from .runtime import Worker, claim_device, summary
 from .supervisor import ProgressBoard, Supervisor
 
@@ -217,8 +217,8 @@ class WorkerPool:
             self.kill()
             raise
 
-    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Run one fit on all workers, fed from `data`; return rank 0's final (model, optimizer) state.
+    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
+        """Run one fit on all workers, fed from `data`; return rank 0's final state (model, optimizer, schedule).
 
         Ctrl-C: with checkpoints on, the workers finish the round and save it (for up to
         `_STOP_GRACE_S`), then KeyboardInterrupt propagates; without, it propagates at once.
@@ -232,7 +232,7 @@ class WorkerPool:
             q.put(command)
         feeder.start()
         done: set[int] = set()
-        final: tuple[dict[str, Any], dict[str, Any]] | None = None
+        final: TrainingState | None = None
         try:
             while len(done) < len(self._processes):
                 if feeder.error is not None:

@@ -10,7 +10,6 @@ workers; then the signal takes effect.
 from __future__ import annotations
 
 import signal
-from typing import Any
 
 import torch.distributed as dist
 
@@ -18,7 +17,7 @@ from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
 from ..feed import Batches, ShardSource
-from ..types import FitCommand, Reporter
+from ..types import FitCommand, Reporter, TrainingState
 from .runtime import SignalHooks, Worker, claim_device, stop_on_signals
 
 
@@ -37,8 +36,8 @@ class TorchrunWorker:
         self._hooks = SignalHooks(make_checkpointer(config, job, env.world_size))
         self._worker = Worker(job, config, placement, env.rank, env.local_rank, hooks=self._hooks)
 
-    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Train this rank's shard; return the final (model, optimizer) state, the same on every rank."""
+    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
+        """Train this rank's shard; return the final state (model, optimizer, schedule), the same on every rank."""
         counters = command.counters
         source = ShardSource(data, self._rank, self._world, counters.epoch, counters.position)
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):

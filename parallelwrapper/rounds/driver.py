@@ -20,13 +20,17 @@ from ..averaging import (
     optimizer_state_tensors,
     signature_hash,
 )
-from ..checkpoint import rng_state
 from ..config import Config, TrainingMode
 from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped, ValidationReport
 from .budget import Budget
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
 from .scores import ScoreBook, combine_validation
 from .trainer import Trainer
+
+
+def _still(group: dict[str, Any]) -> bool:
+    """A param group that no step moves: its learning rate is 0."""
+    return float(group.get("lr", 1.0)) == 0.0
 
 
 class _EarlyStop(Exception):
@@ -176,10 +180,13 @@ class Rounds:
     # -- payloads and headers --------------------------------------------------------------------
 
     def _layout(self) -> int:
-        """Hash of the averaged optimizer state's layout (optimizers create it lazily)."""
-        if not self._averaging or not self.config.average_updaters:
+        """Hash of the averaged state's layout: the optimizer state's (optimizers create it
+        lazily) and which param groups stand still (lr 0, which a schedule may change)."""
+        if not self._averaging:
             return 0
-        return signature_hash(optimizer_signature(self.trainer.optimizer))
+        optimizer = self.trainer.optimizer
+        state = optimizer_signature(optimizer) if self.config.average_updaters else ()
+        return signature_hash((state, tuple(_still(group) for group in optimizer.param_groups)))
 
     def _header(self, work: _Work, built: int | None) -> tuple[list[float], int | None]:
         """The round's header, and the layout it declares: stale (None) when the optimizer has
@@ -201,11 +208,14 @@ class Rounds:
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
         """AVERAGING's state: trainable params | buffers | optimizer state (with average_updaters).
-        Frozen parameters (requires_grad=False) are left out: they are the same on every worker
-        from the fit's start and nothing moves them, so averaging them would only cost bytes and,
-        with uneven weights, an ulp of rounding."""
-        model = self.trainer.model
-        tensors = [p for p in model.parameters() if p.requires_grad] + list(model.buffers())
+        Frozen parameters (requires_grad=False), and those of a param group whose lr is 0 now,
+        are left out: they are the same on every worker and nothing moves them, so averaging
+        them would only cost bytes and, with uneven weights, an ulp of rounding. Their optimizer
+        state is averaged all the same; when a schedule moves a group's lr off 0, the layout
+        changes on every worker alike and the state is averaged anew."""
+        model, optimizer = self.trainer.model, self.trainer.optimizer
+        still = {id(p) for group in optimizer.param_groups if _still(group) for p in group["params"]}
+        tensors = [p for p in model.parameters() if p.requires_grad and id(p) not in still] + list(model.buffers())
         if self.config.average_updaters:
             tensors += optimizer_state_tensors(self.trainer.optimizer)
         return tensors
@@ -225,7 +235,7 @@ class Rounds:
         """Build the payload and average all of the state at once: on the first round of a fit(),
         and after a round whose layouts disagreed (some optimizer created state the buffers lack),
         where every worker first takes the union of the layouts (`agree`)."""
-        if agree:
+        if agree and self.config.average_updaters:  # else only the still groups changed
             agree_on_optimizer_layout(self.trainer.optimizer, self.group)
         self._payload_layout = self._layout()
         self._payload = FlatAverager(self._averaged_tensors(), self.device, HEADER_LEN)  # released after fit()
@@ -346,6 +356,7 @@ class Rounds:
             book.add(totals, c, end_of_epoch=epoch_done)
         if epoch_done:
             c.epoch, c.position = c.epoch + 1, 0
+        self.trainer.landed(c, book.whole.score if epoch_done else totals.score, epoch_done)
         return epoch_done
 
     def _validation_due(self, rounds: int) -> bool:
@@ -364,7 +375,8 @@ class Rounds:
     def _after_landing(self, totals: RoundTotals, epoch_done: bool, book: ScoreBook) -> None:
         """After a round every replica holds the average: validate when due and at an epoch's
         end, then report the epoch's end; checkpoint when due, at an epoch's end and at a stop
-        (every worker gives its RNG state, rank 0 writes); then stop if any worker was asked to."""
+        (every worker gives its own state, RNG and loss scale, and rank 0 writes); then stop if
+        any worker was asked to."""
         trained = totals.samples > 0
         early = self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds)))
         early = early and self._validate(book.report)  # True: early stopping ends the fit here
@@ -372,10 +384,10 @@ class Rounds:
         if epoch_done:
             book.report(EpochReport(dataclasses.replace(self.counters), self.counters.epoch - 1, book.whole.score))
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
-            rng: list[Any] = [None] * self.world_size
-            dist.all_gather_object(rng, rng_state(), group=self.group)
+            own: list[Any] = [None] * self.world_size
+            dist.all_gather_object(own, self.trainer.own_state(), group=self.group)
             if self.rank == 0:
-                self.hooks.checkpointer.save(*self.trainer.state_dicts(), dataclasses.replace(self.counters), rng)
+                self.hooks.checkpointer.save(self.trainer.state_dicts(), dataclasses.replace(self.counters), own)
         if totals.stop:
             raise Stopped(f"stopped at round {self.counters.rounds}, as the host asked")
         if early:

@@ -1,11 +1,14 @@
 """What the round protocol asks of a worker (worker.Replica implements it): its model and
-optimizer, its steps, the NaN policy, its state, and its share of a validation."""
+optimizer, its steps, the NaN policy, its state, its share of a validation, and what it does
+when a round lands (its learning-rate schedule catches up)."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
 import torch
+
+from ..types import Counters, TrainingState
 
 
 class Trainer(Protocol):
@@ -31,7 +34,13 @@ class Trainer(Protocol):
     def checked_loss(self, losses: list[torch.Tensor], first_step: int, epoch: int) -> tuple[float, bool]:
         """Σ loss·n of a round, and whether the NaN policy drops it."""
 
-    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+    def state_dicts(self) -> TrainingState: ...
+
+    def own_state(self) -> dict[str, Any]:
+        """This worker's own state for a checkpoint (its RNG's, its loss scale's)."""
+
+    def landed(self, counters: Counters, score: float, epoch_done: bool) -> None:
+        """A round has landed: `counters` and `score` are the same on every worker."""
 
     def validation_sums(self, rank: int, world_size: int) -> tuple[dict[str, float], int] | None:
         """This worker's share of the validation metrics (Σ metric·n, Σ n); None: no validation."""

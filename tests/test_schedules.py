@@ -1,0 +1,237 @@
+"""Learning-rate schedules in lockstep: the learning rate of every local step on every worker is
+the schedule's value at the agreed counter (schedule.py), the wrapper's scheduler ends in step
+with its optimizer, a second fit() continues, and a resumed run is bitwise the uninterrupted one.
+Spawned workers (their learning rates logged from `before_step`) and real gloo."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import OneCycleLR, ReduceLROnPlateau, StepLR
+
+from parallelwrapper import ParallelWrapper, TrainingMode
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Net(nn.Module):
+    """pytorch/examples' MNIST network (mnist/main.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = self.dropout2(F.relu(self.fc1(torch.flatten(self.dropout1(x), 1))))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+class LrLog:
+    """A before_step that appends each local step's learning rates to a file per process."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(self.directory / f"{rank}.txt", "a") as f:
+            f.write(f"{optimizer.param_groups[0]['lr']!r}\n")
+
+    def per_worker(self) -> list[list[float]]:
+        """Each worker's learning rates (the first group's), step by step, in rank order."""
+        logs = sorted(self.directory.glob("*.txt"))
+        return [[float(line) for line in log.read_text().splitlines()] for log in logs]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def make_batches(n: int, size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 10, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
+
+
+def one_cycle(optimizer: torch.optim.Optimizer, total: int = 24) -> OneCycleLR:
+    return OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+
+
+def reference_lrs(total: int) -> list[float]:
+    """A one-process OneCycleLR's learning rate at counters 0 .. total."""
+    optimizer = torch.optim.SGD(mlp().parameters(), lr=0.01)
+    scheduler = one_cycle(optimizer, total)
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(total):
+        optimizer.step()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+def test_pytorch_examples_recipe_steps_every_worker_per_epoch(mnist_dir: Path, tmp_path: Path) -> None:
+    """Their Net, Adadelta lr 1.0, StepLR(step_size=1, gamma=0.7) per epoch; 2 workers, 2 epochs:
+    every local step of epoch e runs at 1.0 * 0.7**e on both workers, and after the fit the
+    wrapper's optimizer and scheduler are at 0.7**2."""
+    from parallelwrapper.data import load_mnist
+
+    train = load_mnist(mnist_dir, "train", download=False).batches(32, shuffle=True, seed=0)[:16]
+    log = LrLog(tmp_path)
+    builder = (
+        ParallelWrapper.builder(Net()).optimizer(torch.optim.Adadelta, lr=1.0).loss_fn(F.nll_loss)
+        .lr_scheduler(StepLR, step_size=1, gamma=0.7).workers(2).threads_per_worker(1).deterministic(True)
+        .before_step(log)
+    )  # fmt: skip
+    with builder.build() as w:
+        history = w.fit(train, epochs=2)
+        assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.49)
+        assert w.lr_scheduler.last_epoch == 2 and w.lr_scheduler.get_last_lr() == [pytest.approx(0.49)]
+    assert history.epochs[1].score < history.epochs[0].score < math.log(10)
+    workers = log.per_worker()
+    assert len(workers) == 2
+    for lrs in workers:  # 8 local steps an epoch on each worker
+        assert lrs == [pytest.approx(1.0)] * 8 + [pytest.approx(0.7)] * 8
+
+
+@pytest.mark.parametrize(
+    ("mode", "k", "batches"),
+    [(TrainingMode.AVERAGING, 3, 12), (TrainingMode.SHARED_GRADIENTS, 1, 12), (TrainingMode.AVERAGING, 2, 11)],
+    ids=["averaging-k3", "shared-gradients", "averaging-uneven-end"],
+)
+def test_per_step_one_cycle_follows_a_one_process_schedule_at_the_agreed_counter(
+    tmp_path: Path, mode: TrainingMode, k: int, batches: int
+) -> None:
+    """2 workers, 2 epochs: a round's local steps run at the reference's lr at ceil(I / 2), I the
+    batches of every landed round; with 11 batches an epoch the counter ends at ceil(22 / 2)."""
+    total = math.ceil(2 * batches / 2)
+    log = LrLog(tmp_path)
+    builder = (
+        ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.01, momentum=0.9).workers(2).threads_per_worker(1)
+        .training_mode(mode).averaging_frequency(k).deterministic(True).before_step(log)
+        .lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=total)
+    )  # fmt: skip
+    with builder.build() as w:
+        w.fit(make_batches(batches), epochs=2)
+        reference = reference_lrs(total)
+        assert w.lr_scheduler.last_epoch == total
+        assert w.optimizer.param_groups[0]["lr"] == reference[total]
+    # Batch i of an epoch goes to worker i mod 2: the expected counters of each worker's steps.
+    expected: list[list[float]] = [[], []]
+    counter = 0
+    for _ in range(2):
+        for start in range(0, batches, 2 * k):
+            in_round = list(range(start, min(start + 2 * k, batches)))
+            for rank in (0, 1):
+                expected[rank] += [reference[counter]] * sum(1 for i in in_round if i % 2 == rank)
+            counter = math.ceil((counter * 2 + len(in_round)) / 2)
+    assert log.per_worker() == expected
+
+
+def grouped_with_a_still_group(model: nn.Module) -> torch.optim.Optimizer:
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    return torch.optim.SGD([{"params": first, "lr": 0.0}, {"params": rest}], lr=0.05, momentum=0.9)
+
+
+def schedule_builder(model: nn.Module, directory: Path, workers: int = 2) -> Any:
+    return (
+        ParallelWrapper.builder(model).optimizer(grouped_with_a_still_group).workers(workers).threads_per_worker(1)
+        .averaging_frequency(3).deterministic(True).checkpoint(directory, every=100)
+        .lr_scheduler(StepLR, interval="step", step_size=3, gamma=0.5)
+    )  # fmt: skip
+
+
+def test_a_second_fit_continues_the_schedule_and_resume_is_bitwise(tmp_path: Path) -> None:
+    """Three fits of one epoch equal one fit of three epochs, and an interrupted run resumed from
+    its checkpoint; the group with lr 0 stays bitwise as it started (5 batches, k = 3: every
+    round is weighted 3 : 2)."""
+    data = make_batches(5)
+    start = [p.detach().clone() for p in mlp().parameters()][:2]
+
+    def final(w: Any) -> tuple[list[torch.Tensor], float, dict[str, Any]]:
+        return [p.detach().clone() for p in w.model.parameters()], w.optimizer.param_groups[1]["lr"], w.lr_scheduler.state_dict()
+
+    with schedule_builder(mlp(), tmp_path / "a").build() as w:
+        for _ in range(3):
+            w.fit(data)
+        three_fits = final(w)
+    with schedule_builder(mlp(), tmp_path / "b").build() as w:
+        w.fit(data, epochs=3)
+        one_fit = final(w)
+    with schedule_builder(mlp(), tmp_path / "c").build() as w:
+        w.fit(data, epochs=2)
+    with schedule_builder(mlp(), tmp_path / "c").build() as w:
+        w.fit(data, epochs=3, resume=tmp_path / "c")
+        resumed = final(w)
+    steps = math.ceil(3 * 5 / 2)  # the counter after 3 epochs: 8, the lr halved twice
+    assert one_fit[1] == 0.05 * 0.5 ** (steps // 3) and one_fit[2]["last_epoch"] == steps
+    for other in (three_fits, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(one_fit[0], other[0], strict=True))
+        assert other[1:] == one_fit[1:]
+    assert all(torch.equal(a, b) for a, b in zip(start, one_fit[0][:2], strict=True))  # lr 0: bitwise
+
+
+def constant_metric(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    return {"val_loss": 1.0}  # never improves after the first validation
+
+
+@pytest.mark.parametrize("workers", [2, 1], ids=["spawned", "in-process"])
+def test_reduce_on_plateau_steps_on_the_validation_metric_on_every_worker(tmp_path: Path, workers: int) -> None:
+    """patience 0: every validation after the first halves the lr, on every worker alike."""
+    log = LrLog(tmp_path)
+    builder = (
+        ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.1).workers(workers).threads_per_worker(1)
+        .deterministic(True).before_step(log).validation(make_batches(2), every=1, step=constant_metric)
+        .lr_scheduler(ReduceLROnPlateau, monitor="val_loss", factor=0.5, patience=0)
+    )  # fmt: skip
+    with builder.build() as w:
+        history = w.fit(make_batches(4 * workers))  # 4 rounds of one batch per worker, then the epoch's end
+        assert len(history.validations) == 4  # after every round, the last one at the epoch's end
+        assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    assert log.per_worker() == [pytest.approx([0.1, 0.1, 0.05, 0.025])] * workers
+
+
+def constant_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return (model(batch[0]) * 0).sum() + 1.0
+
+
+def test_reduce_on_plateau_without_validation_steps_on_the_epochs_averaged_loss() -> None:
+    builder = (
+        ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.1).workers(2).threads_per_worker(1)
+        .training_step(constant_loss).lr_scheduler(ReduceLROnPlateau, factor=0.5, patience=0)
+    )  # fmt: skip
+    with builder.build() as w:
+        w.fit(make_batches(4), epochs=3)  # the same loss every epoch: the 2nd and 3rd halve the lr
+        assert w.lr_scheduler.last_epoch == 3 and w.optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def not_a_scheduler(optimizer: torch.optim.Optimizer) -> object:
+    return object()
+
+
+def test_bad_schedulers_fail_at_build_with_a_short_message() -> None:
+    base = ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.1).workers(1)
+    with pytest.raises(ValueError, match=r"^lr_scheduler: interval must be one of \['epoch', 'step'\], got 'batch'"):
+        base.lr_scheduler(StepLR, interval="batch", step_size=1).build()
+    with pytest.raises(ValueError, match=r"^lr_scheduler: StepLR\(optimizer, \*\*\{\}\) per epoch failed: TypeError"):
+        base.lr_scheduler(StepLR).build()
+    with pytest.raises(ValueError, match=r"returned a object, not a torch.optim.lr_scheduler scheduler"):
+        base.lr_scheduler(not_a_scheduler).build()
+    with pytest.raises(ValueError, match=r"monitor= is for ReduceLROnPlateau"):
+        base.lr_scheduler(StepLR, monitor="val_loss", step_size=1).build()
+    with pytest.raises(ValueError, match=r"monitors 'val_accuracy', a validation metric: add \.validation"):
+        base.lr_scheduler(ReduceLROnPlateau, monitor="val_accuracy").build()
+    with pytest.raises(ValueError, match=r"lr_scheduler cannot be sent to a spawned worker"):
+        ParallelWrapper.builder(mlp()).workers(2).lr_scheduler(lambda o: StepLR(o, 1)).build()
