@@ -259,8 +259,9 @@ class Builder:
         return self._set("gradient_clip_norm", max_norm)
 
     def precision(self, name: str) -> Builder:
-        """"32" (default) or "bf16-mixed": each worker's forward and loss under autocast to
-        bfloat16 (CPU and CUDA); parameters, gradients, optimizer state and averaging stay float32."""
+        """"32" (default), "bf16-mixed" or "16-mixed": each worker's forward and loss under autocast
+        to bfloat16 or float16; 16-mixed scales the loss with each worker's own GradScaler (a step
+        it skips still joins its round). Parameters, gradients, optimizer state and averaging stay float32."""
         return self._set("precision", name)
 
     def validation(self, data: Batches, every: int = 50, step: ValidationStep | None = None) -> Builder:

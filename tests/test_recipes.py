@@ -177,18 +177,49 @@ def dtype_recording_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
     return nn.functional.cross_entropy(out, batch[1])
 
 
-def test_bf16_mixed_runs_the_forward_in_bfloat16_and_keeps_float32_weights() -> None:
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
+def test_mixed_precision_runs_the_forward_in_16_bits_and_keeps_float32_weights(precision: str, dtype: torch.dtype) -> None:
     DTYPES.clear()
     model = mlp()
-    with ParallelWrapper.builder(model).workers(1).precision("bf16-mixed").training_step(dtype_recording_step).build() as w:
+    with ParallelWrapper.builder(model).workers(1).precision(precision).training_step(dtype_recording_step).build() as w:
         history = w.fit(make_batches(4))
-    assert DTYPES == [torch.bfloat16] * 4
+    assert DTYPES == [dtype] * 4
     assert all(p.dtype == torch.float32 for p in model.parameters()) and history.epochs[0].score == history.epochs[0].score
-    with pytest.raises(ValueError, match=r"precision must be one of \['32', 'bf16-mixed'\]"):
+    with pytest.raises(ValueError, match=r"precision must be one of \['32', 'bf16-mixed', '16-mixed'\]"):
         ParallelWrapper.builder(mlp()).precision("fp8").build()
 
 
-def test_bf16_mixed_trains_lenet_on_mnist_as_well_as_float32(mnist_dir: Path) -> None:
+def overflowing_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A finite loss whose scaled gradients overflow on the batch marked with target -1."""
+    inputs, targets = batch
+    if bool((targets < 0).any()):
+        return sum(p.sum() for p in model.parameters()) * 1e34  # type: ignore[return-value]
+    return nn.functional.cross_entropy(model(inputs), targets)
+
+
+@pytest.mark.parametrize("mode", [TrainingMode.AVERAGING, TrainingMode.SHARED_GRADIENTS])
+def test_16_mixed_a_step_the_scaler_skips_still_joins_its_round(tmp_path: Path, mode: TrainingMode) -> None:
+    """Batch 3 (worker 1's second) overflows: that step is skipped and its scale halves, and the
+    worker stays in step. In SHARED_GRADIENTS the overflow reaches the averaged gradients, so
+    both workers skip it and keep one scale; in AVERAGING only worker 1's scale halves. Each
+    worker's scale is saved with its RNG state, for a resume."""
+    data = make_batches(8)
+    data[3] = (data[3][0], torch.full_like(data[3][1], -1))
+    model = mlp()
+    builder = (
+        ParallelWrapper.builder(model).workers(2).threads_per_worker(1).deterministic(True).training_mode(mode)
+        .averaging_frequency(2 if mode is TrainingMode.AVERAGING else 1).precision("16-mixed")
+        .training_step(overflowing_step).checkpoint(tmp_path)
+    )  # fmt: skip
+    with builder.build() as w:
+        history = w.fit(data)
+    assert history.epochs[0].iteration == 8 and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    scales = [own["grad_scaler"]["scale"] for own in saved["rng"]]
+    assert scales == ([2.0**15, 2.0**15] if mode is TrainingMode.SHARED_GRADIENTS else [2.0**16, 2.0**15])
+
+
+def test_mixed_precision_trains_lenet_on_mnist_as_well_as_float32(mnist_dir: Path) -> None:
     """Two workers, 40 batches of 128 real MNIST images each, the same seed: test accuracy on
     2,000 test images within 2 points of float32's."""
     from parallelwrapper.data import load_mnist
@@ -197,7 +228,7 @@ def test_bf16_mixed_trains_lenet_on_mnist_as_well_as_float32(mnist_dir: Path) ->
     train = load_mnist(mnist_dir, "train", download=False).batches(128, shuffle=True, seed=0)[:80]
     test = load_mnist(mnist_dir, "test", download=False).batches(1000)[:2]
     accuracy = {}
-    for precision in ("32", "bf16-mixed"):
+    for precision in ("32", "bf16-mixed", "16-mixed"):
         torch.manual_seed(0)
         builder = (
             ParallelWrapper.builder(LeNet()).optimizer(torch.optim.SGD, lr=0.02, momentum=0.9, nesterov=True)
@@ -206,7 +237,8 @@ def test_bf16_mixed_trains_lenet_on_mnist_as_well_as_float32(mnist_dir: Path) ->
         with builder.build() as w:
             w.fit(train)
             accuracy[precision] = w.evaluate(test)["accuracy"]
-    assert accuracy["32"] > 0.85 and abs(accuracy["bf16-mixed"] - accuracy["32"]) < 0.02, accuracy
+    assert accuracy["32"] > 0.85, accuracy
+    assert abs(accuracy["bf16-mixed"] - accuracy["32"]) < 0.02 and abs(accuracy["16-mixed"] - accuracy["32"]) < 0.02, accuracy
 
 
 # -- validation -----------------------------------------------------------------------------------
