@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -35,6 +35,9 @@ from .rounds import HEADER_LEN
 from .config import TrainingMode
 from .run import OPTIMIZERS, Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
 from .wrapper import ParallelWrapper
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 T = TypeVar("T")
 MODEL_TITLES = {"lenet": "LeNet", "mlp": "MLP"}
@@ -225,6 +228,7 @@ def run_one(
 
 def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = print) -> list[RunResult]:
     """Run every configuration and write compare.csv, compare.md and compare.png into `out`."""
+    start = time.perf_counter()
     base = options.base
     train, test_split = load_splits(base)
     specs = run_specs(options)
@@ -242,7 +246,7 @@ def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = pri
         results.append(run_one(spec, options, pieces, test, echo))
     options.out.mkdir(parents=True, exist_ok=True)
     write_csv(results, options.out / "compare.csv")
-    (options.out / "compare.md").write_text(markdown(results, options))
+    (options.out / "compare.md").write_text(markdown(results, options, time.perf_counter() - start))
     plot(results, options, options.out / "compare.png")
     return results
 
@@ -270,8 +274,9 @@ def describe_setup(options: CompareOptions, results: Sequence[RunResult]) -> str
     )
 
 
-def markdown(results: Sequence[RunResult], options: CompareOptions) -> str:
-    """One row per run: final accuracy, samples and seconds to the target, communication."""
+def markdown(results: Sequence[RunResult], options: CompareOptions, wall_seconds: float) -> str:
+    """One row per run: final accuracy, samples and seconds to the target, communication; then
+    how much of the comparison's `wall_seconds` the training took."""
     target = options.target_accuracy
     lines = [
         "# Synchronous gradients against model averaging\n",
@@ -279,7 +284,7 @@ def markdown(results: Sequence[RunResult], options: CompareOptions) -> str:
         f"Seconds are training time (no start-up, no evaluation). Communication is computed from "
         f"the all-reduce layout (ring all-reduce: 2(N-1)/N of each buffer sent per worker), not "
         f"measured. \"To {target:.0%}\" is the first of the evaluations at or above it.\n",
-        f"| run | final test accuracy | final test loss | seconds | samples/s "
+        f"| run | final test accuracy | final test loss | training seconds | training samples/s "
         f"| samples to {target:.0%} | seconds to {target:.0%} | collectives | MB sent per worker |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -291,14 +296,46 @@ def markdown(results: Sequence[RunResult], options: CompareOptions) -> str:
             f"| {r.spec.label} | {f.test_accuracy:.4f} | {f.test_loss:.4f} | {f.seconds:.1f} | {rate:,.0f} "
             f"| {reached[0]} | {reached[1]} | {f.collectives:,} | {f.bytes_per_worker / 1e6:,.1f} |"
         )
+    training = sum(r.final.seconds for r in results)
+    evaluations = sum(len(r.points) for r in results)
+    lines.append(
+        f"\nWall time {wall_seconds:.1f} s, of which {training:.1f} s ({training / wall_seconds:.0%}) training; "
+        f"the rest is reading MNIST, starting the workers of each of the {len(results)} runs and "
+        f"{evaluations} test-set evaluations."
+    )
     return "\n".join(lines) + "\n"
 
 
 def plot(results: Sequence[RunResult], options: CompareOptions, path: Path) -> None:
+    """Write `figure` to `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, options)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# Averaging runs from dark (small k) to light (large k), each with a marker of its own; shared
+# gradients in black, dashed, with hollow squares, drawn on top: averaging with k=1 is the same
+# training, and its filled circles show inside the squares instead of vanishing under the line.
+_MARKERS = ("o", "^", "D", "v", "P", "X", "*")
+
+
+def _style(spec: RunSpec, ks: list[int]) -> dict[str, Any]:
+    import matplotlib.pyplot as plt
+
+    if spec.mode is TrainingMode.SHARED_GRADIENTS:
+        return {"color": "black", "linestyle": "--", "marker": "s", "markersize": 8, "markerfacecolor": "none", "zorder": 3}
+    i = ks.index(spec.averaging_frequency)
+    shade = plt.get_cmap("viridis")(0.1 + 0.75 * i / max(1, len(ks) - 1))
+    return {"color": shade, "linestyle": "-", "marker": _MARKERS[i % len(_MARKERS)], "markersize": 4, "zorder": 2}
+
+
+def figure(results: Sequence[RunResult], options: CompareOptions) -> Figure:
     """Test accuracy against samples and against seconds, one line per run.
 
-    The accuracy axis is a logit scale: it shows the whole run, from chance to the last tenths of
-    a percent, where the runs differ."""
+    The accuracy axis is a logit scale: it shows the whole run, from the untrained model's
+    accuracy at 0 samples to the last tenths of a percent, where the runs differ."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -307,30 +344,19 @@ def plot(results: Sequence[RunResult], options: CompareOptions, path: Path) -> N
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), sharey=True)
     fig.subplots_adjust(left=0.07, right=0.99, bottom=0.1, top=0.86, wspace=0.05)
-    # Shared gradients in black, dashed and on top (averaging k=1 is the same training and shows
-    # through the gaps); averaging from dark (small k) to light (large k).
     ks = sorted(r.spec.averaging_frequency for r in results if r.spec.mode is TrainingMode.AVERAGING)
-    palette = plt.get_cmap("viridis")
-
-    def color(spec: RunSpec) -> object:
-        if spec.mode is TrainingMode.SHARED_GRADIENTS:
-            return "black"
-        return palette(0.1 + 0.75 * ks.index(spec.averaging_frequency) / max(1, len(ks) - 1))
-
     target = options.target_accuracy
     for ax, x_name, x_label in (
         (axes[0], "samples", "training samples seen (all workers)"),
         (axes[1], "seconds", "training seconds (wall clock, no start-up, no evaluation)"),
     ):
         for r in results:
-            shared = r.spec.mode is TrainingMode.SHARED_GRADIENTS
             label = f"{r.spec.label}: {100 * r.final.test_accuracy:.2f}%"
             if x_name == "seconds":
                 label += f" in {r.final.seconds:.1f} s, {r.final.bytes_per_worker / 1e6:,.0f} MB sent/worker"
             ax.plot(
                 [getattr(p, x_name) for p in r.points], [_clip(p.test_accuracy) for p in r.points],
-                "--" if shared else "-", marker="o", markersize=4, linewidth=2, color=color(r.spec),
-                label=label, zorder=3 if shared else 2,
+                linewidth=2, label=label, **_style(r.spec, ks),
             )  # fmt: skip
         ax.axhline(_clip(target), color="grey", linewidth=1, linestyle=":")
         ax.annotate(
@@ -340,16 +366,15 @@ def plot(results: Sequence[RunResult], options: CompareOptions, path: Path) -> N
         ax.set_xlabel(x_label)
         ax.set_xlim(left=0)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="best", fontsize=9)
-    # From 90% (or the target, or the later points, if lower) to the best: the first points,
-    # near chance, come in from below the axis.
-    later = [_clip(p.test_accuracy) for r in results for p in r.points[max(1, len(r.points) // 4) :]]
-    best = max(later + [_clip(target)])
+        ax.legend(loc="lower right", fontsize=9)
+    # Every point on the axis, the 0-sample ones included, from a little under the lowest to a
+    # little over the best.
+    accuracies = [_clip(p.test_accuracy) for r in results for p in r.points] + [_clip(target)]
     y = axes[0]
     y.set_yscale("logit")
-    y.set_ylim(min([0.9, _clip(target - 0.02)] + later) * 0.95, 1 - (1 - best) * 0.7)
+    y.set_ylim(min(accuracies) * 0.8, 1 - (1 - max(accuracies)) * 0.7)
     lo, hi = y.get_ylim()
-    ticks = [t for t in (0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.985, 0.99, 0.995, 0.999) if lo <= t <= hi]
+    ticks = [t for t in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.985, 0.99, 0.995, 0.999) if lo <= t <= hi]
     y.yaxis.set_major_locator(FixedLocator(ticks))
     y.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
     y.yaxis.set_minor_formatter(NullFormatter())
@@ -357,8 +382,7 @@ def plot(results: Sequence[RunResult], options: CompareOptions, path: Path) -> N
     axes[0].set_title("against samples: which learns more per sample")
     axes[1].set_title("against time: which learns faster on this machine")
     fig.suptitle(describe_setup(options, results), fontsize=11)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _clip(accuracy: float) -> float:
@@ -366,17 +390,5 @@ def _clip(accuracy: float) -> float:
     return min(max(accuracy, 1e-3), 1 - 1e-4)
 
 
-__all__ = [
-    "CompareOptions",
-    "Communication",
-    "HEADER_BYTES",
-    "Point",
-    "RunResult",
-    "RunSpec",
-    "compare",
-    "estimated_communication",
-    "markdown",
-    "plot",
-    "run_specs",
-    "write_csv",
-]
+__all__ = ["CompareOptions", "Communication", "HEADER_BYTES", "Point", "RunResult", "RunSpec", "compare",
+    "estimated_communication", "figure", "markdown", "plot", "run_specs", "write_csv"]

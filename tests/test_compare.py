@@ -21,6 +21,7 @@ from parallelwrapper.compare import (
     RunSpec,
     chunks,
     estimated_communication,
+    figure,
     markdown,
     run_specs,
 )
@@ -103,7 +104,29 @@ def test_table_reports_the_first_evaluation_at_the_target() -> None:
     fast = RunResult(AVG, [point(0, 0.0, 0.1), point(1000, 1.0, 0.96), point(2000, 2.0, 0.975)])
     slow = RunResult(SG, [point(0, 0.0, 0.1), point(1000, 1.5, 0.9), point(2000, 3.0, 0.95)])
     assert fast.first_reaching(0.97) == fast.points[2] and slow.first_reaching(0.97) is None
-    table = markdown([fast, slow], CompareOptions(target_accuracy=0.97, out=Path("x")))
+    table = markdown([fast, slow], CompareOptions(target_accuracy=0.97, out=Path("x")), wall_seconds=10.0)
     rows = [line for line in table.splitlines() if line.startswith("| averaging") or line.startswith("| shared")]
     assert rows[0].startswith("| averaging k=4 | 0.9750 | 0.1000 | 2.0 | 1,000 | 2,000 | 2.0 | 15 | 2.0 |")
     assert rows[1].count("not reached") == 2
+    assert "| training seconds | training samples/s |" in table
+    assert "Wall time 10.0 s, of which 5.0 s (50%) training; the rest is reading MNIST, starting the workers" in table
+    assert "of the 2 runs and 6 test-set evaluations" in table
+
+
+def test_figure_shows_every_point_and_tells_shared_gradients_from_k1() -> None:
+    """The 0-sample points (an untrained model, near chance) lie inside the logit axis; shared
+    gradients and averaging with k=1, the same training, differ in line, marker and fill."""
+    sg = RunResult(SG, [point(0, 0.0, 0.08), point(1000, 1.0, 0.97), point(2000, 2.0, 0.985)])
+    k1 = RunResult(RunSpec(TrainingMode.AVERAGING, 1), [point(0, 0.0, 0.08), point(1000, 1.2, 0.97), point(2000, 2.4, 0.985)])
+    fig = figure([sg, k1], CompareOptions(frequencies=(1,), out=Path("x")))
+    try:
+        low, high = fig.axes[0].get_ylim()
+        assert low < 0.08 and high > 0.985
+        a, b = fig.axes[0].get_lines()[:2]
+        assert (a.get_linestyle(), a.get_marker(), a.get_markerfacecolor()) == ("--", "s", "none")
+        assert (b.get_linestyle(), b.get_marker()) == ("-", "o") and b.get_markerfacecolor() != "none"
+        assert a.get_zorder() > b.get_zorder()
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
