@@ -140,6 +140,23 @@ def test_per_step_one_cycle_follows_a_one_process_schedule_at_the_agreed_counter
     assert log.per_worker() == expected
 
 
+def test_with_overlap_a_round_counts_when_it_lands(tmp_path: Path) -> None:
+    """k = 2, 12 batches an epoch, 2 workers: rounds of 4 batches. Round r's steps run at the
+    counter of rounds up to r - 2, which have landed; an epoch ends with every round landed."""
+    log = LrLog(tmp_path)
+    builder = (
+        ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.01).workers(2).threads_per_worker(1)
+        .averaging_frequency(2).overlap_averaging(True).deterministic(True).before_step(log)
+        .lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=12)
+    )  # fmt: skip
+    with builder.build() as w:
+        w.fit(make_batches(12), epochs=2)
+        assert w.lr_scheduler.last_epoch == 12
+    ref = reference_lrs(12)
+    counters = [0, 0, 2, 6, 6, 8]  # rounds 0-2 of epoch 0, then of epoch 1
+    assert log.per_worker() == [[ref[c] for c in counters for _ in range(2)]] * 2
+
+
 def grouped_with_a_still_group(model: nn.Module) -> torch.optim.Optimizer:
     first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
     return torch.optim.SGD([{"params": first, "lr": 0.0}, {"params": rest}], lr=0.05, momentum=0.9)
