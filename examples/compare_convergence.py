@@ -9,7 +9,7 @@ send? Every run starts from the same weights and sees the same batches on the sa
     python examples/compare_convergence.py --data-dir ../shared/data/mnist --out runs/compare
     python examples/compare_convergence.py --data-dir ../shared/data/mnist --out /tmp/c --tiny
 
-It writes compare.csv, compare.md and compare.png into --out, and prints the table.
+It writes compare.csv, compare.md and compare.png into --out, and prints the table and a line per run.
 """
 
 from __future__ import annotations
@@ -35,10 +35,7 @@ def main() -> None:
         base = RunOptions(workers=2, data_dir=args.data_dir, train_samples=2048, test_samples=1000)
         options = CompareOptions(base, frequencies=(1, 4), evals_per_epoch=2, target_accuracy=0.5, out=args.out)
 
-    results = compare(options, echo=print)
-
-    print()
-    print((args.out / "compare.md").read_text())
+    results = compare(options, echo=print)  # prints each run's progress, then compare.md's table
     for r in results:
         hit = r.first_reaching(options.target_accuracy)
         reached = f"{hit.samples:,} samples, {hit.seconds:.1f} s" if hit else "not reached"

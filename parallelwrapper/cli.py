@@ -125,7 +125,7 @@ def compare_command(frequencies: tuple[int, ...], shared_gradients: bool, evals:
         evals_per_epoch=evals, target_accuracy=target, out=out,
     )  # fmt: skip
     _call(compare, options)
-    click.echo(f"\n{(out / 'compare.md').read_text()}\nwrote {out / 'compare.csv'}, {out / 'compare.md'}, {out / 'compare.png'}")
+    click.echo(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, {out / 'compare.png'}")
 
 
 __all__ = ["main"]

@@ -227,7 +227,8 @@ def run_one(
 
 
 def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = print) -> list[RunResult]:
-    """Run every configuration and write compare.csv, compare.md and compare.png into `out`."""
+    """Run every configuration, write compare.csv, compare.md and compare.png into `out`, and
+    `echo` the progress and the table."""
     start = time.perf_counter()
     base = options.base
     train, test_split = load_splits(base)
@@ -246,8 +247,11 @@ def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = pri
         results.append(run_one(spec, options, pieces, test, echo))
     options.out.mkdir(parents=True, exist_ok=True)
     write_csv(results, options.out / "compare.csv")
-    (options.out / "compare.md").write_text(markdown(results, options, time.perf_counter() - start))
+    table = markdown(results, options, time.perf_counter() - start)
+    (options.out / "compare.md").write_text(table)
     plot(results, options, options.out / "compare.png")
+    if echo is not None:
+        echo(f"\n{table}")
     return results
 
 
