@@ -37,7 +37,7 @@ def model(name: str) -> nn.Module:
 def _measure(rank: int, world: int, name: str, seconds: float) -> dict[str, float]:
     net = model(name)
     job = Job(net, torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}, nn.functional.mse_loss, None)
-    replica = Replica(net, job.make_optimizer(net), job, Config(workers=world), torch.device("cpu"), rank, world)
+    replica = Replica(net, job, Config(workers=world), torch.device("cpu"), rank, world)
     for p in net.parameters():  # one step, so that the momentum buffers exist
         p.grad = torch.randn_like(p)
     replica.optimizer.step()

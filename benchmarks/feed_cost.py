@@ -53,7 +53,7 @@ def _worker(data: Any, free: Any, mode: str, threads: int, results: Any) -> None
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     model = lenet()
     job = Job(model, torch.optim.SGD, {"lr": LR, "momentum": MOMENTUM, "nesterov": True}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job.make_optimizer(model), job, Config(workers=1, averaging_frequency=3), torch.device("cpu"), 0, 1)
+    replica = Replica(model, job, Config(workers=1, averaging_frequency=3), torch.device("cpu"), 0, 1)
     source: Any = QueueSource(data, SlotReader(free), os.getppid())
     if mode == "received":
         source = _Received(source)

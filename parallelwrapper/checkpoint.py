@@ -9,13 +9,14 @@ The file is a `torch.save`d dict:
 
     format       1
     fingerprint  what must match to resume: the options that change the arithmetic (workers,
-                 averaging_frequency, training_mode, average_updaters, deterministic), the
-                 optimizer class and arguments, the scheduler's, and every parameter and
-                 buffer's name, shape, dtype
+                 averaging_frequency, training_mode, average_updaters, deterministic,
+                 warmup_sync_steps), the optimizer class and arguments, the scheduler's, the
+                 outer optimizer's, and every parameter and buffer's name, shape, dtype
     config       the whole config, for people
     model        the averaged model's state_dict
     optimizer    the optimizer's state_dict (averaged; worker 0's with average_updaters(False))
     lr_scheduler the schedule's state (schedule.Schedule), or None without .lr_scheduler(...)
+    outer_optimizer  the outer optimizer's state_dict, or None without .outer_optimizer(...)
     counters     rounds, iterations, samples, epoch, position (batches of `epoch` already trained)
     rng          each worker's own state, by rank: its torch RNG state (and CUDA's) and, with
                  precision 16-mixed, its GradScaler's
@@ -42,6 +43,7 @@ FILENAME = "checkpoint.pt"
 FORMAT = 1
 _FINGERPRINT_OPTIONS = (
     "workers", "averaging_frequency", "training_mode", "average_updaters", "overlap_averaging", "deterministic",
+    "warmup_sync_steps",
 )  # fmt: skip
 
 
@@ -51,11 +53,14 @@ class CheckpointError(ValueError):
 
 def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
     options = {k: v for k, v in describe_config(config).items() if k in _FINGERPRINT_OPTIONS}
+    if not options["warmup_sync_steps"]:
+        del options["warmup_sync_steps"]  # as checkpoints from before warm-ups have it
     options["workers"] = world_size  # under torchrun the world size is the worker count
     return {
         **options,
         "optimizer": job.optimizer_name,
         "lr_scheduler": None if job.lr_scheduler is None else job.lr_scheduler.name,  # absent before schedules
+        "outer_optimizer": None if job.outer_optimizer is None else job.outer_optimizer.name,
         "tensors": [(k, list(v.shape), str(v.dtype)) for k, v in job.model.state_dict().items()],
     }
 
@@ -162,6 +167,7 @@ class Checkpointer:
                 "model": state.model,
                 "optimizer": state.optimizer,
                 "lr_scheduler": state.lr_scheduler,
+                "outer_optimizer": state.outer_optimizer,
                 "counters": dataclasses.asdict(counters),
                 "rng": rng,
             },

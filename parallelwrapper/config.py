@@ -68,6 +68,7 @@ class Config:
     gradient_clip_norm: float | None = None  # clip_grad_norm_ of each step's gradients to this
     precision: str = "32"  # or "bf16-mixed", "16-mixed"
     validation_every: int = 50  # averagings between validations (and at each epoch's end), with .validation(data)
+    warmup_sync_steps: int = 0  # post-local SGD: steps of SHARED_GRADIENTS before the averaging rounds
 
     def __post_init__(self) -> None:
         check_int("workers", self.workers, 1, "ParallelWrapper.builder(model).workers(2)")
@@ -102,6 +103,12 @@ class Config:
                 f"e.g. .gradient_clipping(max_norm=1.0)"
             )
         check_int("validation_every", self.validation_every, 1, "e.g. .validation(data, every=50)")
+        check_int("warmup_sync_steps", self.warmup_sync_steps, 0, "the synchronous steps before averaging, e.g. .warmup_sync_steps(200)")
+        if self.warmup_sync_steps and (self.training_mode is not TrainingMode.AVERAGING or self.overlap_averaging):
+            raise ValueError(
+                "warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING "
+                "without overlap_averaging; drop .warmup_sync_steps() or .overlap_averaging(True)"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for d in self.devices or ():  # how many there must be is env.resolve's to check
@@ -147,6 +154,23 @@ class SchedulerSpec:
 
 
 @dataclass(frozen=True)
+class OuterSpec:
+    """`.outer_optimizer(cls, **kwargs)`: the optimizer that steps on each round's pseudo-gradient
+    (outer.py), built on copies of the trainable parameters."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+
+    def build(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+    @property
+    def name(self) -> str:
+        text = f"{self.cls.__module__}.{self.cls.__qualname__}({self.kwargs!r})"
+        return text if len(text) <= 200 else text[:200] + "..."
+
+
+@dataclass(frozen=True)
 class Job:
     """What a worker needs besides the config: the objects it rebuilds in its own process. The
     optimizer is a class and its keyword arguments, or `optimizer_fn(model) -> optimizer` (for
@@ -163,6 +187,7 @@ class Job:
     validation_step: ValidationStep | None = None  # fn(model, batch) -> {name: batch mean}
     early_stopping: Any = None  # a listeners.EarlyStopping, which every worker applies to its validations
     lr_scheduler: SchedulerSpec | None = None
+    outer_optimizer: OuterSpec | None = None  # DiLoCo / SlowMo
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if self.optimizer_fn is not None:
@@ -177,13 +202,32 @@ class Job:
         return f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}({self.optimizer_kwargs!r})"
 
 
-def check_job(job: Job, sendable: bool) -> list[str]:
+def check_job(job: Job, config: Config, sendable: bool) -> list[str]:
     """A ValueError naming the fix for a job that cannot train (an optimizer that fails or trains
-    another model; with `sendable`, an object a spawned worker cannot receive); the warnings for
-    one that trains but loses something on the way (parameter hooks)."""
+    another model, parts that need what the config or job lacks; with `sendable`, an object a
+    spawned worker cannot receive); the warnings for one that trains but loses something on the
+    way (parameter hooks)."""
+    if job.outer_optimizer is not None and (config.training_mode is not TrainingMode.AVERAGING or config.overlap_averaging):
+        raise ValueError(
+            "outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not and overlap_averaging "
+            "lands a round late: use TrainingMode.AVERAGING without .overlap_averaging(True)"
+        )
+    if job.early_stopping is not None and job.validation_data is None:
+        raise ValueError("EarlyStopping stops on validation metrics: add .validation(data, every=...)")
+    if job.validation_data is not None and job.validation_step is None and job.loss_fn is None:
+        raise ValueError(
+            "validation: with .training_step(fn) the default metrics (val_loss, val_accuracy) have no "
+            "loss to use; pass .validation(data, step=fn) with fn(model, batch) -> {name: value}"
+        )
     optimizer = _check_optimizer(job)
     if job.lr_scheduler is not None:
         _check_scheduler(job.lr_scheduler, optimizer, validates=job.validation_data is not None)
+    if job.outer_optimizer is not None:
+        try:
+            job.outer_optimizer.build([torch.nn.Parameter(torch.zeros(1))])
+        except Exception as e:  # noqa: BLE001 - any failure here is a bad outer optimizer argument
+            cause = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ValueError(f"outer_optimizer: {job.outer_optimizer.name} failed: {type(e).__name__}: {cause}") from None
     if sendable:
         _check_sendable(job)
     hooked = [name for name, p in job.model.named_parameters() if getattr(p, "_backward_hooks", None)]
@@ -292,4 +336,4 @@ def describe_config(config: Config) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in out.items()}
 
 
-__all__ = ["Config", "Job", "NanPolicy", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]
+__all__ = ["Config", "Job", "OuterSpec", "SchedulerSpec", "NanPolicy", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]

@@ -79,11 +79,12 @@ Reporter = Callable[[Report], None]
 @dataclass(frozen=True)
 class TrainingState:
     """What a fit() starts from and ends with, the same on every worker: state_dicts of the model,
-    the optimizer and, with `.lr_scheduler(...)`, the schedule (schedule.Schedule)."""
+    the optimizer and, when configured, the schedule (schedule.Schedule) and the outer optimizer."""
 
     model: dict[str, Any]
     optimizer: dict[str, Any]
     lr_scheduler: dict[str, Any] | None = None
+    outer_optimizer: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .batches import batch_size, describe, move_to, to_cpu
+from .batches import batch_size, describe, move_to
 from .checkpoint import rng_state
 from .config import Config, Job, NanPolicy
 from .feed import rank_share
 from .rounds import Budget, Rounds
-from .schedule import make_schedule
+from .parts import Parts
 from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, TrainingState, Where
 
 
@@ -29,7 +29,6 @@ class Replica:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
         job: Job,
         config: Config,
         device: torch.device,
@@ -40,11 +39,11 @@ class Replica:
         hooks: Hooks | None = None,
         budget: Budget | None = None,
     ) -> None:
-        self.model, self.optimizer, self.job, self.config = model, optimizer, job, config
-        self.device, self.rank, self.world_size = device, rank, world_size
+        self.parts = Parts(model, job, world_size)  # its optimizer, schedule and outer optimizer
+        self.model, self.optimizer, self.schedule = model, self.parts.optimizer, self.parts.schedule
+        self.job, self.config, self.device, self.rank, self.world_size = job, config, device, rank, world_size
         self.hooks = hooks or Hooks()
         self.local_steps = 0  # optimizer steps this worker has taken, for error messages
-        self.schedule = make_schedule(job.lr_scheduler, optimizer, world_size)
         # 16-mixed: the worker's own loss scale. In SHARED_GRADIENTS every worker unscales the same
         # averaged gradients, so every scaler skips the same steps and keeps the same scale.
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "16-mixed" else None
@@ -64,23 +63,13 @@ class Replica:
 
     def load_state(self, state: TrainingState) -> None:
         """Start from the main process's state (every fit() starts from it). The model is on its
-        device already, so the optimizer's state is cast to the params' device."""
-        self._load(state)
+        device already, so the optimizers' state is cast to the params' device."""
+        self.parts.load(state)
         self.rounds.reset()  # the optimizer's tensors were replaced
 
-    def _load(self, state: TrainingState) -> None:
-        self.model.load_state_dict(state.model)
-        # Every worker receives the same shared-memory tensors, and an optimizer keeps the tensors
-        # it loads when they already have the right device and dtype (Adam's step is increased
-        # in place): without a copy, the workers would step one shared counter.
-        self.optimizer.load_state_dict(to_cpu(state.optimizer))
-        if self.schedule is not None and state.lr_scheduler is not None:
-            self.schedule.load_state_dict(state.lr_scheduler)
-
     def state_dicts(self) -> TrainingState:
-        """The model's, optimizer's and schedule's state on the CPU, to send to the main process."""
-        schedule = None if self.schedule is None else self.schedule.state_dict()
-        return TrainingState(to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict()), schedule)
+        """Every part's state on the CPU, to send to the main process."""
+        return self.parts.state()
 
     def own_state(self) -> dict[str, Any]:
         """What is this worker's alone, for a checkpoint: its RNG state and its loss scale."""
@@ -158,6 +147,11 @@ class Replica:
             self.model.train()
         return sums, count
 
+    def averaged(self) -> None:
+        """The model holds this round's average: the outer optimizer, if any, steps from it."""
+        if self.parts.outer is not None:
+            self.parts.outer.step()
+
     def landed(self, counters: Counters, score: float, epoch_done: bool) -> None:
         """A round has landed (every worker agrees on `counters` and `score`): the schedule catches up."""
         if self.schedule is not None:
@@ -174,7 +168,7 @@ class Replica:
         if improved and self._stopper.restore_best:
             self._best = self.state_dicts()
         if stop and self._best is not None:
-            self._load(self._best)  # the fit ends here: its buffers are released, not rebuilt
+            self.parts.load(self._best)  # the fit ends here: its buffers are released, not rebuilt
         return bool(stop)
 
     def _validation_metrics(self, batch: Any) -> dict[str, Any]:

@@ -14,14 +14,13 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from .batches import to_cpu
-from .config import BeforeStep, Config, Job, LossFn, NanPolicy, OptimizerFn, SchedulerSpec, TrainingMode, TrainingStep
+from .config import BeforeStep, Config, Job, LossFn, NanPolicy, OptimizerFn, OuterSpec, SchedulerSpec, TrainingMode, TrainingStep
 from .config import ValidationStep, check_job, parse_enum
 from .env import Placement, resolve, torchrun_env
 from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, start_host
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
-from .schedule import make_schedule
+from .parts import Parts
 from .types import Counters, FitCommand, Report, TrainingState, WorkerError
 
 
@@ -37,9 +36,8 @@ class ParallelWrapper:
     def __init__(self, config: Config, job: Job, listeners: list[Any], placement: Placement | None = None) -> None:
         self.config = config
         self.placement = placement or resolve(config, torchrun_env())
-        self.model = job.model
-        self.optimizer = job.make_optimizer(job.model)  # holds the averaged optimizer state
-        self._schedule = make_schedule(job.lr_scheduler, self.optimizer, self.placement.world_size)
+        self._parts = Parts(job.model, job, self.placement.world_size)  # the averaged state lands here
+        self.model, self.optimizer = job.model, self._parts.optimizer
         self._job = job
         self._listeners = listeners
         self._pool: Host | None = None
@@ -62,7 +60,12 @@ class ParallelWrapper:
     def lr_scheduler(self) -> Any:
         """The scheduler of `.lr_scheduler(...)` on `optimizer`, in step with it after each fit()
         (None without one). A fit() starts from its state, so a second fit() continues it."""
-        return None if self._schedule is None else self._schedule.scheduler
+        return None if self._parts.schedule is None else self._parts.schedule.scheduler
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The outer optimizer of `.outer_optimizer(...)` after the last fit(), or None."""
+        return None if self._parts.outer is None else self._parts.outer.optimizer
 
     @staticmethod
     def builder(model: torch.nn.Module) -> Builder:
@@ -142,31 +145,21 @@ class ParallelWrapper:
                 self._pool = start_host(self.config, self._job, self.placement)
             # Copies: sending a tensor moves its storage into shared memory, and the user's own
             # model must not be changed under them.
-            command = FitCommand(until_epoch, dataclasses.replace(self.counters), self._state(), rng)
+            command = FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.state(), rng)
             state = self._pool.fit(command, data, on_report)
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
             # afresh next time. The user's model keeps its state from before this fit().
             self._abort()
             raise
-        self._load(state)
+        self._parts.load(state)
         notify(listeners, "on_fit_end", recorder.history)
         return recorder.history
-
-    def _state(self) -> TrainingState:
-        schedule = None if self._schedule is None else self._schedule.state_dict()
-        return TrainingState(to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict()), schedule)
-
-    def _load(self, state: TrainingState) -> None:
-        self.model.load_state_dict(state.model)
-        self.optimizer.load_state_dict(state.optimizer)
-        if self._schedule is not None and state.lr_scheduler is not None:
-            self._schedule.load_state_dict(state.lr_scheduler)
 
     def _restore(self, location: str | os.PathLike[str]) -> list[dict[str, Any]]:
         """Load a checkpoint into the model, optimizer, schedule and counters; return each worker's own state."""
         payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size))
-        self._load(TrainingState(payload["model"], payload["optimizer"], payload.get("lr_scheduler")))
+        self._parts.load(TrainingState(payload["model"], payload["optimizer"], payload.get("lr_scheduler"), payload.get("outer_optimizer")))
         self.counters = Counters(**payload["counters"])
         return list(payload["rng"])
 
@@ -214,6 +207,7 @@ class Builder:
         self._optimizer_fn: OptimizerFn | None = None
         self._before_step: BeforeStep | None = None
         self._lr_scheduler: SchedulerSpec | None = None
+        self._outer: OuterSpec | None = None
         self._validation: Batches | None = None
         self._validation_step: ValidationStep | None = None
         self._loss_fn: LossFn | None = torch.nn.functional.cross_entropy
@@ -251,6 +245,19 @@ class Builder:
         validation, or on the averaged loss without validation data. See README."""
         self._lr_scheduler = SchedulerSpec(scheduler, dict(kwargs), interval, monitor)
         return self
+
+    def outer_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Builder:
+        """DiLoCo / SlowMo: after each averaging every worker steps `cls(**kwargs)`, e.g. SGD(lr=0.7,
+        momentum=0.9, nesterov=True), on Δ = θ_start − average(θ). Default: none (keep the average)."""
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"outer_optimizer takes a torch.optim optimizer class and its kwargs, e.g. .outer_optimizer(torch.optim.SGD, lr=0.7); got {cls!r}")
+        self._outer = OuterSpec(cls, dict(kwargs))
+        return self
+
+    def warmup_sync_steps(self, n: int) -> Builder:
+        """Post-local SGD: the first `n` steps (over the wrapper's life) average gradients every
+        step, as SHARED_GRADIENTS does, then the averaging rounds begin. Default: 0."""
+        return self._set("warmup_sync_steps", n)
 
     def gradient_clipping(self, max_norm: float) -> Builder:
         """Clip each step's gradients to a total norm of `max_norm` (clip_grad_norm_), after
@@ -379,17 +386,10 @@ class Builder:
         job = Job(
             self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step,
             self._optimizer_fn, self._before_step, self._validation, self._validation_step, early_stopping_of(self._listeners),
-            self._lr_scheduler,
+            self._lr_scheduler, self._outer,
         )  # fmt: skip
-        if job.early_stopping is not None and job.validation_data is None:
-            raise ValueError("EarlyStopping stops on validation metrics: add .validation(data, every=...)")
-        if self._validation is not None and self._validation_step is None and self._loss_fn is None:
-            raise ValueError(
-                "validation: with .training_step(fn) the default metrics (val_loss, val_accuracy) have no "
-                "loss to use; pass .validation(data, step=fn) with fn(model, batch) -> {name: value}"
-            )
         torchrun = torchrun_env()
-        notes = check_job(job, sendable=torchrun is None)  # under torchrun nothing travels
+        notes = check_job(job, config, sendable=torchrun is None)  # under torchrun nothing travels
         check_listeners(self._listeners)
         placement = resolve(config, torchrun, explicit=self._options.keys())
         for note in [*notes, *placement.notes]:

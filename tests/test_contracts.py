@@ -181,7 +181,7 @@ def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
     state = TrainingState(model.state_dict(), {"state": {}, "param_groups": []})
     writer.save(state, counters, [{"torch": torch.get_rng_state()}] * 2)
     payload = torch.load(tmp_path / checkpoint.FILENAME, weights_only=False)
-    assert set(payload) == {"format", "fingerprint", "config", "model", "optimizer", "lr_scheduler", "counters", "rng"}
+    assert set(payload) == {"format", "fingerprint", "config", "model", "optimizer", "lr_scheduler", "outer_optimizer", "counters", "rng"}
     assert payload["format"] == checkpoint.FORMAT and payload["config"]["averaging_frequency"] == 3
     assert checkpoint.peek(tmp_path) == dataclasses.asdict(counters)
     assert checkpoint.load(tmp_path, checkpoint.fingerprint(config, job, 2))["counters"]["position"] == 4

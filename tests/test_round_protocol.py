@@ -69,7 +69,7 @@ def _one_round(rank: int, world: int, k: int, sizes: dict[int, list[int]]) -> li
     for cls, kwargs in OPTIMIZERS:
         model = bn_model()
         job = Job(model, cls, kwargs, nn.functional.cross_entropy, None)
-        replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
+        replica = Replica(model, job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
         replica.fit(1, ListSource(batches(rank, sizes[rank])), lambda r: None)
         out.append(flat_state(replica.model, replica.optimizer))
     return out
@@ -226,7 +226,7 @@ def counting_all_reduce() -> Iterator[list[int]]:
 def _rounds(rank: int, world: int, k: int, epochs: int) -> dict[str, Any]:
     model = plain_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
+    replica = Replica(model, job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
     with counting_all_reduce() as sent:
         replica.fit(epochs, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)
     owns_storage = all(
@@ -310,7 +310,7 @@ def _overlapped(rank: int, world: int, k: int, momentum: float) -> dict[str, Any
     model = plain_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": momentum}, nn.functional.cross_entropy, None)
     config = Config(workers=world, averaging_frequency=k, overlap_averaging=True)
-    replica = Replica(model, job.make_optimizer(model), job, config, CPU, rank, world)
+    replica = Replica(model, job, config, CPU, rank, world)
     reports: list[Any] = []
     replica.fit(1, ListSource(batches(rank, OVERLAP_SIZES[rank])), reports.append)
     return {"state": flat_state(replica.model, replica.optimizer), "rounds": replica.counters.rounds, "reports": reports}
@@ -380,7 +380,7 @@ def _frozen(rank: int, world: int) -> dict[str, Any]:
     model = plain_model()
     model[0].requires_grad_(False)  # the first layer is frozen: 6·8 + 8 numbers nobody moves
     job = Job(model, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job.make_optimizer(model), job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
+    replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
     with counting_all_reduce() as sent:
         replica.fit(1, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)  # uneven rounds
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "sent": sent}

@@ -71,7 +71,7 @@ class Worker:
         device = placement.device(local_rank)
         model = copy.deepcopy(job.model).to(device)
         self.replica = Replica(
-            model, job.make_optimizer(model), job, config, device, rank, placement.world_size,
+            model, job, config, device, rank, placement.world_size,
             group=group, hooks=hooks, budget=budget,
         )  # fmt: skip
         with torch.random.fork_rng(devices=[]):

@@ -21,10 +21,10 @@ from ..averaging import (
     signature_hash,
 )
 from ..config import Config, TrainingMode
-from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped, ValidationReport
+from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
 from .budget import Budget
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
-from .scores import ScoreBook, combine_validation
+from .scores import ScoreBook, validate
 from .trainer import Trainer
 
 
@@ -81,7 +81,8 @@ class Rounds:
         self.trainer, self.config, self.device, self.hooks, self.budget = trainer, config, device, hooks, budget
         self.rank, self.world_size, self.group = rank, world_size, group
         self.counters = Counters()
-        self._averaging = config.training_mode is TrainingMode.AVERAGING
+        self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
+        self._gradients_in_payload = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
         self._payload: FlatAverager | None = None
         self._payload_layout: int | None = None  # the state layout the payload was built for
         self._delta: DeltaAverager | None = None  # overlap_averaging's buffers ...
@@ -92,10 +93,16 @@ class Rounds:
         self._ahead: tuple[int, Any] | None = None  # a batch taken, not yet trained
         self._source: BatchSource | None = None
 
+    @property
+    def _averaging(self) -> bool:
+        """This round averages the state, not the gradients: AVERAGING, once the warm-up's
+        `warmup_sync_steps` synchronous steps (rounds, over the wrapper's life) are done."""
+        return self._averages_state and self.counters.rounds >= self.config.warmup_sync_steps
+
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
         self._payload = self._delta = None
-        self._reference = 0.0
+        self._gradients_in_payload, self._reference = False, 0.0
 
     def run(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
@@ -108,7 +115,7 @@ class Rounds:
         finally:
             if self._payload is not None:  # between fits, the model's tensors own their storage
                 self._payload.release()
-                self._payload = None
+                self._payload, self._gradients_in_payload = None, False
             self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.trainer.local_steps)
 
     def _epoch(self, report: Reporter) -> None:
@@ -157,6 +164,10 @@ class Rounds:
         says it finished: the epoch ends with that round, not one more round of zeros."""
         epoch, trainer = self.counters.epoch, self.trainer
         work = _Work(first_step=trainer.local_steps)
+        if self._averaging and self._gradients_in_payload:  # the warm-up is over: seamlessly, at a round's start
+            assert self._payload is not None
+            self._payload.release()
+            self._payload, self._gradients_in_payload = None, False
         if self._averaging:
             most = self.config.averaging_frequency if self.budget is None else math.inf
             step = trainer.train_step
@@ -228,7 +239,7 @@ class Rounds:
                     p.grad = torch.zeros_like(p)
             grads = [p.grad for p in params if p.grad is not None]  # all of them, just allocated
             self._payload = FlatAverager(grads + list(self.trainer.model.buffers()), self.device, HEADER_LEN)
-            self._payload_layout = 0
+            self._payload_layout, self._gradients_in_payload = 0, True
         return self._payload
 
     def _average_anew(self, share: float, agree: bool) -> None:
@@ -268,8 +279,10 @@ class Rounds:
             payload.apply(reference / totals.samples)
         if not self._averaging:
             self.trainer.step()  # the same averaged gradients on every worker
-        elif payload is None or not totals.layouts_agree:
-            self._average_anew(work.weight / totals.samples, agree=not totals.layouts_agree)
+        else:
+            if payload is None or not totals.layouts_agree:
+                self._average_anew(work.weight / totals.samples, agree=not totals.layouts_agree)
+            self.trainer.averaged()
         self._reference = totals.samples
         return totals
 
@@ -362,16 +375,6 @@ class Rounds:
     def _validation_due(self, rounds: int) -> bool:
         return self.trainer.validates and rounds % self.config.validation_every == 0
 
-    def _validate(self, report: Reporter) -> bool:
-        """Every worker scores its share and one gather merges them in rank order: nobody idles."""
-        local = self.trainer.validation_sums(self.rank, self.world_size)
-        assert local is not None, "validated without validation data"
-        shares: list[Any] = [None] * self.world_size
-        dist.all_gather_object(shares, local, group=self.group)
-        metrics = combine_validation(shares)
-        report(ValidationReport(dataclasses.replace(self.counters), metrics))
-        return self.trainer.after_validation(metrics)
-
     def _after_landing(self, totals: RoundTotals, epoch_done: bool, book: ScoreBook) -> None:
         """After a round every replica holds the average: validate when due and at an epoch's
         end, then report the epoch's end; checkpoint when due, at an epoch's end and at a stop
@@ -379,7 +382,7 @@ class Rounds:
         any worker was asked to."""
         trained = totals.samples > 0
         early = self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds)))
-        early = early and self._validate(book.report)  # True: early stopping ends the fit here
+        early = early and validate(self.trainer, self.counters, book.report, self.group, self.rank, self.world_size)
         final = epoch_done or totals.stop > 0 or early
         if epoch_done:
             book.report(EpochReport(dataclasses.replace(self.counters), self.counters.epoch - 1, book.whole.score))

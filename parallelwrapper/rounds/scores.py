@@ -1,14 +1,18 @@
 """Score windows: the sample-weighted mean loss since the last report and over the epoch, and
 the reports a worker makes of them (every round, every k steps, or once per epoch); and the
-validation metrics combined from every worker's share."""
+validation: every worker's share scored, combined and reported."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from ..types import Counters, Reporter, RoundReport
+import torch.distributed as dist
+
+from ..types import Counters, Reporter, RoundReport, ValidationReport
 from .header import RoundTotals
+from .trainer import Trainer
 
 
 @dataclass
@@ -55,3 +59,15 @@ def combine_validation(shares: list[tuple[dict[str, float], int]]) -> dict[str, 
             sums[name] = sums.get(name, 0.0) + value
     count = sum(n for _, n in shares)
     return {name: value / count for name, value in sums.items()} if count else {}
+
+
+def validate(trainer: Trainer, counters: Counters, report: Reporter, group: dist.ProcessGroup | None, rank: int, world_size: int) -> bool:
+    """Every worker scores its share and one gather merges them in rank order, so nobody idles;
+    the metrics are reported and handed to the trainer. True: early stopping ends the fit."""
+    local = trainer.validation_sums(rank, world_size)
+    assert local is not None, "validated without validation data"
+    shares: list[Any] = [None] * world_size
+    dist.all_gather_object(shares, local, group=group)
+    metrics = combine_validation(shares)
+    report(ValidationReport(dataclasses.replace(counters), metrics))
+    return trainer.after_validation(metrics)

@@ -39,6 +39,9 @@ class Trainer(Protocol):
     def own_state(self) -> dict[str, Any]:
         """This worker's own state for a checkpoint (its RNG's, its loss scale's)."""
 
+    def averaged(self) -> None:
+        """AVERAGING: the model holds the round's average (the outer optimizer steps from it)."""
+
     def landed(self, counters: Counters, score: float, epoch_done: bool) -> None:
         """A round has landed: `counters` and `score` are the same on every worker."""
 

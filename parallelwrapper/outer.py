@@ -1,0 +1,56 @@
+"""The outer optimizer of DiLoCo and SlowMo: after each averaging, one step of a second optimizer
+on the round's pseudo-gradient.
+
+At a round's start every worker holds the same parameters θ_start (the anchor). After the round's
+local steps and the averaging, each worker sets Δ = θ_start − average(θ) as the anchor's gradient
+and takes one step of the outer optimizer on the anchor; the result is the next round's θ_start,
+and the model's parameters are set to it. Every worker computes the same step from the same
+average and the same state, so the outer optimizer's state never needs averaging. Plain
+averaging is the outer step SGD(lr=1): θ_start − 1·Δ = average(θ).
+
+Buffers and the inner optimizer's state are averaged as without an outer optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import OuterSpec
+
+
+class OuterStep:
+    """One worker's anchor (θ_start) and outer optimizer, over the model's trainable parameters."""
+
+    def __init__(self, spec: OuterSpec, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        self.optimizer = spec.build(self.anchor)
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """The model's parameters were loaded (a fit() starts, a checkpoint resumes, a best state
+        is restored): they are the anchor now."""
+        for a, p in zip(self.anchor, self.params, strict=True):
+            a.copy_(p)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """After an averaging: the model holds average(θ); move the anchor by the outer optimizer
+        on Δ = anchor − average(θ) and put the result in the model."""
+        for a, p in zip(self.anchor, self.params, strict=True):
+            a.grad = a - p
+        self.optimizer.step()
+        for a, p in zip(self.anchor, self.params, strict=True):
+            p.copy_(a)
+            a.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+__all__ = ["OuterStep"]

@@ -1,0 +1,54 @@
+"""The parts of one copy of the training: a model, its optimizer, and what `.lr_scheduler(...)` and
+`.outer_optimizer(...)` add to it, with the one `TrainingState` they are saved and loaded as.
+
+Each worker holds one (worker.Replica, on its copy of the model), and the wrapper holds one on
+the user's model: a fit() starts every worker from the wrapper's state and ends by loading rank
+0's into it, and a checkpoint is the same state on disk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .batches import to_cpu
+from .config import Job
+from .outer import OuterStep
+from .schedule import Schedule, make_schedule
+from .types import TrainingState
+
+
+class Parts:
+    """A model and its optimizer, schedule and outer optimizer (each built as the job says)."""
+
+    def __init__(self, model: torch.nn.Module, job: Job, world_size: int) -> None:
+        self.model = model
+        self.optimizer = job.make_optimizer(model)
+        self.schedule: Schedule | None = make_schedule(job.lr_scheduler, self.optimizer, world_size)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trainable)
+
+    def state(self) -> TrainingState:
+        """Every part's state, on the CPU."""
+        return TrainingState(
+            to_cpu(self.model.state_dict()),
+            to_cpu(self.optimizer.state_dict()),
+            None if self.schedule is None else self.schedule.state_dict(),
+            None if self.outer is None else to_cpu(self.outer.state_dict()),
+        )
+
+    def load(self, state: TrainingState) -> None:
+        """Load every part's state; the optimizers cast theirs to their parameters' device."""
+        self.model.load_state_dict(state.model)
+        # Every worker receives the same shared-memory tensors, and an optimizer keeps the tensors
+        # it loads when they already have the right device and dtype (Adam's step is increased
+        # in place): without a copy, the workers would step one shared counter.
+        self.optimizer.load_state_dict(to_cpu(state.optimizer))
+        if self.schedule is not None and state.lr_scheduler is not None:
+            self.schedule.load_state_dict(state.lr_scheduler)
+        if self.outer is not None:
+            self.outer.restart()  # the loaded parameters are the next round's start
+            if state.outer_optimizer is not None:
+                self.outer.load_state_dict(to_cpu(state.outer_optimizer))
+
+
+__all__ = ["Parts"]

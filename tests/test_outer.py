@@ -1,0 +1,176 @@
+"""Beyond plain averaging: the outer optimizer (DiLoCo / SlowMo) and the post-local-SGD warm-up,
+with real gloo collectives. Outer parity: after each round every replica equals a one-process
+computation of the outer step on the averaged pseudo-gradient; warm-up: the first steps are
+SHARED_GRADIENTS exactly, and the switch loses and repeats no batch."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from groups import run_group
+from parallelwrapper import ParallelWrapper, TrainingMode
+from parallelwrapper.config import Config, Job, OuterSpec
+from parallelwrapper.worker import Replica
+from test_round_protocol import CPU, ListSource, batches, bn_model, one_thread
+
+pytestmark = pytest.mark.timeout(120)
+
+OUTERS: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+    (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True}),
+    (torch.optim.Adam, {"lr": 0.05}),
+]
+SIZES = [8, 8, 8, 8]  # each worker: two rounds of k = 2 steps
+
+
+def _rounds_with_outer(rank: int, world: int, which: int) -> dict[str, Any]:
+    model = bn_model()
+    job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTERS[which]))
+    replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
+    replica.fit(1, ListSource(batches(rank, SIZES)), lambda r: None)
+    assert replica.parts.outer is not None
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "outer": replica.parts.outer.state_dict()}
+
+
+@one_thread()
+def reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Two rounds in one process: each worker's k steps from the round's start, the mean of the
+    replicas' states, then the outer step from the start on Δ = start − mean."""
+    model = bn_model()
+    anchor = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    cls, kwargs = OUTERS[which]
+    outer = cls(anchor, **kwargs)
+    data = {rank: batches(rank, SIZES) for rank in range(world)}
+    for r in range(2):
+        states = []
+        for rank in range(world):
+            replica = bn_model()
+            replica.load_state_dict(model.state_dict())
+            inner = torch.optim.SGD(replica.parameters(), lr=0.1)
+            for x, y in data[rank][2 * r : 2 * r + 2]:
+                inner.zero_grad()
+                nn.functional.cross_entropy(replica(x), y).backward()
+                inner.step()
+            states.append(replica.state_dict())
+        mean = {k: sum(s[k].double() for s in states) / world for k in states[0]}
+        model.load_state_dict({k: v.round().long() if k.endswith("num_batches_tracked") else v.float() for k, v in mean.items()})
+        with torch.no_grad():
+            for a, p in zip(anchor, model.parameters(), strict=True):
+                a.grad = a - p
+            outer.step()
+            for a, p in zip(anchor, model.parameters(), strict=True):
+                p.copy_(a)
+    return model.state_dict(), outer.state_dict()
+
+
+@pytest.mark.parametrize("which", range(len(OUTERS)), ids=["sgd-nesterov", "adam"])
+def test_outer_step_equals_a_one_process_computation_on_the_averaged_delta(which: int) -> None:
+    results = run_group(_rounds_with_outer, 2, which)
+    expected, outer = reference(which)
+    for key, value in expected.items():
+        assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+    for i, state in outer["state"].items():  # the outer optimizer's state: the same on both, as one process has it
+        for name, value in state.items():
+            assert torch.equal(results[0]["outer"]["state"][i][name], results[1]["outer"]["state"][i][name])
+            torch.testing.assert_close(results[0]["outer"]["state"][i][name], value, rtol=1e-6, atol=1e-6)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def make_batches(n: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 10, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
+
+
+def test_outer_state_survives_fits_and_resume_bitwise(tmp_path: Path) -> None:
+    def builder(directory: Path) -> Any:
+        return (
+            ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9).workers(2).threads_per_worker(1)
+            .averaging_frequency(2).deterministic(True).checkpoint(directory, every=100)
+            .outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        )  # fmt: skip
+
+    def final(w: Any) -> list[torch.Tensor]:
+        momenta = [s["momentum_buffer"] for s in w.outer_optimizer.state_dict()["state"].values()]
+        return [p.detach().clone() for p in w.model.parameters()] + momenta
+
+    data = make_batches(6)
+    with builder(tmp_path / "a").build() as w:
+        w.fit(data, epochs=3)
+        straight = final(w)
+        assert len(straight) == 8  # 4 parameters, 4 momentum buffers of the outer step
+    with builder(tmp_path / "b").build() as w:
+        w.fit(data, epochs=2)
+        w.fit(data)
+        assert all(torch.equal(a, b) for a, b in zip(straight, final(w), strict=True))
+    with builder(tmp_path / "c").build() as w:
+        w.fit(data, epochs=2)
+    with builder(tmp_path / "c").build() as w:
+        w.fit(data, epochs=3, resume=tmp_path / "c")
+        assert all(torch.equal(a, b) for a, b in zip(straight, final(w), strict=True))
+
+
+def test_outer_optimizer_refuses_what_has_no_round_average() -> None:
+    base = ParallelWrapper.builder(mlp()).workers(1).outer_optimizer(torch.optim.SGD, lr=0.7)
+    with pytest.raises(ValueError, match=r"outer_optimizer steps on each round's average"):
+        base.overlap_averaging(True).build()
+    with pytest.raises(ValueError, match=r"outer_optimizer takes a torch.optim optimizer class"):
+        ParallelWrapper.builder(mlp()).outer_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^outer_optimizer: torch.optim.sgd.SGD\(\{'lr': -1\}\) failed: ValueError"):
+        ParallelWrapper.builder(mlp()).workers(1).outer_optimizer(torch.optim.SGD, lr=-1).build()
+
+
+# -- warm-up ----------------------------------------------------------------------------------------
+
+
+def state_of(w: Any) -> list[torch.Tensor]:
+    momenta = [s["momentum_buffer"] for s in w.optimizer.state_dict()["state"].values()]
+    return [p.detach().clone() for p in w.model.parameters()] + momenta
+
+
+def test_warmup_is_shared_gradients_exactly_then_averaging_without_a_lost_batch() -> None:
+    """3 synchronous steps (6 batches on 2 workers), then rounds of k = 2: the same model, bitwise,
+    as SHARED_GRADIENTS on the first 6 batches followed by averaging on the other 4."""
+    data = make_batches(10)
+
+    def builder(mode: TrainingMode, warmup: int = 0) -> Any:
+        return (
+            ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9).workers(2).threads_per_worker(1)
+            .deterministic(True).training_mode(mode).averaging_frequency(2).warmup_sync_steps(warmup)
+        )  # fmt: skip
+
+    with builder(TrainingMode.AVERAGING, warmup=3).build() as w:
+        history = w.fit(data)
+        warmed = state_of(w)
+        assert (w.counters.rounds, w.counters.iterations, w.counters.samples) == (3 + 1, 10, 10 * 16)
+        assert history.epochs[0].iteration == 10
+    with builder(TrainingMode.SHARED_GRADIENTS).build() as shared:
+        shared.fit(data[:6])
+        with builder(TrainingMode.AVERAGING).build() as averaging:
+            averaging.model.load_state_dict(shared.model.state_dict())
+            averaging.optimizer.load_state_dict(shared.optimizer.state_dict())
+            averaging.fit(data[6:])
+            assert all(torch.equal(a, b) for a, b in zip(warmed, state_of(averaging), strict=True))
+    with builder(TrainingMode.AVERAGING, warmup=5).build() as w:  # the warm-up outlasts the epoch
+        w.fit(data)
+        assert w.counters.rounds == 5
+        with builder(TrainingMode.SHARED_GRADIENTS).build() as shared:
+            shared.fit(data)
+            assert all(torch.equal(a, b) for a, b in zip(state_of(w), state_of(shared), strict=True))
+    assert math.isfinite(history.epochs[0].score)
+
+
+def test_warmup_needs_averaging_rounds_to_switch_to() -> None:
+    with pytest.raises(ValueError, match=r"warmup_sync_steps switches from shared gradients to averaging rounds"):
+        ParallelWrapper.builder(mlp()).workers(1).overlap_averaging(True).warmup_sync_steps(10).build()
+    with pytest.raises(ValueError, match=r"warmup_sync_steps must be an int >= 0"):
+        ParallelWrapper.builder(mlp()).workers(1).warmup_sync_steps(-1).build()
