@@ -7,6 +7,7 @@ option, a missing data directory) become click errors, without a traceback.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,6 +15,8 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
+from . import checkpoint
+from .checkpoint import CheckpointError
 from .compare import CompareOptions, compare
 from .config import PRECISIONS, TrainingMode
 from .data.mnist import MnistFilesMissing
@@ -81,11 +84,14 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save a checkpoint here every --checkpoint-every rounds, at each epoch's end and on Ctrl-C.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=50, show_default=True, help="Rounds between checkpoints.")
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Continue the run whose checkpoint is in this directory (same options; --epochs counts from the run's start).")
+@click.option("--val-every", type=click.IntRange(min=0), default=0, show_default=True, help="Also validate on the test set every N averagings (0: at each epoch's end only); val_loss and val_accuracy go to the progress bar and metrics.jsonl.")
+@click.option("--early-stopping-patience", type=click.IntRange(min=1), default=None, help="Stop when val_loss has not improved for this many validations (needs --val-every). Default: off.")
 @click.pass_context
 def main(ctx: click.Context, /, mode: str, **kwargs: Any) -> None:
     """Train a model on MNIST with a ParallelWrapper (DL4J's multi-GPU LeNet example by default),
-    showing the averaged score, the test accuracy after each epoch and, at the end, the test
-    accuracy, samples per second and wall time.
+    showing where the workers run (devices, backend), the averaged score, each epoch's mean
+    training loss and test accuracy and, at the end, the test accuracy, samples per second while
+    training and over the wall time. With checkpoints, Ctrl-C prints the command that resumes.
 
     `pw-fit compare --help` compares shared gradients against averaging frequencies."""
     if ctx.invoked_subcommand is not None:
@@ -94,8 +100,38 @@ def main(ctx: click.Context, /, mode: str, **kwargs: Any) -> None:
             raise click.UsageError(f"{', '.join(given)} given before '{ctx.invoked_subcommand}': options go after the command, e.g. pw-fit compare --workers 2")
         return
     options = _make(RunOptions, mode=TrainingMode(mode), **kwargs)
-    summary = _call(train_mnist, options)
+    try:
+        summary = _call(train_mnist, options)
+    except KeyboardInterrupt:
+        saved = options.checkpoint_dir or options.resume
+        if saved is None:
+            raise  # nothing to resume from: click says "Aborted!"
+        click.echo(f"\n{_resume_hint(ctx, saved)}", err=True)  # below the progress bar's line
+        ctx.exit(130)  # as a shell reports a process that SIGINT ended
     click.echo(summary.describe())
+
+
+def _resume_hint(ctx: click.Context, directory: Path) -> str:
+    """Where an interrupted run's checkpoint is, and the command that carries on from it: this
+    one's options as given, with --resume."""
+    try:
+        at = checkpoint.peek(directory)
+    except CheckpointError:
+        return f"Interrupted before the first checkpoint was saved in {directory}: nothing to resume, run the command again."
+    args = [ctx.command_path]
+    for param in ctx.command.params:
+        name = param.name or ""
+        if name == "resume" or ctx.get_parameter_source(name) is ParameterSource.DEFAULT:
+            continue
+        value = ctx.params[name]
+        if isinstance(param, click.Option) and param.is_flag:
+            args.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            args += [param.opts[0], str(value)]
+    return (
+        f"Interrupted: the checkpoint in {directory} holds epoch {at['epoch']}, {at['position']} batches in "
+        f"({at['rounds']} averagings). Carry on with:\n  {shlex.join([*args, '--resume', str(directory)])}"
+    )
 
 
 def _frequencies(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:

@@ -3,9 +3,11 @@
     summary = train_mnist(RunOptions(workers=2, epochs=1, data_dir=Path("../shared/data/mnist")))
 
 It builds the model from a seed, configures a `ParallelWrapper` from the options (which mirror
-the builder's), fits one epoch at a time (the workers live across `fit()` calls) and evaluates the
-averaged model on the test set after each epoch. With `out`, it writes `metrics.jsonl` (one record
-per averaged score and per epoch), `summary.json` and the trained model's `model.pt`.
+the builder's) and fits all epochs in one `fit()`, each epoch's batches shuffled by seed + epoch.
+The workers score the averaged model on the test set at each epoch's end (and every `val_every`
+averagings, for early stopping), as the builder's validation. With `out`, it writes
+`metrics.jsonl` (one record per averaged score, validation and epoch), `summary.json` and the
+trained model's `model.pt`.
 
 Defaults follow DL4J's multi-GPU MNIST example: LeNet, batch 128, prefetch 24, 2 workers,
 averaging every 3 iterations, Nesterov momentum, seed 123.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +31,7 @@ from . import checkpoint
 from .config import PRECISIONS, TrainingMode, check_int
 from .env import gpu_count, gpu_devices
 from .data.mnist import MnistSplit, load_mnist
-from .listeners import JsonlWriter, ProgressBar, Score
+from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation
 from .models import MODEL_NAMES, build_model
 from .wrapper import Builder, ParallelWrapper
 
@@ -86,6 +89,8 @@ class RunOptions:
     resume: Path | None = None  # a checkpoint directory to continue from (and to keep saving to)
     precision: str = "32"  # or "bf16-mixed" (Builder.precision)
     clip_grad_norm: float | None = None  # Builder.gradient_clipping(max_norm)
+    val_every: int = 0  # validate on the test set every N averagings too (0: at epoch ends only)
+    early_stopping_patience: int | None = None  # stop after this many validations without a better val_loss
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
@@ -93,6 +98,14 @@ class RunOptions:
         check_int("epochs", self.epochs)
         check_int("batch_size", self.batch_size)
         check_int("checkpoint_every", self.checkpoint_every)
+        check_int("val_every", self.val_every, 0)
+        if self.early_stopping_patience is not None:
+            check_int("early_stopping_patience", self.early_stopping_patience)
+            if self.val_every == 0:
+                raise ValueError(
+                    "early stopping watches the validation loss, which only periodic validations give it: "
+                    "add --val-every N (val_every=N) to --early-stopping-patience"
+                )
         for name in ("train_samples", "test_samples"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
@@ -128,19 +141,23 @@ class RunOptions:
 class Summary:
     """The outcome of a run; `summary.json` is `to_json()`."""
 
-    test_accuracy: float
+    test_accuracy: float  # the trained model on the test set (its last validation)
     test_loss: float
-    samples_per_second: float  # training samples / seconds inside fit() (worker start-up included)
-    wall_seconds: float  # the whole run: data loading, training, evaluation
-    train_seconds: float
+    train_samples_per_second: float | None  # samples / train_seconds (None: no two reports apart)
+    wall_samples_per_second: float  # this session's samples / wall_seconds
+    train_seconds: float  # between reports across which samples were trained: no start-up, no validation
+    wall_seconds: float  # the whole run: data loading, worker start-up, training, validation
     epochs: int
     workers: int
     averaging_frequency: int
     mode: str
-    samples: int  # training samples seen, all workers together
+    samples: int  # training samples seen, all workers together, since the run began (a resumed run's too)
+    session_samples: int  # of which this session trained
     iterations: int  # batches trained, all workers together
     rounds: int  # averagings (shared-gradients: optimizer steps)
-    final_score: float  # mean training loss of the last epoch
+    final_epoch_loss: float | None  # mean training loss over the last whole epoch
+    last_round_score: float | None  # the last averaging's score: its round's mean loss
+    stopped_early_at_round: int | None = None  # where early stopping ended the run
     epoch_accuracies: list[float] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -148,9 +165,12 @@ class Summary:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
+        train = f"{self.train_samples_per_second:,.0f}" if self.train_samples_per_second is not None else "n/a"
+        stopped = f"early stopping ended the run at averaging {self.stopped_early_at_round}\n" if self.stopped_early_at_round else ""
         return (
-            f"test accuracy {self.test_accuracy:.4f}, {self.samples_per_second:.0f} samples/s, "
-            f"wall time {self.wall_seconds:.1f} s"
+            f"{stopped}test accuracy {self.test_accuracy:.4f}, test loss {self.test_loss:.4f}\n"
+            f"{train} samples/s while training (start-up and validation excluded), "
+            f"{self.wall_samples_per_second:,.0f} samples/s over the wall time of {self.wall_seconds:.1f} s (all included)"
         )
 
 
@@ -216,41 +236,72 @@ def epoch_batches(train: MnistSplit, options: RunOptions, epoch: int) -> list[Ba
 
 
 def eval_batches(test: MnistSplit, batch_size: int = 1000) -> list[Batch]:
-    """The test split in large batches, unshuffled: evaluation only."""
-    return test.batches(batch_size)
+    """The test split in large batches, unshuffled, each its own tensors: as validation data they
+    are pickled to every worker, and a view of the whole split would carry all of it each time."""
+    return [(x.clone(), y.clone()) for x, y in test.batches(batch_size)]
 
 
-# -- metrics.jsonl ---------------------------------------------------------------------------------
+# -- what a run reports -----------------------------------------------------------------------------
 
 
-class MetricsLog:
-    """`metrics.jsonl`: a "score" record per averaged score and an "epoch" record per epoch,
-    every record with step, iteration, samples, epoch, score and seconds since the run started;
-    epoch records add test_accuracy and test_loss. A listener for the scores; the epoch records
-    are written after evaluation, by `epoch()`."""
+class RunLog:
+    """A listener that keeps a run's record: a line per epoch through `echo` (its mean training
+    loss and the epoch-end validation's test metrics), `metrics.jsonl` when given a path, and the
+    training clock.
 
-    def __init__(self, path: Path, start: float) -> None:
-        self.path, self._start = path, start
-        # Opened at the first record: a run that fails before training leaves no empty file.
-        self._writer: JsonlWriter | None = None
+    `metrics.jsonl` has a "score" record per averaged score (the round's mean loss), a "validation"
+    record per validation (val_loss, val_accuracy) and an "epoch" record per epoch (epoch_loss,
+    test_loss, test_accuracy), each with step, iteration, samples, epoch and seconds since `start`.
 
-    def _write(self, kind: str, record: dict[str, Any]) -> None:
+    The clock counts the time between two reports across which samples were trained: not the
+    start-up before the first report, nor the time a validation takes."""
+
+    def __init__(self, start: float, echo: Callable[[str], None] | None = None, path: Path | None = None) -> None:
+        self._start, self._echo, self.path = start, echo, path
+        self._writer: JsonlWriter | None = None  # opened at the first record: a failed start leaves no file
+        self._validation: dict[str, float] = {}
+        self._step = 0  # averagings so far, as the last score or validation said
+        self._last: tuple[float, int] | None = None
+        self.train_seconds, self.train_samples = 0.0, 0
+        self.epoch_accuracies: list[float] = []
+
+    def _tick(self, seconds: float, samples: int) -> None:
+        if self._last is not None and samples > self._last[1]:
+            self.train_seconds += seconds - self._last[0]
+            self.train_samples += samples - self._last[1]
+        self._last = (seconds, samples)
+
+    def _write(self, kind: str, at: Score | Validation | EpochEnd, **fields: float) -> None:
+        if self.path is None:
+            return
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")  # this run's record, not appended to an older run's
+            self.path.write_text("")  # this run's records, not appended to an older run's
             self._writer = JsonlWriter(self.path)
-        self._writer.write(kind, record)
+        step = at.round if not isinstance(at, EpochEnd) else self._step
+        record = {"step": step, "iteration": at.iteration, "samples": at.samples, "epoch": at.epoch}
+        self._writer.write(kind, {**record, **fields, "seconds": time.perf_counter() - self._start})
 
     def on_score(self, score: Score) -> None:
-        self._write("score", self._record(score.round, score.iteration, score.samples, score.epoch, score.score))
+        self._tick(score.seconds, score.samples)
+        self._step = score.round
+        self._write("score", score, score=score.score)
 
-    def epoch(self, wrapper: ParallelWrapper, epoch: int, score: float, evaluation: dict[str, float]) -> None:
-        record = self._record(wrapper.rounds, wrapper.iterations, wrapper.samples, epoch, score)
-        self._write("epoch", {**record, "test_accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"]})
+    def on_validation(self, validation: Validation) -> None:
+        self._tick(validation.seconds, validation.samples)
+        self._validation, self._step = validation.metrics, validation.round
+        self._write("validation", validation, **validation.metrics)
 
-    def _record(self, step: int, iteration: int, samples: int, epoch: int, score: float) -> dict[str, Any]:
-        seconds = time.perf_counter() - self._start
-        return {"step": step, "iteration": iteration, "samples": samples, "epoch": epoch, "score": score, "seconds": seconds}
+    def on_epoch_end(self, epoch: EpochEnd) -> None:
+        self._tick(epoch.seconds, epoch.samples)
+        test = {"test_loss": self._validation["val_loss"], "test_accuracy": self._validation["val_accuracy"]}
+        self.epoch_accuracies.append(test["test_accuracy"])
+        self._write("epoch", epoch, epoch_loss=epoch.score, **test)
+        if self._echo is not None:
+            self._echo(
+                f"epoch {epoch.epoch}: mean training loss {epoch.score:.4f}, "
+                f"test accuracy {test['test_accuracy']:.4f}, test loss {test['test_loss']:.4f}"
+            )
 
     def close(self) -> None:
         if self._writer is not None:
@@ -259,65 +310,62 @@ class MetricsLog:
 
 # -- the run ---------------------------------------------------------------------------------------
 
+# pw-fit validates at every epoch's end: that is its test accuracy per epoch. Without --val-every,
+# at epoch ends only: no run has this many averagings.
+_EPOCH_ENDS_ONLY = sys.maxsize
+
 
 def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[str], None] = print) -> Summary:
-    """Train `options.model` on MNIST with a ParallelWrapper and evaluate it after every epoch.
+    """Train `options.model` on MNIST with a ParallelWrapper, validating on the test set at each
+    epoch's end (and every `val_every` averagings).
 
-    `progress` shows a bar with the averaged score and a line per epoch (through `echo`).
+    `progress` shows where the workers run, a bar with the averaged score and a line per epoch
+    (through `echo`).
     """
     start = time.perf_counter()
     model = initial_model(options)
-    metrics = MetricsLog(options.out / "metrics.jsonl", start) if options.out is not None else None
     train, test = load_splits(options)
-    batches_per_epoch = math.ceil(len(train) / options.batch_size)
-    listeners: list[Any] = [ProgressBar(batches_per_epoch)] if progress else []
-    if metrics is not None:
-        listeners.append(metrics)
-    wrapper = builder(model, options, listeners).build()
-    test_data = eval_batches(test)
-    accuracies: list[float] = []
-    train_seconds = 0.0
-    final_score = math.nan
-    evaluation: dict[str, float] = {}
-    # Resuming: finish the checkpoint's epoch first (fit counts `epochs` from the run's start).
-    first = checkpoint.peek(options.resume)["epoch"] if options.resume is not None else 0
-    if first >= options.epochs:
-        raise ValueError(f"the checkpoint in {options.resume} has trained {first} epochs already: pass --epochs > {first}")
+    # Resuming: fit() counts `epochs` from the run's start and goes on from the checkpoint's place.
+    restored = checkpoint.peek(options.resume) if options.resume is not None else {"epoch": 0, "samples": 0}
+    if restored["epoch"] >= options.epochs:
+        raise ValueError(
+            f"the checkpoint in {options.resume} has trained {restored['epoch']} epochs already: pass --epochs > {restored['epoch']}"
+        )
+    log = RunLog(start, echo if progress else None, options.out / "metrics.jsonl" if options.out is not None else None)
+    listeners: list[Any] = [ProgressBar(math.ceil(len(train) / options.batch_size))] if progress else []
+    stopper = EarlyStopping("val_loss", options.early_stopping_patience) if options.early_stopping_patience else None
+    listeners += [log] if stopper is None else [log, stopper]
+    wrapper = builder(model, options, listeners).validation(eval_batches(test), every=options.val_every or _EPOCH_ENDS_ONLY).build()
+    if progress:
+        echo(f"{options.model} on {len(train):,} MNIST training images: {wrapper.placement}")
+    epochs = iter(range(restored["epoch"], options.epochs))
     try:
-        with wrapper:
-            for epoch in range(first, options.epochs):
-                fit_start = time.perf_counter()
-                batches = epoch_batches(train, options, epoch)
-                if epoch == first and options.resume is not None:
-                    history = wrapper.fit(batches, epochs=epoch + 1, resume=options.resume)
-                else:
-                    history = wrapper.fit(batches, epochs=1)
-                train_seconds += time.perf_counter() - fit_start
-                final_score = history.final_score
-                evaluation = wrapper.evaluate(test_data)
-                accuracies.append(evaluation["accuracy"])
-                if metrics is not None:
-                    metrics.epoch(wrapper, epoch, final_score, evaluation)
-                if progress:
-                    echo(f"epoch {epoch}: test accuracy {evaluation['accuracy']:.4f}, test loss {evaluation['loss']:.4f}")
+        with wrapper:  # fit() asks for each epoch's batches in turn
+            history = wrapper.fit(lambda: epoch_batches(train, options, next(epochs)), epochs=options.epochs, resume=options.resume)
     finally:
-        if metrics is not None:
-            metrics.close()
+        log.close()
+    final = history.validations[-1].metrics  # the trained model's: at the last epoch's end, or where it stopped
+    wall = time.perf_counter() - start
+    session_samples = wrapper.samples - restored["samples"]
     summary = Summary(
-        test_accuracy=evaluation["accuracy"],
-        test_loss=evaluation["loss"],
-        samples_per_second=wrapper.samples / train_seconds,
-        wall_seconds=time.perf_counter() - start,
-        train_seconds=train_seconds,
+        test_accuracy=final["val_accuracy"],
+        test_loss=final["val_loss"],
+        train_samples_per_second=log.train_samples / log.train_seconds if log.train_seconds > 0 else None,
+        wall_samples_per_second=session_samples / wall,
+        train_seconds=log.train_seconds,
+        wall_seconds=wall,
         epochs=options.epochs,
         workers=options.workers,
         averaging_frequency=options.averaging_frequency,
         mode=options.mode.value,
         samples=wrapper.samples,
+        session_samples=session_samples,
         iterations=wrapper.iterations,
         rounds=wrapper.rounds,
-        final_score=final_score,
-        epoch_accuracies=accuracies,
+        final_epoch_loss=history.epochs[-1].score if history.epochs else None,
+        last_round_score=history.scores[-1].score if history.scores else None,
+        stopped_early_at_round=stopper.stopped_round if stopper is not None else None,
+        epoch_accuracies=log.epoch_accuracies,
         options=options_json(options),
     )
     if options.out is not None:
@@ -329,7 +377,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
 __all__ = [
     "DEVICES",
     "OPTIMIZERS",
-    "MetricsLog",
+    "RunLog",
     "RunOptions",
     "Summary",
     "builder",

@@ -11,9 +11,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from parallelwrapper import TrainingMode, cli, run
+from parallelwrapper import TrainingMode, checkpoint, cli, run
 from parallelwrapper.compare import CSV_FIELDS, CompareOptions
 from parallelwrapper.data.mnist import FILES
 from parallelwrapper.models import LeNet
@@ -30,17 +33,20 @@ from parallelwrapper.run import RunOptions, Summary
 SUMMARY_TYPES: dict[str, type | tuple[type, ...]] = {
     "test_accuracy": float,
     "test_loss": float,
-    "samples_per_second": float,
-    "wall_seconds": float,
+    "train_samples_per_second": float,
+    "wall_samples_per_second": float,
     "train_seconds": float,
+    "wall_seconds": float,
     "epochs": int,
     "workers": int,
     "averaging_frequency": int,
     "mode": str,
     "samples": int,
+    "session_samples": int,
     "iterations": int,
     "rounds": int,
-    "final_score": float,
+    "final_epoch_loss": float,
+    "last_round_score": float,
     "epoch_accuracies": list,
     "options": dict,
 }
@@ -50,9 +56,9 @@ RECORD_TYPES: dict[str, type | tuple[type, ...]] = {
     "iteration": int,
     "samples": int,
     "epoch": int,
-    "score": float,
     "seconds": float,
 }
+FIELDS = {"score": {"score": float}, "validation": {"val_loss": float, "val_accuracy": float}, "epoch": {"epoch_loss": float, "test_loss": float, "test_accuracy": float}}
 
 
 def invoke(*args: str) -> Result:
@@ -77,7 +83,12 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     def fake_train(options: RunOptions) -> Summary:
         seen["train"] = options
-        return Summary(0.99, 0.03, 1000.0, 2.0, 1.0, options.epochs, options.workers, options.averaging_frequency, options.mode.value, 10, 1, 1, 0.1)
+        return Summary(
+            test_accuracy=0.99, test_loss=0.03, train_samples_per_second=1000.0, wall_samples_per_second=500.0,
+            train_seconds=1.0, wall_seconds=2.0, epochs=options.epochs, workers=options.workers,
+            averaging_frequency=options.averaging_frequency, mode=options.mode.value, samples=1000, session_samples=1000,
+            iterations=8, rounds=1, final_epoch_loss=0.1, last_round_score=0.09,
+        )  # fmt: skip
 
     def fake_compare(options: CompareOptions) -> list[Any]:
         seen["compare"] = options
@@ -96,7 +107,9 @@ def test_defaults_follow_dl4j_example(captured: dict[str, Any]) -> None:
     assert (o.workers, o.prefetch_buffer, o.averaging_frequency, o.batch_size, o.seed) == (2, 24, 3, 128, 123)
     assert o.report_score_after_averaging and o.average_updaters and o.mode is TrainingMode.AVERAGING
     assert (o.optimizer, o.model, o.device, o.data_dir, o.out) == ("nesterov", "lenet", "auto", None, None)
-    assert "test accuracy 0.9900" in result.output and "samples/s" in result.output and "wall time" in result.output
+    assert "test accuracy 0.9900" in result.output
+    assert "1,000 samples/s while training (start-up and validation excluded)" in result.output
+    assert "500 samples/s over the wall time of 2.0 s (all included)" in result.output
 
 
 def test_overlap_averaging_reaches_the_run(captured: dict[str, Any]) -> None:
@@ -111,14 +124,15 @@ def test_every_option_reaches_the_run(captured: dict[str, Any], tmp_path: Path, 
         "--no-report-score-after-averaging", "--no-average-updaters", "--mode", "shared-gradients",
         "--epochs", "4", "--batch-size", "64", "--lr", "0.2", "--optimizer", "adamw", "--model", "mlp",
         "--device", "cpu", "--seed", "9", "--data-dir", str(mnist_dir), "--no-download",
-        "--out", str(tmp_path / "o"), "--train-samples", "100", "--test-samples", "50",
+        "--out", str(tmp_path / "o"), "--train-samples", "100", "--test-samples", "50", "--val-every", "6",
+        "--early-stopping-patience", "2",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert captured["train"] == RunOptions(
         workers=3, prefetch_buffer=7, averaging_frequency=5, report_score_after_averaging=False,
         average_updaters=False, mode=TrainingMode.SHARED_GRADIENTS, epochs=4, batch_size=64, lr=0.2,
         optimizer="adamw", model="mlp", device="cpu", seed=9, data_dir=mnist_dir, download=False,
-        out=tmp_path / "o", train_samples=100, test_samples=50,
+        out=tmp_path / "o", train_samples=100, test_samples=50, val_every=6, early_stopping_patience=2,
     )  # fmt: skip
 
 
@@ -179,6 +193,10 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["compare", "--target", "1.5"], ["--target"]),
         (["compare", "--mode", "averaging"], ["No such option", "--mode"]),
         (["--workers", "3", "compare"], ["--workers given before 'compare'", "pw-fit compare --workers"]),
+        (["--early-stopping-patience", "3"], ["early stopping watches the validation loss", "add --val-every N"]),
+        (["--early-stopping-patience", "0", "--val-every", "5"], ["--early-stopping-patience"]),
+        (["--val-every", "-1"], ["--val-every"]),
+        (["compare", "--val-every", "5"], ["No such option", "--val-every"]),
     ],
 )
 def test_bad_input_is_a_usage_error(captured: dict[str, Any], args: list[str], fragments: list[str]) -> None:
@@ -218,46 +236,70 @@ def check_types(record: dict[str, Any], types: dict[str, type | tuple[type, ...]
 
 @pytest.mark.timeout(120)
 def test_fit_writes_metrics_summary_and_model(mnist_dir: Path, tmp_path: Path) -> None:
-    """1,024 images = 8 batches of 128 per epoch; 2 workers x k=2: 2 averagings per epoch. Dealt
-    (--deterministic): first-come, a fast worker may look ahead at a batch the other needed to
-    fill its round, and the epoch then ends with a round more."""
+    """1,024 images = 8 batches of 128 per epoch; 2 workers x k=2: 2 averagings per epoch, each
+    validated (--val-every 1). Dealt (--deterministic): first-come, a fast worker may look ahead
+    at a batch the other needed to fill its round, and the epoch then ends with a round more."""
     out = tmp_path / "run"
     result = invoke(
         "--workers", "2", "--epochs", "2", "--averaging-frequency", "2", "--deterministic", "--data-dir", str(mnist_dir),
-        "--train-samples", "1024", "--test-samples", "500", "--out", str(out),
+        "--train-samples", "1024", "--test-samples", "500", "--out", str(out), "--val-every", "1",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "epoch 0: test accuracy" in result.output and "epoch 1: test accuracy" in result.output
-    assert "samples/s" in result.output and "wall time" in result.output
+    assert "lenet on 1,024 MNIST training images: 2 workers on cpu with gloo" in result.output
+    assert "epoch 0: mean training loss" in result.output and "epoch 1: mean training loss" in result.output
+    assert "samples/s while training" in result.output and "wall time" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "model.pt", "summary.json"]
 
     records = read_jsonl(out / "metrics.jsonl")
-    scores = [r for r in records if r["kind"] == "score"]
-    epochs = [r for r in records if r["kind"] == "epoch"]
-    assert len(scores) == 4 and len(epochs) == 2
+    assert [r["kind"] for r in records] == ["score", "validation", "score", "validation", "epoch"] * 2
     for r in records:
-        check_types(r, RECORD_TYPES)
-        assert math.isfinite(r["score"]) and r["score"] > 0
-    for r in epochs:
-        check_types(r, {"test_accuracy": float, "test_loss": float})
-        assert 0.0 <= r["test_accuracy"] <= 1.0
-    assert [r["step"] for r in scores] == [1, 2, 3, 4]
+        check_types(r, {**RECORD_TYPES, **FIELDS[r["kind"]]})
+    scores, validations, epochs = ([r for r in records if r["kind"] == kind] for kind in ("score", "validation", "epoch"))
+    assert all(math.isfinite(r["score"]) and r["score"] > 0 for r in scores)
+    assert all(0.0 <= r["val_accuracy"] <= 1.0 for r in validations)
+    assert [r["step"] for r in scores] == [r["step"] for r in validations] == [1, 2, 3, 4]
     assert [r["samples"] for r in scores] == [512, 1024, 1536, 2048]
-    assert [(r["epoch"], r["samples"], r["iteration"]) for r in epochs] == [(0, 1024, 8), (1, 2048, 16)]
+    assert [(r["epoch"], r["samples"], r["iteration"], r["step"]) for r in epochs] == [(0, 1024, 8, 2), (1, 2048, 16, 4)]
+    # An epoch's test figures are its last validation's; its loss is the mean over its rounds.
+    assert [(r["test_loss"], r["test_accuracy"]) for r in epochs] == [(v["val_loss"], v["val_accuracy"]) for v in validations[1::2]]
+    assert epochs[0]["epoch_loss"] == pytest.approx((scores[0]["score"] + scores[1]["score"]) / 2)
     seconds = [r["seconds"] for r in records]
     assert seconds == sorted(seconds)
 
     summary = json.loads((out / "summary.json").read_text())
     check_types(summary, SUMMARY_TYPES)
     assert (summary["epochs"], summary["workers"], summary["averaging_frequency"], summary["mode"]) == (2, 2, 2, "averaging")
-    assert (summary["samples"], summary["iterations"], summary["rounds"]) == (2048, 16, 4)
+    assert (summary["samples"], summary["session_samples"], summary["iterations"], summary["rounds"]) == (2048, 2048, 16, 4)
     assert summary["test_accuracy"] == epochs[-1]["test_accuracy"] == summary["epoch_accuracies"][-1]
-    assert summary["samples_per_second"] > 0 and summary["wall_seconds"] >= summary["train_seconds"] > 0
+    assert (summary["final_epoch_loss"], summary["last_round_score"]) == (epochs[-1]["epoch_loss"], scores[-1]["score"])
+    assert summary["stopped_early_at_round"] is None
+    assert summary["wall_seconds"] > summary["train_seconds"] > 0
+    # Training only: between reports, after the first (start-up) and without validations.
+    assert summary["train_seconds"] < scores[-1]["seconds"] - scores[0]["seconds"]
+    assert summary["train_samples_per_second"] > summary["wall_samples_per_second"] == pytest.approx(2048 / summary["wall_seconds"])
     assert summary["options"]["lr"] == 0.04 and summary["options"]["data_dir"] == str(mnist_dir)
 
     model = LeNet()
     model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
     assert not torch.equal(model.fc2.weight, torch.zeros_like(model.fc2.weight))
+
+
+@pytest.mark.timeout(120)
+def test_early_stopping_ends_the_run_when_val_loss_stops_improving(mnist_dir: Path, tmp_path: Path) -> None:
+    """A learning rate 12x the default makes the test loss jump after the first averagings:
+    with patience 1, the first validation that is no better ends the run, mid-way through 6 epochs."""
+    out = tmp_path / "run"
+    result = invoke(
+        "--epochs", "6", "--averaging-frequency", "1", "--lr", "0.5", "--deterministic", "--data-dir", str(mnist_dir),
+        "--train-samples", "512", "--test-samples", "300", "--val-every", "1", "--early-stopping-patience", "1", "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    losses = [r["val_loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "validation"]
+    stopped = summary["stopped_early_at_round"]
+    assert stopped == summary["rounds"] == len(losses) < 6 * 2, "one validation per averaging, and it stopped early"
+    assert losses[-1] >= min(losses[:-1]), "the last validation was no better than the best before it"
+    assert f"early stopping ended the run at averaging {stopped}" in result.output
 
 
 @pytest.mark.timeout(180)
@@ -273,7 +315,11 @@ def test_resume_ends_where_an_uninterrupted_run_ends(mnist_dir: Path, tmp_path: 
     assert first.exit_code == 0, first.output
     resumed = invoke(*common, "--epochs", "2", "--resume", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed"))
     assert resumed.exit_code == 0, resumed.output
-    assert "epoch 0:" not in resumed.output and "epoch 1: test accuracy" in resumed.output
+    assert "epoch 0:" not in resumed.output and "epoch 1: mean training loss" in resumed.output
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    # Samples per second count this session's samples, not the checkpoint's.
+    assert (summary["samples"], summary["session_samples"]) == (2048, 1024)
+    assert summary["wall_samples_per_second"] == pytest.approx(1024 / summary["wall_seconds"])
     a = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "resumed" / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -306,6 +352,38 @@ def test_installed_entry_point_trains_with_shared_gradients(mnist_dir: Path, tmp
     # 4 batches, 2 workers in lockstep: 2 steps, a score after each.
     assert (summary["mode"], summary["rounds"], summary["iterations"], summary["samples"]) == ("shared-gradients", 2, 4, 512)
     assert len([r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "score"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_says_where_the_checkpoint_is_and_the_command_that_resumes(mnist_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C once the first checkpoint is written: the round finishes and is saved, and instead of
+    click's "Aborted!" pw-fit names the checkpoint and prints this command with --resume."""
+    ckpt = tmp_path / "ckpt"
+    args = [
+        "--lr", "0.01", "--data-dir", str(mnist_dir), "--train-samples", "30000", "--test-samples", "200",
+        "--out", str(tmp_path / "out"), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+    ]  # fmt: skip
+    proc = subprocess.Popen([pw_fit(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (ckpt / checkpoint.FILENAME).is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Aborted!" not in stderr and "Traceback" not in stderr
+    hint = stderr[stderr.index("Interrupted: ") :].splitlines()
+    at = checkpoint.peek(ckpt)
+    assert at["rounds"] >= 1 and at["epoch"] == 0
+    assert hint[0] == f"Interrupted: the checkpoint in {ckpt} holds epoch 0, {at['position']} batches in ({at['rounds']} averagings). Carry on with:"
+    assert shlex.split(hint[1]) == ["pw-fit", *args, "--resume", str(ckpt)]
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path: Path) -> None:
+    ctx = cli.main.make_context("pw-fit", ["--checkpoint-dir", str(tmp_path)])
+    assert cli._resume_hint(ctx, tmp_path).startswith(f"Interrupted before the first checkpoint was saved in {tmp_path}: nothing to resume")
 
 
 @pytest.mark.timeout(60)
