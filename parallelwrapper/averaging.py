@@ -82,6 +82,8 @@ class _Group:
     data: torch.Tensor  # the tensors' part of flat
     resident: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): its storage is the view
     copied: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): copied in and out
+    start: torch.Tensor | None = None  # with a wire dtype: the last average, which deltas are taken from
+    error: torch.Tensor | None = None  # ... and what the casts have lost so far (error feedback)
 
 
 class FlatAverager:
@@ -100,9 +102,19 @@ class FlatAverager:
     end as Σ_i w_i·x_i / Σw for any common ref. A scale of 1 costs no pass over memory.
 
     The list of tensors is fixed at construction; build a new averager when it changes.
+
+    With a `wire` dtype (bfloat16, float16) the floating-point tensors travel as deltas from the
+    last average, cast to it: x − start + error, times the scale; `error` keeps what the cast lost,
+    to send with the next round (error feedback), so nothing is lost in total. The casts are
+    gathered, not summed in the wire dtype (whose rounding no feedback could undo), and summed in
+    rank order in float32, the same on every worker: each worker receives (N − 1) casts, which is
+    half the bytes of a float32 all-reduce for 2 workers and as many for 4. The trailer travels in
+    float64 beside them. `average()` (a fit's first round, when nobody's state is the last average
+    yet) always goes in full precision, and sets the start.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: torch.dtype | None = None) -> None:
+        self._wire, self._trailer_len = wire, trailer
         self._groups: list[_Group] = []
         with torch.no_grad():
             for dtype, members in _by_dtype(tensors):
@@ -118,6 +130,8 @@ class FlatAverager:
                 self._groups.append(group)
         self.numel = sum(g.data.numel() for g in self._groups)
         self.nbytes = sum(g.flat.numel() * g.flat.element_size() for g in self._groups)  # trailer included
+        if wire is not None:  # what travels after the first round
+            self.nbytes = trailer * 8 + sum(g.data.numel() * (wire.itemsize if g.data.is_floating_point() else g.data.element_size()) for g in self._groups)
         self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # (work, the buffer it sums)
 
     @property
@@ -125,19 +139,29 @@ class FlatAverager:
         return len(self._groups)
 
     @torch.no_grad()
-    def send(self, scale: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None) -> None:
+    def send(self, scale: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None, exact: bool = False) -> None:
         """Multiply every tensor by `scale`, put the trailer (zeros when None) after them and start
-        summing over the group.
+        summing over the group; with a wire dtype and not `exact`, the deltas go cast to it.
 
         scale = 0 sends zeros from a scratch buffer and leaves the tensors as they are (they may
         hold NaN, or be all this worker has when it turns out nobody trained).
         """
         assert not self._in_flight, "wait() for the previous sums first"
+        wired = self._wire is not None and not exact
         for g in self._groups:
             for t, view in g.resident:
                 if t.data_ptr() != view.data_ptr():  # reallocated since: move it back in
                     view.copy_(t)
                     t.data = view
+            if wired and g.start is not None:
+                for t, view in g.copied:
+                    view.copy_(t)
+                cast = self._cast_delta(g, scale)
+                buffer = torch.empty((dist.get_world_size(group), cast.numel()), dtype=cast.dtype, device=cast.device)
+                work = dist.all_gather(list(buffer.unbind(0)), cast, group=group, async_op=True)
+                assert work is not None
+                self._in_flight.append((work, buffer))
+                continue
             if scale == 0.0:
                 buffer = torch.zeros_like(g.flat)
             else:
@@ -146,15 +170,33 @@ class FlatAverager:
                     view.copy_(t)
                 if scale != 1.0:
                     g.data.mul_(scale)
-            _put_trailer(buffer, g.data.numel(), trailer)
+            _put_trailer(buffer, g.data.numel(), trailer if not wired else None)
             work = dist.all_reduce(buffer, group=group, async_op=True)
             assert work is not None
             self._in_flight.append((work, buffer))
+        if wired:  # the trailer goes last, exact, beside the cast deltas
+            numbers = list(trailer) if trailer is not None else [0.0] * self._trailer_len
+            values = torch.tensor(numbers, dtype=torch.float64, device=self._groups[0].flat.device)
+            work = dist.all_reduce(values, group=group, async_op=True)
+            assert work is not None
+            self._in_flight.append((work, values))
+
+    def _cast_delta(self, g: _Group, scale: float) -> torch.Tensor:
+        """(x − start + error)·scale in the wire dtype; the error keeps what the cast lost."""
+        assert self._wire is not None and g.start is not None and g.error is not None
+        if scale == 0.0:
+            return torch.zeros(g.data.numel(), dtype=self._wire, device=g.data.device)
+        delta = g.data - g.start + g.error
+        wire = (delta * scale).to(self._wire)
+        g.error = delta - wire.to(delta.dtype) / scale
+        return wire
 
     def wait(self) -> list[float]:
         """Wait for the sums; the trailer's sums."""
         for work, _ in self._in_flight:
             work.wait()
+        if self._in_flight[-1][1].dtype == torch.float64 and len(self._in_flight) > len(self._groups):
+            return self._in_flight[-1][1].tolist()  # a wired round's trailer
         return _trailer(self._in_flight[0][1], self._groups[0].data.numel()).tolist()
 
     @torch.no_grad()
@@ -162,18 +204,27 @@ class FlatAverager:
         """After wait(): every tensor becomes its sum times `scale`. Not calling it (nobody
         trained) leaves the tensors as they were, when they were sent with scale 0."""
         for g, (_, buffer) in zip(self._groups, self._in_flight):
-            if buffer is not g.flat:
+            if buffer.dim() == 2 and g.start is not None:  # the gathered casts: start + the mean delta
+                torch.add(g.start, buffer.to(g.data.dtype).sum(dim=0), alpha=scale, out=g.data)
+            elif buffer is not g.flat:
                 torch.mul(buffer[: g.data.numel()], scale, out=g.data)
             elif scale != 1.0:
                 g.data.mul_(scale)
+            if g.start is not None:
+                g.start.copy_(g.data)
             for t, view in g.copied:
                 t.copy_(view if t.is_floating_point() else view.round())
         self._in_flight = []
 
     def average(self, share: float, group: ProcessGroup = None) -> None:
-        """Replace every tensor by Σ_i share_i · tensor_i, where share_i = w_i / Σw."""
-        self.send(share, group=group)
+        """Replace every tensor by Σ_i share_i · tensor_i, where share_i = w_i / Σw, in full
+        precision; with a wire dtype, the result is the start of the next round's deltas."""
+        self.send(share, group=group, exact=True)
         self.wait()
+        if self._wire is not None:
+            for g in self._groups:
+                if g.data.is_floating_point() and g.start is None:
+                    g.start, g.error = torch.empty_like(g.data), torch.zeros_like(g.data)
         self.apply(1.0)
 
     @torch.no_grad()

@@ -42,6 +42,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 # bf16-mixed: forward and loss under autocast; 16-mixed: float16 with a GradScaler. Params, grads,
 # optimizer state and the averaging stay float32.
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+PAYLOAD_DTYPES = ("float32", "bfloat16", "float16")  # the averaging's wire format (averaging.FlatAverager)
 INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.py)
 
 
@@ -69,6 +70,12 @@ class Config:
     precision: str = "32"  # or "bf16-mixed", "16-mixed"
     validation_every: int = 50  # averagings between validations (and at each epoch's end), with .validation(data)
     warmup_sync_steps: int = 0  # post-local SGD: steps of SHARED_GRADIENTS before the averaging rounds
+    payload_dtype: str = "float32"  # or "bfloat16", "float16": what an averaging's floats travel as
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype an averaging's floats travel as, when not float32."""
+        return None if self.payload_dtype == "float32" else getattr(torch, self.payload_dtype)
 
     def __post_init__(self) -> None:
         check_int("workers", self.workers, 1, "ParallelWrapper.builder(model).workers(2)")
@@ -109,6 +116,10 @@ class Config:
                 "warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING "
                 "without overlap_averaging; drop .warmup_sync_steps() or .overlap_averaging(True)"
             )
+        if self.payload_dtype not in PAYLOAD_DTYPES:
+            raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
+        if self.payload_dtype != "float32" and self.overlap_averaging:
+            raise ValueError("payload_dtype sends deltas from the last average, which overlap_averaging has not yet; drop one")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for d in self.devices or ():  # how many there must be is env.resolve's to check

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .batches import batch_size, describe, move_to
 from .checkpoint import rng_state
 from .config import Config, Job, NanPolicy
+from .evaluation import classification_metrics, metric_sums
 from .feed import rank_share
 from .rounds import Budget, Rounds
 from .parts import Parts
@@ -125,27 +126,14 @@ class Replica:
     def validates(self) -> bool:
         return self.job.validation_data is not None
 
-    @torch.no_grad()
     def validation_sums(self, rank: int, world_size: int) -> tuple[dict[str, float], int] | None:
         """This worker's share of the validation data (dealt as the training shards are, so a
         DataLoader with a DistributedSampler is taken as this rank's already), scored on its model
         in eval mode: Σ metric·n per metric, and Σ n; None without validation data."""
         if self.job.validation_data is None:
             return None
-        sums: dict[str, float] = {}
-        count = 0
-        self.model.eval()
-        try:
-            for batch in rank_share(self.job.validation_data, rank, world_size):
-                n = batch_size(batch)
-                with self._autocast():
-                    metrics = self._validation_metrics(move_to(batch, self.device))
-                for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0.0) + float(value) * n
-                count += n
-        finally:
-            self.model.train()
-        return sums, count
+        share = rank_share(self.job.validation_data, rank, world_size)
+        return metric_sums(self.model, share, self._validation_metrics, self.device, self._autocast)
 
     def averaged(self) -> None:
         """The model holds this round's average: the outer optimizer, if any, steps from it."""
@@ -171,14 +159,10 @@ class Replica:
             self.parts.load(self._best)  # the fit ends here: its buffers are released, not rebuilt
         return bool(stop)
 
-    def _validation_metrics(self, batch: Any) -> dict[str, Any]:
+    def _validation_metrics(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
         if self.job.validation_step is not None:
-            return self.job.validation_step(self.model, batch)
-        inputs, targets = batch
-        outputs = self.model(inputs)
-        assert self.job.loss_fn is not None  # build() refuses validation without a loss or a step
-        accuracy = (outputs.argmax(dim=1) == targets).float().mean()
-        return {"val_loss": self.job.loss_fn(outputs, targets), "val_accuracy": accuracy}
+            return self.job.validation_step(model, batch)
+        return {f"val_{name}": value for name, value in classification_metrics(model, batch, self.job.loss_fn).items()}
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bf16-mixed and 16-mixed: forward and loss in bfloat16 or float16 where autocast deems it

@@ -5,6 +5,8 @@ hosts/, the data in feed.py, and what the environment means in env.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import time
 import warnings
@@ -17,6 +19,7 @@ from . import checkpoint
 from .config import BeforeStep, Config, Job, LossFn, NanPolicy, OptimizerFn, OuterSpec, SchedulerSpec, TrainingMode, TrainingStep
 from .config import ValidationStep, check_job, parse_enum
 from .env import Placement, resolve, torchrun_env
+from .evaluation import classification_metrics, metric_sums
 from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, start_host
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
@@ -163,31 +166,17 @@ class ParallelWrapper:
         self.counters = Counters(**payload["counters"])
         return list(payload["rng"])
 
-    @torch.no_grad()
     def evaluate(self, data: Batches, *, device: str | torch.device | None = None) -> dict[str, float]:
-        """Mean loss and accuracy of the averaged model over `(inputs, targets)` batches, in this
-        process, on `device` (default: where the model's parameters are). Accuracy is the share of
-        argmax(outputs) == targets."""
-        model = self.model
+        """Mean loss (NaN without a loss function) and accuracy (argmax(outputs) == targets) of the
+        averaged model over `(inputs, targets)` batches, in this process, on `device` (default:
+        where the model's parameters are), scored as the workers' validation scores them."""
         if device is None:
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        was_training = model.training
-        model.eval()
-        loss_sum, correct, count = 0.0, 0, 0
-        try:
-            for inputs, targets in epoch_iterable(data)():
-                inputs, targets = inputs.to(device), targets.to(device)
-                outputs = model(inputs)
-                n = targets.shape[0]
-                if self._job.loss_fn is not None:
-                    loss_sum += float(self._job.loss_fn(outputs, targets)) * n
-                correct += int((outputs.argmax(dim=1) == targets).sum())
-                count += n
-        finally:
-            model.train(was_training)
+            device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        metrics = functools.partial(classification_metrics, loss_fn=self._job.loss_fn)
+        sums, count = metric_sums(self.model, epoch_iterable(data)(), metrics, torch.device(device))
         if count == 0:
             raise ValueError("evaluate() got no batches")
-        return {"loss": loss_sum / count, "accuracy": correct / count, "samples": float(count)}
+        return {"loss": sums.get("loss", math.nan) / count, "accuracy": sums["accuracy"] / count, "samples": float(count)}
 
 
 class Builder:
@@ -258,6 +247,11 @@ class Builder:
         """Post-local SGD: the first `n` steps (over the wrapper's life) average gradients every
         step, as SHARED_GRADIENTS does, then the averaging rounds begin. Default: 0."""
         return self._set("warmup_sync_steps", n)
+
+    def payload_dtype(self, dtype: torch.dtype | str) -> Builder:
+        """torch.bfloat16 or torch.float16: each averaging sends the floats' change since the last
+        average in that dtype, what the cast loses going with the next round. Default: float32."""
+        return self._set("payload_dtype", str(dtype).removeprefix("torch."))
 
     def gradient_clipping(self, max_norm: float) -> Builder:
         """Clip each step's gradients to a total norm of `max_norm` (clip_grad_norm_), after

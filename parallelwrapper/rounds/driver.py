@@ -249,7 +249,7 @@ class Rounds:
         if agree and self.config.average_updaters:  # else only the still groups changed
             agree_on_optimizer_layout(self.trainer.optimizer, self.group)
         self._payload_layout = self._layout()
-        self._payload = FlatAverager(self._averaged_tensors(), self.device, HEADER_LEN)  # released after fit()
+        self._payload = FlatAverager(self._averaged_tensors(), self.device, HEADER_LEN, self.config.wire_dtype)  # released after fit()
         self._payload.average(share, self.group)
 
     def _exchange(self, work: _Work) -> RoundTotals:
