@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from parallelwrapper.compare import CompareOptions, compare
-from parallelwrapper.run import RunOptions
+from parallelwrapper.options import RunOptions
 
 
 def main() -> None:

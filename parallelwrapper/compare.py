@@ -33,7 +33,7 @@ import torch
 from .averaging import FlatAverager, optimizer_state_tensors
 from .rounds import HEADER_LEN
 from .config import TrainingMode
-from .run import OPTIMIZERS, Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
+from .options import OPTIMIZERS, Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
 from .wrapper import ParallelWrapper
 
 if TYPE_CHECKING:

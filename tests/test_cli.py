@@ -24,11 +24,12 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from parallelwrapper import TrainingMode, checkpoint, cli, run
+from parallelwrapper import TrainingMode, checkpoint, cli
 from parallelwrapper.compare import CSV_FIELDS, CompareOptions
 from parallelwrapper.data.mnist import FILES
 from parallelwrapper.models import LeNet
-from parallelwrapper.run import RunOptions, Summary
+from parallelwrapper.options import RunOptions, builder, with_lr_schedule
+from parallelwrapper.run import Summary
 
 SUMMARY_TYPES: dict[str, type | tuple[type, ...]] = {
     "test_accuracy": float,
@@ -87,7 +88,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
             test_accuracy=0.99, test_loss=0.03, train_samples_per_second=1000.0, wall_samples_per_second=500.0,
             train_seconds=1.0, wall_seconds=2.0, epochs=options.epochs, workers=options.workers,
             averaging_frequency=options.averaging_frequency, mode=options.mode.value, samples=1000, session_samples=1000,
-            iterations=8, rounds=1, final_epoch_loss=0.1, last_round_score=0.09,
+            iterations=8, rounds=1, final_epoch_loss=0.1, last_round_score=0.09, final_lr=0.04,
         )  # fmt: skip
 
     def fake_compare(options: CompareOptions) -> list[Any]:
@@ -141,9 +142,31 @@ def test_recipe_options_reach_the_run_and_the_builder(captured: dict[str, Any]) 
     assert result.exit_code == 0, result.output
     options = captured["train"]
     assert options == RunOptions(precision="bf16-mixed", clip_grad_norm=0.5)
-    with run.builder(LeNet(), options).build() as w:
+    with builder(LeNet(), options).build() as w:
         assert (w.config.precision, w.config.gradient_clip_norm) == ("bf16-mixed", 0.5)
     assert invoke("--precision", "fp8").exit_code != 0 and invoke("--clip-grad-norm", "0").exit_code != 0
+
+
+@pytest.mark.parametrize(
+    ("name", "optimizer", "scheduler", "settings"),
+    [
+        ("none", "nesterov", None, {}),
+        ("step", "nesterov", torch.optim.lr_scheduler.StepLR, {"step_size": 1, "gamma": 0.7}),
+        ("cosine", "nesterov", torch.optim.lr_scheduler.CosineAnnealingLR, {"T_max": 3 * 235, "eta_min": 0.0}),
+        ("onecycle", "nesterov", torch.optim.lr_scheduler.OneCycleLR, {"total_steps": 3 * 235, "cycle_momentum": True}),
+        ("onecycle", "sgd", torch.optim.lr_scheduler.OneCycleLR, {"total_steps": 3 * 235, "cycle_momentum": False}),
+    ],
+)
+def test_lr_schedule_reaches_the_builder(captured: dict[str, Any], name: str, optimizer: str, scheduler: type | None, settings: dict[str, Any]) -> None:
+    """3 epochs of 469 batches on 2 workers: 3 x 235 steps, the counter per-step schedules follow."""
+    assert invoke("--lr-schedule", name, "--optimizer", optimizer, "--epochs", "3").exit_code == 0
+    options = captured["train"]
+    assert options.lr_schedule == name
+    with with_lr_schedule(builder(LeNet(), options), options, batches_per_epoch=469).build() as w:
+        assert type(w.lr_scheduler) is scheduler if scheduler else w.lr_scheduler is None
+        assert {k: getattr(w.lr_scheduler, k) for k in settings} == settings
+        if name == "onecycle":  # it peaks at --lr
+            assert [group["max_lr"] for group in w.optimizer.param_groups] == [options.learning_rate]
 
 
 def test_lr_defaults_per_optimizer(captured: dict[str, Any]) -> None:
@@ -196,6 +219,7 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["--early-stopping-patience", "3"], ["early stopping watches the validation loss", "add --val-every N"]),
         (["--early-stopping-patience", "0", "--val-every", "5"], ["--early-stopping-patience"]),
         (["--val-every", "-1"], ["--val-every"]),
+        (["--lr-schedule", "linear"], ["--lr-schedule", "'linear' is not one of 'none', 'step', 'cosine', 'onecycle'"]),
         (["compare", "--val-every", "5"], ["No such option", "--val-every"]),
     ],
 )
@@ -242,7 +266,7 @@ def test_fit_writes_metrics_summary_and_model(mnist_dir: Path, tmp_path: Path) -
     out = tmp_path / "run"
     result = invoke(
         "--workers", "2", "--epochs", "2", "--averaging-frequency", "2", "--deterministic", "--data-dir", str(mnist_dir),
-        "--train-samples", "1024", "--test-samples", "500", "--out", str(out), "--val-every", "1",
+        "--train-samples", "1024", "--test-samples", "500", "--out", str(out), "--val-every", "1", "--lr-schedule", "cosine",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "lenet on 1,024 MNIST training images: 2 workers on cpu with gloo" in result.output
@@ -273,6 +297,7 @@ def test_fit_writes_metrics_summary_and_model(mnist_dir: Path, tmp_path: Path) -
     assert summary["test_accuracy"] == epochs[-1]["test_accuracy"] == summary["epoch_accuracies"][-1]
     assert (summary["final_epoch_loss"], summary["last_round_score"]) == (epochs[-1]["epoch_loss"], scores[-1]["score"])
     assert summary["stopped_early_at_round"] is None
+    assert summary["final_lr"] == pytest.approx(0.0, abs=1e-12), "cosine over the run's 2 x 4 steps ends at 0"
     assert summary["wall_seconds"] > summary["train_seconds"] > 0
     # Training only: between reports, after the first (start-up) and without validations.
     assert summary["train_seconds"] < scores[-1]["seconds"] - scores[0]["seconds"]
@@ -304,10 +329,11 @@ def test_early_stopping_ends_the_run_when_val_loss_stops_improving(mnist_dir: Pa
 
 @pytest.mark.timeout(180)
 def test_resume_ends_where_an_uninterrupted_run_ends(mnist_dir: Path, tmp_path: Path) -> None:
-    """Two epochs straight, against one epoch (checkpointed) then `--resume --epochs 2`."""
+    """Two epochs straight, against one epoch (checkpointed) then `--resume --epochs 2`; the
+    learning rate steps down after each epoch, and the checkpoint carries its schedule."""
     common = [
         "--workers", "2", "--averaging-frequency", "2", "--data-dir", str(mnist_dir), "--deterministic",
-        "--train-samples", "1024", "--test-samples", "200", "--checkpoint-every", "1",
+        "--train-samples", "1024", "--test-samples", "200", "--checkpoint-every", "1", "--lr-schedule", "step",
     ]  # fmt: skip
     straight = invoke(*common, "--epochs", "2", "--out", str(tmp_path / "straight"))
     assert straight.exit_code == 0, straight.output
@@ -320,6 +346,7 @@ def test_resume_ends_where_an_uninterrupted_run_ends(mnist_dir: Path, tmp_path: 
     # Samples per second count this session's samples, not the checkpoint's.
     assert (summary["samples"], summary["session_samples"]) == (2048, 1024)
     assert summary["wall_samples_per_second"] == pytest.approx(1024 / summary["wall_seconds"])
+    assert summary["final_lr"] == pytest.approx(0.04 * 0.7**2)
     a = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "resumed" / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -25,7 +25,7 @@ from parallelwrapper.compare import (
     markdown,
     run_specs,
 )
-from parallelwrapper.run import RunOptions
+from parallelwrapper.options import RunOptions
 
 pytestmark = pytest.mark.fast
 

@@ -1,0 +1,231 @@
+"""pw-fit's options, validated, and what they make: the MNIST splits and their batches, the
+seeded model, and the builder they configure. Shared by `run.py` (one run) and `compare.py`.
+
+Defaults follow DL4J's multi-GPU MNIST example: LeNet, batch 128, prefetch 24, 2 workers,
+averaging every 3 iterations, Nesterov momentum, seed 123.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import PRECISIONS, TrainingMode, check_int
+from .env import gpu_count, gpu_devices
+from .data.mnist import MnistSplit, load_mnist
+from .models import MODEL_NAMES, build_model
+from .wrapper import Builder, ParallelWrapper
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+    default_lr: float
+
+    def make(self, params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        factory: Callable[..., torch.optim.Optimizer] = self.cls
+        return factory(params, lr=lr, **self.kwargs)
+
+
+# DL4J's example uses Updater.NESTEROVS (momentum 0.9): "nesterov" is the default.
+OPTIMIZERS: dict[str, OptimizerChoice] = {
+    "nesterov": OptimizerChoice(torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, 0.04),
+    "sgd": OptimizerChoice(torch.optim.SGD, {}, 0.1),
+    "adam": OptimizerChoice(torch.optim.Adam, {}, 1e-3),
+    "adamw": OptimizerChoice(torch.optim.AdamW, {}, 1e-3),
+}
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+LR_SCHEDULES: tuple[str, ...] = ("none", "step", "cosine", "onecycle")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything a run needs, validated on construction. The first six mirror the builder's
+    options, which the builder validates again when the wrapper is built."""
+
+    workers: int = 2
+    prefetch_buffer: int = 24
+    averaging_frequency: int = 3
+    report_score_after_averaging: bool = True
+    average_updaters: bool = True
+    mode: TrainingMode = TrainingMode.AVERAGING
+    epochs: int = 1
+    batch_size: int = 128  # per worker step
+    lr: float | None = None  # None: the optimizer's default in OPTIMIZERS
+    optimizer: str = "nesterov"
+    model: str = "lenet"
+    device: str = "auto"  # auto: a GPU per worker when there are enough, else the CPU
+    seed: int = 123  # model init, shuffling and the workers' RNGs
+    data_dir: Path | None = None  # None: the loader's cache dir (downloads what is missing)
+    download: bool = True
+    out: Path | None = None
+    train_samples: int | None = None  # the first N training images only: for smoke tests
+    test_samples: int | None = None  # the first N test images only: for smoke tests
+    overlap_averaging: bool = False  # averaging during the next round's steps (Builder.overlap_averaging)
+    deterministic: bool = False  # batch i to worker i mod N (reproducible, see Builder.deterministic)
+    checkpoint_dir: Path | None = None  # save here every `checkpoint_every` rounds and each epoch
+    checkpoint_every: int = 50
+    resume: Path | None = None  # a checkpoint directory to continue from (and to keep saving to)
+    precision: str = "32"  # or "bf16-mixed" (Builder.precision)
+    clip_grad_norm: float | None = None  # Builder.gradient_clipping(max_norm)
+    val_every: int = 0  # validate on the test set every N averagings too (0: at epoch ends only)
+    early_stopping_patience: int | None = None  # stop after this many validations without a better val_loss
+    lr_schedule: str = "none"  # or step, cosine, onecycle (see with_lr_schedule)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, TrainingMode):
+            raise ValueError(f"mode must be one of {[m.value for m in TrainingMode]}, got {self.mode!r}")
+        check_int("epochs", self.epochs)
+        check_int("batch_size", self.batch_size)
+        check_int("checkpoint_every", self.checkpoint_every)
+        check_int("val_every", self.val_every, 0)
+        if self.early_stopping_patience is not None:
+            check_int("early_stopping_patience", self.early_stopping_patience)
+            if self.val_every == 0:
+                raise ValueError(
+                    "early stopping watches the validation loss, which only periodic validations give it: "
+                    "add --val-every N (val_every=N) to --early-stopping-patience"
+                )
+        for name in ("train_samples", "test_samples"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
+        if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
+            raise ValueError(f"clip_grad_norm must be a positive number, got {self.clip_grad_norm!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.device == "cuda" and gpu_count() == 0:
+            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device here; use device 'cpu' or 'auto'")
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else OPTIMIZERS[self.optimizer].default_lr
+
+    def worker_devices(self) -> tuple[str, ...] | None:
+        """One device per worker, or None to let the config choose (auto)."""
+        if self.device == "cpu":
+            return ("cpu",) * self.workers
+        if self.device == "cuda":
+            return gpu_devices(self.workers, gpu_count())
+        return None
+
+
+def options_json(options: RunOptions) -> dict[str, Any]:
+    """The options as JSON-ready data (enum by value, paths as strings, the lr resolved)."""
+    out = dataclasses.asdict(options)
+    out["mode"] = options.mode.value
+    out["lr"] = options.learning_rate
+    return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
+
+
+
+# -- what the options make ------------------------------------------------------------------------
+
+
+def load_splits(options: RunOptions) -> tuple[MnistSplit, MnistSplit]:
+    """The train and test splits, cut to `train_samples` / `test_samples` when set.
+    Raises `MnistError` (whose message names --data-dir) when files are missing or bad."""
+    train = load_mnist(options.data_dir, "train", download=options.download)
+    test = load_mnist(options.data_dir, "test", download=options.download)
+    return _head(train, options.train_samples), _head(test, options.test_samples)
+
+
+def _head(split: MnistSplit, n: int | None) -> MnistSplit:
+    return split if n is None or n >= len(split) else MnistSplit(split.images[:n], split.labels[:n])
+
+
+def initial_model(options: RunOptions) -> torch.nn.Module:
+    """The model, initialised from the seed: the same weights on every call."""
+    torch.manual_seed(options.seed)
+    return build_model(options.model)
+
+
+def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any] = ()) -> Builder:
+    """A builder configured from the options."""
+    choice = OPTIMIZERS[options.optimizer]
+    b = (
+        ParallelWrapper.builder(model)
+        .workers(options.workers)
+        .prefetch_buffer(options.prefetch_buffer)
+        .averaging_frequency(options.averaging_frequency)
+        .report_score_after_averaging(options.report_score_after_averaging)
+        .average_updaters(options.average_updaters)
+        .training_mode(options.mode)
+        .optimizer(choice.cls, lr=options.learning_rate, **choice.kwargs)
+        .overlap_averaging(options.overlap_averaging)
+        .deterministic(options.deterministic)
+        .seed(options.seed)
+        .precision(options.precision)
+        .listeners(*listeners)
+    )
+    if options.clip_grad_norm is not None:
+        b = b.gradient_clipping(options.clip_grad_norm)
+    checkpoints = options.checkpoint_dir or options.resume
+    if checkpoints is not None:
+        b = b.checkpoint(checkpoints, every=options.checkpoint_every)
+    devices = options.worker_devices()
+    return b.devices(devices) if devices is not None else b
+
+
+def with_lr_schedule(b: Builder, options: RunOptions, batches_per_epoch: int) -> Builder:
+    """The builder with `options.lr_schedule`: "step" multiplies the learning rate by 0.7 after
+    each epoch; "cosine" anneals it to 0 and "onecycle" warms it up to `lr` and down again, both
+    over the run's synchronous-equivalent steps, ceil(batches / workers) an epoch, the counter
+    the workers step schedules by."""
+    steps = options.epochs * math.ceil(batches_per_epoch / options.workers)
+    schedulers = torch.optim.lr_scheduler
+    if options.lr_schedule == "step":
+        return b.lr_scheduler(schedulers.StepLR, step_size=1, gamma=0.7)
+    if options.lr_schedule == "cosine":
+        return b.lr_scheduler(schedulers.CosineAnnealingLR, interval="step", T_max=steps)
+    if options.lr_schedule == "onecycle":
+        # Momentum cycles with the rate, where the optimizer has any (plain SGD has none).
+        momentum = options.optimizer != "sgd"
+        return b.lr_scheduler(schedulers.OneCycleLR, interval="step", max_lr=options.learning_rate, total_steps=steps, cycle_momentum=momentum)
+    return b
+
+
+def epoch_batches(train: MnistSplit, options: RunOptions, epoch: int) -> list[Batch]:
+    """The training batches of one epoch, shuffled by seed + epoch: the same order in every run."""
+    return train.batches(options.batch_size, shuffle=True, seed=options.seed + epoch)
+
+
+def eval_batches(test: MnistSplit, batch_size: int = 1000) -> list[Batch]:
+    """The test split in large batches, unshuffled, each its own tensors: as validation data they
+    are pickled to every worker, and a view of the whole split would carry all of it each time."""
+    return [(x.clone(), y.clone()) for x, y in test.batches(batch_size)]
+
+
+__all__ = [
+    "DEVICES",
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "Batch",
+    "OptimizerChoice",
+    "RunOptions",
+    "builder",
+    "epoch_batches",
+    "eval_batches",
+    "initial_model",
+    "load_splits",
+    "options_json",
+    "with_lr_schedule",
+]
