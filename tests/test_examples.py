@@ -1,5 +1,5 @@
-"""Each script in examples/ runs at a tiny size (`--tiny`) on the real MNIST files, as a user
-would run it: a subprocess from the repository root, with a timeout."""
+"""Each script in examples/ runs at a tiny size (`--tiny`), on the real MNIST files where it uses
+MNIST, as a user would run it: a subprocess from the repository root, with a timeout."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def run_example(name: str, *args: str, timeout: float = 110) -> str:
 def test_every_example_is_tested() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
         "compare_convergence.py",
+        "custom_data.py",
         "custom_training_step.py",
         "mnist_multi_gpu.py",
     ]
@@ -35,6 +36,14 @@ def test_dl4j_mnist_tutorial(mnist_dir: Path) -> None:
     out = run_example("mnist_multi_gpu.py", "--data-dir", str(mnist_dir))
     assert "epoch 0: test accuracy" in out
     assert "1024 samples" in out and "averagings; final test accuracy" in out
+
+
+@pytest.mark.timeout(120)
+def test_custom_dataset_and_dataloader() -> None:
+    out = run_example("custom_data.py")
+    line = next(l for l in out.splitlines() if "test accuracy" in l)
+    before, after = (float(x) for x in line.split("test accuracy ")[1].split(" -> "))
+    assert before < 0.5 < 0.8 < after, "the MLP did not learn the teacher's classes"
 
 
 @pytest.mark.timeout(120)
