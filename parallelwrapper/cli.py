@@ -43,7 +43,7 @@ def _run_options(f: F) -> F:
         click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help=f"Learning rate. Default per optimizer: {_LR_DEFAULTS}."),
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="nesterov", show_default=True, help="nesterov: SGD, momentum 0.9, Nesterov (DL4J's NESTEROVS)."),
         click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="lenet: DL4J's LeNet; mlp: a small MLP."),
-        click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: a GPU per worker when there are enough, else the CPU."),
+        click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any (shared round-robin, over gloo, when the workers outnumber them), else the CPU; cuda: the same, or an error without a GPU."),
         click.option("--seed", type=int, default=123, show_default=True, help="Model init, shuffling and worker RNGs."),
         click.option("--clip-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, help="Clip each step's gradients to this total norm (default: no clipping)."),
         click.option("--precision", type=click.Choice(list(PRECISIONS)), default="32", show_default=True, help="bf16-mixed: forward and loss under autocast to bfloat16; weights and averaging stay float32."),

@@ -63,7 +63,7 @@ class RunOptions:
     lr: float | None = None  # None: the optimizer's default in OPTIMIZERS
     optimizer: str = "nesterov"
     model: str = "lenet"
-    device: str = "auto"  # auto: a GPU per worker when there are enough, else the CPU
+    device: str = "auto"  # auto: the GPUs when there are any (shared when outnumbered), else the CPU
     seed: int = 123  # model init, shuffling and the workers' RNGs
     data_dir: Path | None = None  # None: the loader's cache dir (downloads what is missing)
     download: bool = True
