@@ -186,9 +186,9 @@ class FlatAverager:
         assert self._wire is not None and g.start is not None and g.error is not None
         if scale == 0.0:
             return torch.zeros(g.data.numel(), dtype=self._wire, device=g.data.device)
-        delta = g.data - g.start + g.error
-        wire = (delta * scale).to(self._wire)
-        g.error = delta - wire.to(delta.dtype) / scale
+        delta = g.error.add_(g.data).sub_(g.start)  # in the error's buffer: what this round sends
+        wire = torch.mul(delta, scale).to(self._wire)
+        delta.sub_(wire.to(delta.dtype), alpha=1.0 / scale)  # the error: what the cast lost
         return wire
 
     def wait(self) -> list[float]:
@@ -205,7 +205,7 @@ class FlatAverager:
         trained) leaves the tensors as they were, when they were sent with scale 0."""
         for g, (_, buffer) in zip(self._groups, self._in_flight):
             if buffer.dim() == 2 and g.start is not None:  # the gathered casts: start + the mean delta
-                torch.add(g.start, buffer.to(g.data.dtype).sum(dim=0), alpha=scale, out=g.data)
+                torch.add(g.start, buffer.sum(dim=0, dtype=g.data.dtype), alpha=scale, out=g.data)
             elif buffer is not g.flat:
                 torch.mul(buffer[: g.data.numel()], scale, out=g.data)
             elif scale != 1.0:

@@ -39,11 +39,11 @@ class OuterStep:
     def step(self) -> None:
         """After an averaging: the model holds average(θ); move the anchor by the outer optimizer
         on Δ = anchor − average(θ) and put the result in the model."""
-        for a, p in zip(self.anchor, self.params, strict=True):
-            a.grad = a - p
+        for a, delta in zip(self.anchor, torch._foreach_sub(self.anchor, self.params), strict=True):
+            a.grad = delta
         self.optimizer.step()
-        for a, p in zip(self.anchor, self.params, strict=True):
-            p.copy_(a)
+        torch._foreach_copy_(self.params, self.anchor)
+        for a in self.anchor:
             a.grad = None
 
     def state_dict(self) -> dict[str, Any]:
