@@ -204,28 +204,20 @@ def test_malformed_batch_is_named() -> None:
     data[5] = (torch.randn(16, 7), data[5][1])  # wrong feature size
     error = fails_fast(builder().build(), data)
     assert error.rank == 1
-    first = str(error).splitlines()[0]  # who, where and why, before the traceback
-    assert first.startswith("worker 1 failed while training on batch 5 of epoch 0 (float32[16, 7], int64[16])")
-    assert first.endswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x7 and 10x16)")
+    lines = str(error).splitlines()
+    assert lines[0] == (  # who, where and why, before the traceback
+        "worker 1 failed while training on batch 5 of epoch 0 (float32[16, 7], int64[16]) (local step 2): "
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x7 and 10x16)"
+    )
+    # A peer that lost its averaging with worker 1 adds one line at most; no tensor is printed.
+    echoes = [line for line in lines if line.startswith("(also worker")]
+    assert all(line.startswith("(also worker 0: ") and line.endswith(")") for line in echoes) and len(echoes) <= 1
+    assert "tensor(" not in str(error)
 
     data = make_batches(12)
     data[4] = ("not", "tensors")  # type: ignore[call-overload]
     error = fails_fast(builder().build(), data)
     assert error.rank == 0 and "batch 4 of epoch 0 (str, str)" in str(error) and "holds no tensor" in str(error)
-
-
-def test_first_line_names_worker_batch_and_cause_and_a_peer_adds_one_line() -> None:
-    """A label out of range (7, for 3 classes) on batch 5, dealt to worker 1: the first line says
-    it all; a peer that lost its averaging with it adds one line at most; no tensor is printed."""
-    error = fails_fast(builder().build(), mark(make_batches(12), 5))
-    text = str(error)
-    assert text.splitlines()[0] == (
-        "worker 1 failed while training on batch 5 of epoch 0 (float32[16, 10], int64[16]) (local step 2): "
-        "IndexError: Target 7 is out of bounds."
-    )
-    echoes = [line for line in text.splitlines() if line.startswith("(also worker")]
-    assert all(line.startswith("(also worker 0: ") and line.endswith(")") for line in echoes) and len(echoes) <= 1
-    assert "tensor(" not in text
 
 
 # -- 7-8: bad data from the caller ------------------------------------------------------------------

@@ -9,7 +9,7 @@ is 127.0.0.1 and the port a free one instead of 29500.
 
 Where they run: a fresh checkout-like directory DIR/main, holding README's files and a link to
 this repository's examples/, beside DIR/shared/data/mnist, a small MNIST (the real files' first
-2,048 training and 500 test images) that `--data-dir ../shared/data/mnist` and $PW_DATA_DIR both
+1,024 training and 256 test images) that `--data-dir ../shared/data/mnist` and $PW_DATA_DIR both
 name. `pip` is a stub that accepts the install commands README gives and nothing else: the suite
 runs in the environment they make, and .ci/run runs them for real.
 """
@@ -31,7 +31,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TIMEOUT_S = 120
-TRAIN_IMAGES, TEST_IMAGES = 2048, 500
+TRAIN_IMAGES, TEST_IMAGES = 1024, 256
 # What the pip stub accepts: the installs of README's install, test and CUDA commands.
 PIP_INSTALLS = ("install torch==2.13.0", "install -e .", "install -e .[test]")
 
