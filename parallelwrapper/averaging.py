@@ -216,6 +216,11 @@ class FlatAverager:
                 t.copy_(view if t.is_floating_point() else view.round())
         self._in_flight = []
 
+    def discard(self) -> None:
+        """After wait(), when nobody sent anything (every scale was 0): drop the sums; the tensors
+        stay as they were."""
+        self._in_flight = []
+
     def average(self, share: float, group: ProcessGroup = None) -> None:
         """Replace every tensor by Σ_i share_i · tensor_i, where share_i = w_i / Σw, in full
         precision; with a wire dtype, the result is the start of the next round's deltas."""

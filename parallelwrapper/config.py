@@ -71,6 +71,7 @@ class Config:
     validation_every: int = 50  # averagings between validations (and at each epoch's end), with .validation(data)
     warmup_sync_steps: int = 0  # post-local SGD: steps of SHARED_GRADIENTS before the averaging rounds
     payload_dtype: str = "float32"  # or "bfloat16", "float16": what an averaging's floats travel as
+    hierarchy: str = "none"  # or "node": under torchrun, a node's ranks share gradients each step, nodes average
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -120,6 +121,13 @@ class Config:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
         if self.payload_dtype != "float32" and self.overlap_averaging:
             raise ValueError("payload_dtype sends deltas from the last average, which overlap_averaging has not yet; drop one")
+        if self.hierarchy not in ("none", "node"):
+            raise ValueError(f"hierarchy must be 'none' or 'node', got {self.hierarchy!r}")
+        if self.hierarchy == "node" and (self.overlap_averaging or self.warmup_sync_steps or self.training_mode is not TrainingMode.AVERAGING):
+            raise ValueError(
+                "hierarchy('node') runs synchronous averaging rounds across nodes: it needs TrainingMode.AVERAGING "
+                "without overlap_averaging and without warmup_sync_steps"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for d in self.devices or ():  # how many there must be is env.resolve's to check
@@ -172,7 +180,7 @@ class OuterSpec:
     cls: type[torch.optim.Optimizer]
     kwargs: dict[str, Any]
 
-    def build(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return self.cls(params, **self.kwargs)
 
     @property

@@ -139,6 +139,8 @@ def resolve(
         f"{gpus} GPUs here. Use .workers({max(gpus, 1)}) or .backend('gloo')"
     )
     backend, threads, notes = _backend_and_threads(config, devices, cores, refusal, ".workers(n)")
+    if config.hierarchy != "none":
+        notes.append("hierarchy('node') applies under torchrun with several processes per node; these workers average as one group")
     return Placement(workers, devices, backend, threads, None, tuple(notes))
 
 

@@ -23,9 +23,9 @@ from .config import OuterSpec
 class OuterStep:
     """One worker's anchor (θ_start) and outer optimizer, over the model's trainable parameters."""
 
-    def __init__(self, spec: OuterSpec, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, spec: OuterSpec, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        self.anchor: list[torch.Tensor] = [torch.nn.Parameter(p.detach().clone()) for p in params]
         self.optimizer = spec.build(self.anchor)
 
     @torch.no_grad()

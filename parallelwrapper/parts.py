@@ -24,7 +24,7 @@ class Parts:
         self.model = model
         self.optimizer = job.make_optimizer(model)
         self.schedule: Schedule | None = make_schedule(job.lr_scheduler, self.optimizer, world_size)
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        trainable: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trainable)
 
     def state(self) -> TrainingState:

@@ -19,7 +19,7 @@ from .checkpoint import rng_state
 from .config import Config, Job, NanPolicy
 from .evaluation import classification_metrics, metric_sums
 from .feed import rank_share
-from .rounds import Budget, Rounds
+from .rounds import Budget, Node, Rounds
 from .parts import Parts
 from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, TrainingState, Where
 
@@ -39,6 +39,7 @@ class Replica:
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
         budget: Budget | None = None,
+        node: Node | None = None,
     ) -> None:
         self.parts = Parts(model, job, world_size)  # its optimizer, schedule and outer optimizer
         self.model, self.optimizer, self.schedule = model, self.parts.optimizer, self.parts.schedule
@@ -50,7 +51,9 @@ class Replica:
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "16-mixed" else None
         self._stopper = copy.deepcopy(job.early_stopping)  # this worker's own: it decides here
         self._best: TrainingState | None = None  # EarlyStopping(restore_best)
-        self.rounds = Rounds(self, config, device, rank, world_size, group=group, hooks=self.hooks, budget=budget)
+        # With a hierarchy the rounds run across nodes, one rank of each node in `group`.
+        across = 1 if node is None else node.size
+        self.rounds = Rounds(self, config, device, rank // across, world_size // across, group=group, hooks=self.hooks, budget=budget, node=node)
 
     @property
     def counters(self) -> Counters:

@@ -253,6 +253,11 @@ class Builder:
         average in that dtype, what the cast loses going with the next round. Default: float32."""
         return self._set("payload_dtype", str(dtype).removeprefix("torch."))
 
+    def hierarchy(self, level: str) -> Builder:
+        """"node": under torchrun with several processes per node, a node's ranks average their
+        gradients every step and the nodes average every k steps. Default: "none"."""
+        return self._set("hierarchy", level)
+
     def gradient_clipping(self, max_norm: float) -> Builder:
         """Clip each step's gradients to a total norm of `max_norm` (clip_grad_norm_), after
         backward and `before_step`, before the optimizer's step; in SHARED_GRADIENTS, the averaged

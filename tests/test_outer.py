@@ -234,3 +234,12 @@ def test_a_bfloat16_payload_trains_as_float32_does() -> None:
         ParallelWrapper.builder(mlp()).workers(1).overlap_averaging(True).payload_dtype(torch.bfloat16).build()
     with pytest.raises(ValueError, match=r"payload_dtype must be one of \['float32', 'bfloat16', 'float16'\], got 'int8'"):
         ParallelWrapper.builder(mlp()).workers(1).payload_dtype(torch.int8).build()
+
+
+def test_hierarchy_needs_synchronous_averaging_rounds_and_is_noted_outside_torchrun() -> None:
+    with pytest.raises(ValueError, match=r"hierarchy\('node'\) runs synchronous averaging rounds across nodes"):
+        ParallelWrapper.builder(mlp()).workers(1).overlap_averaging(True).hierarchy("node").build()
+    with pytest.raises(ValueError, match=r"hierarchy must be 'none' or 'node', got 'rack'"):
+        ParallelWrapper.builder(mlp()).workers(1).hierarchy("rack").build()
+    with pytest.warns(UserWarning, match=r"hierarchy\('node'\) applies under torchrun"):
+        ParallelWrapper.builder(mlp()).workers(1).hierarchy("node").build().close()

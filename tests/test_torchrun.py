@@ -4,6 +4,7 @@ protocol, fails with the same WorkerError and stops the same way as spawned work
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from torchrun_train import data, model  # noqa: E402
@@ -103,6 +105,79 @@ def test_two_agents_as_two_nodes_on_loopback(tmp_path: Path) -> None:
         for agent in agents:
             agent.kill()
     assert_ranks_equal_reference(tmp_path)
+
+
+# -- hierarchy: two nodes of two processes ----------------------------------------------------------
+
+HIERARCHY = Path(__file__).parent / "scripts" / "torchrun_hierarchy.py"
+
+
+def hierarchy_reference() -> dict[str, torch.Tensor]:
+    """One process: each node's two ranks step together on their gradients' sample-weighted mean
+    (batch i on rank i mod 4; ranks 2n and 2n + 1 are node n), k = 2 steps a round, then the two
+    nodes average their parameters and momentum, weighted by their samples."""
+    from torchrun_hierarchy import data as batches
+    from torchrun_hierarchy import model as make
+
+    shards = {r: [b for i, b in enumerate(batches()) if i % 4 == r] for r in range(4)}
+    start = make()
+    optimizer = torch.optim.SGD(start.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):  # epochs
+        for step in range(0, 4, 2):  # rounds of k = 2 steps: 4 batches on each rank
+            nodes = []
+            for n in range(2):
+                net = make()
+                net.load_state_dict(start.state_dict())
+                opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+                opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # each node its own momentum
+                for s in range(step, step + 2):
+                    opt.zero_grad()
+                    pair = [shards[2 * n + j][s] for j in range(2)]
+                    total = sum(len(y) for _, y in pair)
+                    sum(nn.functional.cross_entropy(net(x), y) * len(y) for x, y in pair).div(total).backward()
+                    opt.step()
+                nodes.append((net, opt))
+            with torch.no_grad():
+                for p, *copies in zip(start.parameters(), *(net.parameters() for net, _ in nodes)):
+                    p.copy_(sum(copies) / 2)
+            states = [opt.state_dict()["state"] for _, opt in nodes]
+            merged = optimizer.state_dict()
+            merged["state"] = {i: {"momentum_buffer": (states[0][i]["momentum_buffer"] + states[1][i]["momentum_buffer"]) / 2} for i in states[0]}
+            optimizer.load_state_dict(merged)
+    out = {f"model.{k}": v for k, v in start.state_dict().items()}
+    out.update({f"momentum.{i}": st["momentum_buffer"] for i, st in optimizer.state_dict()["state"].items()})
+    return out
+
+
+def test_hierarchy_two_nodes_of_two_processes_equals_a_one_process_reference(tmp_path: Path) -> None:
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            torchrun(
+                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(port), str(HIERARCHY), str(tmp_path),
+            ),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    try:
+        for agent in agents:
+            stdout, stderr = agent.communicate(timeout=TIMEOUT_S)
+            check(subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr))
+    finally:
+        for agent in agents:
+            agent.kill()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert [r["iterations"] for r in ranks] == [32] * 4  # 16 batches an epoch, each once
+    states = [
+        {**{f"model.{k}": v for k, v in r["model"].items()}, **{f"momentum.{i}": st["momentum_buffer"] for i, st in r["optimizer"]["state"].items()}}
+        for r in ranks
+    ]
+    for key, value in hierarchy_reference().items():
+        for r in range(1, 4):  # every rank of every node holds the same state, bitwise
+            assert torch.equal(states[r][key], states[0][key]), (key, r)
+        torch.testing.assert_close(states[0][key], value, rtol=1e-5, atol=1e-6, msg=key)  # reduction order differs
 
 
 # -- faults under torchrun: the same WorkerError as spawned workers, the same stop ------------------

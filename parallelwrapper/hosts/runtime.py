@@ -33,7 +33,7 @@ from ..checkpoint import rng_state, set_rng_state
 from ..config import Config, Job
 from ..env import Placement
 from ..feed import FeedError
-from ..rounds import Budget
+from ..rounds import Budget, Node
 from ..types import BatchSource, FitCommand, Hooks, Reporter, Stopped, TrainingError, WorkerError
 from ..worker import Replica
 
@@ -66,13 +66,14 @@ class Worker:
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
         budget: Budget | None = None,
+        node: Node | None = None,
     ) -> None:
         self.rank, self._threads = rank, placement.threads
         device = placement.device(local_rank)
         model = copy.deepcopy(job.model).to(device)
         self.replica = Replica(
             model, job, config, device, rank, placement.world_size,
-            group=group, hooks=hooks, budget=budget,
+            group=group, hooks=hooks, budget=budget, node=node,
         )  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + rank)

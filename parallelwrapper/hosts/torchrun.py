@@ -17,8 +17,22 @@ from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
 from ..feed import Batches, ShardSource
+from ..rounds import Node
 from ..types import FitCommand, Reporter, TrainingState
 from .runtime import SignalHooks, Worker, claim_device, stop_on_signals
+
+
+def _hierarchy(config: Config, rank: int, world: int, per_node: int) -> tuple[dist.ProcessGroup | None, Node | None]:
+    """With hierarchy('node') and several processes per node: this rank's group across nodes (the
+    ranks of every node with its local rank) and its node. torchrun numbers ranks node by node.
+    Every rank creates every group, in the same order, as new_group requires."""
+    if config.hierarchy != "node" or per_node == 1:
+        return None, None  # one process per node: the same as flat averaging
+    if world % per_node:
+        raise ValueError(f"hierarchy('node') needs the same processes on every node: {world} ranks, {per_node} on this one")
+    nodes = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(world // per_node)]
+    across = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)]
+    return across[rank % per_node], Node(nodes[rank // per_node], per_node)
 
 
 class TorchrunWorker:
@@ -34,7 +48,8 @@ class TorchrunWorker:
         if self._owns_group:
             dist.init_process_group(placement.backend, timeout=collective_timeout(config))
         self._hooks = SignalHooks(make_checkpointer(config, job, env.world_size))
-        self._worker = Worker(job, config, placement, env.rank, env.local_rank, hooks=self._hooks)
+        group, node = _hierarchy(config, env.rank, env.world_size, env.local_world_size)
+        self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, node=node)
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Train this rank's shard; return the final state (model, optimizer, schedule), the same on every rank."""

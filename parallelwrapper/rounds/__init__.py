@@ -17,9 +17,10 @@ first round of a fit() sends the header alone (ref is unknown) and builds the bu
 With overlap_averaging (AVERAGING only), a round's payload goes out without waiting and lands after
 the next round's steps, which are kept on top of the average (driver.py, `Rounds._overlapped_epoch`).
 
-Its parts: the header every worker sends with its state (header.py), the budget of a first-come
-round (budget.py), the score windows (scores.py), what a round asks of a worker (trainer.py),
-and the synchronous and overlapped drivers that run the rounds (driver.py).
+Its parts: the header every worker sends with its state (header.py), what the state is
+(state.py), the budget of a first-come round (budget.py), the score windows and validation
+(scores.py), what a round asks of a worker (trainer.py), a node's lockstep steps under a
+hierarchy (node.py), and the synchronous and overlapped drivers that run the rounds (driver.py).
 """
 
 from __future__ import annotations
@@ -28,5 +29,6 @@ from .budget import Budget, RoundBudget
 from .driver import Rounds
 from .trainer import Trainer
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
+from .node import Node
 
-__all__ = ["HEADER_LEN", "Budget", "RoundBudget", "RoundTotals", "Rounds", "Trainer", "make_header", "read_header"]
+__all__ = ["HEADER_LEN", "Budget", "Node", "RoundBudget", "RoundTotals", "Rounds", "Trainer", "make_header", "read_header"]

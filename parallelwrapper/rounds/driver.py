@@ -16,21 +16,15 @@ from ..averaging import (
     FlatAverager,
     agree_on_optimizer_layout,
     all_reduce_values,
-    optimizer_signature,
-    optimizer_state_tensors,
-    signature_hash,
 )
 from ..config import Config, TrainingMode
 from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
 from .budget import Budget
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
+from .node import Node, NodeSteps
+from .state import averaged_tensors, state_layout
 from .scores import ScoreBook, validate
 from .trainer import Trainer
-
-
-def _still(group: dict[str, Any]) -> bool:
-    """A param group that no step moves: its learning rate is 0."""
-    return float(group.get("lr", 1.0)) == 0.0
 
 
 class _EarlyStop(Exception):
@@ -43,9 +37,11 @@ class _Work:
 
     losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # loss·n per step
     samples: int = 0
+    batches: int = 0
     first_step: int = 0
     loss_sum: float = 0.0
     skipped: bool = False  # dropped by the NaN policy
+    finished: bool = False  # this worker (with a hierarchy: its node) has no batch left in the epoch
 
     @property
     def weight(self) -> float:
@@ -77,9 +73,11 @@ class Rounds:
         group: dist.ProcessGroup | None,
         hooks: Hooks,
         budget: Budget | None = None,
+        node: Node | None = None,
     ) -> None:
         self.trainer, self.config, self.device, self.hooks, self.budget = trainer, config, device, hooks, budget
-        self.rank, self.world_size, self.group = rank, world_size, group
+        self.rank, self.world_size, self.group = rank, world_size, group  # with a node: one rank per node
+        self._node = None if node is None else NodeSteps(node, trainer, device)
         self.counters = Counters()
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self._gradients_in_payload = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
@@ -116,6 +114,8 @@ class Rounds:
             if self._payload is not None:  # between fits, the model's tensors own their storage
                 self._payload.release()
                 self._payload, self._gradients_in_payload = None, False
+            if self._node is not None:
+                self._node.release()
             self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.trainer.local_steps)
 
     def _epoch(self, report: Reporter) -> None:
@@ -168,6 +168,8 @@ class Rounds:
             assert self._payload is not None
             self._payload.release()
             self._payload, self._gradients_in_payload = None, False
+        if self._averaging and self._node is not None:
+            return self._node_work(work)
         if self._averaging:
             most = self.config.averaging_frequency if self.budget is None else math.inf
             step = trainer.train_step
@@ -181,23 +183,29 @@ class Rounds:
                 break
             loss, n = step(epoch, *item)
             work.losses.append(loss)
-            work.samples += n
+            work.samples, work.batches = work.samples + n, work.batches + 1
         if work.losses:
             self._ahead = self._next(self._round + 1)
         work.loss_sum, work.skipped = trainer.checked_loss(work.losses, work.first_step, epoch)
+        work.finished = self._finished
         self.hooks.progress(Phase.AVERAGING, epoch, -1, trainer.local_steps)
+        return work
+
+    def _node_work(self, work: _Work) -> _Work:
+        """With a hierarchy: k lockstep steps with the node's other ranks (node.py); the work is
+        the node's. No look-ahead: the round after a node's last batch finds it finished."""
+        assert self._node is not None
+        node = self._node.run(self.config.averaging_frequency, self.counters.epoch, lambda: self._next(self._round), lambda: self._finished)
+        work.samples, work.batches, work.finished = node.samples, node.batches, node.finished
+        loss = [torch.tensor(node.loss_sum)] if node.batches else []
+        work.loss_sum, work.skipped = self.trainer.checked_loss(loss, work.first_step, self.counters.epoch)
+        self.hooks.progress(Phase.AVERAGING, self.counters.epoch, -1, self.trainer.local_steps)
         return work
 
     # -- payloads and headers --------------------------------------------------------------------
 
     def _layout(self) -> int:
-        """Hash of the averaged state's layout: the optimizer state's (optimizers create it
-        lazily) and which param groups stand still (lr 0, which a schedule may change)."""
-        if not self._averaging:
-            return 0
-        optimizer = self.trainer.optimizer
-        state = optimizer_signature(optimizer) if self.config.average_updaters else ()
-        return signature_hash((state, tuple(_still(group) for group in optimizer.param_groups)))
+        return state_layout(self.trainer.optimizer, self.config.average_updaters) if self._averaging else 0
 
     def _header(self, work: _Work, built: int | None) -> tuple[list[float], int | None]:
         """The round's header, and the layout it declares: stale (None) when the optimizer has
@@ -209,8 +217,8 @@ class Rounds:
         header = make_header(
             samples=0 if work.skipped else work.samples,
             loss_sum=0.0 if work.skipped else work.loss_sum,
-            batches=len(work.losses),
-            finished=self._finished,
+            batches=work.batches,
+            finished=work.finished,
             skipped=work.skipped,
             stop=self.hooks.stop_requested(),
             layout=layout,
@@ -218,18 +226,7 @@ class Rounds:
         return header, layout
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
-        """AVERAGING's state: trainable params | buffers | optimizer state (with average_updaters).
-        Frozen parameters (requires_grad=False), and those of a param group whose lr is 0 now,
-        are left out: they are the same on every worker and nothing moves them, so averaging
-        them would only cost bytes and, with uneven weights, an ulp of rounding. Their optimizer
-        state is averaged all the same; when a schedule moves a group's lr off 0, the layout
-        changes on every worker alike and the state is averaged anew."""
-        model, optimizer = self.trainer.model, self.trainer.optimizer
-        still = {id(p) for group in optimizer.param_groups if _still(group) for p in group["params"]}
-        tensors = [p for p in model.parameters() if p.requires_grad and id(p) not in still] + list(model.buffers())
-        if self.config.average_updaters:
-            tensors += optimizer_state_tensors(self.trainer.optimizer)
-        return tensors
+        return averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters)
 
     def _gradient_payload(self) -> FlatAverager:
         if self._payload is None:
@@ -274,6 +271,8 @@ class Rounds:
                 payload.wait()
         if totals.samples == 0:
             self._check_diverged(totals)
+            if payload is not None and self._reference > 0:
+                payload.discard()  # every worker sent zeros: nothing to apply
             return totals
         if payload is not None:
             payload.apply(reference / totals.samples)
@@ -387,9 +386,10 @@ class Rounds:
         if epoch_done:
             book.report(EpochReport(dataclasses.replace(self.counters), self.counters.epoch - 1, book.whole.score))
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
-            own: list[Any] = [None] * self.world_size
-            dist.all_gather_object(own, self.trainer.own_state(), group=self.group)
-            if self.rank == 0:
+            everyone = None if self._node is not None else self.group  # with a hierarchy: every rank of every node
+            own: list[Any] = [None] * dist.get_world_size(everyone)
+            dist.all_gather_object(own, self.trainer.own_state(), group=everyone)
+            if dist.get_rank(everyone) == 0:
                 self.hooks.checkpointer.save(self.trainer.state_dicts(), dataclasses.replace(self.counters), own)
         if totals.stop:
             raise Stopped(f"stopped at round {self.counters.rounds}, as the host asked")

@@ -1,0 +1,89 @@
+"""A round's local work under `.hierarchy("node")`: the ranks of one node step in lockstep, each
+step on the gradients averaged over the node, so that the node's replicas stay equal and only the
+nodes average, once a round, across the slow link.
+
+Each step every rank of the node sends its gradients (and buffers) scaled by its batch's sample
+count, with a trailer of [samples, has a batch, loss·n, its feed ended]; a rank without a batch
+sends zeros and still steps on the node's average. The round's local work ends after k steps, or
+at the first step where no rank of the node had a batch: then the whole node has finished its
+epoch. The work a node reports in the round's header is the node's, the same on each of its
+ranks, so the across-nodes sums count every batch once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..averaging import FlatAverager
+from .trainer import Trainer
+
+
+@dataclass(frozen=True)
+class Node:
+    """This worker's node: its ranks' process group and how many they are."""
+
+    group: dist.ProcessGroup
+    size: int
+
+
+@dataclass
+class NodeWork:
+    """What one node did in a round's local work."""
+
+    samples: int = 0
+    loss_sum: float = 0.0
+    batches: int = 0
+    finished: bool = False  # no rank of the node had a batch left
+
+
+class NodeSteps:
+    """One rank's side of its node's lockstep steps."""
+
+    TRAILER = 4
+
+    def __init__(self, node: Node, trainer: Trainer, device: torch.device) -> None:
+        self.node, self.trainer, self.device = node, trainer, device
+        self._payload: FlatAverager | None = None
+
+    def _gradients(self) -> FlatAverager:
+        if self._payload is None:
+            params = [p for p in self.trainer.model.parameters() if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params if p.grad is not None]
+            self._payload = FlatAverager(grads + list(self.trainer.model.buffers()), self.device, self.TRAILER)
+        return self._payload
+
+    def release(self) -> None:
+        if self._payload is not None:
+            self._payload.release()
+            self._payload = None
+
+    def run(self, steps: int, epoch: int, next_batch: Callable[[], tuple[int, Any] | None], finished: Callable[[], bool]) -> NodeWork:
+        """Up to `steps` lockstep steps; the node's work."""
+        work = NodeWork()
+        payload = self._gradients()
+        for _ in range(steps):
+            item = next_batch()
+            self.trainer.optimizer.zero_grad(set_to_none=False)  # zeros in the payload's buffer
+            loss, n = self.trainer.accumulate(epoch, *item) if item is not None else (None, 0)
+            trailer = [float(n), float(item is not None), 0.0 if loss is None else float(loss), float(finished())]
+            payload.send(float(n), trailer, self.node.group)
+            samples, batches, loss_sum, _ = payload.wait()
+            if batches == 0:  # nobody in the node had a batch: its epoch is over
+                payload.discard()
+                work.finished = True
+                break
+            payload.apply(1.0 / samples)
+            self.trainer.step()
+            work.samples, work.loss_sum, work.batches = work.samples + int(samples), work.loss_sum + loss_sum, work.batches + int(batches)
+        return work
+
+
+__all__ = ["Node", "NodeSteps", "NodeWork"]

@@ -1,0 +1,41 @@
+"""What an averaging round averages, and the layout every worker must agree on before it does.
+
+AVERAGING's state is the trainable parameters, the buffers and (with average_updaters) the
+optimizer's state. Frozen parameters (requires_grad=False), and those of a param group whose
+learning rate is 0 now, are left out: they are the same on every worker and nothing moves them,
+so averaging them would only cost bytes and, with uneven weights, an ulp of rounding. Their
+optimizer state is averaged all the same; when a schedule moves a group's lr off 0, the layout
+changes on every worker alike, and the state is averaged anew.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..averaging import optimizer_signature, optimizer_state_tensors, signature_hash
+
+
+def _still(group: dict[str, Any]) -> bool:
+    """A param group that no step moves: its learning rate is 0."""
+    return float(group.get("lr", 1.0)) == 0.0
+
+
+def averaged_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, average_updaters: bool) -> list[torch.Tensor]:
+    """Trainable, moving params | buffers | optimizer state (with average_updaters), in order."""
+    still = {id(p) for group in optimizer.param_groups if _still(group) for p in group["params"]}
+    tensors = [p for p in model.parameters() if p.requires_grad and id(p) not in still] + list(model.buffers())
+    if average_updaters:
+        tensors += optimizer_state_tensors(optimizer)
+    return tensors
+
+
+def state_layout(optimizer: torch.optim.Optimizer, average_updaters: bool) -> int:
+    """A hash of the averaged state's layout: the optimizer state's (optimizers create it lazily)
+    and which param groups stand still."""
+    state = optimizer_signature(optimizer) if average_updaters else ()
+    return signature_hash((state, tuple(_still(group) for group in optimizer.param_groups)))
+
+
+__all__ = ["averaged_tensors", "state_layout"]
