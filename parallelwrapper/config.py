@@ -68,7 +68,7 @@ class Config:
     threads_per_worker: int | None = None  # None: the machine's cores shared out among workers
     gradient_clip_norm: float | None = None  # clip_grad_norm_ of each step's gradients to this
     precision: str = "32"  # or "bf16-mixed", "16-mixed"
-    validation_every: int = 50  # averagings between validations (and at each epoch's end), with .validation(data)
+    validation_every: int | None = 50  # averagings between validations (None: epoch ends only), with .validation(data)
     warmup_sync_steps: int = 0  # post-local SGD: steps of SHARED_GRADIENTS before the averaging rounds
     payload_dtype: str = "float32"  # or "bfloat16", "float16": what an averaging's floats travel as
     hierarchy: str = "none"  # or "node": under torchrun, a node's ranks share gradients each step, nodes average
@@ -110,7 +110,8 @@ class Config:
                 f"gradient_clip_norm must be a positive number, got {self.gradient_clip_norm!r}; "
                 f"e.g. .gradient_clipping(max_norm=1.0)"
             )
-        check_int("validation_every", self.validation_every, 1, "e.g. .validation(data, every=50)")
+        if self.validation_every is not None:
+            check_int("validation_every", self.validation_every, 1, "e.g. .validation(data, every=50), or every=None for epoch ends only")
         check_int("warmup_sync_steps", self.warmup_sync_steps, 0, "the synchronous steps before averaging, e.g. .warmup_sync_steps(200)")
         if self.warmup_sync_steps and (self.training_mode is not TrainingMode.AVERAGING or self.overlap_averaging):
             raise ValueError(

@@ -88,11 +88,12 @@ class Placement:
 
     def __str__(self) -> str:
         on = self.devices[0] if len(set(self.devices)) == 1 else ", ".join(self.devices)
-        each = f"with {self.backend}, {self.threads} threads each"
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        each = f"with {self.backend}, {threads} each"
         if self.torchrun is not None:
             return f"{self.world_size} workers under torchrun, {len(self.devices)} on this node on {on} {each}"
         if self.in_process:
-            return f"1 worker in this process on cpu, {self.threads} threads"
+            return f"1 worker in this process on cpu, {threads}"
         return f"{self.world_size} workers on {on} {each}"
 
 

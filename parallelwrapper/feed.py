@@ -23,6 +23,7 @@ from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
 
+from .batches import to_cpu
 from .config import check_int
 from .slots import SlotReader, SlotWriter
 from .types import END, EndOfEpoch
@@ -30,6 +31,13 @@ from .types import END, EndOfEpoch
 Batches = Iterable[Any] | Callable[[], Iterable[Any]]
 _SENTINEL = None  # what ends a worker's epoch in a queue; batches travel as (index, batch)
 _POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
+
+
+def compact(data: Batches) -> Batches:
+    """A list or tuple of batches with every tensor in a storage of its own: batches that are views
+    of one big tensor (slices of a dataset) would each carry all of it to every spawned worker.
+    Other data (a DataLoader, a function) is returned as it is."""
+    return [to_cpu(batch) for batch in data] if isinstance(data, (list, tuple)) else data
 
 
 def epoch_iterable(data: Batches) -> Callable[[], Iterable[Any]]:

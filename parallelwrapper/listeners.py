@@ -35,6 +35,7 @@ class Score:
     score: float  # sample-weighted mean loss over the round's batches, all workers
     seconds: float  # since this fit() started
     skipped: int = 0  # workers dropped from this round by NanPolicy.SKIP
+    position: int = 0  # batches of `epoch` trained so far (a resumed fit() starts past 0)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Validation:
     round: int
     iteration: int
     samples: int
-    epoch: int
+    epoch: int  # the epoch of the batches trained so far (at an epoch's end: the one that ended)
     metrics: dict[str, float]  # val_loss and val_accuracy, or what the validation step returns
     seconds: float
 
@@ -99,11 +100,12 @@ class Recorder:
     def __call__(self, report: Report) -> None:
         c, seconds = report.counters, report.at - self.start
         if isinstance(report, RoundReport):
-            score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped)
+            score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped, c.position)
             self.history.scores.append(score)
             notify(self.listeners, "on_score", score)
         elif isinstance(report, ValidationReport):
-            validation = Validation(c.rounds, c.iterations, c.samples, c.epoch, report.metrics, seconds)
+            epoch = c.epoch - 1 if c.position == 0 and c.epoch > 0 else c.epoch  # at an epoch's end: that epoch
+            validation = Validation(c.rounds, c.iterations, c.samples, epoch, report.metrics, seconds)
             self.history.validations.append(validation)
             notify(self.listeners, "on_validation", validation)
         else:
@@ -113,38 +115,43 @@ class Recorder:
 
 
 class ProgressBar:
-    """A tqdm bar over batches with the latest averaged score; one bar per epoch.
-
-    `batches_per_epoch` sets the bar's total when the data has a length.
-    """
+    """A tqdm bar over an epoch's batches, one bar per epoch, with the last round's averaged loss
+    ("round loss"), the latest validation metrics, and at the end the epoch's mean loss ("epoch
+    loss"). `batches_per_epoch` sets the bar's total when the data has a length; a resumed fit()
+    starts its bar where the epoch was."""
 
     def __init__(self, batches_per_epoch: int | None = None, **tqdm_kwargs: Any) -> None:
         self._total, self._kwargs = batches_per_epoch, tqdm_kwargs
         self._bar: Any = None
-        self._last_iteration = 0
+        self._postfix: dict[str, str] = {}
 
     def _open(self, epoch: int) -> Any:
         from tqdm.auto import tqdm
 
         if self._bar is None:
             self._bar = tqdm(total=self._total, desc=f"epoch {epoch}", unit="batch", **self._kwargs)
+            self._postfix = {}
         return self._bar
+
+    def _show(self, values: dict[str, float], refresh: bool = False) -> None:
+        self._postfix.update({k.replace("_", " "): f"{v:.4f}" for k, v in values.items()})
+        self._bar.set_postfix(self._postfix, refresh=refresh)
 
     def on_score(self, score: Score) -> None:
         bar = self._open(score.epoch)
-        bar.update(score.iteration - self._last_iteration)
-        self._last_iteration = score.iteration
-        bar.set_postfix(score=f"{score.score:.4f}", refresh=False)
+        bar.update(score.position - bar.n)
+        self._show({"round_loss": score.score})
 
     def on_validation(self, validation: Validation) -> None:
-        bar = self._open(validation.epoch)
-        bar.set_postfix({k: f"{v:.4f}" for k, v in validation.metrics.items()}, refresh=False)
+        if self._bar is not None:  # at an epoch's end the bar is still open: the validation comes first
+            self._show(validation.metrics)
 
     def on_epoch_end(self, epoch: EpochEnd) -> None:
         bar = self._open(epoch.epoch)
-        bar.update(epoch.iteration - self._last_iteration)
-        self._last_iteration = epoch.iteration
-        bar.set_postfix(score=f"{epoch.score:.4f}")
+        if bar.total:
+            bar.update(bar.total - bar.n)
+        self._postfix.pop("round loss", None)
+        self._show({"epoch_loss": epoch.score}, refresh=True)
         bar.close()
         self._bar = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,9 +188,16 @@ class WorkerError(RuntimeError):
         return (WorkerError, (self.rank, self.summary, self.details, self.where))
 
     def with_echoes(self, echoes: dict[int, str]) -> WorkerError:
-        """This error, and one line each for the peers that failed because of it."""
-        lines = "".join(f"\n(also worker {r}: {line})" for r, line in sorted(echoes.items()) if r != self.rank)
+        """This error, and one short line each for the peers that failed because of it (a lost
+        connection, mostly: the collective library's source locations are left out)."""
+        lines = "".join(f"\n(also worker {r}: {_echo(line)})" for r, line in sorted(echoes.items()) if r != self.rank)
         return WorkerError(self.rank, self.summary, self.details + ("\n" + lines if lines else ""), self.where)
+
+
+def _echo(line: str, limit: int = 160) -> str:
+    """A peer's summary, without gloo's and NCCL's `[file.cc:123]` source locations, cut at `limit`."""
+    line = re.sub(r"\[[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*", "", line).strip()
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 __all__ = [

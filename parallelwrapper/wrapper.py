@@ -20,7 +20,7 @@ from .config import BeforeStep, Config, Job, LossFn, NanPolicy, OptimizerFn, Out
 from .config import ValidationStep, check_job, parse_enum
 from .env import Placement, resolve, torchrun_env
 from .evaluation import classification_metrics, metric_sums
-from .feed import Batches, check_epochs, epoch_iterable
+from .feed import Batches, check_epochs, compact, epoch_iterable
 from .hosts import Host, start_host
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
 from .parts import Parts
@@ -270,11 +270,11 @@ class Builder:
         it skips still joins its round). Parameters, gradients, optimizer state and averaging stay float32."""
         return self._set("precision", name)
 
-    def validation(self, data: Batches, every: int = 50, step: ValidationStep | None = None) -> Builder:
-        """Score the averaged model on `data` every `every` averagings and at each epoch's end,
-        each worker its share (batch i on worker i mod N). Metrics: val_loss and val_accuracy, or
-        `step(model, batch) -> {name: batch mean}`; they reach `on_validation` and History."""
-        self._validation, self._validation_step = data, step
+    def validation(self, data: Batches, every: int | None = 50, step: ValidationStep | None = None) -> Builder:
+        """Score the averaged model on `data` every `every` averagings (None: never) and at each
+        epoch's end, each worker its share (batch i on worker i mod N). Metrics: val_loss and
+        val_accuracy, or `step(model, batch) -> {name: batch mean}`; to `on_validation`, History."""
+        self._validation, self._validation_step = compact(data), step
         return self._set("validation_every", every)
 
     def before_step(self, fn: BeforeStep) -> Builder:

@@ -332,3 +332,29 @@ def test_early_stopping_restores_the_best_state_and_needs_validation() -> None:
     assert [v.round for v in history.validations] == [1, 2, 3]
     for key, value in best.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_epoch_end_validations_belong_to_the_epoch_that_ended_and_the_bar_says_which_loss() -> None:
+    import io
+
+    from parallelwrapper.listeners import ProgressBar
+
+    out = io.StringIO()
+    data = make_batches(10)
+    builder = ParallelWrapper.builder(mlp()).workers(1).validation(data[:2], every=None).listeners(ProgressBar(10, file=out))
+    with builder.build() as w:
+        history = w.fit(data, epochs=2)
+    assert [(v.epoch, v.round) for v in history.validations] == [(0, 10), (1, 20)]  # every=None: epoch ends only
+    assert [s.position for s in history.scores[:3]] == [1, 2, 3]
+    last = out.getvalue().rsplit("\r", 1)[-1]
+    assert "10/10" in last and "val loss=" in last and "epoch loss=" in last and "round loss" not in last
+
+
+def test_validation_batches_that_are_views_travel_without_their_base() -> None:
+    from parallelwrapper.feed import compact
+
+    base = torch.randn(1000, 10)
+    views = [(base[i : i + 10], torch.zeros(10, dtype=torch.long)) for i in range(0, 100, 10)]
+    compacted = compact(views)
+    assert isinstance(compacted, list) and all(torch.equal(a[0], b[0]) for a, b in zip(views, compacted, strict=True))
+    assert all(x.untyped_storage().nbytes() == 10 * 10 * 4 for x, _ in compacted)

@@ -372,7 +372,8 @@ class Rounds:
         return epoch_done
 
     def _validation_due(self, rounds: int) -> bool:
-        return self.trainer.validates and rounds % self.config.validation_every == 0
+        every = self.config.validation_every
+        return self.trainer.validates and every is not None and rounds % every == 0
 
     def _after_landing(self, totals: RoundTotals, epoch_done: bool, book: ScoreBook) -> None:
         """After a round every replica holds the average: validate when due and at an epoch's
