@@ -18,7 +18,7 @@ from click.core import ParameterSource
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .compare import CompareOptions, compare
-from .config import PRECISIONS, TrainingMode
+from .config import PAYLOAD_DTYPES, PRECISIONS, TrainingMode
 from .data.mnist import MnistFilesMissing
 from .types import WorkerError
 from .models import MODEL_NAMES
@@ -51,6 +51,10 @@ def _run_options(f: F) -> F:
         click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir."),
         click.option("--train-samples", type=click.IntRange(min=1), default=None, help="Train on the first N training images only (for smoke tests)."),
         click.option("--test-samples", type=click.IntRange(min=1), default=None, help="Evaluate on the first N test images only (for smoke tests)."),
+        click.option("--outer-lr", type=click.FloatRange(min=0, min_open=True), default=None, help="DiLoCo/SlowMo: after each averaging, step an outer SGD at this learning rate on the round's change (1 with no momentum: plain averaging). Default: off."),
+        click.option("--outer-momentum", type=click.FloatRange(min=0, max=1, max_open=True), default=0.0, show_default=True, help="The outer SGD's Nesterov momentum (needs --outer-lr)."),
+        click.option("--warmup-sync-steps", type=click.IntRange(min=0), default=0, show_default=True, help="Post-local SGD: share gradients every step for the first N steps, then average every --averaging-frequency."),
+        click.option("--payload-dtype", type=click.Choice(list(PAYLOAD_DTYPES)), default="float32", show_default=True, help="What an averaging sends: bfloat16/float16 send the change since the last average, the cast's error carried to the next round."),
     ]  # fmt: skip
     for option in reversed(options):
         f = option(f)

@@ -5,7 +5,9 @@ Every run trains the same model from the same initial weights on the same batche
 same workers: `deterministic`) for the same sample budget; only the synchronisation differs:
 SHARED_GRADIENTS (gradients averaged every step, the DataParallelTable / DDP way) and AVERAGING
 every k local steps (local SGD; Lin et al., 2020, "Don't Use Large Mini-Batches, Use Local SGD").
-The test set is evaluated at the same sample counts in every run, so the curves line up.
+The test set is evaluated at the same sample counts in every run, so the curves line up. With
+an outer optimizer in the base options (DiLoCo, Douillard et al., 2023; SlowMo, Wang et al., 2020)
+each k also runs with it ("outer k=..."), beside plain averaging.
 
     results = compare(CompareOptions(RunOptions(data_dir=Path("../shared/data/mnist")), out=Path("runs/compare")))
 
@@ -28,12 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 
-from .averaging import FlatAverager, optimizer_state_tensors
-from .rounds import HEADER_LEN
+from .communication import HEADER_BYTES, Communication, estimated_communication
 from .config import TrainingMode
-from .options import OPTIMIZERS, Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
+from .options import Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
 from .wrapper import ParallelWrapper
 
 if TYPE_CHECKING:
@@ -41,13 +41,13 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MODEL_TITLES = {"lenet": "LeNet", "mlp": "MLP"}
-HEADER_BYTES = HEADER_LEN * 8  # averaging.all_reduce_values, float64: a fit()'s first round (checked by a test)
 
 
 @dataclass(frozen=True)
 class CompareOptions:
     """The runs to compare. `base` sets everything they share; its mode and averaging frequency
-    are replaced by each run's."""
+    are replaced by each run's. With `base.outer_lr`, each k runs twice: plain averaging, and with
+    the outer optimizer."""
 
     base: RunOptions = field(default_factory=RunOptions)
     frequencies: tuple[int, ...] = (1, 4, 16)  # one AVERAGING run per k
@@ -66,71 +66,39 @@ class CompareOptions:
             raise ValueError(f"evals_per_epoch must be an int >= 1, got {self.evals_per_epoch!r}")
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ValueError(f"target_accuracy is a fraction in (0, 1], e.g. 0.97; got {self.target_accuracy!r}")
+        if self.base.warmup_sync_steps:
+            raise ValueError("compare runs each scheme from the start: drop --warmup-sync-steps (warmup_sync_steps), which pw-fit takes")
+        if self.base.outer_lr is not None and not ks:
+            raise ValueError("the outer optimizer steps after averagings: give averaging frequencies with --outer-lr")
 
 
 @dataclass(frozen=True)
 class RunSpec:
     mode: TrainingMode
     averaging_frequency: int
+    outer: bool = False  # with the base options' outer optimizer
 
     @property
     def label(self) -> str:
         if self.mode is TrainingMode.SHARED_GRADIENTS:
             return "shared gradients"
-        return f"averaging k={self.averaging_frequency}"
+        return f"{'outer' if self.outer else 'averaging'} k={self.averaging_frequency}"
+
+    def options(self, base: RunOptions) -> RunOptions:
+        """`base` as this run trains: its mode and k; the outer optimizer only in an outer run; the
+        payload dtype only where there are averagings."""
+        outer = self.outer and base.outer_lr is not None
+        return dataclasses.replace(
+            base, mode=self.mode, averaging_frequency=self.averaging_frequency, report_score_after_averaging=True,
+            deterministic=True, outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0,
+            payload_dtype=base.payload_dtype if self.mode is TrainingMode.AVERAGING else "float32",
+        )  # fmt: skip
 
 
 def run_specs(options: CompareOptions) -> list[RunSpec]:
     specs = [RunSpec(TrainingMode.SHARED_GRADIENTS, 1)] if options.shared_gradients else []
-    return specs + [RunSpec(TrainingMode.AVERAGING, k) for k in sorted(options.frequencies)]
-
-
-# -- communication ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Communication:
-    """What one round sends, per worker. Computed from the layout, not measured."""
-
-    payload_bytes: int  # the flat buffers of one round, all dtypes, with the header they carry
-    payload_collectives: int  # one all-reduce per dtype
-    workers: int
-
-    def ring_bytes(self, size: int) -> float:
-        """Bytes each worker sends in a ring all-reduce of `size` bytes: 2(N-1)/N · size."""
-        return 2 * (self.workers - 1) / self.workers * size
-
-    def collectives(self, rounds: int, fits: int) -> int:
-        """Payloads, one per round, which carry the header, and the header a fit()'s first round
-        sends alone before the buffers exist (counted for every fit(): an overcount of at most
-        one per call)."""
-        return fits + rounds * self.payload_collectives
-
-    def bytes_per_worker(self, rounds: int, fits: int) -> float:
-        return self.ring_bytes(HEADER_BYTES) * fits + self.ring_bytes(self.payload_bytes) * rounds
-
-
-def estimated_communication(options: RunOptions, spec: RunSpec) -> Communication:
-    """The all-reduce payload of one round, computed (not measured) from the same flat-buffer
-    layout the workers build: AVERAGING sends params | buffers (| optimizer state with
-    average_updaters), SHARED_GRADIENTS sends gradients | buffers, one all-reduce per dtype, the
-    first with the round's header after the tensors. A rank-local throwaway optimizer takes one
-    step on zero gradients to create its lazily built state (SGD momentum: one buffer per
-    parameter; Adam: two, and a step count)."""
-    model = initial_model(options)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if spec.mode is TrainingMode.SHARED_GRADIENTS:
-        tensors = [torch.zeros_like(p) for p in params] + list(model.buffers())
-    else:
-        tensors = params + list(model.buffers())
-        if options.average_updaters:
-            optimizer = OPTIMIZERS[options.optimizer].make(params, options.learning_rate)
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            tensors += optimizer_state_tensors(optimizer)
-    flat = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN)
-    return Communication(flat.nbytes, flat.collectives, options.workers)
+    outer = options.base.outer_lr is not None
+    return specs + [RunSpec(TrainingMode.AVERAGING, k, o) for k in sorted(options.frequencies) for o in (False, True)[: 1 + outer]]
 
 
 # -- one run ---------------------------------------------------------------------------------------
@@ -173,12 +141,14 @@ def chunks(batches: list[T], evals: int, unit: int) -> list[list[T]]:
 
 def _start_workers(wrapper: ParallelWrapper, batches: list[Batch]) -> None:
     """Start the workers outside the clock: fit one batch per worker, then put the model and the
-    optimizer back as they were (the next fit() starts from them)."""
+    optimizers back as they were (the next fit() starts from them)."""
+    optimizers = [o for o in (wrapper.optimizer, wrapper.outer_optimizer) if o is not None]
     model_state = copy.deepcopy(wrapper.model.state_dict())
-    optimizer_state = copy.deepcopy(wrapper.optimizer.state_dict())
+    states = [copy.deepcopy(o.state_dict()) for o in optimizers]
     wrapper.fit(batches[: wrapper.config.workers])
     wrapper.model.load_state_dict(model_state)
-    wrapper.optimizer.load_state_dict(optimizer_state)
+    for o, state in zip(optimizers, states, strict=True):
+        o.load_state_dict(state)
 
 
 def run_one(
@@ -189,14 +159,8 @@ def run_one(
     echo: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Train one configuration over `pieces`, evaluating before the first and after each."""
-    run_options = dataclasses.replace(
-        options.base,
-        mode=spec.mode,
-        averaging_frequency=spec.averaging_frequency,
-        report_score_after_averaging=True,
-        deterministic=True,
-    )
-    cost = estimated_communication(run_options, spec)
+    run_options = spec.options(options.base)
+    cost = estimated_communication(run_options)
     model = initial_model(run_options)  # the same initial weights in every run
     wrapper = builder(model, run_options).build()
 
@@ -255,7 +219,7 @@ def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = pri
     return results
 
 
-CSV_FIELDS = ["run", "mode", "averaging_frequency", *(f.name for f in dataclasses.fields(Point))]
+CSV_FIELDS = ["run", "mode", "averaging_frequency", "outer", *(f.name for f in dataclasses.fields(Point))]
 
 
 def write_csv(results: Sequence[RunResult], path: Path) -> None:
@@ -264,7 +228,7 @@ def write_csv(results: Sequence[RunResult], path: Path) -> None:
         writer.writeheader()
         for r in results:
             for p in r.points:
-                row = {"run": r.spec.label, "mode": r.spec.mode.value, "averaging_frequency": r.spec.averaging_frequency}
+                row = {"run": r.spec.label, "mode": r.spec.mode.value, "averaging_frequency": r.spec.averaging_frequency, "outer": r.spec.outer}
                 writer.writerow({**row, **dataclasses.asdict(p)})
 
 
@@ -274,7 +238,9 @@ def describe_setup(options: CompareOptions, results: Sequence[RunResult]) -> str
     return (
         f"{MODEL_TITLES.get(b.model, b.model)} on MNIST, {b.workers} workers × batch {b.batch_size}, "
         f"{b.optimizer} lr {b.learning_rate:g}, "
-        f"{samples:,} training samples per run"
+        + (f"outer SGD lr {b.outer_lr:g} Nesterov momentum {b.outer_momentum:g}, " if b.outer_lr is not None else "")
+        + (f"averagings sent in {b.payload_dtype}, " if b.payload_dtype != "float32" else "")
+        + f"{samples:,} training samples per run"
     )
 
 
@@ -286,8 +252,9 @@ def markdown(results: Sequence[RunResult], options: CompareOptions, wall_seconds
         "# Synchronous gradients against model averaging\n",
         f"{describe_setup(options, results)}; the same initial weights and batches in every run. "
         f"Seconds are training time (no start-up, no evaluation). Communication is computed from "
-        f"the all-reduce layout (ring all-reduce: 2(N-1)/N of each buffer sent per worker), not "
-        f"measured. \"To {target:.0%}\" is the first of the evaluations at or above it.\n",
+        f"the all-reduce layout (ring all-reduce: 2(N-1)/N of each buffer sent per worker; a 16-bit "
+        f"payload: (N-1) casts all-gathered, after each fit()'s first round in float32), not measured; "
+        f"an outer step sends nothing. \"To {target:.0%}\" is the first of the evaluations at or above it.\n",
         f"| run | final test accuracy | final test loss | training seconds | training samples/s "
         f"| samples to {target:.0%} | seconds to {target:.0%} | collectives | MB sent per worker |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -332,7 +299,9 @@ def _style(spec: RunSpec, ks: list[int]) -> dict[str, Any]:
         return {"color": "black", "linestyle": "--", "marker": "s", "markersize": 8, "markerfacecolor": "none", "zorder": 3}
     i = ks.index(spec.averaging_frequency)
     shade = plt.get_cmap("viridis")(0.1 + 0.75 * i / max(1, len(ks) - 1))
-    return {"color": shade, "linestyle": "-", "marker": _MARKERS[i % len(_MARKERS)], "markersize": 4, "zorder": 2}
+    # An outer run in its k's colour and marker, dash-dotted, hollow.
+    outer = {"linestyle": "-.", "markerfacecolor": "none"} if spec.outer else {"linestyle": "-"}
+    return {"color": shade, "marker": _MARKERS[i % len(_MARKERS)], "markersize": 4, "zorder": 2, **outer}
 
 
 def figure(results: Sequence[RunResult], options: CompareOptions) -> Figure:
@@ -348,7 +317,7 @@ def figure(results: Sequence[RunResult], options: CompareOptions) -> Figure:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), sharey=True)
     fig.subplots_adjust(left=0.07, right=0.99, bottom=0.1, top=0.86, wspace=0.05)
-    ks = sorted(r.spec.averaging_frequency for r in results if r.spec.mode is TrainingMode.AVERAGING)
+    ks = sorted({r.spec.averaging_frequency for r in results if r.spec.mode is TrainingMode.AVERAGING})
     target = options.target_accuracy
     for ax, x_name, x_label in (
         (axes[0], "samples", "training samples seen (all workers)"),

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .config import PRECISIONS, TrainingMode, check_int
+from .config import PAYLOAD_DTYPES, PRECISIONS, TrainingMode, check_int
 from .env import gpu_count, gpu_devices
 from .data.mnist import MnistSplit, load_mnist
 from .models import MODEL_NAMES, build_model
@@ -80,6 +80,10 @@ class RunOptions:
     val_every: int = 0  # validate on the test set every N averagings too (0: at epoch ends only)
     early_stopping_patience: int | None = None  # stop after this many validations without a better val_loss
     lr_schedule: str = "none"  # or step, cosine, onecycle (see with_lr_schedule)
+    outer_lr: float | None = None  # an outer SGD with Nesterov momentum after each averaging (None: none)
+    outer_momentum: float = 0.0  # its momentum (Builder.outer_optimizer)
+    warmup_sync_steps: int = 0  # shared gradients for the first N steps, then averaging (Builder.warmup_sync_steps)
+    payload_dtype: str = "float32"  # or bfloat16, float16: what an averaging sends (Builder.payload_dtype)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
@@ -110,6 +114,15 @@ class RunOptions:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.outer_lr is not None and not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
+            raise ValueError(f"outer_lr must be a positive number, e.g. 1.0; got {self.outer_lr!r}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), e.g. 0.5; got {self.outer_momentum!r}")
+        if self.outer_momentum and self.outer_lr is None:
+            raise ValueError(f"outer_momentum {self.outer_momentum:g} is the outer optimizer's, which --outer-lr LR (outer_lr) turns on: add it")
+        check_int("warmup_sync_steps", self.warmup_sync_steps, 0)
+        if self.payload_dtype not in PAYLOAD_DTYPES:
+            raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and gpu_count() == 0:
@@ -174,8 +187,14 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .deterministic(options.deterministic)
         .seed(options.seed)
         .precision(options.precision)
+        .warmup_sync_steps(options.warmup_sync_steps)
+        .payload_dtype(options.payload_dtype)
         .listeners(*listeners)
     )
+    if options.outer_lr is not None:
+        # Nesterov only where there is momentum: torch's SGD refuses it without.
+        nesterov = options.outer_momentum > 0
+        b = b.outer_optimizer(torch.optim.SGD, lr=options.outer_lr, momentum=options.outer_momentum, nesterov=nesterov, foreach=True)
     if options.clip_grad_norm is not None:
         b = b.gradient_clipping(options.clip_grad_norm)
     checkpoints = options.checkpoint_dir or options.resume

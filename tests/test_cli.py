@@ -25,6 +25,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from parallelwrapper import TrainingMode, checkpoint, cli
+from parallelwrapper.communication import estimated_communication
 from parallelwrapper.compare import CSV_FIELDS, CompareOptions
 from parallelwrapper.data.mnist import FILES
 from parallelwrapper.models import LeNet
@@ -147,6 +148,27 @@ def test_recipe_options_reach_the_run_and_the_builder(captured: dict[str, Any]) 
     assert invoke("--precision", "fp8").exit_code != 0 and invoke("--clip-grad-norm", "0").exit_code != 0
 
 
+def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, Any]) -> None:
+    """Off by default (DL4J's behaviour); --outer-lr turns on an outer SGD, Nesterov where it has momentum."""
+    assert invoke().exit_code == 0
+    o = captured["train"]
+    assert (o.outer_lr, o.outer_momentum, o.warmup_sync_steps, o.payload_dtype) == (None, 0.0, 0, "float32")
+    with builder(LeNet(), o).build() as w:
+        assert w.outer_optimizer is None and (w.config.warmup_sync_steps, w.config.payload_dtype) == (0, "float32")
+    args = ("--outer-lr", "0.8", "--outer-momentum", "0.5", "--warmup-sync-steps", "20", "--payload-dtype", "bfloat16")
+    assert invoke(*args).exit_code == 0
+    options = captured["train"]
+    assert options == RunOptions(outer_lr=0.8, outer_momentum=0.5, warmup_sync_steps=20, payload_dtype="bfloat16")
+    with builder(LeNet(), options).build() as w:
+        assert (w.config.warmup_sync_steps, w.config.payload_dtype) == (20, "bfloat16")
+        assert w.outer_optimizer is not None and type(w.outer_optimizer) is torch.optim.SGD
+        group = w.outer_optimizer.param_groups[0]
+        assert (group["lr"], group["momentum"], group["nesterov"]) == (0.8, 0.5, True)
+    assert invoke("--outer-lr", "1").exit_code == 0
+    with builder(LeNet(), captured["train"]).build() as w:
+        assert w.outer_optimizer is not None and w.outer_optimizer.param_groups[0]["nesterov"] is False
+
+
 @pytest.mark.parametrize(
     ("name", "optimizer", "scheduler", "settings"),
     [
@@ -221,6 +243,13 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["--val-every", "-1"], ["--val-every"]),
         (["--lr-schedule", "linear"], ["--lr-schedule", "'linear' is not one of 'none', 'step', 'cosine', 'onecycle'"]),
         (["compare", "--val-every", "5"], ["No such option", "--val-every"]),
+        (["--outer-lr", "0"], ["--outer-lr"]),
+        (["--outer-lr", "1", "--outer-momentum", "1"], ["--outer-momentum", "0<=x<1"]),
+        (["--outer-momentum", "0.5"], ["outer_momentum 0.5 is the outer optimizer's", "--outer-lr LR"]),
+        (["--warmup-sync-steps", "-1"], ["--warmup-sync-steps"]),
+        (["--payload-dtype", "int8"], ["--payload-dtype", "'int8' is not one of 'float32', 'bfloat16', 'float16'"]),
+        (["compare", "--warmup-sync-steps", "5"], ["drop --warmup-sync-steps"]),
+        (["compare", "--outer-lr", "1", "--frequencies", ""], ["give averaging frequencies with --outer-lr"]),
     ],
 )
 def test_bad_input_is_a_usage_error(captured: dict[str, Any], args: list[str], fragments: list[str]) -> None:
@@ -459,3 +488,43 @@ def test_short_compare_run(mnist_dir: Path, tmp_path: Path) -> None:
     assert table in result.output
     png = (tmp_path / "compare.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+
+@pytest.mark.timeout(120)
+def test_outer_optimizer_warmup_and_bfloat16_payload_train(mnist_dir: Path, tmp_path: Path) -> None:
+    """1,024 images, 2 workers: 2 shared-gradient steps (4 batches), then rounds of k=2 with an
+    outer Nesterov SGD, sent in bfloat16; the options land in summary.json."""
+    out = tmp_path / "run"
+    result = invoke(
+        "--averaging-frequency", "2", "--deterministic", "--data-dir", str(mnist_dir), "--train-samples", "1024",
+        "--test-samples", "300", "--out", str(out), "--outer-lr", "0.9", "--outer-momentum", "0.5",
+        "--warmup-sync-steps", "2", "--payload-dtype", "bfloat16",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert {k: summary["options"][k] for k in ("outer_lr", "outer_momentum", "warmup_sync_steps", "payload_dtype")} == {
+        "outer_lr": 0.9, "outer_momentum": 0.5, "warmup_sync_steps": 2, "payload_dtype": "bfloat16",
+    }  # fmt: skip
+    assert (summary["samples"], summary["iterations"]) == (1024, 8)
+    assert summary["test_accuracy"] > 0.5 and math.isfinite(summary["final_epoch_loss"])
+
+
+@pytest.mark.timeout(120)
+def test_short_compare_run_with_an_outer_optimizer_and_bfloat16(mnist_dir: Path, tmp_path: Path) -> None:
+    """k=2 plain and with the outer optimizer, 1,024 images in one fit(): two rounds, the first in
+    float32, the second's bfloat16 casts all-gathered. The outer step sends nothing more."""
+    result = invoke(
+        "compare", "--frequencies", "2", "--no-shared-gradients", "--evals", "1", "--data-dir", str(mnist_dir),
+        "--train-samples", "1024", "--test-samples", "300", "--outer-lr", "1", "--outer-momentum", "0.5",
+        "--payload-dtype", "bfloat16", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    with (tmp_path / "compare.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["samples"] == "1024"]
+    assert [(r["run"], r["outer"], r["rounds"]) for r in rows] == [("averaging k=2", "False", "2"), ("outer k=2", "True", "2")]
+    assert rows[0]["bytes_per_worker"] == rows[1]["bytes_per_worker"] and rows[0]["collectives"] == rows[1]["collectives"]
+    float32 = estimated_communication(RunOptions(averaging_frequency=2)).bytes_per_worker(2, 1)
+    assert float(rows[0]["bytes_per_worker"]) == pytest.approx(float32 * 0.75, rel=1e-3)  # a round in full, a round in half
+    assert rows[1]["test_accuracy"] != rows[0]["test_accuracy"]
+    table = (tmp_path / "compare.md").read_text()
+    assert "| outer k=2 |" in table and "outer SGD lr 1 Nesterov momentum 0.5" in table and "sent in bfloat16" in table

@@ -12,15 +12,13 @@ import torch
 import torch.distributed as dist
 
 from parallelwrapper import TrainingMode, averaging, rounds
+from parallelwrapper.communication import HEADER_BYTES, Communication, estimated_communication
 from parallelwrapper.compare import (
-    HEADER_BYTES,
     CompareOptions,
-    Communication,
     Point,
     RunResult,
     RunSpec,
     chunks,
-    estimated_communication,
     figure,
     markdown,
     run_specs,
@@ -53,9 +51,35 @@ def test_header_bytes_match_the_real_header(monkeypatch: pytest.MonkeyPatch) -> 
     ],
 )
 def test_payload_follows_the_optimizer_state(spec: RunSpec, optimizer: str, average_updaters: bool, numbers: int) -> None:
-    options = RunOptions(optimizer=optimizer, average_updaters=average_updaters)
-    cost = estimated_communication(options, spec)
+    options = spec.options(RunOptions(optimizer=optimizer, average_updaters=average_updaters))
+    cost = estimated_communication(options)
     assert cost.payload_bytes == 4 * (numbers + rounds.HEADER_LEN) and cost.payload_collectives == 1
+
+
+@pytest.mark.parametrize(("workers", "ratio"), [(2, 0.5), (4, 1.0)])
+def test_a_16_bit_payload_is_gathered_after_each_fits_first_round(workers: int, ratio: float) -> None:
+    """bfloat16 deltas of params and momentum, all-gathered: (N-1) casts per worker, half a float32
+    ring all-reduce's bytes for 2 workers and as many for 4; a fit()'s first round goes in float32,
+    and the header travels beside the casts in a float64 all-reduce of its own."""
+    base = RunOptions(workers=workers)
+    full = estimated_communication(AVG.options(base))
+    cast = estimated_communication(AVG.options(RunOptions(workers=workers, payload_dtype="bfloat16")))
+    assert full.wire_bytes is None and cast.wire_bytes == 2 * (2 * LENET_PARAMS)
+    assert cast.payload_bytes == full.payload_bytes  # the float32 first round
+    header = cast.ring_bytes(HEADER_BYTES)
+    wired_round = cast.bytes_per_worker(11, 1) - cast.bytes_per_worker(10, 1)
+    assert wired_round - header == pytest.approx(ratio * (full.bytes_per_worker(11, 1) - full.bytes_per_worker(10, 1) - header), rel=1e-4)
+    assert cast.bytes_per_worker(3, 3) == full.bytes_per_worker(3, 3)  # every round a fit()'s first
+    assert cast.collectives(10, 2) == full.collectives(10, 2) + 8
+    # Shared gradients never send a 16-bit payload.
+    assert estimated_communication(SG.options(RunOptions(payload_dtype="bfloat16"))).wire_bytes is None
+
+
+def test_an_outer_optimizer_sends_nothing_more() -> None:
+    base = RunOptions(outer_lr=1.0, outer_momentum=0.5)
+    outer, plain = RunSpec(TrainingMode.AVERAGING, 4, outer=True).options(base), AVG.options(base)
+    assert (outer.outer_lr, outer.outer_momentum, plain.outer_lr, plain.outer_momentum) == (1.0, 0.5, None, 0.0)
+    assert estimated_communication(outer) == estimated_communication(plain)
 
 
 def test_ring_all_reduce_volume() -> None:
@@ -79,6 +103,8 @@ def test_run_specs_order() -> None:
     specs = run_specs(CompareOptions(frequencies=(16, 1, 4)))
     assert [s.label for s in specs] == ["shared gradients", "averaging k=1", "averaging k=4", "averaging k=16"]
     assert [s.label for s in run_specs(CompareOptions(frequencies=(2,), shared_gradients=False))] == ["averaging k=2"]
+    outer = run_specs(CompareOptions(RunOptions(outer_lr=0.7), frequencies=(64, 16)))
+    assert [s.label for s in outer] == ["shared gradients", "averaging k=16", "outer k=16", "averaging k=64", "outer k=64"]
 
 
 @pytest.mark.parametrize(
@@ -89,6 +115,8 @@ def test_run_specs_order() -> None:
         ({"frequencies": (), "shared_gradients": False}, "nothing to compare"),
         ({"evals_per_epoch": 0}, "evals_per_epoch"),
         ({"target_accuracy": 97.0}, "fraction"),
+        ({"base": RunOptions(warmup_sync_steps=10)}, "drop --warmup-sync-steps"),
+        ({"base": RunOptions(outer_lr=1.0), "frequencies": ()}, "give averaging frequencies with --outer-lr"),
     ],
 )
 def test_options_are_validated(kwargs: dict[str, Any], message: str) -> None:

@@ -1,0 +1,85 @@
+"""What a run of `pw-fit compare` sends: the bytes and collectives of its rounds, computed (not
+measured) from the same flat-buffer layout the workers build (averaging.FlatAverager).
+
+A round of SHARED_GRADIENTS sends gradients | buffers; of AVERAGING, params | buffers (| the
+optimizer's state with average_updaters), one all-reduce per dtype, the first carrying the round's
+header. An outer optimizer (DiLoCo, SlowMo) sends nothing more: every worker steps it on the same
+average. With a 16-bit payload dtype a round's floats are all-gathered as casts of their change
+since the last average, beside the header in float64; a fit()'s first round, which sets that
+last average, goes in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .averaging import FlatAverager, optimizer_state_tensors
+from .config import TrainingMode
+from .options import OPTIMIZERS, RunOptions, initial_model
+from .rounds import HEADER_LEN
+
+HEADER_BYTES = HEADER_LEN * 8  # averaging.all_reduce_values, float64: a fit()'s first round (checked by a test)
+
+
+@dataclass(frozen=True)
+class Communication:
+    """What one round sends, per worker. Computed from the layout, not measured."""
+
+    payload_bytes: int  # the flat buffers of one full-precision round, all dtypes, with the header they carry
+    payload_collectives: int  # one all-reduce per dtype
+    workers: int
+    wire_bytes: int | None = None  # one worker's casts in a 16-bit round, without the header (None: float32)
+
+    def ring_bytes(self, size: int) -> float:
+        """Bytes each worker sends in a ring all-reduce of `size` bytes: 2(N-1)/N · size."""
+        return 2 * (self.workers - 1) / self.workers * size
+
+    def gather_bytes(self, size: int) -> float:
+        """Bytes each worker sends in a ring all-gather of `size` bytes from each: (N-1) · size."""
+        return (self.workers - 1) * size
+
+    def collectives(self, rounds: int, fits: int) -> int:
+        """Payloads, one per round, which carry the header, and the header a fit()'s first round
+        sends alone before the buffers exist (counted for every fit(): an overcount of at most
+        one per call). A 16-bit round adds the header's own all-reduce."""
+        wired = 0 if self.wire_bytes is None else max(rounds - fits, 0)
+        return fits + rounds * self.payload_collectives + wired
+
+    def bytes_per_worker(self, rounds: int, fits: int) -> float:
+        if self.wire_bytes is None:
+            return self.ring_bytes(HEADER_BYTES) * fits + self.ring_bytes(self.payload_bytes) * rounds
+        wired = max(rounds - fits, 0)  # every fit()'s first round goes in float32
+        return (
+            self.ring_bytes(HEADER_BYTES) * (fits + wired)
+            + self.ring_bytes(self.payload_bytes) * (rounds - wired)
+            + self.gather_bytes(self.wire_bytes) * wired
+        )
+
+
+def estimated_communication(options: RunOptions) -> Communication:
+    """The payload of one round of `options` (its mode, optimizer, average_updaters and
+    payload_dtype). A rank-local throwaway optimizer takes one step on zero gradients to create
+    its lazily built state (SGD momentum: one buffer per parameter; Adam: two, and a step count)."""
+    model = initial_model(options)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if options.mode is TrainingMode.SHARED_GRADIENTS:
+        tensors = [torch.zeros_like(p) for p in params] + list(model.buffers())
+    else:
+        tensors = params + list(model.buffers())
+        if options.average_updaters:
+            optimizer = OPTIMIZERS[options.optimizer].make(params, options.learning_rate)
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            tensors += optimizer_state_tensors(optimizer)
+    flat = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN)
+    wired = options.mode is TrainingMode.AVERAGING and options.payload_dtype != "float32"
+    if not wired:
+        return Communication(flat.nbytes, flat.collectives, options.workers)
+    cast = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN, getattr(torch, options.payload_dtype))
+    return Communication(flat.nbytes, flat.collectives, options.workers, cast.nbytes - HEADER_BYTES)
+
+
+__all__ = ["HEADER_BYTES", "Communication", "estimated_communication"]
