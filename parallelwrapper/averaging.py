@@ -59,19 +59,35 @@ def _views(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> list[torch.Te
     return views
 
 
-def _flat(members: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, trailer: int = 0) -> torch.Tensor:
-    """A buffer for the members, end to end, then room for `trailer` numbers."""
-    return torch.empty(sum(t.numel() for t in members) + trailer, dtype=dtype, device=device)
+def _flat(members: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, trailer: int = 0, parts: int = 1) -> torch.Tensor:
+    """A buffer for the members, end to end, then room for `trailer` numbers, padded with zeros to
+    a multiple of `parts` numbers."""
+    numel = sum(t.numel() for t in members) + trailer
+    return torch.zeros(-(-numel // parts) * parts, dtype=dtype, device=device)
 
 
-def _trailer(buffer: torch.Tensor, data_numel: int) -> torch.Tensor:
-    return buffer[data_numel:]  # (trailer,)
+def _trailer(buffer: torch.Tensor, data_numel: int, length: int) -> torch.Tensor:
+    return buffer[data_numel : data_numel + length]  # (length,)
 
 
 def _put_trailer(buffer: torch.Tensor, data_numel: int, values: Sequence[float] | None) -> None:
-    slots = _trailer(buffer, data_numel)
+    """The trailer's values after the data (zeros when None), and zeros in any padding after it."""
+    slots = buffer[data_numel:]
     if slots.numel():
-        slots.copy_(torch.tensor(values if values is not None else [0.0] * slots.numel(), dtype=buffer.dtype))
+        slots.zero_()
+        if values:
+            slots[: len(values)].copy_(torch.tensor(list(values), dtype=buffer.dtype))
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Under a hierarchy: the ranks of a node hold the same buffers, so each all-reduces one of
+    `size` equal parts across the nodes (its own process group), and the node's group gathers
+    the parts: every byte crosses between nodes once, and no rank idles."""
+
+    group: dist.ProcessGroup  # the node's ranks
+    size: int
+    index: int  # this rank's part
 
 
 @dataclass
@@ -113,12 +129,14 @@ class FlatAverager:
     yet) always goes in full precision, and sets the start.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: torch.dtype | None = None) -> None:
-        self._wire, self._trailer_len = wire, trailer
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: torch.dtype | None = None, shards: Shards | None = None
+    ) -> None:
+        self._wire, self._trailer_len, self._shards = wire, trailer, shards
         self._groups: list[_Group] = []
         with torch.no_grad():
             for dtype, members in _by_dtype(tensors):
-                flat = _flat(members, dtype, device, 0 if self._groups else trailer)
+                flat = _flat(members, dtype, device, 0 if self._groups else trailer, 1 if shards is None else shards.size)
                 group = _Group(flat, flat[: sum(t.numel() for t in members)], [], [])
                 for t, view in zip(members, _views(group.data, members)):
                     view.copy_(t)
@@ -133,6 +151,7 @@ class FlatAverager:
         if wire is not None:  # what travels after the first round
             self.nbytes = trailer * 8 + sum(g.data.numel() * (wire.itemsize if g.data.is_floating_point() else g.data.element_size()) for g in self._groups)
         self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # (work, the buffer it sums)
+        self._parted: set[int] = set()  # positions in _in_flight of the buffers reduced in parts
 
     @property
     def collectives(self) -> int:
@@ -171,7 +190,10 @@ class FlatAverager:
                 if scale != 1.0:
                     g.data.mul_(scale)
             _put_trailer(buffer, g.data.numel(), trailer if not wired else None)
-            work = dist.all_reduce(buffer, group=group, async_op=True)
+            part = buffer if self._shards is None else buffer.view(self._shards.size, -1)[self._shards.index]
+            if self._shards is not None:
+                self._parted.add(len(self._in_flight))
+            work = dist.all_reduce(part, group=group, async_op=True)
             assert work is not None
             self._in_flight.append((work, buffer))
         if wired:  # the trailer goes last, exact, beside the cast deltas
@@ -193,11 +215,15 @@ class FlatAverager:
 
     def wait(self) -> list[float]:
         """Wait for the sums; the trailer's sums."""
-        for work, _ in self._in_flight:
+        for i, (work, buffer) in enumerate(self._in_flight):
             work.wait()
+            if i in self._parted and self._shards is not None:
+                parts = buffer.view(self._shards.size, -1)  # each rank's part, summed across nodes: gather them
+                dist.all_gather(list(parts.unbind(0)), parts[self._shards.index].clone(), group=self._shards.group)
+        self._parted = set()
         if self._in_flight[-1][1].dtype == torch.float64 and len(self._in_flight) > len(self._groups):
             return self._in_flight[-1][1].tolist()  # a wired round's trailer
-        return _trailer(self._in_flight[0][1], self._groups[0].data.numel()).tolist()
+        return _trailer(self._in_flight[0][1], self._groups[0].data.numel(), self._trailer_len).tolist()
 
     @torch.no_grad()
     def apply(self, scale: float) -> None:
@@ -283,7 +309,7 @@ class DeltaAverager:
         for work in self._in_flight:
             work.wait()
         snapshot, total, _ = self._groups[0]
-        return _trailer(total, snapshot.numel()).tolist()
+        return _trailer(total, snapshot.numel(), total.numel() - snapshot.numel()).tolist()
 
     @torch.no_grad()
     def land(self, total_weight: float, adopt: bool = False) -> None:

@@ -32,7 +32,7 @@ def _hierarchy(config: Config, rank: int, world: int, per_node: int) -> tuple[di
         raise ValueError(f"hierarchy('node') needs the same processes on every node: {world} ranks, {per_node} on this one")
     nodes = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(world // per_node)]
     across = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)]
-    return across[rank % per_node], Node(nodes[rank // per_node], per_node)
+    return across[rank % per_node], Node(nodes[rank // per_node], per_node, rank % per_node)
 
 
 class TorchrunWorker:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..averaging import (
     DeltaAverager,
     FlatAverager,
+    Shards,
     agree_on_optimizer_layout,
     all_reduce_values,
 )
@@ -78,6 +79,7 @@ class Rounds:
         self.trainer, self.config, self.device, self.hooks, self.budget = trainer, config, device, hooks, budget
         self.rank, self.world_size, self.group = rank, world_size, group  # with a node: one rank per node
         self._node = None if node is None else NodeSteps(node, trainer, device)
+        self._shards = None if node is None else Shards(node.group, node.size, node.index)  # the state, across nodes
         self.counters = Counters()
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self._gradients_in_payload = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
@@ -246,7 +248,7 @@ class Rounds:
         if agree and self.config.average_updaters:  # else only the still groups changed
             agree_on_optimizer_layout(self.trainer.optimizer, self.group)
         self._payload_layout = self._layout()
-        self._payload = FlatAverager(self._averaged_tensors(), self.device, HEADER_LEN, self.config.wire_dtype)  # released after fit()
+        self._payload = FlatAverager(self._averaged_tensors(), self.device, HEADER_LEN, self.config.wire_dtype, self._shards)  # released after fit()
         self._payload.average(share, self.group)
 
     def _exchange(self, work: _Work) -> RoundTotals:

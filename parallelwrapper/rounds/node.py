@@ -25,10 +25,11 @@ from .trainer import Trainer
 
 @dataclass(frozen=True)
 class Node:
-    """This worker's node: its ranks' process group and how many they are."""
+    """This worker's node: its ranks' process group, how many they are, and this one's local rank."""
 
     group: dist.ProcessGroup
     size: int
+    index: int
 
 
 @dataclass
