@@ -1,0 +1,217 @@
+"""The setters of the fluent builder, after DL4J's `ParallelWrapper.Builder`: one per option, with
+its default and meaning. They only record what they are given (and refuse what can never be
+right); `wrapper.Builder.build()` validates the whole and builds the ParallelWrapper."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Self
+
+import torch
+
+from .config import BeforeStep, LossFn, NanPolicy, OptimizerFn, OuterSpec, SchedulerSpec, TrainingMode, TrainingStep
+from .config import ValidationStep, parse_enum
+from .feed import Batches, compact
+
+
+class Settings:
+    """The builder's setters (wrapper.Builder adds `build()`): each sets one option of the
+    Config, or one part of the Job, and returns the builder. Their docstrings give the defaults."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"ParallelWrapper.builder() takes a torch.nn.Module, got {type(model).__name__}")
+        self._model = model
+        self._options: dict[str, Any] = {}
+        self._optimizer_cls: type[torch.optim.Optimizer] = torch.optim.SGD
+        self._optimizer_kwargs: dict[str, Any] = {"lr": 0.01}
+        self._optimizer_fn: OptimizerFn | None = None
+        self._before_step: BeforeStep | None = None
+        self._lr_scheduler: SchedulerSpec | None = None
+        self._outer: OuterSpec | None = None
+        self._validation: Batches | None = None
+        self._validation_step: ValidationStep | None = None
+        self._loss_fn: LossFn | None = torch.nn.functional.cross_entropy
+        self._training_step: TrainingStep | None = None
+        self._listeners: list[Any] = []
+
+    def optimizer(self, optimizer: type[torch.optim.Optimizer] | OptimizerFn, **kwargs: Any) -> Self:
+        """Any `torch.optim` optimizer class and its keyword arguments (default: SGD, lr=0.01), or
+        a function `model -> optimizer`, for parameter groups: each worker calls it on its own
+        copy of the model. Define the function at module level, so that it reaches the workers."""
+        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+            if "params" in kwargs:
+                raise ValueError(
+                    "optimizer: params= would hold this process's tensors, not a worker's; for parameter "
+                    "groups pass a function instead, e.g. .optimizer(make_optimizer) with "
+                    "`def make_optimizer(model): return torch.optim.AdamW([{'params': [...], 'weight_decay': 0.1}, ...])`"
+                )
+            self._optimizer_cls, self._optimizer_kwargs, self._optimizer_fn = optimizer, dict(kwargs), None
+        elif callable(optimizer) and not isinstance(optimizer, (type, torch.optim.Optimizer)) and not kwargs:
+            self._optimizer_fn = optimizer
+        else:
+            got = f"an instance of {type(optimizer).__name__}" if isinstance(optimizer, torch.optim.Optimizer) else repr(optimizer)
+            extra = " with keyword arguments (a function takes none: it builds the whole optimizer)" if kwargs else ""
+            raise ValueError(
+                f"optimizer takes an optimizer class and its kwargs, e.g. .optimizer(torch.optim.SGD, lr=0.01), "
+                f"or a function model -> optimizer; got {got}{extra}"
+            )
+        return self
+
+    def lr_scheduler(self, scheduler: Callable[..., Any], *, interval: str = "epoch", monitor: str | None = None, **kwargs: Any) -> Self:
+        """A torch.optim.lr_scheduler class and its keyword arguments, or a function optimizer ->
+        scheduler; each worker builds one on its own optimizer, all step in lockstep: `interval`
+        "epoch" (default) at each epoch's end, "step" by ceil(batches trained by all workers / N)
+        after each averaging. ReduceLROnPlateau steps on `monitor` (default val_loss) at each
+        validation, or on the averaged loss without validation data. See README."""
+        self._lr_scheduler = SchedulerSpec(scheduler, dict(kwargs), interval, monitor)
+        return self
+
+    def outer_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Self:
+        """DiLoCo / SlowMo: after each averaging every worker steps `cls(**kwargs)`, e.g. SGD(lr=0.7,
+        momentum=0.9, nesterov=True), on Δ = θ_start − average(θ). Default: none (keep the average)."""
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"outer_optimizer takes a torch.optim optimizer class and its kwargs, e.g. .outer_optimizer(torch.optim.SGD, lr=0.7); got {cls!r}")
+        self._outer = OuterSpec(cls, dict(kwargs))
+        return self
+
+    def warmup_sync_steps(self, n: int) -> Self:
+        """Post-local SGD: the first `n` steps (over the wrapper's life) average gradients every
+        step, as SHARED_GRADIENTS does, then the averaging rounds begin. Default: 0."""
+        return self._set("warmup_sync_steps", n)
+
+    def payload_dtype(self, dtype: torch.dtype | str) -> Self:
+        """torch.bfloat16 or torch.float16: each averaging sends the floats' change since the last
+        average in that dtype, what the cast loses going with the next round. Default: float32."""
+        return self._set("payload_dtype", str(dtype).removeprefix("torch."))
+
+    def hierarchy(self, level: str) -> Self:
+        """"node": under torchrun with several processes per node, a node's ranks average their
+        gradients every step and the nodes average every k steps. Default: "none"."""
+        return self._set("hierarchy", level)
+
+    def gradient_clipping(self, max_norm: float) -> Self:
+        """Clip each step's gradients to a total norm of `max_norm` (clip_grad_norm_), after
+        backward and `before_step`, before the optimizer's step; in SHARED_GRADIENTS, the averaged
+        gradients. Default: no clipping."""
+        return self._set("gradient_clip_norm", max_norm)
+
+    def precision(self, name: str) -> Self:
+        """"32" (default), "bf16-mixed" or "16-mixed": each worker's forward and loss under autocast
+        to bfloat16 or float16; 16-mixed scales the loss with each worker's own GradScaler (a step
+        it skips still joins its round). Parameters, gradients, optimizer state and averaging stay float32."""
+        return self._set("precision", name)
+
+    def validation(self, data: Batches, every: int | None = 50, step: ValidationStep | None = None) -> Self:
+        """Score the averaged model on `data` every `every` averagings (None: never) and at each
+        epoch's end, each worker its share (batch i on worker i mod N). Metrics: val_loss and
+        val_accuracy, or `step(model, batch) -> {name: batch mean}`; to `on_validation`, History."""
+        self._validation, self._validation_step = compact(data), step
+        return self._set("validation_every", every)
+
+    def before_step(self, fn: BeforeStep) -> Self:
+        """`fn(model, optimizer)` on each worker after backward, before the step (and before
+        clipping): any gradient work, where a parameter hook would not reach the workers. In
+        SHARED_GRADIENTS it sees the averaged gradients. Define it at module level."""
+        if not callable(fn):
+            raise ValueError(f"before_step takes a function fn(model, optimizer), got {type(fn).__name__}")
+        self._before_step = fn
+        return self
+
+    def loss_fn(self, fn: LossFn) -> Self:
+        """`fn(model(inputs), targets) -> scalar loss` for `(inputs, targets)` batches. Default: cross_entropy."""
+        self._loss_fn, self._training_step = fn, None
+        return self
+
+    def training_step(self, fn: TrainingStep) -> Self:
+        """`fn(model, batch) -> scalar loss`, for batches that are not `(inputs, targets)`."""
+        self._training_step, self._loss_fn = fn, None
+        return self
+
+    def listeners(self, *listeners: Any) -> Self:
+        """Objects with any of `on_fit_start`, `on_score`, `on_epoch_end`, `on_fit_end`, or plain
+        callables, which receive each averaged `Score`. They run in the main process."""
+        self._listeners.extend(listeners)
+        return self
+
+    def workers(self, n: int) -> Self:
+        """Number of workers, one process and device each. Default: 2. One worker on the CPU is
+        the caller's own process: nothing is spawned, and batches are not copied. Ignored under
+        torchrun, whose --nnodes and --nproc-per-node decide (with a warning)."""
+        return self._set("workers", n)
+
+    def prefetch_buffer(self, n: int) -> Self:
+        """Batches read ahead into the spawned workers' shared queue. Default: 24."""
+        return self._set("prefetch_buffer", n)
+
+    def averaging_frequency(self, k: int) -> Self:
+        """Local iterations per worker between two averagings. Default: 1."""
+        return self._set("averaging_frequency", k)
+
+    def report_score_after_averaging(self, flag: bool) -> Self:
+        """Report the averaged score after every averaging (True) or once per epoch. Default: True."""
+        return self._set("report_score_after_averaging", bool(flag))
+
+    def average_updaters(self, flag: bool) -> Self:
+        """Average optimizer state (momentum, Adam moments, step) with the parameters. Default: True."""
+        return self._set("average_updaters", bool(flag))
+
+    def overlap_averaging(self, flag: bool = True) -> Self:
+        """Run each averaging in the background while the workers take the next round's steps,
+        then add each worker's steps since to the average: no worker waits for a slower one or
+        for the network, and the model a worker trains on is one round behind the average.
+        Replicas are equal again at every epoch's end, checkpoint and stop. Default: False."""
+        return self._set("overlap_averaging", bool(flag))
+
+    def training_mode(self, mode: TrainingMode | str) -> Self:
+        """TrainingMode.AVERAGING (default) or TrainingMode.SHARED_GRADIENTS."""
+        return self._set("training_mode", parse_enum(TrainingMode, mode, "training_mode"))
+
+    def deterministic(self, flag: bool = True) -> Self:
+        """Deal batch i to worker i mod N instead of first-come, so two runs give the same model.
+        Default: False."""
+        return self._set("deterministic", bool(flag))
+
+    def seed(self, n: int) -> Self:
+        """Seed of worker i's RNGs is `n + i`. Default: 0."""
+        return self._set("seed", n)
+
+    def devices(self, devices: Sequence[str | torch.device]) -> Self:
+        """One device per worker, e.g. ["cuda:0", "cuda:1"]. Default: cuda:i for worker i when
+        there are GPUs (shared round-robin when workers outnumber them), else the CPU. Ignored
+        under torchrun, where LOCAL_RANK picks the GPU (with a warning)."""
+        if isinstance(devices, (str, torch.device)):
+            raise ValueError(f"devices takes one device per worker, e.g. .devices(['cpu', 'cpu']); got {devices!r}")
+        return self._set("devices", tuple(str(d) for d in devices))
+
+    def backend(self, name: str) -> Self:
+        """"auto" (default): NCCL when every worker has a GPU of its own, else gloo; or "gloo", or
+        "nccl", which build() refuses without a GPU per worker."""
+        return self._set("backend", name)
+
+    def stall_timeout(self, seconds: float) -> Self:
+        """How long a spawned worker may go without progress (a batch, a step, an averaging) before fit()
+        fails naming it and where it was. Default: 300 s."""
+        return self._set("stall_timeout_s", float(seconds))
+
+    def checkpoint(self, directory: str | os.PathLike[str], every: int = 50) -> Self:
+        """Save a checkpoint to `directory` every `every` rounds, at each epoch's end, and on
+        Ctrl-C. Resume with `fit(..., resume=directory)`. Default: no checkpoints."""
+        self._set("checkpoint_every", every)
+        return self._set("checkpoint_dir", os.fspath(directory))
+
+    def nan_policy(self, policy: NanPolicy | str) -> Self:
+        """NanPolicy.RAISE (default) fails fit(); NanPolicy.SKIP drops that worker from the round."""
+        return self._set("nan_policy", parse_enum(NanPolicy, policy, "nan_policy"))
+
+    def threads_per_worker(self, n: int) -> Self:
+        """torch threads in each worker. Default: the machine's cores divided among the workers."""
+        return self._set("threads_per_worker", n)
+
+    def _set(self, name: str, value: Any) -> Self:
+        self._options[name] = value
+        return self
+
+
+__all__ = ["Settings"]
