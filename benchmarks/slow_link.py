@@ -1,15 +1,19 @@
-"""Two machines on a slow link: time to a test accuracy for DDP, PeriodicModelAverager and this project.
+"""Two machines on a slow link: time to a test accuracy for DDP (plain and with PowerSGD),
+PeriodicModelAverager and this project (plain, with an outer optimizer, with a bfloat16 payload).
 
-    sudo python benchmarks/slow_link.py                       # all contenders, 100 Mbit/s, 98%
+    sudo python benchmarks/slow_link.py --repeats 3          # the default contenders, 100 Mbit/s, 98%
     sudo python benchmarks/slow_link.py --contenders ddp,wrapper:16 --target 0.90 --max-epochs 1
 
 The two "machines" are two network namespaces joined by a veth pair whose ends are both shaped
 with `tc ... tbf` to `--rate`; each runs one torchrun agent (`--nnodes 2`, one process each), as
 two real machines would, so every byte between the ranks crosses the shaped link. For each
 contender (see slow_link_worker.py) rank 0 scores the model every few steps off the clock; the
-table gives the training seconds and samples until the first score >= `--target`, and the
-speed-up over DDP in the same run. The namespaces are removed at the end, on error and on Ctrl-C.
-Needs root and `ip netns` (iproute2).
+table gives, per contender, the training seconds until the first score >= `--target` (median
+of `--repeats`, every contender run once per repeat, in a rotated order) and each repeat's, the
+steps per rank it took, the pace in ms/step, the speed-up over the best peer (DDP, PowerSGD,
+PeriodicModelAverager) and the ratio to the no-communication limit: the same steps at the pace
+of `none`, which trains with no collective at all. The namespaces are removed at the end, on
+error and on Ctrl-C. Needs root and `ip netns` (iproute2).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -150,6 +155,9 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join((own or text)[-lines:])
 
 
+PEERS = ("ddp", "powersgd", "pma")  # the contenders that are not this project (nor the limit)
+
+
 def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
     """The first point at or above the target (None where never reached), and the pace."""
     points = result["points"]
@@ -164,25 +172,61 @@ def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
     }
 
 
+def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender over the repeats: medians of the seconds to target (None unless every repeat
+    reached it), of the steps and of the pace."""
+    seconds = [r["seconds"] for r in repeats]
+    reached = all(s is not None for s in seconds)
+    return {
+        "seconds": statistics.median(seconds) if reached else None,
+        "seconds_each": seconds,
+        "steps_each": [r["steps_per_rank"] for r in repeats],
+        "steps_per_rank": statistics.median(r["steps_per_rank"] for r in repeats) if reached else None,
+        "ms_per_step": statistics.median(r["ms_per_step"] for r in repeats),
+        "ms_per_step_each": [r["ms_per_step"] for r in repeats],
+        "best_accuracy": max(r["best_accuracy"] for r in repeats),
+    }
+
+
+def compare_to_peers(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each contender's speed-up over the best peer, and its ratio to the no-communication limit
+    (its own median steps at `none`'s median pace)."""
+    peers = {n: s["seconds"] for n, s in summary.items() if n.partition(":")[0] in PEERS and s["seconds"] is not None}
+    best_peer = min(peers, key=peers.__getitem__) if peers else None
+    none_pace = summary["none"]["ms_per_step"] if "none" in summary else None
+    for s in summary.values():
+        s["vs_best_peer"] = peers[best_peer] / s["seconds"] if best_peer and s["seconds"] else None
+        limit = s["steps_per_rank"] * none_pace / 1000 if none_pace and s["steps_per_rank"] else None
+        s["limit_seconds"], s["vs_limit"] = limit, (s["seconds"] / limit if limit and s["seconds"] else None)
+    return {"best_peer": best_peer}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="100mbit", help="tc rate of the link, each direction")
     parser.add_argument("--target", type=float, default=0.98, help="test accuracy to reach")
-    parser.add_argument("--contenders", default="ddp,pma:4,pma:16,wrapper:4,wrapper:16,wrapper-params:16,wrapper-overlap:4,wrapper-overlap:16,none")
+    parser.add_argument(
+        "--contenders",
+        default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
+        help="ddp, powersgd:RANK, pma:K, wrapper[-params|-overlap|-outer|-bf16]:K, none",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
     parser.add_argument("--max-epochs", type=int, default=3)
-    parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between scores (a multiple of every k)")
+    parser.add_argument("--eval-every", type=int, default=64, help="steps per rank between scores (a multiple of every k)")
     parser.add_argument("--lr", type=float, default=0.04, help="Nesterov SGD, every contender (pw-fit's default)")
+    parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's outer SGD learning rate")
+    parser.add_argument("--outer-momentum", type=float, default=0.5, help="wrapper-outer's outer Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per contender")
     parser.add_argument("--out", default="benchmarks/results/slow_link.json")
     args = parser.parse_args()
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in contenders:
         kind, _, k = c.partition(":")
         periodic = ("pma", *WRAPPERS)
-        if kind not in ("ddp", "none", *periodic) or (kind in periodic) != k.isdigit():
-            parser.error(f"unknown contender {c!r}: use ddp, none, pma:K, or {', '.join(w + ':K' for w in WRAPPERS)}")
-        if k and args.eval_every % int(k):
+        if kind not in ("ddp", "none", "powersgd", *periodic) or (kind in (*periodic, "powersgd")) != k.isdigit():
+            parser.error(f"unknown contender {c!r}: use ddp, none, powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in WRAPPERS)}")
+        if kind in periodic and args.eval_every % int(k):
             parser.error(f"--eval-every {args.eval_every} is not a multiple of k = {k}: the model would be scored between averagings")
     problem = check_privileges()
     if problem is not None:
@@ -193,9 +237,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     shared = ["--data-dir", args.data_dir, "--max-epochs", str(args.max_epochs), "--target", str(args.target),
-              "--eval-every", str(args.eval_every), "--lr", str(args.lr)]  # fmt: skip
-    runs: dict[str, dict[str, Any]] = {}
+              "--eval-every", str(args.eval_every), "--lr", str(args.lr),
+              "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
     started = time.monotonic()
+    port = 29401
     with tempfile.TemporaryDirectory(prefix="pwbench-") as tmp, slow_link(args.rate) as link:
         work = Path(tmp)
         print(f"namespaces {link.names[0]} ({link.addresses[0]}) and {link.names[1]} ({link.addresses[1]}), veth shaped to {args.rate}", flush=True)
@@ -207,33 +253,42 @@ def main() -> None:
             f"all_reduce of 10 MB in {measured['all_reduce_s']:.2f} s",
             flush=True,
         )
-        for i, name in enumerate(contenders):
-            kind, _, k = name.partition(":")
-            out = work / f"{kind}{k}.json"
-            wall = time.monotonic()
-            run_ranks(link, 29401 + i, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout)
-            result = json.loads(out.read_text())
-            runs[name] = {**time_to_target(result, args.target), "wall_seconds": time.monotonic() - wall, "result": result}
-            r = runs[name]
-            reached = f"{r['seconds']:.1f} s" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
-            print(f"{name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {r['wall_seconds']:.0f} s", flush=True)
+        for repeat in range(args.repeats):
+            shift = repeat % len(contenders)  # a drift in the machine's speed falls on different contenders
+            for name in contenders[shift:] + contenders[:shift]:
+                kind, _, k = name.partition(":")
+                out = work / f"{kind}{k}.{repeat}.json"
+                wall = time.monotonic()
+                run_ranks(link, port, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout)
+                port += 1
+                result = json.loads(out.read_text())
+                r = {**time_to_target(result, args.target), "wall_seconds": time.monotonic() - wall, "result": result}
+                runs[name].append(r)
+                reached = f"{r['seconds']:.1f} s, {r['steps_per_rank']} steps" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
+                print(f"repeat {repeat + 1}, {name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {r['wall_seconds']:.0f} s", flush=True)
 
-    ddp = runs.get("ddp", {}).get("seconds")
-    for r in runs.values():
-        r["vs_ddp"] = ddp / r["seconds"] if ddp and r["seconds"] else None
+    summary = {name: summarise(rs) for name, rs in runs.items()}
+    verdict = compare_to_peers(summary)
     rows = [
-        (name, _or_dash(r["seconds"]), _or_dash(r["samples"]), _or_dash(r["steps_per_rank"]), r["ms_per_step"], _or_dash(r["vs_ddp"]), r["best_accuracy"])
-        for name, r in runs.items()
-    ]
-    print(f"\nLeNet, MNIST, 2 ranks in 2 namespaces over a {args.rate} veth, lr {args.lr}, scored every {args.eval_every} steps per rank")
-    print(table(["contender", f"s to {args.target:.0%}", "samples", "steps/rank", "ms/step", "speed-up vs DDP", "best acc"], rows))
+        (name, _or_dash(s["seconds"]), " / ".join(_fmt(x) for x in s["seconds_each"]), " / ".join(_fmt(x) for x in s["steps_each"]),
+         s["ms_per_step"], _or_dash(s["vs_best_peer"]), _or_dash(s["vs_limit"]), s["best_accuracy"])
+        for name, s in summary.items()
+    ]  # fmt: skip
+    print(f"\nLeNet, MNIST, 2 ranks in 2 namespaces over a {args.rate} veth, lr {args.lr}, scored every {args.eval_every} steps per rank, {args.repeats} repeats")
+    print(table(["contender", f"s to {args.target:.0%} (median)", "each repeat", "steps/rank each", "ms/step (median)",
+                 f"speed-up vs best peer ({verdict['best_peer']})", "/ no-comm limit", "best acc"], rows))  # fmt: skip
     print(f"total wall time {time.monotonic() - started:.0f} s")
     write_results(args.out, {"rate": args.rate, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
-                             "max_epochs": args.max_epochs, "link": measured, "runs": runs})  # fmt: skip
+                             "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
+                             "max_epochs": args.max_epochs, "link": measured, **verdict, "summary": summary, "runs": runs})  # fmt: skip
 
 
 def _or_dash(value: float | int | None) -> float | int | str:
     return "-" if value is None else value
+
+
+def _fmt(value: float | int | None) -> str:
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":

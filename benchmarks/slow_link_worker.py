@@ -8,6 +8,10 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper K    this project under torchrun, AVERAGING every K steps (parameters and momentum)
   wrapper-params K   the same with .average_updaters(False): parameters only, the bytes PMA sends
   wrapper-overlap K  wrapper K with .overlap_averaging(True): the averaging runs during the next K steps
+  wrapper-outer K    wrapper K with an outer Nesterov SGD (--outer-lr, --outer-momentum; DiLoCo, SlowMo)
+  wrapper-bf16 K     wrapper K with .payload_dtype(torch.bfloat16): deltas sent in bfloat16, error fed back
+  powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
+               and warm start, compressing after --powersgd-start plain steps
   none         no communication: each rank trains alone on its shard (rank 0's model is scored)
   link         no training: times a one-way 10 MB send and a 10 MB all_reduce over the link
 
@@ -36,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
@@ -50,7 +55,14 @@ SEED = 123  # pw-fit's: model init and shuffling
 LINK_BYTES = 10 * 2**20
 
 
-WRAPPERS = ("wrapper", "wrapper-params", "wrapper-overlap")
+# What each wrapper contender changes in the builder.
+WRAPPERS: dict[str, dict[str, Any]] = {
+    "wrapper": {},
+    "wrapper-params": {"average_updaters": False},  # parameters only, as PMA sends
+    "wrapper-overlap": {"overlap_averaging": True},
+    "wrapper-outer": {"outer": True},
+    "wrapper-bf16": {"payload_dtype": torch.bfloat16},
+}
 
 
 def batch_stream(data_dir: str, epochs: int) -> Iterator[Batch]:
@@ -80,21 +92,26 @@ def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Call
     return train
 
 
-def make_trainer(kind: str, k: int, model: nn.Module, lr: float, stack: contextlib.ExitStack) -> Trainer:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, stack: contextlib.ExitStack) -> Trainer:
+    rank, world, lr = dist.get_rank(), dist.get_world_size(), args.lr
     if kind in WRAPPERS:
         # Under torchrun fit() runs this process as one worker on its shard, ends with an
         # averaging and loads the average into `model`; it reuses the process group of main().
-        wrapper = stack.enter_context(
+        change = WRAPPERS[kind]
+        b = (
             ParallelWrapper.builder(model)
             .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)
             .averaging_frequency(k)
-            .average_updaters(kind != "wrapper-params")  # parameters only, as PMA sends
-            .overlap_averaging(kind == "wrapper-overlap")
+            .average_updaters(change.get("average_updaters", True))
+            .overlap_averaging(change.get("overlap_averaging", False))
+            .payload_dtype(change.get("payload_dtype", torch.float32))
             .threads_per_worker(1)  # the two "machines" share this machine's cores
             .seed(SEED)
-            .build()
         )
+        if change.get("outer"):
+            nesterov = args.outer_momentum > 0
+            b = b.outer_optimizer(torch.optim.SGD, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=nesterov, foreach=True)
+        wrapper = stack.enter_context(b.build())
 
         def fit(chunk: list[Batch]) -> None:
             wrapper.fit(chunk, epochs=1)
@@ -103,6 +120,14 @@ def make_trainer(kind: str, k: int, model: nn.Module, lr: float, stack: contextl
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True)
     if kind == "ddp":
         return local_sgd(DistributedDataParallel(model), optimizer, lambda: None, rank, world)
+    if kind == "powersgd":
+        ddp = DistributedDataParallel(model)
+        # Plain all-reduces for the first --powersgd-start steps (PyTorch's default, 1,000, is
+        # longer than this race; compressing from the start diverges at lr 0.04), then rank-R
+        # compression with error feedback and warm start (Vogels et al., 2019).
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=k, start_powerSGD_iter=args.powersgd_start, use_error_feedback=True, warm_start=True, random_seed=SEED)
+        ddp.register_comm_hook(state, serial_powersgd_hook)
+        return local_sgd(ddp, optimizer, lambda: None, rank, world)
     if kind == "pma":
         # Its counter starts at 0 and it averages when the counter is a multiple of the period:
         # warm-up k - 1 makes that after steps k, 2k, ..., like the wrapper, not after step 1.
@@ -110,6 +135,21 @@ def make_trainer(kind: str, k: int, model: nn.Module, lr: float, stack: contextl
         return local_sgd(model, optimizer, lambda: averager.average_parameters(model.parameters()), rank, world)
     assert kind == "none", kind
     return local_sgd(model, optimizer, lambda: None, rank, world)
+
+
+def serial_powersgd_hook(state: powerSGD.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PowerSGD on one bucket at a time. Each bucket's hook chains three collectives (the
+    uncompressed tensors, P, Q) in callbacks that gloo runs on its own threads, so with two
+    buckets in flight the ranks can issue them in different orders, which gloo aborts on ("Received
+    data size doesn't match expected size"). Waiting here keeps the order; LeNet's two buckets
+    lose little overlap on a CPU."""
+    future = powerSGD.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
+
+
+# DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings.
+serial_powersgd_hook.__annotations__ = {"state": powerSGD.PowerSGDState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
 
 @torch.no_grad()
@@ -129,7 +169,7 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
     seconds = eval_seconds = 0.0
     samples = steps = 0
     with contextlib.ExitStack() as stack:
-        train = make_trainer(args.contender, args.k, model, args.lr, stack)
+        train = make_trainer(args.contender, args.k, model, args, stack)
         dist.barrier()  # start the clocks together, after the set-up (DDP's broadcast included)
         wall = time.perf_counter()
         for chunk in chunks(batch_stream(args.data_dir, args.max_epochs), world * args.eval_every):
@@ -174,13 +214,16 @@ def measure_link() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("contender", choices=["ddp", "pma", *WRAPPERS, "none", "link"])
-    parser.add_argument("k", type=int, nargs="?", default=1, help="averaging period (pma, wrapper)")
+    parser.add_argument("contender", choices=["ddp", "powersgd", "pma", *WRAPPERS, "none", "link"])
+    parser.add_argument("k", type=int, nargs="?", default=1, help="averaging period (pma, wrapper); PowerSGD's rank")
     parser.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     parser.add_argument("--target", type=float, default=0.98)
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between evaluations")
     parser.add_argument("--lr", type=float, default=0.04)
+    parser.add_argument("--powersgd-start", type=int, default=16, help="powersgd's uncompressed steps first")
+    parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's outer SGD")
+    parser.add_argument("--outer-momentum", type=float, default=0.5, help="its Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may take")
     args = parser.parse_args()
