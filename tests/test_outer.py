@@ -16,6 +16,7 @@ from torch import nn
 
 from groups import run_group
 from parallelwrapper import ParallelWrapper, TrainingMode
+from tiny import make_batches, mlp
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.config import Config, Job, OuterSpec
 from parallelwrapper.worker import Replica
@@ -81,16 +82,6 @@ def test_outer_step_equals_a_one_process_computation_on_the_averaged_delta(which
         for name, value in state.items():
             assert torch.equal(results[0]["outer"]["state"][i][name], results[1]["outer"]["state"][i][name])
             torch.testing.assert_close(results[0]["outer"]["state"][i][name], value, rtol=1e-6, atol=1e-6)
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def make_batches(n: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(size, 10, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
 
 
 def test_outer_state_survives_fits_and_resume_bitwise(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, ReduceLROnPlateau, StepLR
 
 from parallelwrapper import ParallelWrapper, TrainingMode
+from tiny import make_batches, mlp
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,16 +55,6 @@ class LrLog:
         """Each worker's learning rates (the first group's), step by step, in rank order."""
         logs = sorted(self.directory.glob("*.txt"))
         return [[float(line) for line in log.read_text().splitlines()] for log in logs]
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def make_batches(n: int, size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(size, 10, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
 
 
 def one_cycle(optimizer: torch.optim.Optimizer, total: int = 24) -> OneCycleLR:

@@ -85,16 +85,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_agents_as_two_nodes_on_loopback(tmp_path: Path) -> None:
+def two_agents(script: Path, out: Path, per_node: int) -> None:
+    """Two torchrun agents as two nodes on loopback, `per_node` processes each; both must succeed."""
     port = free_port()
     agents = [
         subprocess.Popen(
             torchrun(
-                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT), str(tmp_path),
+                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(per_node),
+                "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), str(out),
             ),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-        )
+        )  # fmt: skip
         for node in (0, 1)
     ]
     try:
@@ -104,6 +105,10 @@ def test_two_agents_as_two_nodes_on_loopback(tmp_path: Path) -> None:
     finally:
         for agent in agents:
             agent.kill()
+
+
+def test_two_agents_as_two_nodes_on_loopback(tmp_path: Path) -> None:
+    two_agents(SCRIPT, tmp_path, 1)
     assert_ranks_equal_reference(tmp_path)
 
 
@@ -150,24 +155,7 @@ def hierarchy_reference() -> dict[str, torch.Tensor]:
 
 
 def test_hierarchy_two_nodes_of_two_processes_equals_a_one_process_reference(tmp_path: Path) -> None:
-    port = free_port()
-    agents = [
-        subprocess.Popen(
-            torchrun(
-                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(port), str(HIERARCHY), str(tmp_path),
-            ),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-        )  # fmt: skip
-        for node in (0, 1)
-    ]
-    try:
-        for agent in agents:
-            stdout, stderr = agent.communicate(timeout=TIMEOUT_S)
-            check(subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr))
-    finally:
-        for agent in agents:
-            agent.kill()
+    two_agents(HIERARCHY, tmp_path, 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert [r["iterations"] for r in ranks] == [32] * 4  # 16 batches an epoch, each once
     states = [

@@ -23,7 +23,7 @@ from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Repor
 from .budget import Budget
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
 from .node import Node, NodeSteps
-from .state import averaged_tensors, state_layout
+from .state import averaged_tensors, gradient_tensors, state_layout
 from .scores import ScoreBook, validate
 from .trainer import Trainer
 
@@ -232,12 +232,7 @@ class Rounds:
 
     def _gradient_payload(self) -> FlatAverager:
         if self._payload is None:
-            params = [p for p in self.trainer.model.parameters() if p.requires_grad]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params if p.grad is not None]  # all of them, just allocated
-            self._payload = FlatAverager(grads + list(self.trainer.model.buffers()), self.device, HEADER_LEN)
+            self._payload = FlatAverager(gradient_tensors(self.trainer.model), self.device, HEADER_LEN)
             self._payload_layout, self._gradients_in_payload = 0, True
         return self._payload
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..averaging import FlatAverager
+from .state import gradient_tensors
 from .trainer import Trainer
 
 
@@ -53,12 +54,7 @@ class NodeSteps:
 
     def _gradients(self) -> FlatAverager:
         if self._payload is None:
-            params = [p for p in self.trainer.model.parameters() if p.requires_grad]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params if p.grad is not None]
-            self._payload = FlatAverager(grads + list(self.trainer.model.buffers()), self.device, self.TRAILER)
+            self._payload = FlatAverager(gradient_tensors(self.trainer.model), self.device, self.TRAILER)
         return self._payload
 
     def release(self) -> None:

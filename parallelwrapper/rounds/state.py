@@ -1,4 +1,5 @@
-"""What an averaging round averages, and the layout every worker must agree on before it does.
+"""What an averaging round averages, and the layout every worker must agree on before it does;
+and what a synchronous step averages (SHARED_GRADIENTS, a warm-up, a node's steps).
 
 AVERAGING's state is the trainable parameters, the buffers and (with average_updaters) the
 optimizer's state. Frozen parameters (requires_grad=False), and those of a param group whose
@@ -38,4 +39,14 @@ def state_layout(optimizer: torch.optim.Optimizer, average_updaters: bool) -> in
     return signature_hash((state, tuple(_still(group) for group in optimizer.param_groups)))
 
 
-__all__ = ["averaged_tensors", "state_layout"]
+def gradient_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a synchronous step averages: the trainable parameters' gradients (allocated as zeros
+    where there are none yet, so that the buffers can hold them) | buffers."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params if p.grad is not None] + list(model.buffers())
+
+
+__all__ = ["averaged_tensors", "gradient_tensors", "state_layout"]
