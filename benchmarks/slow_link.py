@@ -5,8 +5,9 @@ PeriodicModelAverager and this project (plain, with an outer optimizer, with a b
     sudo python benchmarks/slow_link.py --contenders ddp,wrapper:16 --target 0.90 --max-epochs 1
 
 The two "machines" are two network namespaces joined by a veth pair whose ends are both shaped
-with `tc ... tbf` to `--rate`; each runs one torchrun agent (`--nnodes 2`, one process each), as
-two real machines would, so every byte between the ranks crosses the shaped link. For each
+with `tc ... tbf` to `--rate`; each runs one torchrun agent (`--nnodes 2`, `--procs-per-node`
+processes each, default 1), as two real machines would, so every byte between the nodes crosses
+the shaped link (with 2 per node, a node's two ranks talk within their namespace, unshaped). For each
 contender (see slow_link_worker.py) rank 0 scores the model every few steps off the clock; the
 table gives, per contender, the training seconds until the first score >= `--target` (median
 of `--repeats`, every contender run once per repeat, in a rotated order) and each repeat's, the
@@ -104,8 +105,9 @@ def _remove_namespace(ns: str) -> None:
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, name: str, timeout: float) -> None:
-    """One torchrun agent per namespace, as on two machines; raises with the logs' tails on failure."""
+def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, name: str, timeout: float, per_node: int = 1) -> None:
+    """One torchrun agent per namespace, as on two machines, each starting `per_node` ranks; raises
+    with the logs' tails on failure."""
     procs: list[subprocess.Popen[bytes]] = []
     logs = [log_dir / f"{name}.rank{r}.log" for r in range(2)]
     try:
@@ -113,7 +115,7 @@ def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, 
             command = [
                 "ip", "netns", "exec", link.names[r],
                 sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
+                "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", str(per_node),
                 "--master-addr", link.addresses[0], "--master-port", str(port),
                 str(WORKER), *worker_args,
             ]  # fmt: skip
@@ -172,33 +174,68 @@ def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
     }
 
 
+FAILED = {"seconds": None, "samples": None, "steps_per_rank": None, "ms_per_step": None, "best_accuracy": None}
+
+
 def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """One contender over the repeats: medians of the seconds to target (None unless every repeat
-    reached it), of the steps and of the pace."""
+    reached it), of the steps and of the pace (over the repeats that ran)."""
     seconds = [r["seconds"] for r in repeats]
     reached = all(s is not None for s in seconds)
+    paces = [r["ms_per_step"] for r in repeats if r["ms_per_step"] is not None]
     return {
         "seconds": statistics.median(seconds) if reached else None,
         "seconds_each": seconds,
         "steps_each": [r["steps_per_rank"] for r in repeats],
         "steps_per_rank": statistics.median(r["steps_per_rank"] for r in repeats) if reached else None,
-        "ms_per_step": statistics.median(r["ms_per_step"] for r in repeats),
+        "ms_per_step": statistics.median(paces) if paces else None,
         "ms_per_step_each": [r["ms_per_step"] for r in repeats],
-        "best_accuracy": max(r["best_accuracy"] for r in repeats),
+        "best_accuracy": max((r["best_accuracy"] for r in repeats if r["best_accuracy"] is not None), default=None),
+        "errors": [r["error"] for r in repeats if "error" in r],
     }
 
 
-def compare_to_peers(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each contender's speed-up over the best peer, and its ratio to the no-communication limit
-    (its own median steps at `none`'s median pace)."""
-    peers = {n: s["seconds"] for n, s in summary.items() if n.partition(":")[0] in PEERS and s["seconds"] is not None}
-    best_peer = min(peers, key=peers.__getitem__) if peers else None
-    none_pace = summary["none"]["ms_per_step"] if "none" in summary else None
-    for s in summary.values():
-        s["vs_best_peer"] = peers[best_peer] / s["seconds"] if best_peer and s["seconds"] else None
-        limit = s["steps_per_rank"] * none_pace / 1000 if none_pace and s["steps_per_rank"] else None
-        s["limit_seconds"], s["vs_limit"] = limit, (s["seconds"] / limit if limit and s["seconds"] else None)
-    return {"best_peer": best_peer}
+def compare_to_peers(runs: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Within each repeat (this machine's pace drifts by half between repeats, and a repeat's
+    contenders run minutes apart at most): each contender's speed-up over that repeat's best
+    peer, and its ratio to that repeat's no-communication limit, its own steps at `none`'s pace.
+    The summary keeps the medians over the repeats; None where a repeat did not reach the target."""
+    repeats = min(len(rs) for rs in runs.values())
+    best_peers = []
+    for i in range(repeats):
+        peers = {n: rs[i]["seconds"] for n, rs in runs.items() if n.partition(":")[0] in PEERS and rs[i]["seconds"] is not None}
+        best = min(peers, key=peers.__getitem__) if peers else None
+        best_peers.append(best)
+        none_pace = runs["none"][i]["ms_per_step"] if "none" in runs else None  # None too where it failed
+        for r in (rs[i] for rs in runs.values()):
+            r["vs_best_peer"] = peers[best] / r["seconds"] if best and r["seconds"] else None
+            limit = r["steps_per_rank"] * none_pace / 1000 if none_pace and r["steps_per_rank"] else None
+            r["limit_seconds"], r["vs_limit"] = limit, (r["seconds"] / limit if limit and r["seconds"] else None)
+    for name, s in summary.items():
+        for key in ("vs_best_peer", "vs_limit"):
+            values = [r[key] for r in runs[name][:repeats]]
+            s[f"{key}_each"] = values
+            s[key] = statistics.median(values) if all(v is not None for v in values) else None
+    return {"best_peer_each": best_peers}
+
+
+def report(settings: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Print the table of `runs` (per contender, one record per repeat); the summary and verdict."""
+    summary = {name: summarise(rs) for name, rs in runs.items()}
+    verdict = compare_to_peers(runs, summary)
+    rows = [
+        (name, _or_dash(s["seconds"]), " / ".join(_fmt(x) for x in s["seconds_each"]), " / ".join(_fmt(x) for x in s["steps_each"]),
+         _or_dash(s["ms_per_step"]), " / ".join(_fmt(x) for x in s["ms_per_step_each"]), _or_dash(s["vs_best_peer"]), _or_dash(s["vs_limit"]))
+        for name, s in summary.items()
+    ]  # fmt: skip
+    target = settings["target"]
+    ranks = 2 * settings.get("procs_per_node", 1)
+    print(f"\nLeNet, MNIST, {ranks} ranks in 2 namespaces over a {settings['rate']} veth, lr {settings['lr']}, "
+          f"scored every {settings['eval_every']} steps per rank, {len(next(iter(runs.values())))} repeats; "
+          f"best peer per repeat: {', '.join(str(b) for b in verdict['best_peer_each'])}")  # fmt: skip
+    print(table(["contender", f"s to {target:.0%} (median)", "each repeat", "steps/rank each", "ms/step (median)", "ms/step each",
+                 "speed-up vs best peer (median)", "/ no-comm limit (median)"], rows))  # fmt: skip
+    return {**verdict, "summary": summary}
 
 
 def main() -> None:
@@ -208,18 +245,25 @@ def main() -> None:
     parser.add_argument(
         "--contenders",
         default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
-        help="ddp, powersgd:RANK, pma:K, wrapper[-params|-overlap|-outer|-bf16]:K, none",
+        help="ddp, powersgd:RANK, pma:K, wrapper[-params|-overlap|-outer|-bf16|-node]:K, none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
+    parser.add_argument("--procs-per-node", type=int, default=1, help="ranks per namespace (2: a node's ranks share its loopback; for wrapper-node)")
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=64, help="steps per rank between scores (a multiple of every k)")
     parser.add_argument("--lr", type=float, default=0.04, help="Nesterov SGD, every contender (pw-fit's default)")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's outer SGD learning rate")
-    parser.add_argument("--outer-momentum", type=float, default=0.5, help="wrapper-outer's outer Nesterov momentum")
+    parser.add_argument("--outer-momentum", type=float, default=0.3, help="wrapper-outer's outer Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per contender")
     parser.add_argument("--out", default="benchmarks/results/slow_link.json")
+    parser.add_argument("--analyse", metavar="JSON", help="no runs: re-read a results file, print its table and rewrite its summary")
     args = parser.parse_args()
+    if args.analyse:
+        saved = json.loads(Path(args.analyse).read_text())
+        saved.update(report(saved, saved["runs"]))
+        Path(args.analyse).write_text(json.dumps(saved, indent=2) + "\n")
+        return
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in contenders:
         kind, _, k = c.partition(":")
@@ -259,28 +303,27 @@ def main() -> None:
                 kind, _, k = name.partition(":")
                 out = work / f"{kind}{k}.{repeat}.json"
                 wall = time.monotonic()
-                run_ranks(link, port, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout)
-                port += 1
+                try:
+                    run_ranks(link, port, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout, args.procs_per_node)
+                except RuntimeError as e:  # one contender's failure (a NaN loss) is its result; the race goes on
+                    cause = next((line for line in reversed(str(e).splitlines()) if "Error" in line), str(e).splitlines()[0])
+                    runs[name].append({**FAILED, "error": cause, "wall_seconds": time.monotonic() - wall})
+                    print(f"repeat {repeat + 1}, {name}: failed: {cause}", flush=True)
+                    continue
+                finally:
+                    port += 1
                 result = json.loads(out.read_text())
                 r = {**time_to_target(result, args.target), "wall_seconds": time.monotonic() - wall, "result": result}
                 runs[name].append(r)
                 reached = f"{r['seconds']:.1f} s, {r['steps_per_rank']} steps" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
                 print(f"repeat {repeat + 1}, {name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {r['wall_seconds']:.0f} s", flush=True)
 
-    summary = {name: summarise(rs) for name, rs in runs.items()}
-    verdict = compare_to_peers(summary)
-    rows = [
-        (name, _or_dash(s["seconds"]), " / ".join(_fmt(x) for x in s["seconds_each"]), " / ".join(_fmt(x) for x in s["steps_each"]),
-         s["ms_per_step"], _or_dash(s["vs_best_peer"]), _or_dash(s["vs_limit"]), s["best_accuracy"])
-        for name, s in summary.items()
-    ]  # fmt: skip
-    print(f"\nLeNet, MNIST, 2 ranks in 2 namespaces over a {args.rate} veth, lr {args.lr}, scored every {args.eval_every} steps per rank, {args.repeats} repeats")
-    print(table(["contender", f"s to {args.target:.0%} (median)", "each repeat", "steps/rank each", "ms/step (median)",
-                 f"speed-up vs best peer ({verdict['best_peer']})", "/ no-comm limit", "best acc"], rows))  # fmt: skip
+    settings = {"rate": args.rate, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
+                "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
+                "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs}  # fmt: skip
+    verdict = report(settings, runs)
     print(f"total wall time {time.monotonic() - started:.0f} s")
-    write_results(args.out, {"rate": args.rate, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
-                             "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
-                             "max_epochs": args.max_epochs, "link": measured, **verdict, "summary": summary, "runs": runs})  # fmt: skip
+    write_results(args.out, {**settings, "link": measured, **verdict, "runs": runs})
 
 
 def _or_dash(value: float | int | None) -> float | int | str:

@@ -10,6 +10,8 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-overlap K  wrapper K with .overlap_averaging(True): the averaging runs during the next K steps
   wrapper-outer K    wrapper K with an outer Nesterov SGD (--outer-lr, --outer-momentum; DiLoCo, SlowMo)
   wrapper-bf16 K     wrapper K with .payload_dtype(torch.bfloat16): deltas sent in bfloat16, error fed back
+  wrapper-node K     wrapper K with .hierarchy("node"): a node's ranks average gradients every step,
+                     the nodes average every K (run with several ranks per node)
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
   none         no communication: each rank trains alone on its shard (rank 0's model is scored)
@@ -17,7 +19,7 @@ Contenders (every one trains the same model from the same init on the same batch
 
 The training batches are one stream over `--max-epochs` epochs (batch 128, each epoch shuffled by
 seed + epoch, the short last batch dropped so both ranks always have the same count); batch i goes
-to rank i mod 2, which is the wrapper's own torchrun shard. Every `--eval-every` steps per rank
+to rank i mod N (N ranks), which is the wrapper's own torchrun shard. Every `--eval-every` steps per rank
 both ranks stop; rank 0 scores its replica on the 10k test images while rank 1 waits, and that
 pause is kept off the training clock. The eval period is a multiple of K, so the averaging
 contenders are scored right after an averaging. Rank 0 writes the (seconds, samples, accuracy)
@@ -62,6 +64,7 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-overlap": {"overlap_averaging": True},
     "wrapper-outer": {"outer": True},
     "wrapper-bf16": {"payload_dtype": torch.bfloat16},
+    "wrapper-node": {"hierarchy": "node"},  # needs several ranks per node (slow_link.py --procs-per-node 2)
 }
 
 
@@ -105,6 +108,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
             .average_updaters(change.get("average_updaters", True))
             .overlap_averaging(change.get("overlap_averaging", False))
             .payload_dtype(change.get("payload_dtype", torch.float32))
+            .hierarchy(change.get("hierarchy", "none"))
             .threads_per_worker(1)  # the two "machines" share this machine's cores
             .seed(SEED)
         )
@@ -223,7 +227,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.04)
     parser.add_argument("--powersgd-start", type=int, default=16, help="powersgd's uncompressed steps first")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's outer SGD")
-    parser.add_argument("--outer-momentum", type=float, default=0.5, help="its Nesterov momentum")
+    parser.add_argument("--outer-momentum", type=float, default=0.3, help="its Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may take")
     args = parser.parse_args()

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-
 from .communication import HEADER_BYTES, Communication, estimated_communication
 from .config import TrainingMode
 from .options import Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
