@@ -159,8 +159,9 @@ def _frequencies(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/compare"), show_default=True, help="Write compare.csv, compare.md and compare.png here.")
 def compare_command(frequencies: tuple[int, ...], shared_gradients: bool, evals: int, target: float, out: Path, **kwargs: Any) -> None:  # fmt: skip
     """Train the same model from the same weights on the same data with shared gradients and
-    with averaging at several frequencies; table and plot test accuracy against samples and
-    seconds, and the communication each needs."""
+    with averaging at several frequencies (and, with --outer-lr, each frequency again with the
+    outer optimizer); table and plot test accuracy against samples and seconds, and the bytes
+    each sends per worker."""
     base = _make(RunOptions, **kwargs)
     options = _make(
         CompareOptions, base=base, frequencies=frequencies, shared_gradients=shared_gradients,
