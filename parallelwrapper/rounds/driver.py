@@ -384,10 +384,13 @@ class Rounds:
         if epoch_done:
             book.report(EpochReport(dataclasses.replace(self.counters), self.counters.epoch - 1, book.whole.score))
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
-            everyone = None if self._node is not None else self.group  # with a hierarchy: every rank of every node
-            own: list[Any] = [None] * dist.get_world_size(everyone)
+            if self._node is None:
+                everyone, size, writes = self.group, self.world_size, self.rank == 0
+            else:  # with a hierarchy, every rank of every node: the default group
+                everyone, size, writes = None, dist.get_world_size(), dist.get_rank() == 0
+            own: list[Any] = [None] * size
             dist.all_gather_object(own, self.trainer.own_state(), group=everyone)
-            if dist.get_rank(everyone) == 0:
+            if writes:
                 self.hooks.checkpointer.save(self.trainer.state_dicts(), dataclasses.replace(self.counters), own)
         if totals.stop:
             raise Stopped(f"stopped at round {self.counters.rounds}, as the host asked")
