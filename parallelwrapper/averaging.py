@@ -150,8 +150,8 @@ class FlatAverager:
         self.nbytes = sum(g.flat.numel() * g.flat.element_size() for g in self._groups)  # trailer included
         if wire is not None:  # what travels after the first round
             self.nbytes = trailer * 8 + sum(g.data.numel() * (wire.itemsize if g.data.is_floating_point() else g.data.element_size()) for g in self._groups)
-        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # (work, the buffer it sums)
-        self._parted: set[int] = set()  # positions in _in_flight of the buffers reduced in parts
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # (work, the buffer it sums), per group
+        self._wired_trailer: tuple[dist.Work, torch.Tensor] | None = None  # a wired round's float64 trailer
 
     @property
     def collectives(self) -> int:
@@ -191,8 +191,6 @@ class FlatAverager:
                     g.data.mul_(scale)
             _put_trailer(buffer, g.data.numel(), trailer if not wired else None)
             part = buffer if self._shards is None else buffer.view(self._shards.size, -1)[self._shards.index]
-            if self._shards is not None:
-                self._parted.add(len(self._in_flight))
             work = dist.all_reduce(part, group=group, async_op=True)
             assert work is not None
             self._in_flight.append((work, buffer))
@@ -201,7 +199,7 @@ class FlatAverager:
             values = torch.tensor(numbers, dtype=torch.float64, device=self._groups[0].flat.device)
             work = dist.all_reduce(values, group=group, async_op=True)
             assert work is not None
-            self._in_flight.append((work, values))
+            self._wired_trailer = (work, values)
 
     def _cast_delta(self, g: _Group, scale: float) -> torch.Tensor:
         """(x − start + error)·scale in the wire dtype; the error keeps what the cast lost."""
@@ -215,14 +213,16 @@ class FlatAverager:
 
     def wait(self) -> list[float]:
         """Wait for the sums; the trailer's sums."""
-        for i, (work, buffer) in enumerate(self._in_flight):
+        for work, buffer in self._in_flight:
             work.wait()
-            if i in self._parted and self._shards is not None:
+            if self._shards is not None and buffer.dim() == 1:  # reduced in parts (gathered casts are 2-D)
                 parts = buffer.view(self._shards.size, -1)  # each rank's part, summed across nodes: gather them
                 dist.all_gather(list(parts.unbind(0)), parts[self._shards.index].clone(), group=self._shards.group)
-        self._parted = set()
-        if self._in_flight[-1][1].dtype == torch.float64 and len(self._in_flight) > len(self._groups):
-            return self._in_flight[-1][1].tolist()  # a wired round's trailer
+        if self._wired_trailer is not None:
+            work, values = self._wired_trailer
+            work.wait()
+            self._wired_trailer = None
+            return values.tolist()
         return _trailer(self._in_flight[0][1], self._groups[0].data.numel(), self._trailer_len).tolist()
 
     @torch.no_grad()

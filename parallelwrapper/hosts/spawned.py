@@ -34,8 +34,8 @@ from .supervisor import ProgressBoard, Supervisor
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 _REPORT_S = 0.25  # how long rank 0 may hold scores back to send them together
-_STOP_GRACE_S = 15.0
-_DRAIN_S = 0.05  # a queue left with batches may still be flushing: wait this long for one more  # after Ctrl-C, how long workers get to finish the round and checkpoint
+_STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
+_DRAIN_S = 0.05  # a queue left with batches may still be flushing: wait this long for one more
 
 
 # -- in the worker process -----------------------------------------------------------------------
