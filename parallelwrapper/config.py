@@ -43,6 +43,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 # optimizer state and the averaging stay float32.
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PAYLOAD_DTYPES = ("float32", "bfloat16", "float16")  # the averaging's wire format (averaging.FlatAverager)
+FAILURE_POLICIES = ("raise", "replace")  # what a spawned worker's failure does (hosts/spawned.py)
 INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.py)
 
 
@@ -72,6 +73,10 @@ class Config:
     warmup_sync_steps: int = 0  # post-local SGD: steps of SHARED_GRADIENTS before the averaging rounds
     payload_dtype: str = "float32"  # or "bfloat16", "float16": what an averaging's floats travel as
     hierarchy: str = "none"  # or "node": under torchrun, a node's ranks share gradients each step, nodes average
+    on_worker_failure: str = "raise"  # or "replace": a spawned worker that fails is replaced from the last average
+    max_replacements: int = 3  # with "replace": replacements over the wrapper's life before a failure raises
+    auto_resume: bool = True  # under torchrun with checkpoints: a restarted group resumes from the last checkpoint
+    peer_timeout_s: float = 30.0  # under torchrun: a rank that hears nothing from a peer this long exits, naming it
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -129,6 +134,16 @@ class Config:
                 "hierarchy('node') runs synchronous averaging rounds across nodes: it needs TrainingMode.AVERAGING "
                 "without overlap_averaging and without warmup_sync_steps"
             )
+        if self.on_worker_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_worker_failure must be one of {list(FAILURE_POLICIES)}, got {self.on_worker_failure!r}")
+        check_int("max_replacements", self.max_replacements, 0, 'e.g. .on_worker_failure("replace", max_replacements=3)')
+        if self.on_worker_failure == "replace" and self.overlap_averaging:
+            raise ValueError(
+                'on_worker_failure("replace") rolls every worker back to the last landed average, which '
+                "overlap_averaging never holds (each round lands during the next); drop one of them"
+            )
+        if not self.peer_timeout_s > 0:
+            raise ValueError(f"peer_timeout_s must be > 0 seconds, got {self.peer_timeout_s}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         for d in self.devices or ():  # how many there must be is env.resolve's to check

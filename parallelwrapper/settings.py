@@ -201,6 +201,26 @@ class Settings:
         self._set("checkpoint_every", every)
         return self._set("checkpoint_dir", os.fspath(directory))
 
+    def on_worker_failure(self, policy: str, *, max_replacements: int = 3) -> Self:
+        """"raise" (default): a worker's failure (an error, a death, a stall) fails fit(). "replace":
+        a fresh process takes the failed spawned worker's rank, every worker goes back to the last
+        landed average, and the batches of the abandoned round are fed again, so that each counts
+        once; up to `max_replacements` times over the wrapper's life, and a batch that fails two
+        workers raises. Under torchrun use its `--max-restarts` with `.checkpoint(dir)` instead."""
+        self._set("max_replacements", max_replacements)
+        return self._set("on_worker_failure", policy)
+
+    def auto_resume(self, flag: bool = True) -> Self:
+        """Under torchrun with `.checkpoint(dir)`: a group that torchrun restarted (--max-restarts)
+        resumes from the last checkpoint in `dir` by itself. Default: True."""
+        return self._set("auto_resume", flag)
+
+    def peer_timeout(self, seconds: float) -> Self:
+        """Under torchrun: how long a rank may hear nothing from a peer (a dead process, a cut link)
+        before it exits with an error naming that peer, so that torchrun can restart the group.
+        Default: 30 s."""
+        return self._set("peer_timeout_s", float(seconds))
+
     def nan_policy(self, policy: NanPolicy | str) -> Self:
         """NanPolicy.RAISE (default) fails fit(); NanPolicy.SKIP drops that worker from the round."""
         return self._set("nan_policy", parse_enum(NanPolicy, policy, "nan_policy"))
