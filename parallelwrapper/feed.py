@@ -15,9 +15,11 @@ reads its own rank-strided shard (`ShardSource`).
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -30,6 +32,8 @@ from .types import END, EndOfEpoch
 
 Batches = Iterable[Any] | Callable[[], Iterable[Any]]
 _SENTINEL = None  # what ends a worker's epoch in a queue; batches travel as (index, batch)
+END_SLOT = -1  # a ledger's slot for an end of epoch (hosts/ledger.py)
+_NOTHING = object()  # Feeder._put_one: only the front
 _POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
 
 
@@ -104,6 +108,12 @@ class Feeder:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="parallelwrapper-feeder", daemon=True)
+        # For the replacement of a lost worker: what each slot holds, and a pause during which the
+        # main process puts a lost round's batches back in front (`refeed`).
+        self.sent: dict[int, tuple[int, Any]] = {}  # slot -> (index, packed) of its last batch
+        self._front: collections.deque[tuple[Any, Any]] = collections.deque()  # (queue, item), before any other
+        self._lock = threading.Lock()
+        self._paused = False
 
     def start(self) -> Feeder:
         self._thread.start()
@@ -113,13 +123,42 @@ class Feeder:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def pause(self) -> None:
+        """Put nothing more into the queues until `resume`; returns once no put is under way."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self, front: Sequence[tuple[Any, Any]] = ()) -> None:
+        """Carry on, putting `front`'s (queue, item) pairs first, in their order."""
+        with self._lock:
+            self._front.extend(front)
+            self._paused = False
+
     def _put(self, q: Any, item: Any) -> bool:
+        """Put `item` into `q` after every item of the front; False when stopped."""
         while not self._stop.is_set():
-            try:
-                q.put(item, timeout=_POLL_S)
+            if self._put_one(q, item):
                 return True
-            except queue.Full:
-                continue
+        return False
+
+    def _put_one(self, q: Any, item: Any) -> bool:
+        """One try, unless paused: the front's first item, or (the front empty) `item`; True
+        when `item` went (or, `_NOTHING`, when the front is empty)."""
+        with self._lock:
+            if not self._paused:
+                front = bool(self._front)
+                if not front and item is _NOTHING:
+                    return True
+                target, thing = self._front[0] if front else (q, item)
+                try:
+                    target.put(thing, timeout=_POLL_S)
+                except queue.Full:
+                    return False
+                if not front:
+                    return True
+                self._front.popleft()
+                return False
+        time.sleep(_POLL_S)
         return False
 
     def _run(self) -> None:
@@ -133,7 +172,10 @@ class Feeder:
                         if index < skip:
                             continue
                         packed = self._slots.pack(batch, self._stop)
-                        if packed is None or not self._put(self._queues[index % len(self._queues)], (index, packed)):
+                        if packed is None:
+                            return
+                        self.sent[packed[0]] = (index, packed)
+                        if not self._put(self._queues[index % len(self._queues)], (index, packed)):
                             return
                 except Exception as e:
                     raise data_raised(e, epoch, count) from e
@@ -142,16 +184,24 @@ class Feeder:
                 for rank in range(self._workers):
                     if not self._put(self._queues[rank % len(self._queues)], _SENTINEL):
                         return
+            while not self._stop.is_set():  # a replacement may yet put a lost round in front
+                if self._put_one(None, _NOTHING):
+                    time.sleep(_POLL_S)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
             self.error = e
 
 
+class Aborted(RuntimeError):
+    """The main process called the worker away from its wait for a batch: a peer failed."""
+
+
 class QueueSource:
     """A worker's view of its queue. Gives up if the parent process is gone, so that a worker
-    never outlives the trainer that spawned it."""
+    never outlives the trainer that spawned it, and when `abort` is set. With a `ledger`
+    (hosts/ledger.py) each take is recorded, and its slot kept until its round lands."""
 
-    def __init__(self, q: Any, slots: SlotReader, parent_pid: int) -> None:
-        self._queue, self._slots, self._parent_pid = q, slots, parent_pid
+    def __init__(self, q: Any, slots: SlotReader, parent_pid: int, abort: Any = None, ledger: Any = None) -> None:
+        self._queue, self._slots, self._parent_pid, self._abort, self.ledger = q, slots, parent_pid, abort, ledger
 
     def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
         while True:
@@ -160,11 +210,20 @@ class QueueSource:
             except queue.Empty:
                 if os.getppid() != self._parent_pid:
                     raise SystemExit("parallelwrapper worker: the main process is gone") from None
+                if self._abort is not None and self._abort.is_set():
+                    raise Aborted("called away from its wait for a batch: another worker failed") from None
                 continue
+            keep = self.ledger is not None
+            if keep:
+                self.ledger.take(END_SLOT if item is _SENTINEL else item[1][0])
             if item is _SENTINEL:
                 return END
-            index, packed = item
-            return index, self._slots.unpack(*packed)
+            index, (slot, name, skeleton) = item
+            return index, self._slots.unpack(slot, name, skeleton, keep=keep)
+
+    def release(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._slots.release(slot)
 
 
 def distributed_sampler(data: Batches) -> DistributedSampler[Any] | None:

@@ -1,8 +1,8 @@
 """What the main process hears during fit(): averaged scores and epoch ends, as plain records.
 
 A listener is any object with some of `on_fit_start(config, epochs)`, `on_score(score)`,
-`on_validation(validation)`, `on_epoch_end(epoch)`, `on_fit_end(history)`, or a plain callable,
-which receives each `Score`.
+`on_validation(validation)`, `on_epoch_end(epoch)`, `on_worker_replaced(rank, reason, lost_round)`,
+`on_fit_end(history)`, or a plain callable, which receives each `Score`.
 Listeners run in the main process (on rank 0 under torchrun), between rounds: a slow listener
 slows nothing but the reporting.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from .types import Report, RoundReport, ValidationReport
+from .types import ReplacementReport, Report, RoundReport, ValidationReport, WorkerError
 
 if TYPE_CHECKING:
     from .config import Config
@@ -59,20 +59,32 @@ class Validation:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Replacement:
+    """A spawned worker failed and a fresh process took its rank (`.on_worker_failure("replace")`);
+    every worker went back to the average before round `lost_round`, which was trained again."""
+
+    rank: int
+    reason: WorkerError  # the failure, with its traceback
+    lost_round: int
+    seconds: float
+
+
 @dataclass
 class History:
-    """What fit() returns: every averaged score, epoch end and validation of that call."""
+    """What fit() returns: every averaged score, epoch end, validation and replacement of that call."""
 
     scores: list[Score] = field(default_factory=list)
     epochs: list[EpochEnd] = field(default_factory=list)
     validations: list[Validation] = field(default_factory=list)
+    replacements: list[Replacement] = field(default_factory=list)
 
     @property
     def final_score(self) -> float:
         return self.epochs[-1].score if self.epochs else math.nan
 
 
-LISTENER_METHODS = ("on_fit_start", "on_score", "on_validation", "on_epoch_end", "on_fit_end")
+LISTENER_METHODS = ("on_fit_start", "on_score", "on_validation", "on_epoch_end", "on_worker_replaced", "on_fit_end")
 
 
 def check_listeners(listeners: Sequence[Any]) -> None:
@@ -108,6 +120,9 @@ class Recorder:
             validation = Validation(c.rounds, c.iterations, c.samples, epoch, report.metrics, seconds)
             self.history.validations.append(validation)
             notify(self.listeners, "on_validation", validation)
+        elif isinstance(report, ReplacementReport):
+            self.history.replacements.append(Replacement(report.rank, report.reason, report.lost_round, seconds))
+            notify(self.listeners, "on_worker_replaced", report.rank, report.reason, report.lost_round)
         else:
             end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds)
             self.history.epochs.append(end)
@@ -145,6 +160,11 @@ class ProgressBar:
     def on_validation(self, validation: Validation) -> None:
         if self._bar is not None:  # at an epoch's end the bar is still open: the validation comes first
             self._show(validation.metrics)
+
+    def on_worker_replaced(self, rank: int, reason: WorkerError, lost_round: int) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"worker {rank} replaced; round {lost_round} is trained again. {str(reason).splitlines()[0]}")
 
     def on_epoch_end(self, epoch: EpochEnd) -> None:
         bar = self._open(epoch.epoch)

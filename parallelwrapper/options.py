@@ -84,6 +84,7 @@ class RunOptions:
     outer_momentum: float = 0.0  # its momentum (Builder.outer_optimizer)
     warmup_sync_steps: int = 0  # shared gradients for the first N steps, then averaging (Builder.warmup_sync_steps)
     payload_dtype: str = "float32"  # or bfloat16, float16: what an averaging sends (Builder.payload_dtype)
+    replace_workers: int = 0  # replace a failed worker up to N times (Builder.on_worker_failure); 0: a failure ends the run
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
@@ -92,6 +93,7 @@ class RunOptions:
         check_int("batch_size", self.batch_size)
         check_int("checkpoint_every", self.checkpoint_every)
         check_int("val_every", self.val_every, 0)
+        check_int("replace_workers", self.replace_workers, 0)
         if self.early_stopping_patience is not None:
             check_int("early_stopping_patience", self.early_stopping_patience)
             if self.val_every == 0:
@@ -197,6 +199,8 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         b = b.outer_optimizer(torch.optim.SGD, lr=options.outer_lr, momentum=options.outer_momentum, nesterov=nesterov, foreach=True)
     if options.clip_grad_norm is not None:
         b = b.gradient_clipping(options.clip_grad_norm)
+    if options.replace_workers:
+        b = b.on_worker_failure("replace", max_replacements=options.replace_workers)
     checkpoints = options.checkpoint_dir or options.resume
     if checkpoints is not None:
         b = b.checkpoint(checkpoints, every=options.checkpoint_every)

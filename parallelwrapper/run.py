@@ -28,6 +28,7 @@ import torch
 
 from . import checkpoint
 from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation
+from .types import WorkerError
 from .options import RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits, options_json, with_lr_schedule
 
 
@@ -53,6 +54,7 @@ class Summary:
     last_round_score: float | None  # the last averaging's score: its round's mean loss
     final_lr: float  # the learning rate at the end (it moves with --lr-schedule)
     stopped_early_at_round: int | None = None  # where early stopping ended the run
+    replacements: int = 0  # workers replaced after a failure (--replace-workers)
     epoch_accuracies: list[float] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -62,8 +64,9 @@ class Summary:
     def describe(self) -> str:
         train = f"{self.train_samples_per_second:,.0f}" if self.train_samples_per_second is not None else "n/a"
         stopped = f"early stopping ended the run at averaging {self.stopped_early_at_round}\n" if self.stopped_early_at_round else ""
+        replaced = f"{self.replacements} failed workers replaced (see metrics.jsonl's replacement records)\n" if self.replacements else ""
         return (
-            f"{stopped}test accuracy {self.test_accuracy:.4f}, test loss {self.test_loss:.4f}\n"
+            f"{stopped}{replaced}test accuracy {self.test_accuracy:.4f}, test loss {self.test_loss:.4f}\n"
             f"{train} samples/s while training (start-up and validation excluded), "
             f"{self.wall_samples_per_second:,.0f} samples/s over the wall time of {self.wall_seconds:.1f} s (all included)"
         )
@@ -79,7 +82,8 @@ class RunLog:
 
     `metrics.jsonl` has a "score" record per averaged score (the round's mean loss), a "validation"
     record per validation (val_loss, val_accuracy) and an "epoch" record per epoch (epoch_loss,
-    test_loss, test_accuracy), each with step, iteration, samples, epoch and seconds since `start`.
+    test_loss, test_accuracy), each with step, iteration, samples, epoch and seconds since `start`;
+    with --replace-workers, a "replacement" record (rank, lost_round, reason) per replaced worker.
 
     The clock counts the time between two reports across which samples were trained: not the
     start-up before the first report, nor the time a validation takes."""
@@ -92,6 +96,7 @@ class RunLog:
         self._last: tuple[float, int] | None = None
         self.train_seconds, self.train_samples = 0.0, 0
         self.epoch_accuracies: list[float] = []
+        self.replacements = 0
 
     def _tick(self, seconds: float, samples: int) -> None:
         if self._last is not None and samples > self._last[1]:
@@ -99,15 +104,17 @@ class RunLog:
             self.train_samples += samples - self._last[1]
         self._last = (seconds, samples)
 
-    def _write(self, kind: str, at: Score | Validation | EpochEnd, **fields: float) -> None:
+    def _write(self, kind: str, at: Score | Validation | EpochEnd | None, **fields: Any) -> None:
         if self.path is None:
             return
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")  # this run's records, not appended to an older run's
             self._writer = JsonlWriter(self.path)
-        step = at.round if not isinstance(at, EpochEnd) else self._step
-        record = {"step": step, "iteration": at.iteration, "samples": at.samples, "epoch": at.epoch}
+        record = {}
+        if at is not None:
+            step = at.round if not isinstance(at, EpochEnd) else self._step
+            record = {"step": step, "iteration": at.iteration, "samples": at.samples, "epoch": at.epoch}
         self._writer.write(kind, {**record, **fields, "seconds": time.perf_counter() - self._start})
 
     def on_score(self, score: Score) -> None:
@@ -130,6 +137,10 @@ class RunLog:
                 f"epoch {epoch.epoch}: mean training loss {epoch.score:.4f}, "
                 f"test accuracy {test['test_accuracy']:.4f}, test loss {test['test_loss']:.4f}"
             )
+
+    def on_worker_replaced(self, rank: int, reason: WorkerError, lost_round: int) -> None:
+        self.replacements += 1
+        self._write("replacement", None, rank=rank, lost_round=lost_round, reason=reason.summary)
 
     def close(self) -> None:
         if self._writer is not None:
@@ -196,6 +207,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
         last_round_score=history.scores[-1].score if history.scores else None,
         final_lr=wrapper.optimizer.param_groups[0]["lr"],
         stopped_early_at_round=stopper.stopped_round if stopper is not None else None,
+        replacements=log.replacements,
         epoch_accuracies=log.epoch_accuracies,
         options=options_json(options),
     )

@@ -141,7 +141,9 @@ class SlotReader:
         self._free = free
         self._mapped: dict[int, shared_memory.SharedMemory] = {}
 
-    def unpack(self, slot: int, name: str, skeleton: Any) -> Any:
+    def unpack(self, slot: int, name: str, skeleton: Any, keep: bool = False) -> Any:
+        """The batch in `slot`, copied out; the slot goes back at once unless `keep` (a worker that
+        may be replaced keeps it until its round lands: hosts/ledger.py), then by `release`."""
         segment = self._mapped.get(slot)
         if segment is None or segment.name != name:
             if segment is not None:
@@ -150,8 +152,12 @@ class SlotReader:
         buffer = torch.frombuffer(segment.buf, dtype=torch.uint8)
         batch = _fill(skeleton, buffer)
         del buffer  # no view of the segment may outlive this call
-        self._free.put(slot)
+        if not keep:
+            self.release(slot)
         return batch
+
+    def release(self, slot: int) -> None:
+        self._free.put(slot)
 
     def close(self) -> None:
         for segment in self._mapped.values():

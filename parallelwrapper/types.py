@@ -73,7 +73,19 @@ class ValidationReport:
     at: float = dataclasses.field(default_factory=time.monotonic)
 
 
-Report = RoundReport | EpochReport | ValidationReport
+@dataclass(frozen=True)
+class ReplacementReport:
+    """A spawned worker failed and a fresh process took its rank (`.on_worker_failure("replace")`):
+    every worker went back to the average that started round `lost_round`, at `counters`."""
+
+    counters: Counters
+    rank: int
+    reason: WorkerError
+    lost_round: int
+    at: float = dataclasses.field(default_factory=time.monotonic)
+
+
+Report = RoundReport | EpochReport | ValidationReport | ReplacementReport
 Reporter = Callable[[Report], None]
 
 
@@ -144,6 +156,14 @@ class Hooks:
         """True when the host wants training to stop after the current round."""
         return False
 
+    def taking(self, tag: int) -> None:
+        """The next batch (or end of epoch) is taken for round `tag`, counted over the wrapper's
+        life: a host that can feed a lost round again records it (hosts/ledger.py)."""
+
+    def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
+        """Round `tag` of `epoch` starts, from the last average; `finished`: this worker has had
+        its end of the epoch. A host that can replace a worker keeps this state (hosts/ledger.py)."""
+
     def checkpoint_due(self, rounds: int) -> bool:
         """Whether a periodic checkpoint falls at the end of round number `rounds`."""
         return self.checkpointer is not None and self.checkpointer.due(rounds)
@@ -167,10 +187,11 @@ class WorkerError(RuntimeError):
     `rank` names it; `where` says the epoch, batch and local step when known. The first line of
     the message says who failed where, and what happened; the worker's traceback follows it."""
 
-    def __init__(self, rank: int, summary: str, details: str = "", where: Where | None = None) -> None:
-        at = f" {where}" if where is not None else ""
-        super().__init__(f"worker {rank} failed{at}: {summary}" + (f"\n\n{details.rstrip()}" if details else ""))
+    def __init__(self, rank: int, summary: str, details: str = "", where: Where | None = None, at: float | None = None) -> None:
+        place = f" {where}" if where is not None else ""
+        super().__init__(f"worker {rank} failed{place}: {summary}" + (f"\n\n{details.rstrip()}" if details else ""))
         self.rank, self.summary, self.details, self.where = rank, summary, details, where
+        self.at = time.monotonic() if at is None else at  # when it failed (system-wide clock): the first is the cause
 
     @property
     def epoch(self) -> int | None:
@@ -185,13 +206,13 @@ class WorkerError(RuntimeError):
         return None if self.where is None else self.where.local_step
 
     def __reduce__(self) -> tuple[Any, ...]:  # travels from a spawned worker as a value
-        return (WorkerError, (self.rank, self.summary, self.details, self.where))
+        return (WorkerError, (self.rank, self.summary, self.details, self.where, self.at))
 
     def with_echoes(self, echoes: dict[int, str]) -> WorkerError:
         """This error, and one short line each for the peers that failed because of it (a lost
         connection, mostly: the collective library's source locations are left out)."""
         lines = "".join(f"\n(also worker {r}: {_echo(line)})" for r, line in sorted(echoes.items()) if r != self.rank)
-        return WorkerError(self.rank, self.summary, self.details + ("\n" + lines if lines else ""), self.where)
+        return WorkerError(self.rank, self.summary, self.details + ("\n" + lines if lines else ""), self.where, self.at)
 
 
 def _echo(line: str, limit: int = 160) -> str:
@@ -211,6 +232,7 @@ __all__ = [
     "Hooks",
     "Phase",
     "Reporter",
+    "ReplacementReport",
     "Report",
     "RoundReport",
     "Stopped",

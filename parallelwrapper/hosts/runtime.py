@@ -34,7 +34,7 @@ from ..config import Config, Job
 from ..env import Placement
 from ..feed import FeedError
 from ..rounds import Budget, Node
-from ..types import BatchSource, FitCommand, Hooks, Reporter, Stopped, TrainingError, WorkerError
+from ..types import BatchSource, Counters, FitCommand, Hooks, Reporter, Stopped, TrainingError, TrainingState, WorkerError
 from ..worker import Replica
 
 _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
@@ -50,6 +50,16 @@ def claim_device(placement: Placement, local_rank: int) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """The state a round started from, kept to go back to if the round is lost."""
+
+    state: TrainingState
+    counters: Counters
+    seq: int  # the round, counted over the worker's life (Rounds.seq)
+    own: dict[str, Any]  # this worker's RNG state and loss scale
 
 
 class Worker:
@@ -78,11 +88,27 @@ class Worker:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + rank)
             self._rng = rng_state()
+        self.kept: Kept | None = None  # with `keep`: the state the round in progress started from
+
+    def keep(self) -> None:
+        """Keep a copy of the state the round now starting begins from: the last average."""
+        r = self.replica
+        self.kept = Kept(copy.deepcopy(r.state_dicts()), dataclasses.replace(r.counters), r.rounds.seq, r.own_state())
+
+    def redo(self, kept: Kept, until_epoch: int, own: dict[str, Any] | None) -> FitCommand:
+        """The fit that redoes round `kept.seq` from `kept` (a survivor's copy), with this worker's
+        own RNG and loss scale from then (`own`), or as they are (None)."""
+        if own is not None:
+            self._rng = own
+            self.replica.load_own_state(own)
+        self.replica.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
+        return FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None)
 
     def fit(self, command: FitCommand, source: BatchSource, report: Reporter) -> None:
         """Train from `command`'s state to its last epoch. A stop (Stopped) and the data's own
         errors (FeedError) pass through; any other failure is a WorkerError."""
         replica = self.replica
+        self.kept = None
         if command.rng is not None:
             self._rng = command.rng[self.rank]
             replica.load_own_state(command.rng[self.rank])

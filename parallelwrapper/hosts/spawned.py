@@ -15,11 +15,12 @@ import queue
 import signal
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from ..checkpoint import make_checkpointer
 from ..config import Config, Job
@@ -27,7 +28,9 @@ from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, Feeder, QueueSource
 from ..rounds import RoundBudget
 from ..slots import SlotReader, SlotWriter
-from ..types import EpochReport, FitCommand, Hooks, Phase, Report, Reporter, Stopped, TrainingState, WorkerError
+from ..types import EpochReport, FitCommand, Hooks, Phase, ReplacementReport, Report, Reporter, Stopped, TrainingState, WorkerError
+from .ledger import Ledger
+from .recovery import Keeper, Recovery, Regroup, newest, refeed
 from .runtime import Worker, claim_device, summary
 from .supervisor import ProgressBoard, Supervisor
 
@@ -48,6 +51,7 @@ class _SpawnedHooks(Hooks):
     def __init__(self, board: ProgressBoard, rank: int, stop: Any, checkpointer: Any) -> None:
         super().__init__(checkpointer)
         self._board, self._rank, self._stop = board, rank, stop
+        self.keeper: Keeper | None = None  # with on_worker_failure("replace")
 
     def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
         super().progress(phase, epoch, index, step)
@@ -56,51 +60,81 @@ class _SpawnedHooks(Hooks):
     def stop_requested(self) -> bool:
         return bool(self._stop.is_set())
 
+    def taking(self, tag: int) -> None:
+        if self.keeper is not None:
+            self.keeper.taking(tag)
 
-def _worker_entry(
-    rank: int,
-    config: Config,
-    placement: Placement,
-    store_port: int,
-    channels: tuple[Any, Any, Any, Any, Any, ProgressBoard, RoundBudget | None],
-    parent_pid: int,
-) -> None:
+    def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
+        if self.keeper is not None:
+            self.keeper.round_starts(tag, epoch, finished)
+
+
+@dataclass(frozen=True)
+class _Channels:
+    """What a spawned worker shares with the main process."""
+
+    data: Any  # its queue of batches
+    free_slots: Any
+    commands: Any
+    results: Any
+    stop: Any  # Ctrl-C: finish the round, checkpoint, stop
+    board: ProgressBoard
+    budget: RoundBudget | None
+    abort: Any  # a peer failed: leave the wait for a batch
+    ledger: Ledger | None  # with on_worker_failure("replace")
+
+
+def _worker_entry(rank: int, config: Config, placement: Placement, store_port: int, channels: _Channels, parent_pid: int, generation: int) -> None:
     """A spawned worker: join the group, then run fit commands until told to close."""
-    data_queue, free_slots, command_queue, result_queue, stop, board, budget = channels
+    c = channels
     world = placement.world_size
     # Ctrl-C in a terminal reaches every process of the group: the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         claim_device(placement, rank)
         store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=collective_timeout(config))
-        dist.init_process_group(placement.backend, store=store, rank=rank, world_size=world, timeout=collective_timeout(config))
-        job: Job = pickle.loads(_get(command_queue, parent_pid))
-        hooks = _SpawnedHooks(board, rank, stop, make_checkpointer(config, job, world))
-        worker = Worker(job, config, placement, rank, rank, hooks=hooks, budget=budget)
-        source = QueueSource(data_queue, SlotReader(free_slots), parent_pid)
-        report = _Reports(result_queue, rank) if rank == 0 else _ignore
-        result_queue.put(("ready", rank, None))
+
+        def join(generation: int) -> None:  # a replacement starts a new group under a new prefix
+            prefixed = PrefixStore(f"generation-{generation}", store)
+            dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=world, timeout=collective_timeout(config))
+
+        join(generation)
+        job: Job = pickle.loads(_get(c.commands, parent_pid))
+        hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
+        worker = Worker(job, config, placement, rank, rank, hooks=hooks, budget=c.budget)
+        source = QueueSource(c.data, SlotReader(c.free_slots), parent_pid, c.abort, c.ledger)
+        keeper = hooks.keeper = None if c.ledger is None else Keeper(worker, source, c.ledger)
+        report = _Reports(c.results, rank) if rank == 0 else _ignore
+        c.results.put(("ready", rank, None))
         while True:
-            command: FitCommand | None = _get(command_queue, parent_pid)
+            command: FitCommand | Regroup | None = _get(c.commands, parent_pid)
             if command is None:
                 break
             stopped = False
             try:
+                if isinstance(command, Regroup):
+                    assert keeper is not None
+                    command = keeper.regroup(command, rank, join)
                 worker.fit(command, source, report)
             except Stopped:
                 stopped = True
+            except WorkerError as e:
+                if keeper is None:
+                    raise
+                keeper.park(rank, e, c.results)
+                continue
             finally:
                 if isinstance(report, _Reports):  # the last reports, before the word that the fit ended
                     report.flush()
             done = None if stopped or rank != 0 else worker.replica.state_dicts()
-            result_queue.put(("stopped" if stopped else "done", rank, done))
+            c.results.put(("stopped" if stopped else "done", rank, done))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
         error = e if isinstance(e, WorkerError) else WorkerError(rank, summary(e) + " (while starting)", traceback.format_exc())
-        result_queue.put(("error", rank, error))
+        c.results.put(("error", rank, error))
         # Flush before the process group goes down: the peers' "connection closed" errors must
         # reach the main process after this worker's own.
-        result_queue.close()
-        result_queue.join_thread()
+        c.results.close()
+        c.results.join_thread()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -149,15 +183,15 @@ class WorkerPool:
 
     def __init__(self, config: Config, job: Job, placement: Placement | None = None) -> None:
         self.config = config
-        placement = placement or resolve(config)
+        self._placement = placement = placement or resolve(config)
         n = placement.world_size
-        ctx = mp.get_context("spawn")
+        ctx = self._ctx = mp.get_context("spawn")
         # Plain pickle copies tensors by value. Handed to Process() as objects, they would go
         # through torch's reducers instead, which move the user's model into shared memory that
         # every worker then trains in place, all at once. And the job goes through the command
         # queue, not Process(): a spawn writes its arguments into a pipe, and a large write
         # blocks for ever when the child dies while starting (a script without a main guard).
-        job_bytes = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+        self._job_bytes = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         # The main process serves the rendezvous store: port 0 lets the OS choose a free port,
         # so pools running side by side (tests, several trainers) never collide.
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout(config))
@@ -166,62 +200,57 @@ class WorkerPool:
             self.data_queues = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
         else:
             self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
+        replaces = config.on_worker_failure == "replace"
+        # A replaceable worker keeps a round's slots until it lands (ledger.py): each may hold a
+        # round's batches, the one taken ahead and an end of epoch, beyond the prefetched ones.
+        held = config.averaging_frequency + 2
         self._free_slots = ctx.Queue()
-        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer)
+        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (n * held if replaces else 0))
+        self._ledgers = [Ledger(ctx, held + 1) for _ in range(n)] if replaces else None
+        self._recovery = Recovery(config.max_replacements) if replaces else None
+        self._generation = 0
         self._commands = [ctx.Queue() for _ in range(n)]
         self._results = ctx.Queue()
         self._stop = ctx.Event()
-        board = ProgressBoard(ctx, n)
+        self._abort = ctx.Event()
+        self._board = ProgressBoard(ctx, n)
         # First-come rounds of N·k batches in all only where a worker does not wait for the others
         # at each round's end anyway, and batches are not dealt by number.
         first_come = config.overlap_averaging and not config.deterministic
         self._budget = RoundBudget(ctx, n * config.averaging_frequency) if first_come else None
-        self._processes = [
-            ctx.Process(
-                target=_worker_entry,
-                args=(
-                    rank,
-                    config,
-                    placement,
-                    self._store.port,
-                    (
-                        self.data_queues[rank % len(self.data_queues)],
-                        self._free_slots,
-                        self._commands[rank],
-                        self._results,
-                        self._stop,
-                        board,
-                        self._budget,
-                    ),
-                    os.getpid(),
-                ),
-                name=f"parallelwrapper-worker-{rank}",
-                daemon=True,
-            )
-            for rank in range(n)
-        ]
-        self._supervisor = Supervisor(self._processes, self._results, board, config.stall_timeout_s)
+        self._processes: list[Any] = [None] * n
+        self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout_s)
         try:
-            for p, q in zip(self._processes, self._commands):
-                q.put(job_bytes)
-                p.start()
-            ready: set[int] = set()
-            deadline = time.monotonic() + _START_TIMEOUT_S
-            while len(ready) < n:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"workers did not start within {_START_TIMEOUT_S:.0f} s")
-                message = self._supervisor.next("starting")
-                if message is not None:
-                    ready.add(message[1])
+            for rank in range(n):
+                self._spawn(rank)
+            self._supervisor.gather("ready", set(range(n)), _START_TIMEOUT_S, lambda message: None, "starting")
         except BaseException:
             self.kill()
             raise
+
+    def _spawn(self, rank: int) -> None:
+        """Start the worker of `rank` (anew, after a failure: with a command queue of its own)."""
+        self._commands[rank] = self._ctx.Queue()
+        channels = _Channels(
+            self.data_queues[rank % len(self.data_queues)], self._free_slots, self._commands[rank], self._results,
+            self._stop, self._board, self._budget, self._abort, None if self._ledgers is None else self._ledgers[rank],
+        )  # fmt: skip
+        process = self._ctx.Process(
+            target=_worker_entry,
+            args=(rank, self.config, self._placement, self._store.port, channels, os.getpid(), self._generation),
+            name=f"parallelwrapper-worker-{rank}",
+            daemon=True,
+        )
+        self._commands[rank].put(self._job_bytes)
+        self._processes[rank] = process
+        process.start()
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Run one fit on all workers, fed from `data`; return rank 0's final state (model, optimizer, schedule).
 
         Ctrl-C: with checkpoints on, the workers finish the round and save it (for up to
         `_STOP_GRACE_S`), then KeyboardInterrupt propagates; without, it propagates at once.
+        With on_worker_failure("replace"), a worker's failure replaces it (recovery.py).
         """
         self._stop.clear()
         if self._budget is not None:
@@ -244,6 +273,11 @@ class WorkerPool:
                         raise
                     self._stop_gracefully(on_report)
                     raise
+                except WorkerError as error:
+                    if self._recovery is None or done:
+                        raise
+                    self._replace(error, feeder, command.until_epoch, on_report)
+                    continue
                 if message is not None and message[0] == "done":
                     done.add(message[1])
                     final = message[2] if message[1] == 0 else final
@@ -252,6 +286,31 @@ class WorkerPool:
         self._drain()
         assert final is not None
         return final
+
+    def _replace(self, error: WorkerError, feeder: Feeder, until_epoch: int, on_report: Reporter) -> None:
+        """Replace the worker that failed first, and have every worker redo the round (recovery.py)."""
+        assert self._recovery is not None and self._ledgers is not None
+        self._recovery.admit(error)
+        lost = error.rank
+        self._abort.set()
+        feeder.pause()
+        if self._processes[lost].is_alive():
+            self._processes[lost].kill()
+        self._processes[lost].join(timeout=_JOIN_TIMEOUT_S)
+        others = set(range(len(self._processes))) - {lost}
+        recovering = f"recovering from worker {lost}'s failure"
+        parked = self._supervisor.gather("parked", others, self.config.stall_timeout_s, lambda m: self._pass_on(m, on_report), recovering, echoes=True)
+        source, seq, counters = newest(parked, error)
+        front = refeed(self._ledgers, seq, counters.epoch, feeder.sent, self.data_queues, self._free_slots)
+        self._generation += 1
+        self._board.write(lost, Phase.IDLE, counters.epoch, -1, 0)
+        self._spawn(lost)
+        self._abort.clear()
+        for q in self._commands:
+            q.put(Regroup(self._generation, source, until_epoch))
+        feeder.resume(front)
+        self._supervisor.gather("ready", {lost}, _START_TIMEOUT_S, lambda m: self._pass_on(m, on_report), "starting")
+        on_report(ReplacementReport(counters, lost, error, counters.rounds + 1))
 
     def _drain(self) -> None:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
@@ -280,7 +339,12 @@ class WorkerPool:
     def _receive(self, stage: str, on_report: Reporter) -> tuple[str, int, Any] | None:
         """The next message that is not a batch of reports; those go to `on_report` on the way."""
         message = self._supervisor.next(stage)
-        if message is None or message[0] != "reports":
+        return None if message is None else self._pass_on(message, on_report)
+
+    @staticmethod
+    def _pass_on(message: tuple[str, int, Any], on_report: Reporter) -> tuple[str, int, Any] | None:
+        """A batch of reports goes to `on_report` (None); any other message comes back."""
+        if message[0] != "reports":
             return message
         for report in message[2]:
             on_report(report)
@@ -299,7 +363,7 @@ class WorkerPool:
         self.kill()
 
     def kill(self) -> None:
-        started = [p for p in self._processes if p.pid is not None]  # start() may have failed
+        started = [p for p in self._processes if p is not None and p.pid is not None]  # start() may have failed
         for p in started:
             if p.is_alive():
                 p.kill()

@@ -39,11 +39,12 @@ class Supervisor:
 
     def __init__(self, processes: list[Any], results: Any, board: ProgressBoard, stall_timeout_s: float) -> None:
         self._processes, self._results, self._board, self._stall_s = processes, results, board, stall_timeout_s
+        self._held: list[tuple[str, int, Any]] = []  # read while waiting for errors, not yet returned
 
     def next(self, stage: str) -> tuple[str, int, Any] | None:
         """The next message, or None after a short poll."""
         try:
-            message = self._results.get(timeout=_POLL_S)
+            message = self._held.pop(0) if self._held else self._results.get(timeout=_POLL_S)
         except queue.Empty:
             self._raise_if_dead(stage)
             self._raise_if_stalled()
@@ -96,18 +97,45 @@ class Supervisor:
         deadline = time.monotonic() + _ERROR_GRACE_S
         while time.monotonic() < deadline:
             try:
-                kind, _, payload = self._results.get(timeout=_POLL_S)
-                if kind == "error":
-                    errors.setdefault(payload.rank, payload)
+                message = self._results.get(timeout=_POLL_S)
             except queue.Empty:
-                pass
+                continue
+            if message[0] == "error":
+                errors.setdefault(message[2].rank, message[2])
+            else:
+                self._held.append(message)
         killed = [r for r, p in enumerate(self._processes) if p.exitcode is not None and p.exitcode < 0]
         root = next((r for r in killed if r not in errors), None)
         if root is not None:
             errors[root] = self._death(root, "training")
-        else:
-            root = error.rank
+        else:  # the first to fail; the others failed because it was gone
+            root = min(errors.values(), key=lambda e: e.at).rank
         raise errors[root].with_echoes({r: e.summary for r, e in errors.items()})
+
+    def gather(self, kind: str, ranks: set[int], timeout_s: float, on_other: Any, stage: str, echoes: bool = False) -> dict[int, Any]:
+        """The payloads of a `kind` message from each of `ranks`, within `timeout_s`, while `stage`;
+        other messages go to `on_other`. An error raises, unless `echoes` (peers' echoes of a
+        failure being handled: dropped); so do a death or a silence among `ranks`, naming the worker."""
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(ranks):
+            try:
+                message = self._held.pop(0) if self._held else self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                for rank in ranks - got.keys():
+                    if self._processes[rank].exitcode is not None:
+                        self._raise_root_cause(self._death(rank, stage))
+                if time.monotonic() > deadline:
+                    missing = sorted(ranks - got.keys())
+                    raise WorkerError(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}")
+                continue
+            if message[0] == kind and message[1] in ranks:
+                got[message[1]] = message[2]
+            elif message[0] == "error" and not echoes:
+                self._raise_root_cause(message[2])
+            elif message[0] != "error":
+                on_other(message)
+        return got
 
 
 def _exit_message(exitcode: int, stage: str) -> str:

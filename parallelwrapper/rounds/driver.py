@@ -11,13 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..averaging import (
-    DeltaAverager,
-    FlatAverager,
-    Shards,
-    agree_on_optimizer_layout,
-    all_reduce_values,
-)
+from ..averaging import DeltaAverager, FlatAverager, Shards, agree_on_optimizer_layout, all_reduce_values
 from ..config import Config, TrainingMode
 from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
 from .budget import Budget
@@ -89,6 +83,7 @@ class Rounds:
         self._delta_layout = 0  # ... and their layout
         self._reference = 0.0  # Σw of the last round that trained, the same on every worker
         self._round = 0  # rounds launched in this fit(), the same count on every worker
+        self.seq = 0  # rounds started over this worker's life, the same on every worker: Hooks' tags
         self._finished = False
         self._ahead: tuple[int, Any] | None = None  # a batch taken, not yet trained
         self._source: BatchSource | None = None
@@ -150,6 +145,7 @@ class Rounds:
             return None
         assert self._source is not None
         self.hooks.progress(Phase.WAITING, self.counters.epoch, -1, self.trainer.local_steps)
+        self.hooks.taking(self.seq + round_index - self._round)
         item = self._source.next_batch()
         if item is END:
             self._finished = True
@@ -165,6 +161,8 @@ class Rounds:
         Then look one batch ahead, so that the round that trains a worker's last batch already
         says it finished: the epoch ends with that round, not one more round of zeros."""
         epoch, trainer = self.counters.epoch, self.trainer
+        self.seq += 1
+        self.hooks.round_starts(self.seq, epoch, self._finished)
         work = _Work(first_step=trainer.local_steps)
         if self._averaging and self._gradients_in_payload:  # the warm-up is over: seamlessly, at a round's start
             assert self._payload is not None
