@@ -142,6 +142,8 @@ def resolve(
     backend, threads, notes = _backend_and_threads(config, devices, cores, refusal, ".workers(n)")
     if config.hierarchy != "none":
         notes.append("hierarchy('node') applies under torchrun with several processes per node; these workers average as one group")
+    if config.on_worker_failure == "replace" and workers == 1:
+        notes.append('on_worker_failure("replace") restores a lost worker from a peer, and one worker has none: a failure raises')
     return Placement(workers, devices, backend, threads, None, tuple(notes))
 
 
@@ -193,6 +195,11 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
         f"backend 'nccl' needs one CUDA device per process: torchrun started {local} processes on this node "
         f"and it has {gpus} GPUs. Use --nproc-per-node {max(gpus, 1)} or .backend('gloo')"
     )
+    if config.on_worker_failure == "replace":
+        notes.append(
+            'under torchrun, on_worker_failure("replace") is ignored: torchrun restarts the group '
+            "(--max-restarts) and with .checkpoint(dir) it resumes from the last checkpoint"
+        )
     backend, threads, more = _backend_and_threads(config, devices, cores, refusal, "--nproc-per-node n")
     return Placement(env.world_size, devices, backend, threads, env, tuple(notes + more))
 

@@ -164,7 +164,7 @@ class ProgressBar:
     def on_worker_replaced(self, rank: int, reason: WorkerError, lost_round: int) -> None:
         from tqdm.auto import tqdm
 
-        tqdm.write(f"worker {rank} replaced; round {lost_round} is trained again. {str(reason).splitlines()[0]}")
+        tqdm.write(f"worker {rank} replaced, round {lost_round} trained again: {str(reason).splitlines()[0]}")
 
     def on_epoch_end(self, epoch: EpochEnd) -> None:
         bar = self._open(epoch.epoch)

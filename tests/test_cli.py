@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import shlex
 import shutil
 import signal
@@ -528,3 +529,39 @@ def test_short_compare_run_with_an_outer_optimizer_and_bfloat16(mnist_dir: Path,
     assert rows[1]["test_accuracy"] != rows[0]["test_accuracy"]
     table = (tmp_path / "compare.md").read_text()
     assert "| outer k=2 |" in table and "outer SGD lr 1 Nesterov momentum 0.5" in table and "sent in bfloat16" in table
+
+
+def spawned_workers(pid: int) -> list[int]:
+    """The pids of the worker processes a pw-fit process spawned (not its resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.timeout(150)
+def test_replace_workers_survives_a_killed_worker_and_reports_it(mnist_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL a worker once the first score is written: the run finishes, the bar's line and the
+    summary say a worker was replaced, and metrics.jsonl has its record."""
+    out = tmp_path / "out"
+    args = [
+        "--data-dir", str(mnist_dir), "--train-samples", "12000", "--test-samples", "200", "--batch-size", "64",
+        "--replace-workers", "1", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen([pw_fit(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not ((out / "metrics.jsonl").is_file() and '"score"' in (out / "metrics.jsonl").read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = spawned_workers(proc.pid)
+        assert len(workers) == 2
+        os.kill(max(workers), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    replaced_line = next(line for line in stdout.splitlines() if "replaced, round" in line)  # the bar writes it
+    assert "killed by SIGKILL" in replaced_line and "1 failed workers replaced" in stdout
+    records = read_jsonl(out / "metrics.jsonl")
+    replaced = [r for r in records if r["kind"] == "replacement"]
+    assert len(replaced) == 1 and "SIGKILL" in replaced[0]["reason"] and replaced[0]["lost_round"] >= 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["replacements"] == 1 and summary["samples"] == 12000

@@ -72,11 +72,24 @@ def test_fluent_builder_sets_every_option() -> None:
         ("devices", "cpu", r"one device per worker"),
         ("devices", ["cpu", "tpu:9"], r"not a torch device"),
         ("stall_timeout", 0, r"stall_timeout_s must be > 0"),
+        ("on_worker_failure", "retry", r"on_worker_failure must be one of \['raise', 'replace'\], got 'retry'"),
+        ("peer_timeout", 0, r"peer_timeout_s must be > 0"),
     ],
 )
 def test_bad_values_are_refused_with_the_fix(setter: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         getattr(ParallelWrapper.builder(model()), setter)(value).build()
+
+
+def test_replacing_workers_has_a_bounded_count_and_needs_rounds_that_land() -> None:
+    b = ParallelWrapper.builder(model())
+    assert (Config().on_worker_failure, Config().max_replacements, Config().auto_resume) == ("raise", 3, True)
+    with b.on_worker_failure("replace", max_replacements=5).build() as w:
+        assert (w.config.on_worker_failure, w.config.max_replacements) == ("replace", 5)
+    with pytest.raises(ValueError, match=r"max_replacements must be an int >= 0, got -1"):
+        b.on_worker_failure("replace", max_replacements=-1).build()
+    with pytest.raises(ValueError, match=r"overlap_averaging never holds .*drop one of them"):
+        b.on_worker_failure("replace").overlap_averaging(True).build()
 
 
 def test_overlap_averaging_is_for_averaging_only() -> None:
