@@ -72,7 +72,8 @@ class Heard:
 
 
 def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, *, fault: str = "", at: str = "", k: int = 2,
-          deterministic: bool = True, max_replacements: int = 3, epochs: int = 2, every_time: bool = False) -> tuple[nn.Module, Any, Heard, list[int]]:  # fmt: skip
+          deterministic: bool = True, max_replacements: int = 3, epochs: int = 2, every_time: bool = False,
+          fits: int = 1) -> tuple[nn.Module, Any, Heard, list[int]]:  # fmt: skip
     log = tmp_path / f"{name}.log"
     monkeypatch.setenv("PW_TEST_LOG", str(log))
     monkeypatch.setenv("PW_TEST_FAULT", fault)
@@ -83,10 +84,11 @@ def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, *, fault: 
     b = (
         ParallelWrapper.builder(model).workers(2).threads_per_worker(1).deterministic(deterministic)
         .optimizer(torch.optim.SGD, lr=0.1).training_step(step).averaging_frequency(k)
-        .stall_timeout(4).on_worker_failure("replace", max_replacements=max_replacements).listeners(heard)
+        .stall_timeout(3).on_worker_failure("replace", max_replacements=max_replacements).listeners(heard)
     )  # fmt: skip
     with b.build() as wrapper:
-        history = wrapper.fit(batches(), epochs=epochs)
+        for _ in range(fits):  # a fit() ends holding no slot, whatever it took
+            history = wrapper.fit(batches(), epochs=epochs // fits)
         assert wrapper.samples == epochs * BATCHES * SIZE  # every batch landed once, by the counters
     trained = [int(line) for line in log.read_text().split()] if log.exists() else []
     return model, history, heard, trained
@@ -109,7 +111,7 @@ def assert_same_model(a: nn.Module, b: nn.Module) -> None:
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> nn.Module:
     with pytest.MonkeyPatch.context() as mp:
-        model, _, heard, trained = train(tmp_path_factory.mktemp("fault-free"), mp, "clean")
+        model, _, heard, trained = train(tmp_path_factory.mktemp("fault-free"), mp, "clean", fits=2)
     assert not heard.replaced and sorted(trained) == sorted(list(range(BATCHES)) * 2)
     return model
 

@@ -55,6 +55,12 @@ class Keeper:
         self.source.release(self.ledger.cut(tag, epoch, finished))
         self.worker.keep()
 
+    def fit_ended(self) -> None:
+        """Every round of the fit landed: free what is still held (a batch taken ahead before an
+        early stop; the ledger keeps no end of epoch past its fit)."""
+        self.source.release([e.slot for e in self.ledger.entries() if e.slot != END_SLOT])
+        self.ledger.clear()
+
     def park(self, rank: int, error: WorkerError, results: Any) -> None:
         """Report the failure, leave the process group (every peer's collective ends) and say
         which round's state this worker kept."""

@@ -126,6 +126,8 @@ def _worker_entry(rank: int, config: Config, placement: Placement, store_port: i
             finally:
                 if isinstance(report, _Reports):  # the last reports, before the word that the fit ended
                     report.flush()
+            if keeper is not None:
+                keeper.fit_ended()
             done = None if stopped or rank != 0 else worker.replica.state_dicts()
             c.results.put(("stopped" if stopped else "done", rank, done))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
