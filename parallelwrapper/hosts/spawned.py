@@ -12,172 +12,27 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import signal
 import time
-import traceback
-from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, Feeder, QueueSource
+from ..feed import Batches, Feeder
 from ..rounds import RoundBudget
-from ..slots import SlotReader, SlotWriter
-from ..types import EpochReport, FitCommand, Hooks, Phase, ReplacementReport, Report, Reporter, Stopped, TrainingState, WorkerError
+from ..slots import SlotWriter
+from ..types import FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
 from .ledger import Ledger
-from .recovery import Keeper, Recovery, Regroup, newest, refeed
-from .runtime import Worker, claim_device, summary
+from .process import Channels, worker_entry
+from .recovery import Recovery, Regroup, newest, refeed
 from .supervisor import ProgressBoard, Supervisor
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
-_REPORT_S = 0.25  # how long rank 0 may hold scores back to send them together
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
 _DRAIN_S = 0.05  # a queue left with batches may still be flushing: wait this long for one more
-
-
-# -- in the worker process -----------------------------------------------------------------------
-
-
-class _SpawnedHooks(Hooks):
-    """Progress on the shared board (the supervisor's stall watchdog reads it); a stop when the
-    main process sets the shared event (Ctrl-C)."""
-
-    def __init__(self, board: ProgressBoard, rank: int, stop: Any, checkpointer: Any) -> None:
-        super().__init__(checkpointer)
-        self._board, self._rank, self._stop = board, rank, stop
-        self.keeper: Keeper | None = None  # with on_worker_failure("replace")
-
-    def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
-        super().progress(phase, epoch, index, step)
-        self._board.write(self._rank, phase, epoch, index, step)
-
-    def stop_requested(self) -> bool:
-        return bool(self._stop.is_set())
-
-    def taking(self, tag: int) -> None:
-        if self.keeper is not None:
-            self.keeper.taking(tag)
-
-    def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
-        if self.keeper is not None:
-            self.keeper.round_starts(tag, epoch, finished)
-
-
-@dataclass(frozen=True)
-class _Channels:
-    """What a spawned worker shares with the main process."""
-
-    data: Any  # its queue of batches
-    free_slots: Any
-    commands: Any
-    results: Any
-    stop: Any  # Ctrl-C: finish the round, checkpoint, stop
-    board: ProgressBoard
-    budget: RoundBudget | None
-    abort: Any  # a peer failed: leave the wait for a batch
-    ledger: Ledger | None  # with on_worker_failure("replace")
-
-
-def _worker_entry(rank: int, config: Config, placement: Placement, store_port: int, channels: _Channels, parent_pid: int, generation: int) -> None:
-    """A spawned worker: join the group, then run fit commands until told to close."""
-    c = channels
-    world = placement.world_size
-    # Ctrl-C in a terminal reaches every process of the group: the main process decides.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        claim_device(placement, rank)
-        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=collective_timeout(config))
-
-        def join(generation: int) -> None:  # a replacement starts a new group under a new prefix
-            prefixed = PrefixStore(f"generation-{generation}", store)
-            dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=world, timeout=collective_timeout(config))
-
-        join(generation)
-        job: Job = pickle.loads(_get(c.commands, parent_pid))
-        hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
-        worker = Worker(job, config, placement, rank, rank, hooks=hooks, budget=c.budget)
-        source = QueueSource(c.data, SlotReader(c.free_slots), parent_pid, c.abort, c.ledger)
-        keeper = hooks.keeper = None if c.ledger is None else Keeper(worker, source, c.ledger)
-        report = _Reports(c.results, rank) if rank == 0 else _ignore
-        c.results.put(("ready", rank, None))
-        while True:
-            command: FitCommand | Regroup | None = _get(c.commands, parent_pid)
-            if command is None:
-                break
-            stopped = False
-            try:
-                if isinstance(command, Regroup):
-                    assert keeper is not None
-                    command = keeper.regroup(command, rank, join)
-                worker.fit(command, source, report)
-            except Stopped:
-                stopped = True
-            except WorkerError as e:
-                if keeper is None:
-                    raise
-                keeper.park(rank, e, c.results)
-                continue
-            finally:
-                if isinstance(report, _Reports):  # the last reports, before the word that the fit ended
-                    report.flush()
-            if keeper is not None:
-                keeper.fit_ended()
-            done = None if stopped or rank != 0 else worker.replica.state_dicts()
-            c.results.put(("stopped" if stopped else "done", rank, done))
-    except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
-        error = e if isinstance(e, WorkerError) else WorkerError(rank, summary(e) + " (while starting)", traceback.format_exc())
-        c.results.put(("error", rank, error))
-        # Flush before the process group goes down: the peers' "connection closed" errors must
-        # reach the main process after this worker's own.
-        c.results.close()
-        c.results.join_thread()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _ignore(report: Report) -> None:
-    """Only rank 0 reports: every worker holds the same totals."""
-
-
-class _Reports:
-    """Rank 0's reports, sent in batches at most every `_REPORT_S`: every message wakes the
-    main process, which then takes a core from a worker for a moment (and with few cores, a
-    worker held up holds every worker up at the next averaging). An epoch's end goes at once."""
-
-    def __init__(self, results: Any, rank: int) -> None:
-        self._results, self._rank = results, rank
-        self._pending: list[Report] = []
-        self._last = time.monotonic()
-
-    def __call__(self, report: Report) -> None:
-        self._pending.append(report)
-        if isinstance(report, EpochReport) or time.monotonic() - self._last > _REPORT_S:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._pending:
-            self._results.put(("reports", self._rank, self._pending))
-            self._pending = []
-        self._last = time.monotonic()
-
-
-def _get(q: Any, parent_pid: int) -> Any:
-    while True:
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent_pid:
-                return None
-
-
-# -- in the main process -------------------------------------------------------------------------
 
 
 class WorkerPool:
@@ -211,7 +66,6 @@ class WorkerPool:
         self._ledgers = [Ledger(ctx, held + 1) for _ in range(n)] if replaces else None
         self._recovery = Recovery(config.max_replacements) if replaces else None
         self._generation = 0
-        self._commands = [ctx.Queue() for _ in range(n)]
         self._results = ctx.Queue()
         self._stop = ctx.Event()
         self._abort = ctx.Event()
@@ -221,31 +75,49 @@ class WorkerPool:
         first_come = config.overlap_averaging and not config.deterministic
         self._budget = RoundBudget(ctx, n * config.averaging_frequency) if first_come else None
         self._processes: list[Any] = [None] * n
+        self._commands: list[Any] = [None] * n
+        # A replacement takes a standby process, spawned ahead: importing torch takes seconds.
+        self._standby: tuple[Any, Any] | None = None
         self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout_s)
         try:
             for rank in range(n):
                 self._spawn(rank)
+            if self._recovery is not None and self._recovery.left > 0:
+                self._standby = self._spawn(None)
             self._supervisor.gather("ready", set(range(n)), _START_TIMEOUT_S, lambda message: None, "starting")
         except BaseException:
             self.kill()
             raise
 
-    def _spawn(self, rank: int) -> None:
-        """Start the worker of `rank` (anew, after a failure: with a command queue of its own)."""
-        self._commands[rank] = self._ctx.Queue()
-        channels = _Channels(
-            self.data_queues[rank % len(self.data_queues)], self._free_slots, self._commands[rank], self._results,
-            self._stop, self._board, self._budget, self._abort, None if self._ledgers is None else self._ledgers[rank],
+    def _spawn(self, rank: int | None) -> tuple[Any, Any]:
+        """Start the worker of `rank`, or a standby (None), with a command queue of its own."""
+        commands = self._ctx.Queue()
+        channels = Channels(
+            self.data_queues, self._free_slots, commands, self._results, self._stop, self._board, self._budget,
+            self._abort, self._ledgers,
         )  # fmt: skip
         process = self._ctx.Process(
-            target=_worker_entry,
+            target=worker_entry,
             args=(rank, self.config, self._placement, self._store.port, channels, os.getpid(), self._generation),
-            name=f"parallelwrapper-worker-{rank}",
+            name="parallelwrapper-standby" if rank is None else f"parallelwrapper-worker-{rank}",
             daemon=True,
         )
-        self._commands[rank].put(self._job_bytes)
-        self._processes[rank] = process
+        if rank is not None:
+            commands.put(self._job_bytes)
+            self._processes[rank], self._commands[rank] = process, commands
         process.start()
+        return process, commands
+
+    def _take_rank(self, rank: int) -> None:
+        """A fresh process for `rank`: the standby, whose imports are done, when it is alive."""
+        standby, self._standby = self._standby, None
+        if standby is None or not standby[0].is_alive():
+            self._spawn(rank)
+            return
+        process, commands = standby
+        commands.put((rank, self._generation))
+        commands.put(self._job_bytes)
+        self._processes[rank], self._commands[rank] = process, commands
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Run one fit on all workers, fed from `data`; return rank 0's final state (model, optimizer, schedule).
@@ -306,13 +178,15 @@ class WorkerPool:
         front = refeed(self._ledgers, seq, counters.epoch, feeder.sent, self.data_queues, self._free_slots)
         self._generation += 1
         self._board.write(lost, Phase.IDLE, counters.epoch, -1, 0)
-        self._spawn(lost)
+        self._take_rank(lost)
         self._abort.clear()
         for q in self._commands:
             q.put(Regroup(self._generation, source, until_epoch))
         feeder.resume(front)
         self._supervisor.gather("ready", {lost}, _START_TIMEOUT_S, lambda m: self._pass_on(m, on_report), "starting")
         on_report(ReplacementReport(counters, lost, error, counters.rounds + 1))
+        if self._recovery.left > 0:
+            self._standby = self._spawn(None)  # for the next one
 
     def _drain(self) -> None:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
@@ -353,25 +227,29 @@ class WorkerPool:
         return None
 
     def close(self) -> None:
-        """Tell every worker to stop, join them, and kill the ones that do not stop."""
-        for q in self._commands:
+        """Tell every worker (and the standby) to stop, join them, and kill the ones that do not stop."""
+        standby = [] if self._standby is None else [self._standby]
+        for q in [*self._commands, *(commands for _, commands in standby)]:
             try:
                 q.put(None)
             except (ValueError, OSError):
                 pass
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
-        for p in self._processes:
+        for p in [*self._processes, *(process for process, _ in standby)]:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         self.kill()
 
     def kill(self) -> None:
-        started = [p for p in self._processes if p is not None and p.pid is not None]  # start() may have failed
-        for p in started:
+        standby = [] if self._standby is None else [self._standby]
+        started = [p for p in [*self._processes, *(process for process, _ in standby)] if p is not None and p.pid is not None]
+        for p in started:  # (start() may have failed)
             if p.is_alive():
                 p.kill()
         for p in started:
             p.join(timeout=_JOIN_TIMEOUT_S)
-        for q in [*self.data_queues, self._free_slots, *self._commands, self._results]:
+        for q in [*self.data_queues, self._free_slots, *self._commands, *(commands for _, commands in standby), self._results]:
+            if q is None:
+                continue
             q.cancel_join_thread()
             q.close()
         self.slots.close()

@@ -96,6 +96,9 @@ class Supervisor:
         errors = {error.rank: error}
         deadline = time.monotonic() + _ERROR_GRACE_S
         while time.monotonic() < deadline:
+            heard = errors.keys() | {r for r, p in enumerate(self._processes) if p.exitcode is not None}
+            if len(heard) == len(self._processes):
+                break  # every worker has spoken or is gone: nothing more can come
             try:
                 message = self._results.get(timeout=_POLL_S)
             except queue.Empty:

@@ -1,0 +1,172 @@
+"""The spawned worker's process (hosts/spawned.py starts it): join the process group, then run
+the fit commands that come from the main process until told to close; report through the result
+queue, the board and the shared events. A standby (a process spawned ahead, for
+`.on_worker_failure("replace")`) waits with its imports done until told which rank it takes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+from ..checkpoint import make_checkpointer
+from ..config import Config, Job
+from ..env import Placement, collective_timeout
+from ..feed import QueueSource
+from ..rounds import RoundBudget
+from ..slots import SlotReader
+from ..types import EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
+from .ledger import Ledger
+from .recovery import Keeper, Regroup
+from .runtime import Worker, claim_device, summary
+from .supervisor import ProgressBoard
+
+_REPORT_S = 0.25  # how long rank 0 may hold scores back to send them together
+
+
+class _SpawnedHooks(Hooks):
+    """Progress on the shared board (the supervisor's stall watchdog reads it); a stop when the
+    main process sets the shared event (Ctrl-C)."""
+
+    def __init__(self, board: ProgressBoard, rank: int, stop: Any, checkpointer: Any) -> None:
+        super().__init__(checkpointer)
+        self._board, self._rank, self._stop = board, rank, stop
+        self.keeper: Keeper | None = None  # with on_worker_failure("replace")
+
+    def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
+        super().progress(phase, epoch, index, step)
+        self._board.write(self._rank, phase, epoch, index, step)
+
+    def stop_requested(self) -> bool:
+        return bool(self._stop.is_set())
+
+    def taking(self, tag: int) -> None:
+        if self.keeper is not None:
+            self.keeper.taking(tag)
+
+    def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
+        if self.keeper is not None:
+            self.keeper.round_starts(tag, epoch, finished)
+
+
+@dataclass(frozen=True)
+class Channels:
+    """What a spawned worker shares with the main process."""
+
+    data: list[Any]  # the queues of batches: rank r takes from data[r % len(data)]
+    free_slots: Any
+    commands: Any
+    results: Any
+    stop: Any  # Ctrl-C: finish the round, checkpoint, stop
+    board: ProgressBoard
+    budget: RoundBudget | None
+    abort: Any  # a peer failed: leave the wait for a batch
+    ledgers: list[Ledger] | None  # with on_worker_failure("replace"): rank r's is ledgers[r]
+
+
+def worker_entry(rank: int | None, config: Config, placement: Placement, store_port: int, channels: Channels, parent_pid: int, generation: int) -> None:
+    """A spawned worker: join the group, then run fit commands until told to close. A standby
+    (rank None) has its imports done and waits to be told the rank it takes and its generation."""
+    c = channels
+    world = placement.world_size
+    # Ctrl-C in a terminal reaches every process of the group: the main process decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if rank is None:
+        called = _get(c.commands, parent_pid)
+        if called is None:
+            return
+        rank, generation = called
+    try:
+        claim_device(placement, rank)
+        store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=collective_timeout(config))
+
+        def join(generation: int) -> None:  # a replacement starts a new group under a new prefix
+            prefixed = PrefixStore(f"generation-{generation}", store)
+            dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=world, timeout=collective_timeout(config))
+
+        join(generation)
+        job: Job = pickle.loads(_get(c.commands, parent_pid))
+        hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
+        worker = Worker(job, config, placement, rank, rank, hooks=hooks, budget=c.budget)
+        ledger = None if c.ledgers is None else c.ledgers[rank]
+        source = QueueSource(c.data[rank % len(c.data)], SlotReader(c.free_slots), parent_pid, c.abort, ledger)
+        keeper = hooks.keeper = None if ledger is None else Keeper(worker, source, ledger)
+        report = _Reports(c.results, rank) if rank == 0 else _ignore
+        c.results.put(("ready", rank, None))
+        while True:
+            command: FitCommand | Regroup | None = _get(c.commands, parent_pid)
+            if command is None:
+                break
+            stopped = False
+            try:
+                if isinstance(command, Regroup):
+                    assert keeper is not None
+                    command = keeper.regroup(command, rank, join)
+                worker.fit(command, source, report)
+            except Stopped:
+                stopped = True
+            except WorkerError as e:
+                if keeper is None:
+                    raise
+                keeper.park(rank, e, c.results)
+                continue
+            finally:
+                if isinstance(report, _Reports):  # the last reports, before the word that the fit ended
+                    report.flush()
+            if keeper is not None:
+                keeper.fit_ended()
+            done = None if stopped or rank != 0 else worker.replica.state_dicts()
+            c.results.put(("stopped" if stopped else "done", rank, done))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
+        error = e if isinstance(e, WorkerError) else WorkerError(rank, summary(e) + " (while starting)", traceback.format_exc())
+        c.results.put(("error", rank, error))
+        # Flush before the process group goes down: the peers' "connection closed" errors must
+        # reach the main process after this worker's own.
+        c.results.close()
+        c.results.join_thread()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _ignore(report: Report) -> None:
+    """Only rank 0 reports: every worker holds the same totals."""
+
+
+class _Reports:
+    """Rank 0's reports, sent in batches at most every `_REPORT_S`: every message wakes the
+    main process, which then takes a core from a worker for a moment (and with few cores, a
+    worker held up holds every worker up at the next averaging). An epoch's end goes at once."""
+
+    def __init__(self, results: Any, rank: int) -> None:
+        self._results, self._rank = results, rank
+        self._pending: list[Report] = []
+        self._last = time.monotonic()
+
+    def __call__(self, report: Report) -> None:
+        self._pending.append(report)
+        if isinstance(report, EpochReport) or time.monotonic() - self._last > _REPORT_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._results.put(("reports", self._rank, self._pending))
+            self._pending = []
+        self._last = time.monotonic()
+
+
+def _get(q: Any, parent_pid: int) -> Any:
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:
+                return None
