@@ -4,7 +4,7 @@
 - raise: the default, no fault;
 - replace: `--replace-workers 1`, no fault: what keeping each round's starting state (a copy in
   every worker) and holding each round's slots until it lands cost;
-- replace+kill: `--replace-workers 1`, and the newest worker process SIGKILLed once
+- replace+kill: `--replace-workers 1`, and worker 1's process SIGKILLed once
   `--kill-after` score records are written (the kernel's OOM killer would do the same).
 
 For the kill: the seconds from the kill to the first score written after the replacement's
@@ -46,10 +46,11 @@ def pw_fit() -> str:
     return str(Path(sys.executable).with_name("pw-fit"))
 
 
-def workers_of(pid: int) -> list[int]:
-    """The worker processes pw-fit spawned (not its resource tracker)."""
+def worker_1(pid: int) -> int:
+    """The process of worker 1 among those pw-fit spawned (not its resource tracker): the
+    workers start in rank order, and the standby a replacement takes after them."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sorted(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())[1]
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -72,11 +73,13 @@ def run(contender: str, data_dir: str, kill_after: int) -> dict[str, Any]:
             while sum(r["kind"] == "score" for r in records(metrics)) < kill_after:
                 time.sleep(0.02)
             killed = time.monotonic()
-            os.kill(max(workers_of(proc.pid)), signal.SIGKILL)
+            os.kill(worker_1(proc.pid), signal.SIGKILL)
             while True:
                 kinds = [r["kind"] for r in records(metrics)]
                 if "replacement" in kinds and "score" in kinds[kinds.index("replacement") :]:
                     break
+                if proc.poll() is not None:
+                    raise RuntimeError("pw-fit ended without training again after the kill")
                 time.sleep(0.02)
             result["seconds_to_training_again"] = time.monotonic() - killed
         stdout, _ = proc.communicate(timeout=600)

@@ -531,10 +531,11 @@ def test_short_compare_run_with_an_outer_optimizer_and_bfloat16(mnist_dir: Path,
     assert "| outer k=2 |" in table and "outer SGD lr 1 Nesterov momentum 0.5" in table and "sent in bfloat16" in table
 
 
-def spawned_workers(pid: int) -> list[int]:
-    """The pids of the worker processes a pw-fit process spawned (not its resource tracker)."""
+def spawned(pid: int) -> list[int]:
+    """The pids of the processes a pw-fit process spawned (not its resource tracker), in the order
+    they started: the workers by rank, then a standby for replacements."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sorted(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
 
 
 @pytest.mark.timeout(150)
@@ -551,9 +552,9 @@ def test_replace_workers_survives_a_killed_worker_and_reports_it(mnist_dir: Path
         deadline = time.monotonic() + 90
         while not ((out / "metrics.jsonl").is_file() and '"score"' in (out / "metrics.jsonl").read_text()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        workers = spawned_workers(proc.pid)
-        assert len(workers) == 2
-        os.kill(max(workers), signal.SIGKILL)
+        processes = spawned(proc.pid)
+        assert len(processes) == 3  # two workers and the standby
+        os.kill(processes[1], signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()

@@ -73,7 +73,7 @@ class Heard:
 
 def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, *, fault: str = "", at: str = "", k: int = 2,
           deterministic: bool = True, max_replacements: int = 3, epochs: int = 2, every_time: bool = False,
-          fits: int = 1) -> tuple[nn.Module, Any, Heard, list[int]]:  # fmt: skip
+          fits: int = 1, workers: int = 2, mode: str = "averaging", momentum: float = 0.0) -> tuple[nn.Module, Any, Heard, list[int]]:  # fmt: skip
     log = tmp_path / f"{name}.log"
     monkeypatch.setenv("PW_TEST_LOG", str(log))
     monkeypatch.setenv("PW_TEST_FAULT", fault)
@@ -82,8 +82,8 @@ def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, *, fault: 
     heard = Heard()
     model = mlp()
     b = (
-        ParallelWrapper.builder(model).workers(2).threads_per_worker(1).deterministic(deterministic)
-        .optimizer(torch.optim.SGD, lr=0.1).training_step(step).averaging_frequency(k)
+        ParallelWrapper.builder(model).workers(workers).threads_per_worker(1).deterministic(deterministic)
+        .optimizer(torch.optim.SGD, lr=0.1, momentum=momentum).training_step(step).averaging_frequency(k).training_mode(mode)
         .stall_timeout(3).on_worker_failure("replace", max_replacements=max_replacements).listeners(heard)
     )  # fmt: skip
     with b.build() as wrapper:
@@ -134,6 +134,20 @@ def test_a_fault_once_replaces_the_worker_and_ends_as_the_fault_free_run(
     assert_each_batch_counted_once(trained, epochs=2, lost={4, 5, 6, 7})
     assert_same_model(model, fault_free)
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.filterwarnings("ignore:3 workers on 2 CPU cores")
+def test_three_workers_sharing_gradients_with_momentum_end_bitwise_equal_to_the_fault_free_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batch 7 is worker 1's (7 mod 3) in step 3 (batches 6-8) of epoch 0.
+    run = {"workers": 3, "mode": "shared-gradients", "k": 1, "momentum": 0.9}
+    model, _, heard, trained = train(tmp_path, monkeypatch, "kill", fault="kill", at="7", **run)  # type: ignore[arg-type]
+    reference, _, _, _ = train(tmp_path, monkeypatch, "clean", **run)  # type: ignore[arg-type]
+    assert [(rank, lost_round) for rank, _, lost_round in heard.replaced] == [(1, 3)]
+    assert_each_batch_counted_once(trained, epochs=2, lost={6, 7, 8})
+    for name, x in model.state_dict().items():
+        assert torch.equal(x, reference.state_dict()[name]), name
 
 
 def test_first_come_feed_counts_every_batch_once_after_a_kill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
