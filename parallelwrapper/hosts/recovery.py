@@ -160,10 +160,8 @@ def _drain(q: Any) -> list[Any]:
     multiprocessing's Queue, which no one else would release): with every worker parked or dead,
     a lock held is a dead worker's."""
     lock = q._rlock  # noqa: SLF001 - multiprocessing.Queue keeps no public handle on it
-    if not lock.acquire(False):
-        lock.release()
-    else:
-        lock.release()
+    lock.acquire(False)  # free: now ours; held: by a dead worker. Released either way.
+    lock.release()
     items = []
     while True:
         try:
