@@ -29,11 +29,13 @@ class TorchrunEnv:
     world_size: int
     local_rank: int
     local_world_size: int
+    restarts: int = 0  # TORCHELASTIC_RESTART_COUNT: this node's agent restarted the group this often (--max-restarts)
 
 
 def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
-    """The torchrun identity of this process (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), or None outside
-    torchrun (None when RANK or WORLD_SIZE is missing). environ defaults to os.environ."""
+    """The torchrun identity of this process (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    TORCHELASTIC_RESTART_COUNT), or None outside torchrun (None when RANK or WORLD_SIZE is
+    missing). environ defaults to os.environ."""
     env = os.environ if environ is None else environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
@@ -46,7 +48,10 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
             raise ValueError(f"{name}={value!r} is not an integer; torchrun sets it, launch with torchrun") from None
 
     # A single-node launcher that sets only RANK and WORLD_SIZE runs one process here: local rank 0 of 1.
-    return TorchrunEnv(number("RANK", "0"), number("WORLD_SIZE", "1"), number("LOCAL_RANK", "0"), number("LOCAL_WORLD_SIZE", "1"))
+    return TorchrunEnv(
+        number("RANK", "0"), number("WORLD_SIZE", "1"), number("LOCAL_RANK", "0"), number("LOCAL_WORLD_SIZE", "1"),
+        number("TORCHELASTIC_RESTART_COUNT", "0"),
+    )  # fmt: skip
 
 
 def gpu_count() -> int:

@@ -20,7 +20,7 @@ from .config import Config, Job, check_job
 from .env import Placement, resolve, torchrun_env
 from .evaluation import classification_metrics, metric_sums
 from .feed import Batches, check_epochs, epoch_iterable
-from .hosts import Host, start_host
+from .hosts import Host, TorchrunWorker, start_host
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
 from .parts import Parts
 from .settings import Settings
@@ -127,6 +127,8 @@ class ParallelWrapper:
         check_epochs(data, epochs)
         rng = None
         until_epoch = self.counters.epoch + epochs
+        if resume is None and self.counters == Counters():
+            resume = self._auto_resume()
         if resume is not None:
             rng = self._restore(resume)
             until_epoch = epochs
@@ -158,6 +160,15 @@ class ParallelWrapper:
         self._parts.load(state)
         notify(listeners, "on_fit_end", recorder.history)
         return recorder.history
+
+    def _auto_resume(self) -> str | None:
+        """Under torchrun, a group that torchrun restarted (--max-restarts) resumes its first fit() from
+        the last checkpoint, with `.checkpoint(dir)` and `.auto_resume()`: joining the group says so."""
+        if not (self.placement.torchrun and self.config.checkpoint_dir and self.config.auto_resume and self._pool is None):
+            return None
+        host = start_host(self.config, self._job, self.placement)
+        self._pool = host
+        return host.resume_point if isinstance(host, TorchrunWorker) else None
 
     def _restore(self, location: str | os.PathLike[str]) -> list[dict[str, Any]]:
         """Load a checkpoint into the model, optimizer, schedule and counters; return each worker's own state."""

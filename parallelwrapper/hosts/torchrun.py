@@ -2,6 +2,10 @@
 many. torchrun's variables say the rank and the node's share of processes (env.resolve); the
 worker reads its own shard of the data (feed.ShardSource), and runs the shared runtime.
 
+Every incarnation of a group that torchrun restarts (--max-restarts) joins under keys of its own
+in torchrun's store (`_join`), agrees whether to resume from the last checkpoint, and watches its
+peers (heartbeat.py): a lost peer ends this process within peer_timeout_s.
+
 The signals torchrun sends its workers when it stops them (SIGTERM; SIGINT from a terminal)
 finish the round in flight and save it when checkpoints are on, as Ctrl-C does for spawned
 workers; then the signal takes effect.
@@ -10,16 +14,60 @@ workers; then the signal takes effect.
 from __future__ import annotations
 
 import signal
+import time
+import uuid
 
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[attr-defined]
 
-from ..checkpoint import make_checkpointer
+from ..checkpoint import make_checkpointer, path_of
 from ..config import Config, Job
-from ..env import Placement, collective_timeout
+from ..env import Placement, TorchrunEnv, collective_timeout
 from ..feed import Batches, ShardSource
 from ..rounds import Node
 from ..types import FitCommand, Reporter, TrainingState
+from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, claim_device, stop_on_signals
+
+_KEYS = "parallelwrapper"
+
+
+def _join(config: Config, env: TorchrunEnv) -> tuple[TCPStore, str, bool]:
+    """torchrun's store, this incarnation's key prefix in it, and whether to resume.
+
+    torchrun hands every incarnation of a restarted group the same store, its agent's, at the same
+    MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), and env:// keys are not prefixed
+    by incarnation: a restarted group's gloo would read the previous incarnation's addresses there
+    and fail in connectFullMesh with 'Connection refused'. So rank 0 takes a new generation number
+    and tells it to each peer in answer to a token only that peer knows: no stale key can pass for a
+    fresh one. The same exchange agrees on resuming, since the agents' restart counts may differ (an
+    agent whose workers were healthy when a peer node rejoined restarts them without counting)."""
+    timeout = collective_timeout(config)
+    store, _, _ = next(rendezvous("env://", timeout=timeout))
+    if env.rank != 0:
+        token = uuid.uuid4().hex
+        store.set(f"{_KEYS}/hello/{env.rank}", token)
+        generation = int(store.get(f"{_KEYS}/welcome/{token}"))
+        store.set(f"{_KEYS}/{generation}/here/{env.rank}", str(env.restarts))
+        return store, f"{_KEYS}/{generation}", store.get(f"{_KEYS}/{generation}/resume") == b"1"
+    generation = store.add(f"{_KEYS}/generation", 1)
+    restarted, pending, welcomed = env.restarts > 0, set(range(1, env.world_size)), dict[int, bytes]()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while pending:
+        for r in sorted(pending):
+            here, hello = f"{_KEYS}/{generation}/here/{r}", f"{_KEYS}/hello/{r}"
+            if store.check([here]):
+                restarted |= int(store.get(here)) > 0
+                pending.discard(r)
+            elif store.check([hello]) and (said := store.get(hello)) != welcomed.get(r):
+                store.set(f"{_KEYS}/welcome/{said.decode()}", str(generation))  # a stale token's answer is never read
+                welcomed[r] = said
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 waited {timeout.total_seconds():g} s for ranks {sorted(pending)} to join: are their torchrun agents running?")
+        time.sleep(0.01)
+    resume = restarted and config.auto_resume and config.checkpoint_dir is not None and path_of(config.checkpoint_dir).is_file()
+    store.set(f"{_KEYS}/{generation}/resume", "1" if resume else "0")
+    return store, f"{_KEYS}/{generation}", resume
 
 
 def _hierarchy(config: Config, rank: int, world: int, per_node: int) -> tuple[dist.ProcessGroup | None, Node | None]:
@@ -43,10 +91,19 @@ class TorchrunWorker:
         assert env is not None, "TorchrunWorker outside torchrun"
         self._rank, self._world = env.rank, env.world_size
         claim_device(placement, env.local_rank)
-        # The caller may have joined the group itself (to use it beside the wrapper): then it is theirs.
+        # The caller may have joined the group itself (to use it beside the wrapper): then it is
+        # theirs, and neither the resume nor the heartbeat is ours to decide.
         self._owns_group = not dist.is_initialized()
+        self._heartbeat: Heartbeat | None = None
+        self.resume_point: str | None = None  # the checkpoint a restarted group's first fit() resumes from
         if self._owns_group:
-            dist.init_process_group(placement.backend, timeout=collective_timeout(config))
+            store, prefix, resume = _join(config, env)
+            dist.init_process_group(
+                placement.backend, store=PrefixStore(prefix, store), rank=env.rank, world_size=env.world_size,
+                timeout=collective_timeout(config),
+            )  # fmt: skip
+            self.resume_point = config.checkpoint_dir if resume else None
+            self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout_s)
         self._hooks = SignalHooks(make_checkpointer(config, job, env.world_size))
         group, node = _hierarchy(config, env.rank, env.world_size, env.local_world_size)
         self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, node=node)
@@ -61,6 +118,9 @@ class TorchrunWorker:
 
     def close(self) -> None:
         """Leave the group, if this host joined it."""
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False

@@ -1,0 +1,95 @@
+"""A torchrun rank's watch over its peers: a lost peer ends this process within `peer_timeout_s`.
+
+A rank killed with SIGKILL closes its sockets, and gloo fails its peers' collective at once. A rank
+that is stopped (SIGSTOP, a hung host) or whose link is cut closes nothing: without this watch its
+peers would wait out the collective timeout (stall_timeout_s + 30 s) before torchrun could restart
+the group. So every rank runs a daemon thread that bumps its own counter in the group's store every
+`peer_timeout_s / 6` seconds (at most every 2 s) and reads its peers', and a second one that judges.
+A peer whose counter has not moved for `peer_timeout_s`, or a store that has not answered for that
+long, is lost: the main thread may be blocked in a collective, so the judge prints one line naming
+the lost ranks to stderr and ends the process with `os._exit(1)`; torchrun's agent then restarts the
+group (--max-restarts) or stops. The threads go on while the main thread works (a validation, a
+checkpoint, the time between two fits), and a rank that leaves (close()) writes a `left` key, so
+its peers stop watching it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+_MOST_S = 2.0  # the longest pause between two beats
+
+
+class Heartbeat:
+    """This rank's beat and watch in the store at `host:port`, under `prefix` (this group's keys).
+
+    Two daemon threads: one beats and reads the peers' counts; the other judges, since a store
+    call on a cut link can block for ever whatever the client's timeout."""
+
+    def __init__(self, host: str, port: int, prefix: str, rank: int, world: int, timeout_s: float) -> None:
+        self._where, self._prefix, self._rank, self._timeout_s = (host, port), prefix, rank, timeout_s
+        self._interval = min(timeout_s / 6, _MOST_S)
+        self._stop = threading.Event()
+        self._answered = time.monotonic()  # when the store last answered a whole beat
+        self._heard = {r: (-1, self._answered) for r in range(world) if r != rank}  # peer: (its last count, when it changed)
+        self._beat = threading.Thread(target=self._beats, name="parallelwrapper-heartbeat", daemon=True)
+        self._beat.start()
+        threading.Thread(target=self._watch, name="parallelwrapper-peer-watch", daemon=True).start()
+
+    def close(self) -> None:
+        """Say this rank leaves (its peers stop watching it) and end the threads."""
+        self._stop.set()
+        self._beat.join(timeout=self._timeout_s / 2)  # a blocked store call is given up on
+
+    def _key(self, what: str, rank: int) -> str:
+        return f"{self._prefix}/{what}/{rank}"
+
+    def _beats(self) -> None:
+        # Its own client: the main thread's may be blocked in a call of its own.
+        timeout = datetime.timedelta(seconds=self._timeout_s)
+        store: TCPStore | None = None
+        while True:
+            try:
+                if store is None:
+                    store = TCPStore(*self._where, is_master=False, timeout=timeout)
+                if self._stop.is_set():
+                    store.set(self._key("left", self._rank), "1")
+                    return
+                store.add(self._key("beat", self._rank), 1)
+                for r, (last, _) in list(self._heard.items()):
+                    if store.check([self._key("left", r)]):
+                        del self._heard[r]  # it finished: no longer a peer to watch
+                    elif (count := store.add(self._key("beat", r), 0)) != last:
+                        self._heard[r] = (count, time.monotonic())
+                self._answered = time.monotonic()
+            except RuntimeError:  # DistStoreError, a refused connection: the watch judges by `_answered`
+                if self._stop.is_set():
+                    return
+            self._stop.wait(self._interval)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._interval) and self._heard:
+            now = time.monotonic()
+            silent = [r for r, (_, changed) in list(self._heard.items()) if now - changed >= self._timeout_s]
+            if now - self._answered >= self._timeout_s:
+                self._lost(list(self._heard), f"the group's store at {self._where[0]}:{self._where[1]} has not answered")
+            elif silent:
+                self._lost(silent, "no heartbeat")
+    def _lost(self, ranks: list[int], why: str) -> None:
+        if self._stop.is_set() or not threading.main_thread().is_alive():
+            return  # leaving anyway
+        names = ", ".join(map(str, ranks))
+        print(
+            f"parallelwrapper: rank {self._rank} lost rank{'s' if len(ranks) > 1 else ''} {names}: {why} for "
+            f"{self._timeout_s:g} s (killed, stopped, or its link is cut); ending this process so that torchrun "
+            "restarts the group: with --max-restarts N and .checkpoint(dir) it resumes from the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)

@@ -1,0 +1,161 @@
+"""A torchrun group that loses a rank: its peers name it within peer_timeout_s and exit, torchrun
+restarts the group (--max-restarts), and the restarted group resumes from the last checkpoint and
+ends bitwise equal to a run that never stopped. Real torchrun agents, on loopback and in two
+network namespaces whose link is cut."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from slow_link import Link, check_privileges, slow_link  # noqa: E402
+from test_torchrun import check, clean_env, free_port, torchrun  # noqa: E402
+from tiny import make_batches, mlp  # noqa: E402
+from torchrun_restart import PEER_TIMEOUT_S, builder  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "torchrun_restart.py"
+TIMEOUT_S = 90
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 30)
+LOST = re.compile(r"parallelwrapper: rank (\d) lost rank (\d): ")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same run with no fault, by two spawned workers (bitwise the torchrun run: the
+    deterministic feed deals batch i to worker i mod 2, the torchrun shard)."""
+    net = mlp()
+    with builder(net, "none", tmp_path_factory.mktemp("reference")).workers(2).build() as wrapper:
+        wrapper.fit(make_batches(40), epochs=2)
+        return {**net.state_dict(), **{f"momentum{i}": s["momentum_buffer"] for i, s in wrapper.optimizer.state_dict()["state"].items()}}
+
+
+def assert_resumed_to(reference: dict[str, torch.Tensor], out: Path) -> None:
+    """Both ranks end bitwise on the reference, and their last fit() resumed (fewer scores than rounds)."""
+    for rank in (0, 1):
+        saved = torch.load(out / f"rank{rank}.pt")
+        momentum = {f"momentum{i}": s["momentum_buffer"] for i, s in saved["optimizer"]["state"].items()}
+        for key, value in {**saved["model"], **momentum}.items():
+            assert torch.equal(value, reference[key]), (rank, key)
+        history = json.loads((out / f"history{rank}.json").read_text())
+        assert history["scores"] < history["rounds"] == 20, history
+
+
+def agent(args: Sequence[str], log: Path, env: dict[str, str], prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    with log.open("wb") as f:
+        return subprocess.Popen([*prefix, *args], stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def finish(agents: Sequence[subprocess.Popen[bytes]], logs: Sequence[Path], timeout: float = TIMEOUT_S) -> None:
+    for a, log in zip(agents, logs):
+        a.wait(timeout=timeout)
+        check(subprocess.CompletedProcess(a.args, a.returncode, log.read_text(), ""))
+
+
+def test_a_killed_rank_is_restarted_and_the_run_resumes_to_the_uninterrupted_model(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    port = free_port()
+    logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
+    command = torchrun(
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--max-restarts", "1", str(SCRIPT), "kill", str(tmp_path),
+    )  # fmt: skip
+    agents = [agent(command, log, clean_env()) for log in logs]
+    try:
+        finish(agents, logs)
+    finally:
+        for a in agents:
+            a.kill()
+    killed = float((tmp_path / "killed").read_text())
+    print(f"kill to training again: {float((tmp_path / 'first1.txt').read_text()) - killed:.1f} s")
+    assert_resumed_to(reference, tmp_path)
+
+
+def test_a_stopped_rank_is_named_by_its_peer_within_the_peer_timeout(tmp_path: Path) -> None:
+    """SIGSTOP keeps rank 1's sockets open: gloo alone would wait out the collective timeout."""
+    port = free_port()
+    logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
+    command = torchrun(
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        str(SCRIPT), "stop", str(tmp_path),
+    )  # fmt: skip
+    agents = [agent(command, log, clean_env()) for log in logs]
+    stopped = tmp_path / "stopped"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not stopped.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        at = stopped.read_text().split()[1]
+        lines: list[str] = []
+        while not lines and time.monotonic() < deadline:
+            lines = [line for log in logs for line in log.read_text().splitlines() if LOST.search(line)]
+            time.sleep(0.05)
+        elapsed = time.time() - float(at)
+        print(f"stop to the peer's exit: {elapsed:.1f} s")
+        assert lines and LOST.search(lines[0]).groups() == ("0", "1"), lines  # type: ignore[union-attr]
+        assert "with --max-restarts N and .checkpoint(dir) it resumes" in lines[0]
+        assert elapsed < PEER_TIMEOUT_S + 5
+    finally:
+        if stopped.exists():
+            os.kill(int(stopped.read_text().split()[0]), signal.SIGKILL)
+        for a in agents:
+            a.kill()
+            a.wait()
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    why = check_privileges()
+    if why:
+        pytest.skip(f"two network namespaces are needed: {why}")
+    with slow_link("1gbit") as made:
+        yield made
+
+
+def test_a_cut_link_ends_both_sides_and_the_restarted_group_resumes(tmp_path: Path, link: Link, reference: dict[str, torch.Tensor]) -> None:
+    names, devices, addresses = link.names, link.devices, link.addresses
+    port = free_port()
+    logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
+    agents = []
+    for n in (0, 1):
+        command = torchrun(
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addresses[0]}:{port}",
+            "--local-addr", addresses[n], "--rdzv-conf", f"is_host={int(n == 0)}", "--max-restarts", "1",
+            str(SCRIPT), "none", str(tmp_path),
+        )  # fmt: skip
+        # is_host: torchrun would look for the endpoint among the host name's addresses, not the namespace's.
+        # Gloo would otherwise take the address of the host name, which the namespace lacks.
+        env = {**clean_env(), "GLOO_SOCKET_IFNAME": devices[n]}
+        agents.append(agent(command, logs[n], env, prefix=("ip", "netns", "exec", names[n])))
+    try:
+        checkpoint = tmp_path / "ckpt" / "checkpoint.pt"
+        deadline = time.monotonic() + TIMEOUT_S
+        while not checkpoint.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        subprocess.run(["ip", "-n", names[0], "link", "set", devices[0], "down"], check=True)
+        cut = time.monotonic()
+        lost: dict[str, tuple[str, ...]] = {}
+        while len(lost) < 2 and time.monotonic() - cut < 60:
+            for log in logs:
+                found = LOST.search(log.read_text())
+                if found:
+                    lost[log.name] = found.groups()
+            time.sleep(0.1)
+        print(f"link cut to both sides' exit: {time.monotonic() - cut:.1f} s")
+        subprocess.run(["ip", "-n", names[0], "link", "set", devices[0], "up"], check=True)
+        assert sorted(lost.values()) == [("0", "1"), ("1", "0")], lost  # each side names the other
+        finish(agents, logs)
+    finally:
+        for a in agents:
+            a.kill()
+    assert_resumed_to(reference, tmp_path)
