@@ -42,6 +42,10 @@ def test_torchrun_env_parses_the_four_variables() -> None:
     assert env == TorchrunEnv(rank=5, world_size=8, local_rank=1, local_world_size=4)
 
 
+def test_torchrun_env_counts_the_agents_restarts() -> None:
+    assert torchrun_env({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2"}) == TorchrunEnv(0, 2, 0, 1, restarts=2)
+
+
 @pytest.mark.parametrize("environ", [{}, {"RANK": "0"}, {"WORLD_SIZE": "2"}, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}])
 def test_outside_torchrun_without_rank_and_world_size(environ: dict[str, str]) -> None:
     """Both RANK and WORLD_SIZE make a torchrun process; LOCAL_* alone do not."""

@@ -11,12 +11,18 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed import TCPStore
+
+from parallelwrapper.config import Config
+from parallelwrapper.env import TorchrunEnv
+from parallelwrapper.hosts.torchrun import _join
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -39,6 +45,35 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     with builder(net, "none", tmp_path_factory.mktemp("reference")).workers(2).build() as wrapper:
         wrapper.fit(make_batches(40), epochs=2)
         return {**net.state_dict(), **{f"momentum{i}": s["momentum_buffer"] for i, s in wrapper.optimizer.state_dict()["state"].items()}}
+
+
+def test_a_restarted_group_joins_under_keys_of_its_own_and_agrees_to_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two incarnations of a group of two on one store, as torchrun's agent keeps it; the second
+    finds the first's keys there, its rank 1 arrives first, and only rank 1's agent counted the
+    restart. Both ranks take the second generation, and both resume."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    config = Config(checkpoint_dir=str(tmp_path))
+    (tmp_path / "checkpoint.pt").write_bytes(b"")  # only its existence is asked here
+
+    def incarnation(restarts: tuple[int, int]) -> list[tuple[str, bool]]:
+        joined: list[tuple[str, bool]] = [("", False)] * 2
+
+        def join(rank: int) -> None:
+            _, prefix, resume = _join(config, TorchrunEnv(rank, 2, 0, 1, restarts[rank]))
+            joined[rank] = (prefix, resume)
+
+        threads = [threading.Thread(target=join, args=(rank,)) for rank in (1, 0)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)  # rank 1 first, with the first incarnation's keys in the store
+        for t in threads:
+            t.join(timeout=30)
+        return joined
+
+    assert incarnation((0, 0)) == [("parallelwrapper/1", False)] * 2
+    assert incarnation((0, 1)) == [("parallelwrapper/2", True)] * 2
 
 
 def assert_resumed_to(reference: dict[str, torch.Tensor], out: Path) -> None:

@@ -43,7 +43,7 @@ def _join(config: Config, env: TorchrunEnv) -> tuple[TCPStore, str, bool]:
     fresh one. The same exchange agrees on resuming, since the agents' restart counts may differ (an
     agent whose workers were healthy when a peer node rejoined restarts them without counting)."""
     timeout = collective_timeout(config)
-    store, _, _ = next(rendezvous("env://", timeout=timeout))
+    store, _, _ = next(rendezvous("env://", env.rank, env.world_size, timeout=timeout))  # MASTER_ADDR, MASTER_PORT
     if env.rank != 0:
         token = uuid.uuid4().hex
         store.set(f"{_KEYS}/hello/{env.rank}", token)
