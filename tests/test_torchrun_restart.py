@@ -136,7 +136,7 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_peer_timeout(tmp_path: P
             lines = [line for log in logs for line in log.read_text().splitlines() if LOST.search(line)]
             time.sleep(0.05)
         elapsed = time.time() - float(at)
-        print(f"stop to the peer's exit: {elapsed:.1f} s")
+        print(f"SIGSTOP to the peer's line: {elapsed:.1f} s")
         assert lines and LOST.search(lines[0]).groups() == ("0", "1"), lines  # type: ignore[union-attr]
         assert "with --max-restarts N and .checkpoint(dir) it resumes" in lines[0]
         assert elapsed < PEER_TIMEOUT_S + 5
@@ -186,7 +186,7 @@ def test_a_cut_link_ends_both_sides_and_the_restarted_group_resumes(tmp_path: Pa
                 if found:
                     lost[log.name] = found.groups()
             time.sleep(0.1)
-        print(f"link cut to both sides' exit: {time.monotonic() - cut:.1f} s")
+        print(f"link cut to both sides' lines: {time.monotonic() - cut:.1f} s")
         subprocess.run(["ip", "-n", names[0], "link", "set", devices[0], "up"], check=True)
         assert sorted(lost.values()) == [("0", "1"), ("1", "0")], lost  # each side names the other
         finish(agents, logs)

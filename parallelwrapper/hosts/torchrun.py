@@ -103,7 +103,8 @@ class TorchrunWorker:
                 timeout=collective_timeout(config),
             )  # fmt: skip
             self.resume_point = config.checkpoint_dir if resume else None
-            self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout_s)
+            if env.world_size > 1:  # alone, there is no peer to lose
+                self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout_s)
         self._hooks = SignalHooks(make_checkpointer(config, job, env.world_size))
         group, node = _hierarchy(config, env.rank, env.world_size, env.local_world_size)
         self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, node=node)
