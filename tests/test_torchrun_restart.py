@@ -22,6 +22,7 @@ from torch.distributed import TCPStore
 
 from parallelwrapper.config import Config
 from parallelwrapper.env import TorchrunEnv
+from parallelwrapper.hosts.heartbeat import Heartbeat
 from parallelwrapper.hosts.torchrun import _join
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -74,6 +75,21 @@ def test_a_restarted_group_joins_under_keys_of_its_own_and_agrees_to_resume(tmp_
 
     assert incarnation((0, 0)) == [("parallelwrapper/1", False)] * 2
     assert incarnation((0, 1)) == [("parallelwrapper/2", True)] * 2
+
+
+def test_the_heartbeat_names_a_silent_peer_and_lets_a_leaving_one_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 0 and 1 of 3 beat, rank 2 never does; then rank 1 leaves. (The real `_lost` ends the process.)"""
+    lost: list[tuple[int, tuple[int, ...], str]] = []
+    monkeypatch.setattr(Heartbeat, "_lost", lambda self, ranks, why: lost.append((self._rank, tuple(ranks), why)))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    beats = [Heartbeat("127.0.0.1", store.port, "test", rank, 3, 1.0) for rank in (0, 1)]
+    time.sleep(1.8)
+    assert {(rank, ranks, why) for rank, ranks, why in lost} == {(0, (2,), "no heartbeat"), (1, (2,), "no heartbeat")}
+    beats[1].close()
+    lost.clear()
+    time.sleep(1.8)
+    beats[0].close()
+    assert {ranks for _, ranks, _ in lost} == {(2,)}  # rank 1 left: never named
 
 
 def assert_resumed_to(reference: dict[str, torch.Tensor], out: Path) -> None:

@@ -9,7 +9,7 @@ A peer whose counter has not moved for `peer_timeout_s`, or a store that has not
 long, is lost: the main thread may be blocked in a collective, so the judge prints one line naming
 the lost ranks to stderr and ends the process with `os._exit(1)`; torchrun's agent then restarts the
 group (--max-restarts) or stops. The threads go on while the main thread works (a validation, a
-checkpoint, the time between two fits), and a rank that leaves (close()) writes a `left` key, so
+checkpoint, the time between two fits), and a rank that leaves (close()) adds 2^40 to its count, so
 its peers stop watching it.
 """
 
@@ -24,6 +24,7 @@ import time
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 _MOST_S = 2.0  # the longest pause between two beats
+_LEFT = 1 << 40  # added to a rank's count when it leaves: past any count of beats
 
 
 class Heartbeat:
@@ -47,8 +48,8 @@ class Heartbeat:
         self._stop.set()
         self._beat.join(timeout=self._timeout_s / 2)  # a blocked store call is given up on
 
-    def _key(self, what: str, rank: int) -> str:
-        return f"{self._prefix}/{what}/{rank}"
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}/{rank}"
 
     def _beats(self) -> None:
         # Its own client: the main thread's may be blocked in a call of its own.
@@ -58,14 +59,18 @@ class Heartbeat:
             try:
                 if store is None:
                     store = TCPStore(*self._where, is_master=False, timeout=timeout)
+                    for r in self._heard:
+                        store.add(self._key(r), 0)  # a peer yet to beat reads as silent, not as a store that hangs
                 if self._stop.is_set():
-                    store.set(self._key("left", self._rank), "1")
+                    store.add(self._key(self._rank), _LEFT)
                     return
-                store.add(self._key("beat", self._rank), 1)
-                for r, (last, _) in list(self._heard.items()):
-                    if store.check([self._key("left", r)]):
+                store.add(self._key(self._rank), 1)
+                peers = list(self._heard)
+                # One round trip for every peer's count: the store's load grows with the ranks, not their square.
+                for r, count in zip(peers, map(int, store.multi_get([self._key(r) for r in peers]) if peers else [])):
+                    if count >= _LEFT:
                         del self._heard[r]  # it finished: no longer a peer to watch
-                    elif (count := store.add(self._key("beat", r), 0)) != last:
+                    elif count != self._heard[r][0]:
                         self._heard[r] = (count, time.monotonic())
                 self._answered = time.monotonic()
             except RuntimeError:  # DistStoreError, a refused connection: the watch judges by `_answered`
