@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,6 +39,11 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 30)
 LOST = re.compile(r"parallelwrapper: rank (\d) lost rank (\d): ")
 
 
+def tensors(model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A model's tensors and its optimizer's momentum, by name."""
+    return {**model, **{f"momentum{i}": s["momentum_buffer"] for i, s in optimizer["state"].items()}}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The same run with no fault, by two spawned workers (bitwise the torchrun run: the
@@ -45,7 +51,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     net = mlp()
     with builder(net, "none", tmp_path_factory.mktemp("reference")).workers(2).build() as wrapper:
         wrapper.fit(make_batches(40), epochs=2)
-        return {**net.state_dict(), **{f"momentum{i}": s["momentum_buffer"] for i, s in wrapper.optimizer.state_dict()["state"].items()}}
+        return tensors(net.state_dict(), wrapper.optimizer.state_dict())
 
 
 def test_a_restarted_group_joins_under_keys_of_its_own_and_agrees_to_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,8 +102,7 @@ def assert_resumed_to(reference: dict[str, torch.Tensor], out: Path) -> None:
     """Both ranks end bitwise on the reference, and their last fit() resumed (fewer scores than rounds)."""
     for rank in (0, 1):
         saved = torch.load(out / f"rank{rank}.pt")
-        momentum = {f"momentum{i}": s["momentum_buffer"] for i, s in saved["optimizer"]["state"].items()}
-        for key, value in {**saved["model"], **momentum}.items():
+        for key, value in tensors(saved["model"], saved["optimizer"]).items():
             assert torch.equal(value, reference[key]), (rank, key)
         history = json.loads((out / f"history{rank}.json").read_text())
         assert history["scores"] < history["rounds"] == 20, history
