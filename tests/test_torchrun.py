@@ -187,6 +187,7 @@ def test_a_failing_rank_raises_worker_error_and_leaves_every_model_untouched(tmp
     assert "RuntimeError: boom on a marked batch" in failed["first_line"]
     # The peer lost its collective: its own WorkerError, one line of cause, its model untouched too.
     assert peer["type"] == "WorkerError" and peer["rank"] == 0 and peer["untouched"]
+    assert "a peer rank's process is gone" in peer["first_line"] and "--max-restarts" in peer["first_line"]
 
 
 def test_sigterm_finishes_the_round_saves_it_and_the_run_resumes(tmp_path: Path) -> None:

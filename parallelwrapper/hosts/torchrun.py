@@ -13,6 +13,7 @@ workers; then the signal takes effect.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 import uuid
@@ -25,11 +26,12 @@ from ..config import Config, Job
 from ..env import Placement, TorchrunEnv, collective_timeout
 from ..feed import Batches, ShardSource
 from ..rounds import Node
-from ..types import FitCommand, Reporter, TrainingState
+from ..types import FitCommand, Reporter, TrainingState, WorkerError
 from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, claim_device, stop_on_signals
 
 _KEYS = "parallelwrapper"
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")  # gloo's words for a peer's closed sockets
 
 
 def _join(config: Config, env: TorchrunEnv) -> tuple[TCPStore, str, bool]:
@@ -114,7 +116,16 @@ class TorchrunWorker:
         counters = command.counters
         source = ShardSource(data, self._rank, self._world, counters.epoch, counters.position)
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):
-            self._worker.fit(command, source, on_report)
+            try:
+                self._worker.fit(command, source, on_report)
+            except WorkerError as e:
+                if not _PEER_GONE.search(e.summary):
+                    raise
+                hint = (
+                    "; a peer rank's process is gone (killed, or failed: its own error is in its log): torchrun's "
+                    "--max-restarts with .checkpoint(dir) restarts the group and resumes from the last checkpoint"
+                )
+                raise WorkerError(e.rank, e.summary + hint, e.details, e.where, e.at) from e
         return self._worker.replica.state_dicts()
 
     def close(self) -> None:
