@@ -86,6 +86,7 @@ class Heartbeat:
                 self._lost(list(self._heard), f"the group's store at {self._where[0]}:{self._where[1]} has not answered")
             elif silent:
                 self._lost(silent, "no heartbeat")
+
     def _lost(self, ranks: list[int], why: str) -> None:
         if self._stop.is_set() or not threading.main_thread().is_alive():
             return  # leaving anyway
