@@ -544,7 +544,7 @@ def test_replace_workers_survives_a_killed_worker_and_reports_it(mnist_dir: Path
     summary say a worker was replaced, and metrics.jsonl has its record."""
     out = tmp_path / "out"
     args = [
-        "--data-dir", str(mnist_dir), "--train-samples", "12000", "--test-samples", "200", "--batch-size", "64",
+        "--data-dir", str(mnist_dir), "--train-samples", "6000", "--test-samples", "200", "--batch-size", "64",
         "--replace-workers", "1", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.Popen([pw_fit(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -565,4 +565,4 @@ def test_replace_workers_survives_a_killed_worker_and_reports_it(mnist_dir: Path
     replaced = [r for r in records if r["kind"] == "replacement"]
     assert len(replaced) == 1 and "SIGKILL" in replaced[0]["reason"] and replaced[0]["lost_round"] >= 2
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["replacements"] == 1 and summary["samples"] == 12000
+    assert summary["replacements"] == 1 and summary["samples"] == 6000
