@@ -35,6 +35,7 @@ _SENTINEL = None  # what ends a worker's epoch in a queue; batches travel as (in
 END_SLOT = -1  # a ledger's slot for an end of epoch (hosts/ledger.py)
 _NOTHING = object()  # Feeder._put_one: only the front
 _POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
+_DRAIN_S = 0.05  # how long `drain` waits for one more item
 
 
 def compact(data: Batches) -> Batches:
@@ -189,6 +190,20 @@ class Feeder:
                     time.sleep(_POLL_S)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
             self.error = e
+
+
+def drain(q: Any, settle: bool) -> list[Any]:
+    """Every item left in `q`, taken until none comes for `_DRAIN_S` (what was put last may still
+    be flushing through the queue's pipe). With `settle` false an empty queue is left at once: a
+    fit that ended at an epoch's end left nothing, and costs no wait."""
+    items: list[Any] = []
+    wait = _DRAIN_S if settle else 0.0
+    while True:
+        try:
+            items.append(q.get(timeout=wait) if wait else q.get_nowait())
+        except queue.Empty:
+            return items
+        wait = _DRAIN_S
 
 
 class Aborted(RuntimeError):

@@ -16,20 +16,16 @@ A batch on which two workers failed is not fed a third time: fit() raises naming
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from ..feed import END_SLOT, QueueSource
+from ..feed import END_SLOT, QueueSource, drain
 from ..types import Counters, FitCommand, WorkerError
 from .ledger import Ledger, split
 from .runtime import Worker
-
-_DRAIN_S = 0.05  # a queue may still be flushing what was put just before the pause
-
 
 @dataclass(frozen=True)
 class Regroup:
@@ -105,7 +101,7 @@ class Recovery:
                     f"{first.rank}: {first.summary}); it fails wherever it goes: fix or drop that batch. {error.summary}",
                     error.details,
                     error.where,
-                ) from None
+                )
         if self.left <= 0:
             raise error
         self.left -= 1
@@ -150,7 +146,7 @@ def refeed(
     for q, items in enumerate(again):
         held = _drain(queues[q])
         front += [(queues[q], item) for item in sorted(items, key=lambda item: item[0])]
-        front += [(queues[q], None)] * ends[q]
+        front += [(queues[q], None)] * ends[q]  # None: the feed's end of an epoch
         front += [(queues[q], item) for item in held]
     return front
 
@@ -162,9 +158,4 @@ def _drain(q: Any) -> list[Any]:
     lock = q._rlock  # noqa: SLF001 - multiprocessing.Queue keeps no public handle on it
     lock.acquire(False)  # free: now ours; held: by a dead worker. Released either way.
     lock.release()
-    items = []
-    while True:
-        try:
-            items.append(q.get(timeout=_DRAIN_S))
-        except queue.Empty:
-            return items
+    return drain(q, settle=True)  # what the feeder put just before its pause may still be flushing

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, Feeder
+from ..feed import Batches, Feeder, drain
 from ..rounds import RoundBudget
 from ..slots import SlotWriter
 from ..types import FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
@@ -32,7 +31,6 @@ from .supervisor import ProgressBoard, Supervisor
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
-_DRAIN_S = 0.05  # a queue left with batches may still be flushing: wait this long for one more
 
 
 class WorkerPool:
@@ -192,13 +190,7 @@ class WorkerPool:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
         not find them, and their slots go back to the feeder."""
         for q in self.data_queues:
-            wait = 0.0  # a fit that ended at an epoch's end left nothing: it costs no wait
-            while True:
-                try:
-                    item = q.get(timeout=wait) if wait else q.get_nowait()
-                except queue.Empty:
-                    break
-                wait = _DRAIN_S
+            for item in drain(q, settle=False):
                 if item is not None:
                     self._free_slots.put(item[1][0])
 
