@@ -8,6 +8,8 @@ the user's model: a fit() starts every worker from the wrapper's state and ends 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .batches import to_cpu
@@ -28,11 +30,11 @@ class Parts:
         self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trainable)
 
     def state(self) -> TrainingState:
-        """Every part's state, on the CPU."""
+        """Every part's state, on the CPU: a copy, which training the parts does not change."""
         return TrainingState(
             to_cpu(self.model.state_dict()),
             to_cpu(self.optimizer.state_dict()),
-            None if self.schedule is None else self.schedule.state_dict(),
+            None if self.schedule is None else copy.deepcopy(self.schedule.state_dict()),  # lists the scheduler keeps
             None if self.outer is None else to_cpu(self.outer.state_dict()),
         )
 

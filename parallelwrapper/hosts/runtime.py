@@ -93,7 +93,7 @@ class Worker:
     def keep(self) -> None:
         """Keep a copy of the state the round now starting begins from: the last average."""
         r = self.replica
-        self.kept = Kept(copy.deepcopy(r.state_dicts()), dataclasses.replace(r.counters), r.rounds.seq, r.own_state())
+        self.kept = Kept(r.state_dicts(), dataclasses.replace(r.counters), r.rounds.seq, r.own_state())
 
     def redo(self, kept: Kept, until_epoch: int, own: dict[str, Any] | None) -> FitCommand:
         """The fit that redoes round `kept.seq` from `kept` (a survivor's copy), with this worker's
