@@ -44,7 +44,7 @@ class Supervisor:
     def next(self, stage: str) -> tuple[str, int, Any] | None:
         """The next message, or None after a short poll."""
         try:
-            message = self._held.pop(0) if self._held else self._results.get(timeout=_POLL_S)
+            message = self._take()
         except queue.Empty:
             self._raise_if_dead(stage)
             self._raise_if_stalled()
@@ -53,6 +53,11 @@ class Supervisor:
         if kind == "error":
             self._raise_root_cause(payload)
         return kind, rank, payload
+
+    def _take(self) -> tuple[str, int, Any]:
+        """A message held back while waiting for errors, else the next one (queue.Empty after a poll)."""
+        message: tuple[str, int, Any] = self._held.pop(0) if self._held else self._results.get(timeout=_POLL_S)
+        return message
 
     def _raise_if_dead(self, stage: str) -> None:
         for rank, p in enumerate(self._processes):
@@ -123,7 +128,7 @@ class Supervisor:
         deadline = time.monotonic() + timeout_s
         while len(got) < len(ranks):
             try:
-                message = self._held.pop(0) if self._held else self._results.get(timeout=_POLL_S)
+                message = self._take()
             except queue.Empty:
                 for rank in ranks - got.keys():
                     if self._processes[rank].exitcode is not None:
