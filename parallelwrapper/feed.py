@@ -275,10 +275,13 @@ class ShardSource:
         return self._sampler is not None or index % self._world == self._rank
 
     def _shard(self, skip: int) -> Iterator[tuple[int, Any]]:
+        """This rank's batches of an epoch, each with its index in the epoch of all ranks: a
+        presharded loader's i-th batch is the epoch's batch i·world_size + rank, as dealt."""
         count = 0
         try:
-            for index, batch in enumerate(self._make_epoch()):
+            for local, batch in enumerate(self._make_epoch()):
                 count += 1
+                index = local if self._sampler is None else local * self._world + self._rank
                 if index >= skip and self._mine(index):
                     yield index, batch
         except Exception as e:

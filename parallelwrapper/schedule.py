@@ -1,17 +1,20 @@
-"""Learning-rate schedules in lockstep: every worker's scheduler is stepped by one counter that all
-workers agree on, at the moments when they all hold the same state.
+"""Learning-rate schedules in lockstep: every worker's scheduler follows one step count that all
+workers agree on, and a per-step schedule moves at every local step, as in a one-process loop.
 
 The rule (README, "Learning-rate schedules"):
-- interval "epoch": the counter is the number of completed epochs; the scheduler steps at each
+- interval "epoch": the count is the number of completed epochs; the scheduler steps at each
   epoch's end, as in pytorch/examples.
-- interval "step": the counter is ceil(I / N), where I is the number of batches that all N workers
-  trained in the rounds that have landed, over the wrapper's life: the steps each of N synchronous
-  (DDP) ranks would have taken for those batches. An end-of-epoch round with fewer batches counts
-  for fewer steps. After each landed round the scheduler steps until it reaches the counter, so
-  the learning rate of a local step is the schedule at the counter of every round landed before
-  it: constant within a round of k steps, exact per step with k = 1 and in SHARED_GRADIENTS (where
-  every round is one step of N batches). With overlap_averaging the round in flight is not counted
-  until it lands.
+- interval "step": the count is the global step, DDP's: the batches of an epoch are steps
+  s + i // N, s the count when the epoch began and i a batch's index in it, the step that each
+  of N synchronous ranks takes on it. A worker's scheduler goes to a batch's step before the
+  optimizer steps on it (rounds/driver.py says which step that is), so with k local steps a
+  round, local step j of round r runs at r·k + j, and a batch runs at the same learning rate
+  whichever worker takes it (first-come, a faster worker takes more of a round's N·k batches
+  and goes further through the round's steps). When a round lands, every worker's scheduler
+  goes on to ceil(I / N), I the batches of every landed round: all workers agree after every
+  round, and an end-of-epoch round with fewer batches counts for the steps its batches make. No
+  batch is past that count, so a scheduler never steps beyond the run's total (a OneCycleLR
+  refuses to), and never has to go back.
 - ReduceLROnPlateau steps on a metric instead: `monitor` of each validation, or, without
   validation data, the averaged score of each epoch ("epoch") or of each round ("step").
 
@@ -40,24 +43,28 @@ class Schedule:
     def __init__(self, scheduler: Scheduler, interval: str, monitor: str | None, world_size: int) -> None:
         self.scheduler, self.interval, self.world_size = scheduler, interval, world_size
         self.monitor = monitor
-        self.steps = 0  # scheduler steps taken by the counter (a plateau: by metrics)
+        self.steps = 0  # scheduler steps taken: the global step (per step), epochs, or metrics (a plateau)
 
     @property
     def plateau(self) -> bool:
         return isinstance(self.scheduler, Plateau)
 
     def target(self, counters: Counters) -> int:
-        """The counter the scheduler must have reached once these counters' rounds have landed."""
+        """The count the scheduler must have reached once these counters' rounds have landed."""
         if self.interval == "epoch":
             return counters.epoch
         return math.ceil(counters.iterations / self.world_size)
 
+    def at_step(self, step: int) -> None:
+        """Before an optimizer step at global step `step`: a per-step scheduler goes on to it."""
+        if self.interval == "step" and not self.plateau:
+            self._go_to(step)
+
     def landed(self, counters: Counters, score: float, epoch_done: bool, validates: bool) -> None:
-        """After a landed round: step to the counter; a plateau without validation data steps on
-        the averaged score (the epoch's at its end with interval "epoch", else the round's)."""
+        """After a landed round: go on to the agreed count; a plateau without validation data steps
+        on the averaged score (the epoch's at its end with interval "epoch", else the round's)."""
         if not self.plateau:
-            while self.steps < self.target(counters):
-                self._step()
+            self._go_to(self.target(counters))
         elif not validates and (epoch_done or self.interval == "step") and math.isfinite(score):
             self._step(score)
 
@@ -68,6 +75,10 @@ class Schedule:
             if name not in metrics:
                 raise KeyError(f"ReduceLROnPlateau monitors {name!r}, but validation reports only {sorted(metrics)}")
             self._step(metrics[name])
+
+    def _go_to(self, count: int) -> None:
+        while self.steps < count:
+            self._step()
 
     def _step(self, metric: float = math.nan) -> None:
         # A worker that took no step yet (its round was empty) steps by the agreed counter all the

@@ -156,9 +156,10 @@ class Hooks:
         """True when the host wants training to stop after the current round."""
         return False
 
-    def taking(self, tag: int) -> None:
-        """The next batch (or end of epoch) is taken for round `tag`, counted over the wrapper's
-        life: a host that can feed a lost round again records it (hosts/ledger.py)."""
+    def took_ahead(self, tag: int) -> None:
+        """The batch just taken is held for a later round, `tag` (rounds are counted over the
+        wrapper's life; a take is for the round in progress otherwise): a host that can feed a
+        lost round again records it (hosts/ledger.py)."""
 
     def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
         """Round `tag` of `epoch` starts, from the last average; `finished`: this worker has had

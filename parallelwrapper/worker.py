@@ -19,7 +19,7 @@ from .checkpoint import rng_state
 from .config import Config, Job, NanPolicy
 from .evaluation import classification_metrics, metric_sums
 from .feed import rank_share
-from .rounds import Budget, Node, Rounds
+from .rounds import Node, Rounds
 from .parts import Parts
 from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, TrainingState, Where
 
@@ -38,7 +38,6 @@ class Replica:
         *,
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
-        budget: Budget | None = None,
         node: Node | None = None,
     ) -> None:
         self.parts = Parts(model, job, world_size)  # its optimizer, schedule and outer optimizer
@@ -53,7 +52,7 @@ class Replica:
         self._best: TrainingState | None = None  # EarlyStopping(restore_best)
         # With a hierarchy the rounds run across nodes, one rank of each node in `group`.
         across = 1 if node is None else node.size
-        self.rounds = Rounds(self, config, device, rank // across, world_size // across, group=group, hooks=self.hooks, budget=budget, node=node)
+        self.rounds = Rounds(self, config, device, rank // across, world_size // across, group=group, hooks=self.hooks, node=node)
 
     @property
     def counters(self) -> Counters:
@@ -142,6 +141,11 @@ class Replica:
         """The model holds this round's average: the outer optimizer, if any, steps from it."""
         if self.parts.outer is not None:
             self.parts.outer.step()
+
+    def at_step(self, step: int) -> None:
+        """The next optimizer step is global step `step`: a per-step schedule goes on to it."""
+        if self.schedule is not None:
+            self.schedule.at_step(step)
 
     def landed(self, counters: Counters, score: float, epoch_done: bool) -> None:
         """A round has landed (every worker agrees on `counters` and `score`): the schedule catches up."""

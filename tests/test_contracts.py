@@ -1,12 +1,10 @@
 """Module contracts that need no process (the fast tier): the averaging algebra over a fake
-two-worker all-reduce, the header's encoding, the round budget, the score windows, the
-checkpoint format, the shape of a WorkerError, and where a worker puts its state. The same
-contracts run with real processes and real gloo in test_round_protocol.py and test_faults.py."""
+two-worker all-reduce, the header's encoding, the score windows, the checkpoint format, the
+shape of a WorkerError, and where a worker puts its state. The same contracts run with real processes and real gloo in test_round_protocol.py and test_faults.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import pickle
 import warnings
 from pathlib import Path
@@ -22,7 +20,7 @@ from parallelwrapper.averaging import DeltaAverager, FlatAverager
 from parallelwrapper.config import Config, Job
 from parallelwrapper.env import Placement
 from parallelwrapper.hosts.runtime import Worker
-from parallelwrapper.rounds import HEADER_LEN, RoundBudget, RoundTotals, make_header, read_header
+from parallelwrapper.rounds import HEADER_LEN, RoundTotals, make_header, read_header
 from parallelwrapper.rounds.scores import ScoreBook
 from parallelwrapper.types import Counters, EpochReport, RoundReport, TrainingState, Where, WorkerError
 
@@ -140,18 +138,6 @@ def test_header_round_trip_and_layout_agreement() -> None:
     assert not read_header([a + b for a, b in zip(headers[0], stale)], 0xBEEF, 2).layouts_agree
     nobody = read_header(make_header(samples=0, loss_sum=0.0, batches=0, finished=True, skipped=False, layout=0), 0, 1)
     assert nobody.samples == 0 and nobody.score != nobody.score  # NaN: nobody trained
-
-
-def test_round_budget_counts_each_round_of_its_ring_apart() -> None:
-    budget = RoundBudget(multiprocessing.get_context("spawn"), batches_per_round=2)
-    assert [budget.take(0) for _ in range(3)] == [True, True, False]
-    assert budget.take(1) and budget.take(5) and not budget.take(1)  # 5 ≡ 1 in a ring of 4
-    budget.untake(0)
-    assert budget.take(0) and not budget.take(0)
-    budget.landed(0)
-    assert budget.take(4) and budget.take(4) and not budget.take(4)  # round 4 reuses round 0's slot
-    budget.clear()
-    assert budget.take(1)
 
 
 def totals(samples: float, loss_sum: float, skipped: int = 0) -> RoundTotals:

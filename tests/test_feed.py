@@ -37,7 +37,9 @@ def test_distributed_sampler_is_not_sharded_twice_and_gets_the_epoch() -> None:
     sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=2, sampler=sampler)
     source = ShardSource(loader, 1, 2, epoch=3)
-    first = [int(v) for _, (b,) in drain(source) for v in b]
+    taken = drain(source)
+    assert [i for i, _ in taken] == [1, 3, 5, 7, 9]  # indices in the epoch of both ranks, as dealt
+    first = [int(v) for _, (b,) in taken for v in b]
     second = [int(v) for _, (b,) in drain(source) for v in b]
     assert len(first) == len(second) == 10  # all of this rank's half, not a quarter
     sampler.set_epoch(3)

@@ -35,7 +35,7 @@ def _rounds_with_outer(rank: int, world: int, which: int) -> dict[str, Any]:
     model = bn_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTERS[which]))
     replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
-    replica.fit(1, ListSource(batches(rank, SIZES)), lambda r: None)
+    replica.fit(1, ListSource(batches(rank, SIZES), rank, world), lambda r: None)
     assert replica.parts.outer is not None
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "outer": replica.parts.outer.state_dict()}
 

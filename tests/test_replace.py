@@ -177,8 +177,8 @@ def test_the_ledger_frees_landed_rounds_and_keeps_the_round_taken_ahead_and_the_
     ledger.cut(1, 0, finished=False)
     for slot in (10, 11):
         ledger.take(slot)
-    ledger.tag = 2  # the batch looked ahead at, for round 2
     ledger.take(12)
+    ledger.retag_last(2)  # the batch looked ahead at, for round 2
     assert ledger.cut(2, 0, finished=False) == [10, 11]
     ledger.take(END_SLOT)
     assert ledger.entries() == [Entry(2, 12, 0), Entry(2, END_SLOT, 0)]

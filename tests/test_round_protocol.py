@@ -30,8 +30,11 @@ CPU = torch.device("cpu")
 
 
 class ListSource:
-    def __init__(self, batches: list[Any]) -> None:
-        self._items = list(enumerate(batches))
+    """Rank `rank`'s shard of an epoch, as the deterministic feed deals it: its i-th batch is the
+    epoch's batch i·world + rank (rounds are cut by those indices)."""
+
+    def __init__(self, batches: list[Any], rank: int = 0, world: int = 1) -> None:
+        self._items = [(i * world + rank, batch) for i, batch in enumerate(batches)]
 
     def next_batch(self) -> Any:
         return self._items.pop(0) if self._items else END
@@ -70,7 +73,7 @@ def _one_round(rank: int, world: int, k: int, sizes: dict[int, list[int]]) -> li
         model = bn_model()
         job = Job(model, cls, kwargs, nn.functional.cross_entropy, None)
         replica = Replica(model, job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
-        replica.fit(1, ListSource(batches(rank, sizes[rank])), lambda r: None)
+        replica.fit(1, ListSource(batches(rank, sizes[rank]), rank, world), lambda r: None)
         out.append(flat_state(replica.model, replica.optimizer))
     return out
 
@@ -228,7 +231,7 @@ def _rounds(rank: int, world: int, k: int, epochs: int) -> dict[str, Any]:
     job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None)
     replica = Replica(model, job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
     with counting_all_reduce() as sent:
-        replica.fit(epochs, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)
+        replica.fit(epochs, ListSource(batches(rank, ROUNDS_SIZES[rank]), rank, world), lambda r: None)
     owns_storage = all(
         t.untyped_storage().nbytes() == t.numel() * t.element_size()
         for t in list(model.parameters()) + [s["momentum_buffer"] for s in replica.optimizer.state.values()]
@@ -312,7 +315,7 @@ def _overlapped(rank: int, world: int, k: int, momentum: float) -> dict[str, Any
     config = Config(workers=world, averaging_frequency=k, overlap_averaging=True)
     replica = Replica(model, job, config, CPU, rank, world)
     reports: list[Any] = []
-    replica.fit(1, ListSource(batches(rank, OVERLAP_SIZES[rank])), reports.append)
+    replica.fit(1, ListSource(batches(rank, OVERLAP_SIZES[rank]), rank, world), reports.append)
     return {"state": flat_state(replica.model, replica.optimizer), "rounds": replica.counters.rounds, "reports": reports}
 
 
@@ -382,7 +385,7 @@ def _frozen(rank: int, world: int) -> dict[str, Any]:
     job = Job(model, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, nn.functional.cross_entropy, None)
     replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
     with counting_all_reduce() as sent:
-        replica.fit(1, ListSource(batches(rank, ROUNDS_SIZES[rank])), lambda r: None)  # uneven rounds
+        replica.fit(1, ListSource(batches(rank, ROUNDS_SIZES[rank]), rank, world), lambda r: None)  # uneven rounds
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "sent": sent}
 
 

@@ -37,7 +37,7 @@ class Ledger:
     def __init__(self, ctx: Any, capacity: int) -> None:
         self._array = ctx.Array("q", 1 + capacity * _FIELDS, lock=False)
         self._capacity = capacity
-        self.tag = 0  # the round the next take is for (worker side)
+        self.tag = 0  # the round in progress, which a take is for unless retagged (worker side)
         self.epoch = 0
 
     # -- in the worker ---------------------------------------------------------------------------
@@ -49,6 +49,12 @@ class Ledger:
         o = 1 + n * _FIELDS
         self._array[o : o + _FIELDS] = [self.tag, slot, self.epoch]
         self._array[0] = n + 1
+
+    def retag_last(self, tag: int) -> None:
+        """The last take is for round `tag`, a later one than the round in progress."""
+        n = int(self._array[0])
+        assert n > 0, "retag_last without a take"
+        self._array[1 + (n - 1) * _FIELDS] = tag
 
     def cut(self, tag: int, epoch: int, finished: bool) -> list[int]:
         """Round `tag` of `epoch` starts: drop the entries of landed rounds (and the ends of past

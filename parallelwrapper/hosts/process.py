@@ -21,7 +21,6 @@ from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
 from ..feed import QueueSource
-from ..rounds import RoundBudget
 from ..slots import SlotReader
 from ..types import EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger
@@ -48,9 +47,9 @@ class _SpawnedHooks(Hooks):
     def stop_requested(self) -> bool:
         return bool(self._stop.is_set())
 
-    def taking(self, tag: int) -> None:
+    def took_ahead(self, tag: int) -> None:
         if self.keeper is not None:
-            self.keeper.taking(tag)
+            self.keeper.took_ahead(tag)
 
     def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
         if self.keeper is not None:
@@ -67,7 +66,6 @@ class Channels:
     results: Any
     stop: Any  # Ctrl-C: finish the round, checkpoint, stop
     board: ProgressBoard
-    budget: RoundBudget | None
     abort: Any  # a peer failed: leave the wait for a batch
     ledgers: list[Ledger] | None  # with on_worker_failure("replace"): rank r's is ledgers[r]
 
@@ -95,7 +93,7 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
         join(generation)
         job: Job = pickle.loads(_get(c.commands, parent_pid))
         hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
-        worker = Worker(job, config, placement, rank, rank, hooks=hooks, budget=c.budget)
+        worker = Worker(job, config, placement, rank, rank, hooks=hooks)
         ledger = None if c.ledgers is None else c.ledgers[rank]
         source = QueueSource(c.data[rank % len(c.data)], SlotReader(c.free_slots), parent_pid, c.abort, ledger)
         keeper = hooks.keeper = None if ledger is None else Keeper(worker, source, ledger)

@@ -44,8 +44,8 @@ class Keeper:
     def __init__(self, worker: Worker, source: QueueSource, ledger: Ledger) -> None:
         self.worker, self.source, self.ledger = worker, source, ledger
 
-    def taking(self, tag: int) -> None:
-        self.ledger.tag = tag
+    def took_ahead(self, tag: int) -> None:
+        self.ledger.retag_last(tag)
 
     def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
         self.source.release(self.ledger.cut(tag, epoch, finished))

@@ -33,7 +33,7 @@ from ..checkpoint import rng_state, set_rng_state
 from ..config import Config, Job
 from ..env import Placement
 from ..feed import FeedError
-from ..rounds import Budget, Node
+from ..rounds import Node
 from ..types import BatchSource, Counters, FitCommand, Hooks, Reporter, Stopped, TrainingError, TrainingState, WorkerError
 from ..worker import Replica
 
@@ -75,7 +75,6 @@ class Worker:
         *,
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
-        budget: Budget | None = None,
         node: Node | None = None,
     ) -> None:
         self.rank, self._threads = rank, placement.threads
@@ -83,7 +82,7 @@ class Worker:
         model = copy.deepcopy(job.model).to(device)
         self.replica = Replica(
             model, job, config, device, rank, placement.world_size,
-            group=group, hooks=hooks, budget=budget, node=node,
+            group=group, hooks=hooks, node=node,
         )  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + rank)

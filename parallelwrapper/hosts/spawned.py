@@ -20,7 +20,6 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, Feeder, drain
-from ..rounds import RoundBudget
 from ..slots import SlotWriter
 from ..types import FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
 from .ledger import Ledger
@@ -56,22 +55,19 @@ class WorkerPool:
         else:
             self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
         replaces = config.on_worker_failure == "replace"
-        # A replaceable worker keeps a round's slots until it lands (ledger.py): each may hold a
-        # round's batches, the one taken ahead and an end of epoch, beyond the prefetched ones.
-        held = config.averaging_frequency + 2
+        # A replaceable worker keeps a round's slots until it lands (ledger.py): all together they
+        # hold the round's N·k batches and one taken ahead each, beyond the prefetched ones. One
+        # worker may take all of a round (first-come), then one ahead and an end of epoch.
+        k = config.averaging_frequency
         self._free_slots = ctx.Queue()
-        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (n * held if replaces else 0))
-        self._ledgers = [Ledger(ctx, held + 1) for _ in range(n)] if replaces else None
+        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (n * (k + 1) if replaces else 0))
+        self._ledgers = [Ledger(ctx, (k if config.deterministic else n * k) + 2) for _ in range(n)] if replaces else None
         self._recovery = Recovery(config.max_replacements) if replaces else None
         self._generation = 0
         self._results = ctx.Queue()
         self._stop = ctx.Event()
         self._abort = ctx.Event()
         self._board = ProgressBoard(ctx, n)
-        # First-come rounds of N·k batches in all only where a worker does not wait for the others
-        # at each round's end anyway, and batches are not dealt by number.
-        first_come = config.overlap_averaging and not config.deterministic
-        self._budget = RoundBudget(ctx, n * config.averaging_frequency) if first_come else None
         self._processes: list[Any] = [None] * n
         self._commands: list[Any] = [None] * n
         # A replacement takes a standby process, spawned ahead: importing torch takes seconds.
@@ -91,7 +87,7 @@ class WorkerPool:
         """Start the worker of `rank`, or a standby (None), with a command queue of its own."""
         commands = self._ctx.Queue()
         channels = Channels(
-            self.data_queues, self._free_slots, commands, self._results, self._stop, self._board, self._budget,
+            self.data_queues, self._free_slots, commands, self._results, self._stop, self._board,
             self._abort, self._ledgers,
         )  # fmt: skip
         process = self._ctx.Process(
@@ -125,8 +121,6 @@ class WorkerPool:
         With on_worker_failure("replace"), a worker's failure replaces it (recovery.py).
         """
         self._stop.clear()
-        if self._budget is not None:
-            self._budget.clear()
         c = command.counters
         feeder = Feeder(data, c.epoch, command.until_epoch, c.position, self.data_queues, len(self._processes), self.slots)
         for q in self._commands:

@@ -2,9 +2,11 @@
 header, when the epoch ends, when to checkpoint and stop, and what the score reports say.
 
 A round, in both modes:
-    local work   AVERAGING: up to k steps (with a budget: what the round has left); SHARED_GRADIENTS:
-                 one forward/backward; then a look at the next batch, so that the round which
-                 trains a worker's last batch already says it finished
+    batches      the epoch's next N·k by index (SHARED_GRADIENTS: N), so every run splits an epoch
+                 into the same rounds; a batch past the round's end is held for its round, so the
+                 round which trains a worker's last batch already says it finished
+    local work   AVERAGING: a step on each of this worker's batches of the round (k each when
+                 dealt, first-come otherwise); SHARED_GRADIENTS: one forward/backward
     payload      AVERAGING: params | buffers | optimizer state; SHARED_GRADIENTS: grads | buffers;
                  one all-reduce per dtype, the header in the first buffer's trailer
     bookkeeping  counters, score report, checkpoint (rank 0 writes), stop
@@ -17,18 +19,17 @@ first round of a fit() sends the header alone (ref is unknown) and builds the bu
 With overlap_averaging (AVERAGING only), a round's payload goes out without waiting and lands after
 the next round's steps, which are kept on top of the average (driver.py, `Rounds._overlapped_epoch`).
 
-Its parts: the header every worker sends with its state (header.py), what the state is
-(state.py), the budget of a first-come round (budget.py), the score windows and validation
-(scores.py), what a round asks of a worker (trainer.py), a node's lockstep steps under a
+Its parts: which batches a round trains and their global steps (cut.py), the header every
+worker sends with its state (header.py), what the state is (state.py), the score windows and
+validation (scores.py), what a round asks of a worker (trainer.py), a node's lockstep steps under a
 hierarchy (node.py), and the synchronous and overlapped drivers that run the rounds (driver.py).
 """
 
 from __future__ import annotations
 
-from .budget import Budget, RoundBudget
 from .driver import Rounds
 from .trainer import Trainer
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
 from .node import Node
 
-__all__ = ["HEADER_LEN", "Budget", "Node", "RoundBudget", "RoundTotals", "Rounds", "Trainer", "make_header", "read_header"]
+__all__ = ["HEADER_LEN", "Node", "RoundTotals", "Rounds", "Trainer", "make_header", "read_header"]

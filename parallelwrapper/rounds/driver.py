@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from ..averaging import DeltaAverager, FlatAverager, Shards, agree_on_optimizer_layout, all_reduce_values
 from ..config import Config, TrainingMode
-from ..types import END, BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
-from .budget import Budget
+from ..types import BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
+from .cut import RoundCut
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
 from .node import Node, NodeSteps
 from .state import averaged_tensors, gradient_tensors, state_layout
@@ -51,7 +51,6 @@ class _InFlight:
     weight: float  # this worker's weight in the payload
     skipped: bool  # this worker's contribution was dropped: its state is not worth keeping
     local_steps: int  # Trainer.local_steps at the launch
-    round_index: int
 
 
 class Rounds:
@@ -67,10 +66,9 @@ class Rounds:
         *,
         group: dist.ProcessGroup | None,
         hooks: Hooks,
-        budget: Budget | None = None,
         node: Node | None = None,
     ) -> None:
-        self.trainer, self.config, self.device, self.hooks, self.budget = trainer, config, device, hooks, budget
+        self.trainer, self.config, self.device, self.hooks = trainer, config, device, hooks
         self.rank, self.world_size, self.group = rank, world_size, group  # with a node: one rank per node
         self._node = None if node is None else NodeSteps(node, trainer, device)
         self._shards = None if node is None else Shards(node.group, node.size, node.index)  # the state, across nodes
@@ -82,11 +80,8 @@ class Rounds:
         self._delta: DeltaAverager | None = None  # overlap_averaging's buffers ...
         self._delta_layout = 0  # ... and their layout
         self._reference = 0.0  # Σw of the last round that trained, the same on every worker
-        self._round = 0  # rounds launched in this fit(), the same count on every worker
         self.seq = 0  # rounds started over this worker's life, the same on every worker: Hooks' tags
-        self._finished = False
-        self._ahead: tuple[int, Any] | None = None  # a batch taken, not yet trained
-        self._source: BatchSource | None = None
+        self._cut = RoundCut(world_size * (1 if node is None else node.size))  # which batches each round trains, and their steps
 
     @property
     def _averaging(self) -> bool:
@@ -101,7 +96,7 @@ class Rounds:
 
     def run(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
-        self._source, self._ahead, self._round = source, None, 0  # a batch looked ahead at before a stop is not trained
+        self._cut.fit_starts(source)
         try:
             while self.counters.epoch < until_epoch:
                 self._epoch(report)
@@ -119,7 +114,7 @@ class Rounds:
         # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
         every = 1 if self._averaging else self.config.averaging_frequency
         book = ScoreBook(report, every, self.config.report_score_after_averaging)
-        self._finished = False
+        self._cut.epoch_starts(self.counters)
         if self.config.overlap_averaging:
             self._overlapped_epoch(book)
             return
@@ -133,36 +128,26 @@ class Rounds:
 
     # -- local work ------------------------------------------------------------------------------
 
-    def _next(self, round_index: int) -> tuple[int, Any] | None:
-        """The next batch, or None at this worker's end of the epoch or, with a budget, when
-        round `round_index` has all its batches. A batch is counted against the round it is
-        taken for (a batch looked ahead at, against the next); the end of the epoch is not, or
-        the next epoch's first round would have a batch less."""
-        if self._ahead is not None:
-            ahead, self._ahead = self._ahead, None
-            return ahead
-        if self._finished or (self.budget is not None and not self.budget.take(round_index)):
-            return None
-        assert self._source is not None
-        self.hooks.progress(Phase.WAITING, self.counters.epoch, -1, self.trainer.local_steps)
-        self.hooks.taking(self.seq + round_index - self._round)
-        item = self._source.next_batch()
-        if item is END:
-            self._finished = True
-            if self.budget is not None:
-                self.budget.untake(round_index)
-            return None
-        assert isinstance(item, tuple)
-        return item
+    def _next(self) -> tuple[int, Any] | None:
+        """The round's next batch for this worker (cut.py), or None."""
+
+        def waiting() -> None:
+            self.hooks.progress(Phase.WAITING, self.counters.epoch, -1, self.trainer.local_steps)
+
+        return self._cut.next(waiting, lambda later: self.hooks.took_ahead(self.seq + later))
+
+    def _batches_per_round(self) -> int:
+        """AVERAGING: k for every rank; SHARED_GRADIENTS (and a warm-up): one each."""
+        return self._cut.ranks * (self.config.averaging_frequency if self._averaging else 1)
 
     def _local_work(self) -> _Work:
-        """AVERAGING: up to k independent steps (with a budget: what the round has left).
-        SHARED_GRADIENTS: one forward/backward; the step waits for the averaged gradients.
-        Then look one batch ahead, so that the round that trains a worker's last batch already
-        says it finished: the epoch ends with that round, not one more round of zeros."""
+        """AVERAGING: an independent step on each of this worker's batches of the round (k, or
+        with the first-come feed as many as it takes first). SHARED_GRADIENTS: one
+        forward/backward; the step waits for the averaged gradients."""
         epoch, trainer = self.counters.epoch, self.trainer
         self.seq += 1
-        self.hooks.round_starts(self.seq, epoch, self._finished)
+        self._cut.round_starts(self._batches_per_round())
+        self.hooks.round_starts(self.seq, epoch, self._cut.finished)
         work = _Work(first_step=trainer.local_steps)
         if self._averaging and self._gradients_in_payload:  # the warm-up is over: seamlessly, at a round's start
             assert self._payload is not None
@@ -171,31 +156,31 @@ class Rounds:
         if self._averaging and self._node is not None:
             return self._node_work(work)
         if self._averaging:
-            most = self.config.averaging_frequency if self.budget is None else math.inf
-            step = trainer.train_step
+            most, step = math.inf, trainer.train_step
         else:
             self._gradient_payload()  # allocates zero gradients before the first backward
             trainer.optimizer.zero_grad(set_to_none=False)
             most, step = 1, trainer.accumulate
         while len(work.losses) < most:
-            item = self._next(self._round)
+            item = self._next()
             if item is None:
                 break
+            if self._averaging:
+                trainer.at_step(self._cut.step_of(item[0]))
             loss, n = step(epoch, *item)
             work.losses.append(loss)
             work.samples, work.batches = work.samples + n, work.batches + 1
-        if work.losses:
-            self._ahead = self._next(self._round + 1)
         work.loss_sum, work.skipped = trainer.checked_loss(work.losses, work.first_step, epoch)
-        work.finished = self._finished
+        work.finished = self._cut.finished
         self.hooks.progress(Phase.AVERAGING, epoch, -1, trainer.local_steps)
         return work
 
     def _node_work(self, work: _Work) -> _Work:
         """With a hierarchy: k lockstep steps with the node's other ranks (node.py); the work is
-        the node's. No look-ahead: the round after a node's last batch finds it finished."""
+        the node's. The round after a node's last batch finds it finished."""
         assert self._node is not None
-        node = self._node.run(self.config.averaging_frequency, self.counters.epoch, lambda: self._next(self._round), lambda: self._finished)
+        first = self._cut.step_of(self._cut.start)
+        node = self._node.run(self.config.averaging_frequency, first, self.counters.epoch, self._next, lambda: self._cut.finished)
         work.samples, work.batches, work.finished = node.samples, node.batches, node.finished
         loss = [torch.tensor(node.loss_sum)] if node.batches else []
         work.loss_sum, work.skipped = self.trainer.checked_loss(loss, work.first_step, self.counters.epoch)
@@ -271,8 +256,9 @@ class Rounds:
             return totals
         if payload is not None:
             payload.apply(reference / totals.samples)
-        if not self._averaging:
-            self.trainer.step()  # the same averaged gradients on every worker
+        if not self._averaging:  # the same averaged gradients on every worker, at the same step
+            self.trainer.at_step(self._cut.step_of(self._cut.start))
+            self.trainer.step()
         else:
             if payload is None or not totals.layouts_agree:
                 self._average_anew(work.weight / totals.samples, agree=not totals.layouts_agree)
@@ -320,8 +306,7 @@ class Rounds:
         assert self._delta is not None
         header, layout = self._header(work, self._delta_layout)
         self._delta.launch(work.weight, header, self.group)
-        self._round += 1
-        return _InFlight(layout, work.weight, work.skipped, self.trainer.local_steps, self._round - 1)
+        return _InFlight(layout, work.weight, work.skipped, self.trainer.local_steps)
 
     def _land(self, in_flight: _InFlight, skipped_since: bool) -> RoundTotals:
         """Wait for a launched round and move the state by its average (DeltaAverager.land).
@@ -332,8 +317,6 @@ class Rounds:
         """
         assert self._delta is not None
         totals = read_header(self._delta.wait(), in_flight.layout, self.world_size)
-        if self.budget is not None:
-            self.budget.landed(in_flight.round_index)
         self._check_diverged(totals)
         worthless = in_flight.skipped or skipped_since
         self._delta.land(totals.samples, adopt=worthless or self.trainer.local_steps == in_flight.local_steps)

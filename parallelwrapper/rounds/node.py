@@ -62,11 +62,11 @@ class NodeSteps:
             self._payload.release()
             self._payload = None
 
-    def run(self, steps: int, epoch: int, next_batch: Callable[[], tuple[int, Any] | None], finished: Callable[[], bool]) -> NodeWork:
-        """Up to `steps` lockstep steps; the node's work."""
+    def run(self, steps: int, first_step: int, epoch: int, next_batch: Callable[[], tuple[int, Any] | None], finished: Callable[[], bool]) -> NodeWork:
+        """Up to `steps` lockstep steps, global steps `first_step` on; the node's work."""
         work = NodeWork()
         payload = self._gradients()
-        for _ in range(steps):
+        for j in range(steps):
             item = next_batch()
             self.trainer.optimizer.zero_grad(set_to_none=False)  # zeros in the payload's buffer
             loss, n = self.trainer.accumulate(epoch, *item) if item is not None else (None, 0)
@@ -78,6 +78,7 @@ class NodeSteps:
                 work.finished = True
                 break
             payload.apply(1.0 / samples)
+            self.trainer.at_step(first_step + j)  # every rank of the node, with a batch or without
             self.trainer.step()
             work.samples, work.loss_sum, work.batches = work.samples + int(samples), work.loss_sum + loss_sum, work.batches + int(batches)
         return work

@@ -42,6 +42,9 @@ class Trainer(Protocol):
     def averaged(self) -> None:
         """AVERAGING: the model holds the round's average (the outer optimizer steps from it)."""
 
+    def at_step(self, step: int) -> None:
+        """The next optimizer step is global step `step` (a per-step schedule goes on to it)."""
+
     def landed(self, counters: Counters, score: float, epoch_done: bool) -> None:
         """A round has landed: `counters` and `score` are the same on every worker."""
 

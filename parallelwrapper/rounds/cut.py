@@ -1,0 +1,79 @@
+"""Which of an epoch's batches a round trains, and the global step of each.
+
+A round is the epoch's batches with indices in [start, start + N·k) (SHARED_GRADIENTS: N), its
+start the last round's end, so every run, with either feed, cuts an epoch into the same rounds:
+N·k·m batches are m rounds. A worker takes batches until the one that comes is past the round's
+end; that one it holds for its round. So the round that trains a worker's last batch has seen
+its end of the epoch, and the epoch ends with it, not one more round of zeros. Dealt, each
+worker has its k of a round; from the first-come queue, which gives batches in index order, a
+faster worker takes more. (Stopping after k and then looking one batch ahead, as before, took
+at an epoch's end a batch that another worker still needed: 256 batches at k = 32 on 2 workers
+ended in five rounds, the last of one batch.)
+
+The global step is DDP's: the epoch's batch i is step s + (i − p) // N, where s is the step
+count ⌈I / N⌉ when the epoch began (I: the batches of every landed round, over the wrapper's
+life) and p the epoch's first index (a resumed epoch starts past 0). A per-step schedule runs
+each batch at its step (schedule.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ..types import END, BatchSource, Counters
+
+
+class RoundCut:
+    """One worker's view of the epoch's batches, round by round."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks  # every rank that takes batches (with a hierarchy: of every node)
+        self.start = self.end = 0  # the round being trained: the epoch's batches [start, end)
+        self.finished = False  # this worker has had its end of the epoch
+        self._first = (0, 0)  # (the global step, the index) of the epoch's first batch
+        self._held: tuple[int, Any] | None = None  # a batch taken for a later round
+        self._source: BatchSource | None = None
+
+    def fit_starts(self, source: BatchSource) -> None:
+        """A batch held before a stop is not trained: the next fit() starts afresh."""
+        self._source, self._held = source, None
+
+    def epoch_starts(self, counters: Counters) -> None:
+        self.finished, self.end = False, counters.position
+        self._first = (math.ceil(counters.iterations / self.ranks), counters.position)
+
+    def round_starts(self, batches: int) -> None:
+        self.start, self.end = self.end, self.end + batches
+
+    def step_of(self, index: int) -> int:
+        step, first = self._first
+        return step + (index - first) // self.ranks
+
+    def next(self, waiting: Callable[[], None], held_for: Callable[[int], None]) -> tuple[int, Any] | None:
+        """The round's next batch for this worker, or None: at its end of the epoch, or when the
+        batch that came is past the round's end. `waiting` is called before a wait for the
+        feed; `held_for(rounds)` when a batch is held for the round `rounds` after this one."""
+        if self._held is not None:
+            if self._held[0] >= self.end:
+                return None  # still a later round's
+            held, self._held = self._held, None
+            return held
+        if self.finished:
+            return None
+        assert self._source is not None
+        waiting()
+        item = self._source.next_batch()
+        if item is END:
+            self.finished = True
+            return None
+        assert isinstance(item, tuple)
+        if item[0] >= self.end:
+            self._held = item
+            held_for(1 + (item[0] - self.end) // (self.end - self.start))
+            return None
+        return item
+
+
+__all__ = ["RoundCut"]
