@@ -86,12 +86,17 @@ class Replica:
             self.scaler.load_state_dict(own["grad_scaler"])
 
     def fit(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
-        """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
+        """Train from `self.counters` to the end of epoch `until_epoch - 1`. With
+        EarlyStopping(restore_best=True), the fit ends holding the best validation's state,
+        whether it stopped early or not."""
         self.model.train()
         if self._stopper is not None:
             self._stopper.reset()
             self._best = None
         self.rounds.run(until_epoch, source, report)
+        if self._best is not None:
+            self.parts.load(self._best)  # every worker holds the same: the fit's buffers are released
+            self._best = None
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -154,7 +159,7 @@ class Replica:
 
     def after_validation(self, metrics: dict[str, float]) -> bool:
         """A plateau schedule steps on the combined metrics, and early stopping decides on them;
-        with restore_best, the best state is kept on the CPU and put back when it stops."""
+        with restore_best, the best state is kept on the CPU and put back when the fit ends."""
         if self.schedule is not None:
             self.schedule.validated(metrics)
         if self._stopper is None:
@@ -162,8 +167,6 @@ class Replica:
         improved, stop = self._stopper.update(metrics)
         if improved and self._stopper.restore_best:
             self._best = self.state_dicts()
-        if stop and self._best is not None:
-            self.parts.load(self._best)  # the fit ends here: its buffers are released, not rebuilt
         return bool(stop)
 
     def _validation_metrics(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
