@@ -4,7 +4,7 @@ an outer optimizer's step (SGD, Nesterov momentum: DiLoCo's) and a bfloat16 payl
 
     python benchmarks/averaging_cost.py
 
-An averaging is what a worker does at the end of a round (rounds/driver.py, Rounds._exchange): the header
+An averaging is what a worker does at the end of a round (rounds/engine.py, Rounds.exchange): the header
 all-reduce and the all-reduce of params | buffers | SGD momentum, which live in one flat buffer,
 sent together, then one pass that scales the sum to the average. The bare all_reduce sends one
 float32 buffer of the same number of elements, preallocated and filled with random values (gloo
@@ -24,7 +24,7 @@ from torch import nn
 
 from common import lenet, run_processes, table, write_results
 from parallelwrapper.config import Config, Job, OuterSpec
-from parallelwrapper.rounds.driver import _Work
+from parallelwrapper.rounds.header import Work
 from parallelwrapper.worker import Replica
 
 
@@ -54,7 +54,7 @@ def _averaging(name: str, rank: int, world: int, variant: str) -> tuple[Callable
     replica.optimizer.step()
 
     def averaging() -> None:  # (a bfloat16 payload's deltas are 0 here: gathering them does no arithmetic on them)
-        replica.rounds._exchange(_Work(samples=128, loss_sum=1.0))
+        replica.rounds.exchange(Work(samples=128, loss_sum=1.0))
 
     averaging()  # builds the flat buffers
     averaging()  # learns the common reference weight: from here on, the steady state

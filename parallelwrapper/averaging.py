@@ -15,7 +15,7 @@ This module knows nothing of queues, processes or the protocol: it takes a proce
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -312,15 +312,20 @@ class DeltaAverager:
         return _trailer(total, snapshot.numel(), total.numel() - snapshot.numel()).tolist()
 
     @torch.no_grad()
-    def land(self, total_weight: float, adopt: bool = False) -> None:
+    def land(self, total_weight: float, adopt: bool = False, transform: Callable[[dict[int, torch.Tensor]], None] | None = None) -> None:
         """After wait(): move each tensor by (average − snapshot), or, with `adopt` (its own
-        progress since is worthless or nil), replace it by the average. Σw = 0: no change."""
+        progress since is worthless or nil), replace it by the average. Σw = 0: no change.
+        `transform` may first change the averages in place, given by id(tensor) (an outer
+        optimizer's step from the average: it moves the tensors by (its result − snapshot))."""
         self._in_flight = []
         if total_weight == 0:
             return
+        for snapshot, total, _ in self._groups:
+            total[: snapshot.numel()].div_(total_weight)  # the average
+        if transform is not None:
+            transform({id(t): average for _, _, members in self._groups for t, _, average in members})
         for snapshot, total, members in self._groups:
             data = total[: snapshot.numel()]
-            data.div_(total_weight)  # the average
             if not adopt:
                 data.sub_(snapshot)  # its difference from this worker's snapshot
             for t, _, change in members:

@@ -36,13 +36,16 @@ class OuterStep:
             a.copy_(p)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """After an averaging: the model holds average(θ); move the anchor by the outer optimizer
-        on Δ = anchor − average(θ) and put the result in the model."""
-        for a, delta in zip(self.anchor, torch._foreach_sub(self.anchor, self.params), strict=True):
+    def step(self, averages: list[torch.Tensor] | None = None) -> None:
+        """After an averaging: `averages` (by default the model's parameters) hold average(θ);
+        move the anchor by the outer optimizer on Δ = anchor − average(θ) and put the result in
+        them. With overlap_averaging the model holds its own progress since on top of the average,
+        which is kept: the averages are a buffer's, and the model moves by (result − snapshot)."""
+        targets = self.params if averages is None else averages
+        for a, delta in zip(self.anchor, torch._foreach_sub(self.anchor, targets), strict=True):
             a.grad = delta
         self.optimizer.step()
-        torch._foreach_copy_(self.params, self.anchor)
+        torch._foreach_copy_(targets, self.anchor)
         for a in self.anchor:
             a.grad = None
 

@@ -7,7 +7,7 @@ The rule (README, "Learning-rate schedules"):
 - interval "step": the count is the global step, DDP's: the batches of an epoch are steps
   s + i // N, s the count when the epoch began and i a batch's index in it, the step that each
   of N synchronous ranks takes on it. A worker's scheduler goes to a batch's step before the
-  optimizer steps on it (rounds/driver.py says which step that is), so with k local steps a
+  optimizer steps on it (rounds/cut.py says which step that is), so with k local steps a
   round, local step j of round r runs at r·k + j, and a batch runs at the same learning rate
   whichever worker takes it (first-come, a faster worker takes more of a round's N·k batches
   and goes further through the round's steps). When a round lands, every worker's scheduler

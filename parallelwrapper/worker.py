@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -142,10 +143,13 @@ class Replica:
         share = rank_share(self.job.validation_data, rank, world_size)
         return metric_sums(self.model, share, self._validation_metrics, self.device, self._autocast)
 
-    def averaged(self) -> None:
-        """The model holds this round's average: the outer optimizer, if any, steps from it."""
-        if self.parts.outer is not None:
-            self.parts.outer.step()
+    def averaged(self, averages: Mapping[int, torch.Tensor] | None = None) -> None:
+        """This round's average has landed: the outer optimizer, if any, steps from it. It is in
+        the model, or (overlap_averaging) in `averages` by id(parameter), where the step's result
+        goes (a parameter that is not there, in a still group, is its own average)."""
+        outer = self.parts.outer
+        if outer is not None:
+            outer.step(None if averages is None else [averages.get(id(p), p) for p in outer.params])
 
     def at_step(self, step: int) -> None:
         """The next optimizer step is global step `step`: a per-step schedule goes on to it."""

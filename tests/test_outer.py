@@ -84,6 +84,75 @@ def test_outer_step_equals_a_one_process_computation_on_the_averaged_delta(which
             torch.testing.assert_close(results[0]["outer"]["state"][i][name], value, rtol=1e-6, atol=1e-6)
 
 
+def _streaming_rounds_with_outer(rank: int, world: int, which: int) -> dict[str, Any]:
+    model = bn_model()
+    job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTERS[which]))
+    config = Config(workers=world, averaging_frequency=2, overlap_averaging=True)
+    replica = Replica(model, job, config, CPU, rank, world)
+    replica.fit(1, ListSource(batches(rank, SIZES), rank, world), lambda r: None)
+    assert replica.parts.outer is not None
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "outer": replica.parts.outer.state_dict()}
+
+
+@one_thread()
+def streaming_reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Streaming DiLoCo with one round of delay, in one process. Each worker trains round 0 from
+    θ0 and sends its snapshot S0; trains round 1 on top; then round 0 lands: θ' = outer step from
+    the anchor on Δ = anchor − mean(S0), and each worker moves by θ' − S0 (buffers: by
+    mean(S0) − S0), keeping round 1's progress. It sends that as S1; with no step since, round 1
+    lands as θ'' (the outer step on mean(S1)) itself."""
+    start = bn_model()
+    replicas = [bn_model() for _ in range(world)]
+    anchor = [nn.Parameter(p.detach().clone()) for p in start.parameters()]
+    cls, kwargs = OUTERS[which]
+    outer = cls(anchor, **kwargs)
+    data = {rank: batches(rank, SIZES) for rank in range(world)}
+    names = [name for name, _ in start.named_parameters()]
+
+    def train(r: int) -> None:
+        for rank, replica in enumerate(replicas):
+            inner = torch.optim.SGD(replica.parameters(), lr=0.1)
+            for x, y in data[rank][2 * r : 2 * r + 2]:
+                inner.zero_grad()
+                nn.functional.cross_entropy(replica(x), y).backward()
+                inner.step()
+
+    def snapshots() -> list[dict[str, torch.Tensor]]:
+        return [{k: v.clone() for k, v in replica.state_dict().items()} for replica in replicas]
+
+    def land(sent: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The average of the snapshots, with the parameters replaced by the outer step's result."""
+        mean = {k: sum(s[k].double() for s in sent) / world for k in sent[0]}
+        mean = {k: v.round().long() if k.endswith("num_batches_tracked") else v.float() for k, v in mean.items()}
+        with torch.no_grad():
+            for a, name in zip(anchor, names, strict=True):
+                a.grad = a - mean[name]
+            outer.step()
+            for a, name in zip(anchor, names, strict=True):
+                mean[name] = a.detach().clone()
+        return mean
+
+    train(0)
+    sent = snapshots()
+    train(1)
+    target = land(sent)
+    for replica, own in zip(replicas, sent, strict=True):
+        replica.load_state_dict({k: v + (target[k] - own[k]) for k, v in replica.state_dict().items()})
+    return land(snapshots()), outer.state_dict()
+
+
+@pytest.mark.parametrize("which", range(len(OUTERS)), ids=["sgd-nesterov", "adam"])
+def test_streaming_outer_step_with_overlap_equals_a_one_process_computation(which: int) -> None:
+    results = run_group(_streaming_rounds_with_outer, 2, which)
+    expected, outer = streaming_reference(which)
+    for key, value in expected.items():
+        assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for i, state in outer["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(results[0]["outer"]["state"][i][name], value, rtol=1e-5, atol=1e-6)
+
+
 def test_outer_state_survives_fits_and_resume_bitwise(tmp_path: Path) -> None:
     def builder(directory: Path) -> Any:
         return (

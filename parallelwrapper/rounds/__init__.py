@@ -7,27 +7,27 @@ A round, in both modes:
                  round which trains a worker's last batch already says it finished
     local work   AVERAGING: a step on each of this worker's batches of the round (k each when
                  dealt, first-come otherwise); SHARED_GRADIENTS: one forward/backward
-    payload      AVERAGING: params | buffers | optimizer state; SHARED_GRADIENTS: grads | buffers;
-                 one all-reduce per dtype, the header in the first buffer's trailer
-    bookkeeping  counters, score report, checkpoint (rank 0 writes), stop
+    exchange     AVERAGING: params | buffers | optimizer state; SHARED_GRADIENTS: grads | buffers;
+                 one all-reduce per dtype, the header in the first buffer's trailer; launched
+                 after the local work and landed at once (exchange.py, with its pre-scaling), or
+                 with overlap_averaging after the next round's local work (streaming.py)
+    landing      the average applied (and an outer optimizer's step from it), counters, score
+                 report, validation, checkpoint (rank 0 writes), stop
 
-Pre-scaling: each worker sends w_i / ref · x_i, where ref is the last round's Σw, which every
-worker knows. When this round's Σw is the same (every round but an epoch's last), the sum is the
-average: one collective, one pass over memory. Otherwise one more pass scales it by ref / Σw. The
-first round of a fit() sends the header alone (ref is unknown) and builds the buffers.
+One engine runs every round this way (engine.py); each option changes one part of it, so options
+compose: a hierarchy changes the local work (node.py), a warm-up makes a round a gradient round,
+an outer optimizer changes what a landing applies, overlap changes when a round lands.
 
-With overlap_averaging (AVERAGING only), a round's payload goes out without waiting and lands after
-the next round's steps, which are kept on top of the average (driver.py, `Rounds._overlapped_epoch`).
-
-Its parts: which batches a round trains and their global steps (cut.py), the header every
-worker sends with its state (header.py), what the state is (state.py), the score windows and
-validation (scores.py), what a round asks of a worker (trainer.py), a node's lockstep steps under a
-hierarchy (node.py), and the synchronous and overlapped drivers that run the rounds (driver.py).
+Its parts: which batches a round trains and their global steps (cut.py), the header every worker
+sends with its state and its local work (header.py), what the state is (state.py), the two ways
+an exchange lands (exchange.py, streaming.py), the score windows and validation (scores.py), what
+a round asks of a worker (trainer.py), a node's lockstep steps under a hierarchy (node.py), and
+the engine that runs the rounds (engine.py).
 """
 
 from __future__ import annotations
 
-from .driver import Rounds
+from .engine import Rounds
 from .trainer import Trainer
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
 from .node import Node

@@ -4,8 +4,28 @@ skipped and stop flags, and a check that every worker sends the same state layou
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Work:
+    """One worker's local work in a round: what its header says."""
+
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # loss·n per step
+    samples: int = 0
+    batches: int = 0
+    first_step: int = 0
+    loss_sum: float = 0.0
+    skipped: bool = False  # dropped by the NaN policy
+    finished: bool = False  # this worker (with a hierarchy: its node) has no batch left in the epoch
+
+    @property
+    def weight(self) -> float:
+        return 0.0 if self.skipped else float(self.samples)
 
 
 @dataclass(frozen=True)
@@ -51,3 +71,28 @@ def read_header(summed: Sequence[float], layout: int | None, world_size: int) ->
     agree = layout is not None and stale == 0 and all(b == world_size * (layout >> i & 1) for i, b in enumerate(bits))
     samples = float(round(high) * _SAMPLES_SPLIT + round(low))
     return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree)
+
+
+def round_header(work: Work, layout: int, built: int | None, stop: bool) -> tuple[list[float], int | None]:
+    """A round's header, and the layout it declares: the state's `layout`, or stale (None) when
+    the optimizer has created state since the buffers in use were built for layout `built`
+    (None: no buffers yet), so that every worker learns that the layout must be agreed again."""
+    declared = None if built is not None and layout != built else layout
+    header = make_header(
+        samples=0 if work.skipped else work.samples,
+        loss_sum=0.0 if work.skipped else work.loss_sum,
+        batches=work.batches,
+        finished=work.finished,
+        skipped=work.skipped,
+        stop=stop,
+        layout=declared,
+    )
+    return header, declared
+
+
+def check_diverged(totals: RoundTotals) -> None:
+    if totals.samples == 0 and totals.skipped > 0:
+        raise FloatingPointError(
+            f"the loss of every worker that trained in this round was non-finite ({totals.skipped} "
+            f"workers): training has diverged; lower the learning rate"
+        )

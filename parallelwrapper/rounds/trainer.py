@@ -4,6 +4,7 @@ when a round lands (its learning-rate schedule catches up)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -39,8 +40,9 @@ class Trainer(Protocol):
     def own_state(self) -> dict[str, Any]:
         """This worker's own state for a checkpoint (its RNG's, its loss scale's)."""
 
-    def averaged(self) -> None:
-        """AVERAGING: the model holds the round's average (the outer optimizer steps from it)."""
+    def averaged(self, averages: Mapping[int, torch.Tensor] | None = None) -> None:
+        """AVERAGING: the round's average has landed, in the model or in `averages` by
+        id(parameter) (the outer optimizer steps from it, into it)."""
 
     def at_step(self, step: int) -> None:
         """The next optimizer step is global step `step` (a per-step schedule goes on to it)."""

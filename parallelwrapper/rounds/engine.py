@@ -1,0 +1,236 @@
+"""The round engine: one worker's side of every round, from its local work to the bookkeeping
+after the average lands (see the package's docstring). A round is its local work, then its
+exchange launched, then landed: at once (exchange.py), or, with overlap_averaging, after the next
+round's local work (streaming.py). When a round lands is the only thing overlap changes, so every
+option that shapes the local work (a hierarchy's node steps, a warm-up's synchronous rounds) or
+what a landing does (an outer step) composes with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..averaging import Shards
+from ..config import Config, TrainingMode
+from ..types import BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
+from .cut import RoundCut
+from .exchange import Sent, SyncExchange
+from .header import RoundTotals, Work
+from .node import Node, NodeSteps
+from .scores import ScoreBook, validate
+from .streaming import StreamExchange
+from .trainer import Trainer
+
+
+class _EarlyStop(Exception):
+    """Early stopping's verdict, the same on every worker after the same round."""
+
+
+class Rounds:
+    """One worker's side of the round protocol over a process group (None: the default group)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        config: Config,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        *,
+        group: dist.ProcessGroup | None,
+        hooks: Hooks,
+        node: Node | None = None,
+    ) -> None:
+        self.trainer, self.config, self.hooks = trainer, config, hooks
+        self.rank, self.world_size, self.group = rank, world_size, group  # with a node: one rank per node
+        self._node = None if node is None else NodeSteps(node, trainer, device)
+        shards = None if node is None else Shards(node.group, node.size, node.index)  # the state, across nodes
+        self._sync = SyncExchange(trainer, config, device, group, world_size, shards)
+        self._stream = StreamExchange(trainer, config, device, group, world_size) if config.overlap_averaging else None
+        self.counters = Counters()
+        self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
+        self.seq = 0  # rounds started over this worker's life, the same on every worker: Hooks' tags
+        self._cut = RoundCut(world_size * (1 if node is None else node.size))  # which batches each round trains, and their steps
+
+    @property
+    def _averaging(self) -> bool:
+        """This round averages the state, not the gradients: AVERAGING, once the warm-up's
+        `warmup_sync_steps` synchronous steps (rounds, over the wrapper's life) are done."""
+        return self._averages_state and self.counters.rounds >= self.config.warmup_sync_steps
+
+    def reset(self) -> None:
+        """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
+        self._sync.reset()
+        if self._stream is not None:
+            self._stream.reset()
+
+    def run(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
+        """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
+        self._cut.fit_starts(source)
+        try:
+            while self.counters.epoch < until_epoch:
+                self._epoch(report)
+        except _EarlyStop:
+            pass  # every worker stopped after the same round: the fit ends there, normally
+        finally:
+            self._sync.release()
+            if self._node is not None:
+                self._node.release()
+            self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.trainer.local_steps)
+
+    def _epoch(self, report: Reporter) -> None:
+        """The rounds of an epoch. Each round's exchange is launched after its local work and
+        landed at once, or (overlap_averaging, in averaging rounds) after the next round's local
+        work. Every worker sends the same collectives in the same order; only when it waits
+        differs. When a landed round's totals ask for a stop, or a checkpoint or validation falls
+        due, the next round lands at once: nobody steps in between, so every replica lands
+        exactly on the average. The epoch ends the same way: when every worker had finished in
+        the landed round, nobody stepped since."""
+        # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
+        every = 1 if self._averaging else self.config.averaging_frequency
+        book = ScoreBook(report, every, self.config.report_score_after_averaging)
+        self._cut.epoch_starts(self.counters)
+        in_flight: Any = None  # a round launched and not landed (overlap_averaging)
+        while True:
+            work = self._local_work()
+            land_now = not (self._stream is not None and self._averaging)
+            if in_flight is not None:
+                totals = self._land(in_flight, work)
+                if self._settle(totals, book):
+                    self._after_landing(totals, True, book)
+                    return
+                upcoming = self.counters.rounds + 1
+                land_now = totals.stop > 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
+            in_flight = self._launch(work)
+            if land_now:
+                totals = self._land(in_flight, work)
+                in_flight = None
+                epoch_done = self._settle(totals, book)
+                self._after_landing(totals, epoch_done, book)
+                if epoch_done:
+                    return
+
+    # -- local work ------------------------------------------------------------------------------
+
+    def _next(self) -> tuple[int, Any] | None:
+        """The round's next batch for this worker (cut.py), or None."""
+
+        def waiting() -> None:
+            self.hooks.progress(Phase.WAITING, self.counters.epoch, -1, self.trainer.local_steps)
+
+        return self._cut.next(waiting, lambda later: self.hooks.took_ahead(self.seq + later))
+
+    def _batches_per_round(self) -> int:
+        """AVERAGING: k for every rank; SHARED_GRADIENTS (and a warm-up): one each."""
+        return self._cut.ranks * (self.config.averaging_frequency if self._averaging else 1)
+
+    def _local_work(self) -> Work:
+        """AVERAGING: an independent step on each of this worker's batches of the round (k, or
+        with the first-come feed as many as it takes first). SHARED_GRADIENTS: one
+        forward/backward; the step waits for the averaged gradients."""
+        epoch, trainer = self.counters.epoch, self.trainer
+        self.seq += 1
+        self._cut.round_starts(self._batches_per_round())
+        self.hooks.round_starts(self.seq, epoch, self._cut.finished)
+        work = Work(first_step=trainer.local_steps)
+        self._sync.prepare(self._averaging)
+        if self._averaging and self._node is not None:
+            return self._node_work(work)
+        most, step = (math.inf, trainer.train_step) if self._averaging else (1, trainer.accumulate)
+        while len(work.losses) < most:
+            item = self._next()
+            if item is None:
+                break
+            if self._averaging:
+                trainer.at_step(self._cut.step_of(item[0]))
+            loss, n = step(epoch, *item)
+            work.losses.append(loss)
+            work.samples, work.batches = work.samples + n, work.batches + 1
+        work.loss_sum, work.skipped = trainer.checked_loss(work.losses, work.first_step, epoch)
+        work.finished = self._cut.finished
+        self.hooks.progress(Phase.AVERAGING, epoch, -1, trainer.local_steps)
+        return work
+
+    def _node_work(self, work: Work) -> Work:
+        """With a hierarchy: k lockstep steps with the node's other ranks (node.py); the work is
+        the node's. The round after a node's last batch finds it finished."""
+        assert self._node is not None
+        first = self._cut.step_of(self._cut.start)
+        node = self._node.run(self.config.averaging_frequency, first, self.counters.epoch, self._next, lambda: self._cut.finished)
+        work.samples, work.batches, work.finished = node.samples, node.batches, node.finished
+        loss = [torch.tensor(node.loss_sum)] if node.batches else []
+        work.loss_sum, work.skipped = self.trainer.checked_loss(loss, work.first_step, self.counters.epoch)
+        self.hooks.progress(Phase.AVERAGING, self.counters.epoch, -1, self.trainer.local_steps)
+        return work
+
+    # -- the exchange ----------------------------------------------------------------------------
+
+    def exchange(self, work: Work) -> RoundTotals:
+        """Launch and land a round at once, after `work` (benchmarks time this)."""
+        return self._land(self._launch(work), work)
+
+    def _launch(self, work: Work) -> Any:
+        stop = self.hooks.stop_requested()
+        if self._stream is not None and self._averaging:
+            return self._stream.launch(work, stop)
+        return self._sync.launch(work, self._averaging, stop)
+
+    def _land(self, launched: Any, since: Work) -> RoundTotals:
+        """Land a launched round (`since`: the local work done after it, itself when at once);
+        a gradient round then takes its step, the same on every worker."""
+        if not isinstance(launched, Sent):
+            assert self._stream is not None
+            return self._stream.land(launched, since.skipped)
+        totals = self._sync.land(launched)
+        if not launched.averaging and totals.samples > 0:
+            self.trainer.at_step(self._cut.step_of(self._cut.start))
+            self.trainer.step()
+        return totals
+
+    # -- after a round ---------------------------------------------------------------------------
+
+    def _settle(self, totals: RoundTotals, book: ScoreBook) -> bool:
+        """Counters and score reports for a round's totals; True when it ended the epoch."""
+        epoch_done = totals.finished == self.world_size
+        c = self.counters
+        if totals.samples > 0:
+            c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
+            c.position += totals.batches
+            book.add(totals, c, end_of_epoch=epoch_done)
+        if epoch_done:
+            c.epoch, c.position = c.epoch + 1, 0
+        self.trainer.landed(c, book.whole.score if epoch_done else totals.score, epoch_done)
+        return epoch_done
+
+    def _validation_due(self, rounds: int) -> bool:
+        every = self.config.validation_every
+        return self.trainer.validates and every is not None and rounds % every == 0
+
+    def _after_landing(self, totals: RoundTotals, epoch_done: bool, book: ScoreBook) -> None:
+        """After a round every replica holds the average: validate when due and at an epoch's
+        end, then report the epoch's end; checkpoint when due, at an epoch's end and at a stop
+        (every worker gives its own state, RNG and loss scale, and rank 0 writes); then stop if
+        any worker was asked to."""
+        trained = totals.samples > 0
+        early = self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds)))
+        early = early and validate(self.trainer, self.counters, book.report, self.group, self.rank, self.world_size)
+        final = epoch_done or totals.stop > 0 or early
+        if epoch_done:
+            book.report(EpochReport(dataclasses.replace(self.counters), self.counters.epoch - 1, book.whole.score))
+        if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
+            if self._node is None:
+                everyone, size, writes = self.group, self.world_size, self.rank == 0
+            else:  # with a hierarchy, every rank of every node: the default group
+                everyone, size, writes = None, dist.get_world_size(), dist.get_rank() == 0
+            own: list[Any] = [None] * size
+            dist.all_gather_object(own, self.trainer.own_state(), group=everyone)
+            if writes:
+                self.hooks.checkpointer.save(self.trainer.state_dicts(), dataclasses.replace(self.counters), own)
+        if totals.stop:
+            raise Stopped(f"stopped at round {self.counters.rounds}, as the host asked")
+        if early:
+            raise _EarlyStop

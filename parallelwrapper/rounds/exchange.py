@@ -1,0 +1,130 @@
+"""A round's exchange, landed at once: the header and the payload go out after the round's local
+work, and every replica ends the round holding the average (SHARED_GRADIENTS: the averaged
+gradients, on which the engine then steps).
+
+Pre-scaling: each worker sends w_i / ref · x_i, where ref is the last round's Σw, which every
+worker knows. When this round's Σw is the same (every round but an epoch's last), the sum is the
+average: one collective, one pass over memory. Otherwise one more pass scales it by ref / Σw. The
+first round of a fit() sends the header alone (ref is unknown) and builds the buffers; so does a
+round after which the layouts disagreed (some optimizer created state the buffers lack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..averaging import FlatAverager, Shards, agree_on_optimizer_layout, all_reduce_values
+from ..config import Config
+from .header import HEADER_LEN, RoundTotals, Work, check_diverged, read_header, round_header
+from .state import averaged_tensors, gradient_tensors, state_layout
+from .trainer import Trainer
+
+
+def average_anew(trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, share: float, agree: bool, shards: Shards | None = None) -> FlatAverager:
+    """Average all of the state at once, in full precision, into new buffers (returned: the
+    tensors live in them until `release()`); with `agree`, every worker first takes the union of
+    the optimizers' layouts."""
+    if agree and config.average_updaters:  # else only the still groups changed
+        agree_on_optimizer_layout(trainer.optimizer, group)
+    tensors = averaged_tensors(trainer.model, trainer.optimizer, config.average_updaters)
+    payload = FlatAverager(tensors, device, HEADER_LEN, config.wire_dtype, shards)
+    payload.average(share, group)
+    return payload
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A round sent by SyncExchange.launch."""
+
+    averaging: bool  # the state, not the gradients
+    layout: int | None  # as declared in the header
+    weight: float
+    reference: float  # what the payload was pre-scaled by (0: nothing sent yet)
+    totals: RoundTotals | None  # when the header went alone: its sums
+
+
+class SyncExchange:
+    """One worker's flat buffers of the state (or gradients) and their synchronous averaging."""
+
+    def __init__(self, trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, world_size: int, shards: Shards | None) -> None:
+        self.trainer, self.config, self.device, self.group, self.world_size = trainer, config, device, group, world_size
+        self._shards = shards  # with a hierarchy: each rank of a node sends its part across nodes
+        self._payload: FlatAverager | None = None
+        self._layout: int | None = None  # the state layout the payload was built for
+        self._gradients = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
+        self._reference = 0.0  # Σw of the last round that trained, the same on every worker
+
+    def reset(self) -> None:
+        """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
+        self._payload, self._gradients, self._reference = None, False, 0.0
+
+    def release(self) -> None:
+        """Between fits, the model's tensors own their storage."""
+        if self._payload is not None:
+            self._payload.release()
+        self._payload, self._gradients = None, False
+
+    def prepare(self, averaging: bool) -> None:
+        """Before a round's local work: a gradient round allocates zero gradients in its buffers
+        before the first backward; the first averaging round after a warm-up lets them go."""
+        if averaging and self._gradients:
+            self.release()
+        if not averaging:
+            self._gradient_payload()
+            self.trainer.optimizer.zero_grad(set_to_none=False)
+
+    def state_layout(self, averaging: bool) -> int:
+        return state_layout(self.trainer.optimizer, self.config.average_updaters) if averaging else 0
+
+    def launch(self, work: Work, averaging: bool, stop: bool) -> Sent:
+        """Send the round's header and payload. Once the buffers exist and a round has trained,
+        the header rides in the payload's trailer, pre-scaled by w / reference; else the header
+        goes alone (and is waited for), then the payload when anyone trained."""
+        payload = self._payload if averaging else self._gradient_payload()
+        header, layout = round_header(work, self.state_layout(averaging), None if payload is None else self._layout, stop)
+        if payload is not None and self._reference > 0:
+            payload.send(work.weight / self._reference, header, self.group)
+            return Sent(averaging, layout, work.weight, self._reference, None)
+        totals = read_header(all_reduce_values(header, self.device, self.group), layout, self.world_size)
+        if payload is not None and totals.samples > 0:
+            payload.send(work.weight / totals.samples, group=self.group)
+        return Sent(averaging, layout, work.weight, totals.samples, totals)
+
+    def land(self, sent: Sent) -> RoundTotals:
+        """Wait for the sums and apply them. A worker that did not train sent zeros; when nobody
+        did, every worker drops the sums. The first averaging of a fit() builds the buffers."""
+        payload = self._payload
+        if sent.totals is None:
+            assert payload is not None
+            totals = read_header(payload.wait(), sent.layout, self.world_size)
+        else:
+            totals = sent.totals
+            if payload is not None and totals.samples > 0:
+                payload.wait()
+        if totals.samples == 0:
+            check_diverged(totals)
+            if payload is not None and sent.totals is None:
+                payload.discard()  # every worker sent zeros: nothing to apply
+            return totals
+        if payload is not None:
+            payload.apply(sent.reference / totals.samples)
+        if sent.averaging:
+            if payload is None or not totals.layouts_agree:
+                share, agree = sent.weight / totals.samples, not totals.layouts_agree
+                self._payload = average_anew(self.trainer, self.config, self.device, self.group, share, agree, self._shards)
+                self._layout = self.state_layout(True)  # released after fit()
+            self.trainer.averaged()
+        self._reference = totals.samples
+        return totals
+
+    def _gradient_payload(self) -> FlatAverager:
+        if self._payload is None:
+            self._payload = FlatAverager(gradient_tensors(self.trainer.model), self.device, HEADER_LEN)
+            self._layout, self._gradients = 0, True
+        return self._payload
+
+
+__all__ = ["Sent", "SyncExchange", "average_anew"]
