@@ -118,10 +118,10 @@ class Config:
         if self.validation_every is not None:
             check_int("validation_every", self.validation_every, 1, "e.g. .validation(data, every=50), or every=None for epoch ends only")
         check_int("warmup_sync_steps", self.warmup_sync_steps, 0, "the synchronous steps before averaging, e.g. .warmup_sync_steps(200)")
-        if self.warmup_sync_steps and (self.training_mode is not TrainingMode.AVERAGING or self.overlap_averaging):
+        if self.warmup_sync_steps and self.training_mode is not TrainingMode.AVERAGING:
             raise ValueError(
-                "warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING "
-                "without overlap_averaging; drop .warmup_sync_steps() or .overlap_averaging(True)"
+                "warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING; "
+                "drop .warmup_sync_steps() or .training_mode(TrainingMode.SHARED_GRADIENTS)"
             )
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
@@ -129,10 +129,10 @@ class Config:
             raise ValueError("payload_dtype sends deltas from the last average, which overlap_averaging has not yet; drop one")
         if self.hierarchy not in ("none", "node"):
             raise ValueError(f"hierarchy must be 'none' or 'node', got {self.hierarchy!r}")
-        if self.hierarchy == "node" and (self.overlap_averaging or self.warmup_sync_steps or self.training_mode is not TrainingMode.AVERAGING):
+        if self.hierarchy == "node" and self.training_mode is not TrainingMode.AVERAGING:
             raise ValueError(
-                "hierarchy('node') runs synchronous averaging rounds across nodes: it needs TrainingMode.AVERAGING "
-                "without overlap_averaging and without warmup_sync_steps"
+                "hierarchy('node') averages gradients within a node and the state across nodes: it needs "
+                "TrainingMode.AVERAGING (SHARED_GRADIENTS averages gradients over every rank already); drop one"
             )
         if self.on_worker_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_worker_failure must be one of {list(FAILURE_POLICIES)}, got {self.on_worker_failure!r}")
@@ -242,10 +242,9 @@ def check_job(job: Job, config: Config, sendable: bool) -> list[str]:
     another model, parts that need what the config or job lacks; with `sendable`, an object a
     spawned worker cannot receive); the warnings for one that trains but loses something on the
     way (parameter hooks)."""
-    if job.outer_optimizer is not None and (config.training_mode is not TrainingMode.AVERAGING or config.overlap_averaging):
+    if job.outer_optimizer is not None and config.training_mode is not TrainingMode.AVERAGING:
         raise ValueError(
-            "outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not and overlap_averaging "
-            "lands a round late: use TrainingMode.AVERAGING without .overlap_averaging(True)"
+            "outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not: use TrainingMode.AVERAGING"
         )
     if job.early_stopping is not None and job.validation_data is None:
         raise ValueError("EarlyStopping stops on validation metrics: add .validation(data, every=...)")

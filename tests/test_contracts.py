@@ -132,7 +132,7 @@ def test_header_round_trip_and_layout_agreement() -> None:
     assert all(len(h) == HEADER_LEN for h in headers)
     summed = [a + b for a, b in zip(*headers)]
     totals = read_header(summed, 0xBEEF, 2)
-    assert totals == RoundTotals(5000.0, 2.5, 2, 2, 1, 1, True) and totals.score == 2.5 / 5000
+    assert totals == RoundTotals(5000.0, 2.5, 2, 2, 1, 1, True, 2) and totals.score == 2.5 / 5000 and totals.epoch_done
     assert not read_header(summed, 0xBEEE, 2).layouts_agree  # another layout
     stale = make_header(samples=1, loss_sum=0.0, batches=1, finished=False, skipped=False, layout=None)
     assert not read_header([a + b for a, b in zip(headers[0], stale)], 0xBEEF, 2).layouts_agree
@@ -141,7 +141,7 @@ def test_header_round_trip_and_layout_agreement() -> None:
 
 
 def totals(samples: float, loss_sum: float, skipped: int = 0) -> RoundTotals:
-    return RoundTotals(samples, loss_sum, 1, 0, skipped, 0, True)
+    return RoundTotals(samples, loss_sum, 1, 0, skipped, 0, True, 1)
 
 
 def test_score_windows_report_every_k_rounds_and_at_the_epochs_end() -> None:

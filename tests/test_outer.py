@@ -183,8 +183,9 @@ def test_outer_state_survives_fits_and_resume_bitwise(tmp_path: Path) -> None:
 
 def test_outer_optimizer_refuses_what_has_no_round_average() -> None:
     base = ParallelWrapper.builder(mlp()).workers(1).outer_optimizer(torch.optim.SGD, lr=0.7)
-    with pytest.raises(ValueError, match=r"outer_optimizer steps on each round's average"):
-        base.overlap_averaging(True).build()
+    with pytest.raises(ValueError, match=r"outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not"):
+        base.training_mode(TrainingMode.SHARED_GRADIENTS).build()
+    base.training_mode(TrainingMode.AVERAGING).overlap_averaging(True).build().close()  # streaming: it composes
     with pytest.raises(ValueError, match=r"outer_optimizer takes a torch.optim optimizer class"):
         ParallelWrapper.builder(mlp()).outer_optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^outer_optimizer: torch.optim.sgd.SGD\(\{'lr': -1\}\) failed: ValueError"):
@@ -233,7 +234,7 @@ def test_warmup_is_shared_gradients_exactly_then_averaging_without_a_lost_batch(
 
 def test_warmup_needs_averaging_rounds_to_switch_to() -> None:
     with pytest.raises(ValueError, match=r"warmup_sync_steps switches from shared gradients to averaging rounds"):
-        ParallelWrapper.builder(mlp()).workers(1).overlap_averaging(True).warmup_sync_steps(10).build()
+        ParallelWrapper.builder(mlp()).workers(1).training_mode(TrainingMode.SHARED_GRADIENTS).warmup_sync_steps(10).build()
     with pytest.raises(ValueError, match=r"warmup_sync_steps must be an int >= 0"):
         ParallelWrapper.builder(mlp()).workers(1).warmup_sync_steps(-1).build()
 
@@ -296,9 +297,9 @@ def test_a_bfloat16_payload_trains_as_float32_does() -> None:
         ParallelWrapper.builder(mlp()).workers(1).payload_dtype(torch.int8).build()
 
 
-def test_hierarchy_needs_synchronous_averaging_rounds_and_is_noted_outside_torchrun() -> None:
-    with pytest.raises(ValueError, match=r"hierarchy\('node'\) runs synchronous averaging rounds across nodes"):
-        ParallelWrapper.builder(mlp()).workers(1).overlap_averaging(True).hierarchy("node").build()
+def test_hierarchy_needs_averaging_rounds_and_is_noted_outside_torchrun() -> None:
+    with pytest.raises(ValueError, match=r"hierarchy\('node'\) averages gradients within a node and the state across nodes"):
+        ParallelWrapper.builder(mlp()).workers(1).training_mode(TrainingMode.SHARED_GRADIENTS).hierarchy("node").build()
     with pytest.raises(ValueError, match=r"hierarchy must be 'none' or 'node', got 'rack'"):
         ParallelWrapper.builder(mlp()).workers(1).hierarchy("rack").build()
     with pytest.warns(UserWarning, match=r"hierarchy\('node'\) applies under torchrun"):

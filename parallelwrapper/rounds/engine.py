@@ -49,7 +49,9 @@ class Rounds:
         self.rank, self.world_size, self.group = rank, world_size, group  # with a node: one rank per node
         self._node = None if node is None else NodeSteps(node, trainer, device)
         shards = None if node is None else Shards(node.group, node.size, node.index)  # the state, across nodes
-        self._sync = SyncExchange(trainer, config, device, group, world_size, shards)
+        # A gradient round (a warm-up's) under a hierarchy is every rank's: the default group.
+        gradients = (group, world_size) if node is None else (None, world_size * node.size)
+        self._sync = SyncExchange(trainer, config, device, (group, world_size), gradients, shards)
         self._stream = StreamExchange(trainer, config, device, group, world_size) if config.overlap_averaging else None
         self.counters = Counters()
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
@@ -195,7 +197,7 @@ class Rounds:
 
     def _settle(self, totals: RoundTotals, book: ScoreBook) -> bool:
         """Counters and score reports for a round's totals; True when it ended the epoch."""
-        epoch_done = totals.finished == self.world_size
+        epoch_done = totals.epoch_done
         c = self.counters
         if totals.samples > 0:
             c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)

@@ -35,6 +35,9 @@ def average_anew(trainer: Trainer, config: Config, device: torch.device, group: 
     return payload
 
 
+Group = tuple[dist.ProcessGroup | None, int]  # a process group (None: the default) and its size
+
+
 @dataclass(frozen=True)
 class Sent:
     """A round sent by SyncExchange.launch."""
@@ -49,8 +52,9 @@ class Sent:
 class SyncExchange:
     """One worker's flat buffers of the state (or gradients) and their synchronous averaging."""
 
-    def __init__(self, trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, world_size: int, shards: Shards | None) -> None:
-        self.trainer, self.config, self.device, self.group, self.world_size = trainer, config, device, group, world_size
+    def __init__(self, trainer: Trainer, config: Config, device: torch.device, state: Group, gradients: Group, shards: Shards | None) -> None:
+        self.trainer, self.config, self.device = trainer, config, device
+        self._groups = {True: state, False: gradients}  # by `averaging`: under a hierarchy, across nodes or every rank
         self._shards = shards  # with a hierarchy: each rank of a node sends its part across nodes
         self._payload: FlatAverager | None = None
         self._layout: int | None = None  # the state layout the payload was built for
@@ -85,12 +89,13 @@ class SyncExchange:
         goes alone (and is waited for), then the payload when anyone trained."""
         payload = self._payload if averaging else self._gradient_payload()
         header, layout = round_header(work, self.state_layout(averaging), None if payload is None else self._layout, stop)
+        group, size = self._groups[averaging]
         if payload is not None and self._reference > 0:
-            payload.send(work.weight / self._reference, header, self.group)
+            payload.send(work.weight / self._reference, header, group)
             return Sent(averaging, layout, work.weight, self._reference, None)
-        totals = read_header(all_reduce_values(header, self.device, self.group), layout, self.world_size)
+        totals = read_header(all_reduce_values(header, self.device, group), layout, size)
         if payload is not None and totals.samples > 0:
-            payload.send(work.weight / totals.samples, group=self.group)
+            payload.send(work.weight / totals.samples, group=group)
         return Sent(averaging, layout, work.weight, totals.samples, totals)
 
     def land(self, sent: Sent) -> RoundTotals:
@@ -99,7 +104,7 @@ class SyncExchange:
         payload = self._payload
         if sent.totals is None:
             assert payload is not None
-            totals = read_header(payload.wait(), sent.layout, self.world_size)
+            totals = read_header(payload.wait(), sent.layout, self._groups[sent.averaging][1])
         else:
             totals = sent.totals
             if payload is not None and totals.samples > 0:
@@ -114,7 +119,8 @@ class SyncExchange:
         if sent.averaging:
             if payload is None or not totals.layouts_agree:
                 share, agree = sent.weight / totals.samples, not totals.layouts_agree
-                self._payload = average_anew(self.trainer, self.config, self.device, self.group, share, agree, self._shards)
+                group = self._groups[True][0]
+                self._payload = average_anew(self.trainer, self.config, self.device, group, share, agree, self._shards)
                 self._layout = self.state_layout(True)  # released after fit()
             self.trainer.averaged()
         self._reference = totals.samples

@@ -39,6 +39,12 @@ class RoundTotals:
     skipped: int  # workers whose contribution was dropped (non-finite loss, NanPolicy.SKIP)
     stop: int  # workers asked to stop after this round
     layouts_agree: bool
+    workers: int  # whose headers these are: the round's group
+
+    @property
+    def epoch_done(self) -> bool:
+        """Every worker has reached the end of the epoch."""
+        return self.finished == self.workers
 
     @property
     def score(self) -> float:
@@ -70,7 +76,7 @@ def read_header(summed: Sequence[float], layout: int | None, world_size: int) ->
     high, low, loss, nb, fin, skip, stp, stale, *bits = summed
     agree = layout is not None and stale == 0 and all(b == world_size * (layout >> i & 1) for i, b in enumerate(bits))
     samples = float(round(high) * _SAMPLES_SPLIT + round(low))
-    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree)
+    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree, world_size)
 
 
 def round_header(work: Work, layout: int, built: int | None, stop: bool) -> tuple[list[float], int | None]:

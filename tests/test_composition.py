@@ -1,0 +1,90 @@
+"""Every communication option composes with every other (issue 21): one round engine, in which
+each option changes one part of a round. For each pair of options, two spawned workers train a
+few rounds; each saves its state at the epoch's end (from a validation step, which every worker
+runs on the landed average), and the replicas must agree bitwise and have trained.
+
+`hierarchy("node")` needs torchrun with several processes per node; its pairs run in
+tests/test_torchrun.py."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallelwrapper import ParallelWrapper
+from tiny import make_batches, mlp
+
+pytestmark = pytest.mark.timeout(180)
+
+OPTIONS: dict[str, Any] = {
+    "overlap": lambda b: b.overlap_averaging(True),
+    "outer": lambda b: b.outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+    "bfloat16": lambda b: b.payload_dtype(torch.bfloat16),
+    "warmup": lambda b: b.warmup_sync_steps(2),
+    "replace": lambda b: b.on_worker_failure("replace"),
+}
+# Not yet: overlap with payload_dtype (the snapshots go in float32) and with replace (a lost
+# worker goes back to the last landed average, which an overlapped round never holds).
+PENDING = {("overlap", "bfloat16"), ("overlap", "replace")}
+PAIRS = [pair for pair in itertools.combinations(OPTIONS, 2) if pair not in PENDING]
+
+
+class SaveState:
+    """A validation step that saves the model this worker holds, once per validation (not in
+    the main process, which tries the step on a batch before training)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+        if dist.is_initialized():
+            torch.save(model.state_dict(), self.directory / f"{dist.get_rank()}.pt")
+        return {"val_loss": float(nn.functional.cross_entropy(model(batch[0]), batch[1]))}
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["+".join(p) for p in PAIRS])
+def test_every_pair_of_options_trains_and_ends_with_equal_replicas(tmp_path: Path, pair: tuple[str, str]) -> None:
+    start = {k: v.clone() for k, v in mlp().state_dict().items()}
+    builder = (
+        ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9).workers(2).threads_per_worker(1)
+        .averaging_frequency(2).validation(make_batches(2), every=None, step=SaveState(tmp_path))
+    )  # fmt: skip
+    for option in pair:
+        builder = OPTIONS[option](builder)
+    with builder.build() as w:
+        history = w.fit(make_batches(13), epochs=1)  # rounds of 4 batches and an uneven end
+        final = w.model.state_dict()
+    assert history.epochs and all(s.score == s.score for s in history.scores)  # scores are not NaN
+    replicas = [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)]
+    for key, value in final.items():
+        assert torch.equal(replicas[0][key], replicas[1][key]), f"{key}: the replicas differ"
+        assert torch.equal(replicas[0][key], value), f"{key}: the returned model is not the replicas'"
+    assert any(not torch.equal(final[k], start[k]) for k in start), "nothing trained"
+
+
+def test_hierarchy_composes_with_every_other_option(tmp_path: Path) -> None:
+    """Two torchrun agents as two nodes of two processes: hierarchy("node") with each option in
+    turn; all four ranks end bitwise equal, having trained every batch once."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from test_torchrun import two_agents
+    from torchrun_composition import OPTIONS
+
+    torch.manual_seed(0)  # as the script builds its model
+    start = {k: v.clone() for k, v in nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3)).state_dict().items()}
+    two_agents(Path(__file__).parent / "scripts" / "torchrun_composition.py", tmp_path, 2)
+    for option in OPTIONS:
+        ranks = [torch.load(tmp_path / f"{option}-rank{r}.pt") for r in range(4)]
+        assert [r["iterations"] for r in ranks] == [22] * 4, option
+        assert all(score == score for score in ranks[0]["scores"]), option
+        for key, value in ranks[0]["model"].items():
+            for r in range(1, 4):
+                assert torch.equal(ranks[r]["model"][key], value), (option, key, r)
+        assert any(not torch.equal(ranks[0]["model"][k], start[k]) for k in start), option
