@@ -31,10 +31,10 @@ OUTERS: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
 SIZES = [8, 8, 8, 8]  # each worker: two rounds of k = 2 steps
 
 
-def _rounds_with_outer(rank: int, world: int, which: int) -> dict[str, Any]:
+def _rounds_with_outer(rank: int, world: int, which: int, overlap: bool) -> dict[str, Any]:
     model = bn_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTERS[which]))
-    replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
+    replica = Replica(model, job, Config(workers=world, averaging_frequency=2, overlap_averaging=overlap), CPU, rank, world)
     replica.fit(1, ListSource(batches(rank, SIZES), rank, world), lambda r: None)
     assert replica.parts.outer is not None
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "outer": replica.parts.outer.state_dict()}
@@ -71,27 +71,21 @@ def reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict
     return model.state_dict(), outer.state_dict()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "streaming"])
 @pytest.mark.parametrize("which", range(len(OUTERS)), ids=["sgd-nesterov", "adam"])
-def test_outer_step_equals_a_one_process_computation_on_the_averaged_delta(which: int) -> None:
-    results = run_group(_rounds_with_outer, 2, which)
-    expected, outer = reference(which)
+def test_outer_step_equals_a_one_process_computation_on_the_averaged_delta(which: int, overlap: bool) -> None:
+    """Synchronous: the outer step from each round's average. Streaming (overlap_averaging): the
+    outer step from the round that landed, moving weights that carry the next round's progress."""
+    results = run_group(_rounds_with_outer, 2, which, overlap)
+    expected, outer = (streaming_reference if overlap else reference)(which)
+    rtol = 1e-5 if overlap else 1e-6  # streaming: the moves add and subtract snapshots, in another order
     for key, value in expected.items():
         assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"
-        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=rtol, atol=1e-6, msg=key)
     for i, state in outer["state"].items():  # the outer optimizer's state: the same on both, as one process has it
         for name, value in state.items():
             assert torch.equal(results[0]["outer"]["state"][i][name], results[1]["outer"]["state"][i][name])
-            torch.testing.assert_close(results[0]["outer"]["state"][i][name], value, rtol=1e-6, atol=1e-6)
-
-
-def _streaming_rounds_with_outer(rank: int, world: int, which: int) -> dict[str, Any]:
-    model = bn_model()
-    job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTERS[which]))
-    config = Config(workers=world, averaging_frequency=2, overlap_averaging=True)
-    replica = Replica(model, job, config, CPU, rank, world)
-    replica.fit(1, ListSource(batches(rank, SIZES), rank, world), lambda r: None)
-    assert replica.parts.outer is not None
-    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "outer": replica.parts.outer.state_dict()}
+            torch.testing.assert_close(results[0]["outer"]["state"][i][name], value, rtol=rtol, atol=1e-6)
 
 
 @one_thread()
@@ -139,18 +133,6 @@ def streaming_reference(which: int, world: int = 2) -> tuple[dict[str, torch.Ten
     for replica, own in zip(replicas, sent, strict=True):
         replica.load_state_dict({k: v + (target[k] - own[k]) for k, v in replica.state_dict().items()})
     return land(snapshots()), outer.state_dict()
-
-
-@pytest.mark.parametrize("which", range(len(OUTERS)), ids=["sgd-nesterov", "adam"])
-def test_streaming_outer_step_with_overlap_equals_a_one_process_computation(which: int) -> None:
-    results = run_group(_streaming_rounds_with_outer, 2, which)
-    expected, outer = streaming_reference(which)
-    for key, value in expected.items():
-        assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"
-        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
-    for i, state in outer["state"].items():
-        for name, value in state.items():
-            torch.testing.assert_close(results[0]["outer"]["state"][i][name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_outer_state_survives_fits_and_resume_bitwise(tmp_path: Path) -> None:
