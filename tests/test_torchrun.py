@@ -79,6 +79,26 @@ def test_one_node_two_processes(tmp_path: Path) -> None:
     assert_ranks_equal_reference(tmp_path)
 
 
+SAME_START = Path(__file__).parent / "scripts" / "torchrun_same_start.py"
+
+
+def test_every_rank_starts_from_rank_0s_state(tmp_path: Path) -> None:
+    """Ranks that draw their own unseeded models train as one: at lr 0, every rank's model after
+    fit() is rank 0's initial model, bitwise."""
+    result = subprocess.run(
+        torchrun("--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(SAME_START), str(tmp_path)),
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env(),
+    )  # fmt: skip
+    check(result)
+    initial = [torch.load(tmp_path / f"initial{r}.pt") for r in (0, 1)]
+    assert not torch.equal(initial[0]["0.weight"], initial[1]["0.weight"])  # the ranks really drew apart
+    for r in (0, 1):
+        final = torch.load(tmp_path / f"final{r}.pt")
+        assert final.keys() == initial[0].keys()
+        for key, value in initial[0].items():
+            assert torch.equal(final[key], value), (r, key)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,6 +1,7 @@
 """torchrun: this process is one worker of a group that torchrun started, on this machine or on
 many. torchrun's variables say the rank and the node's share of processes (env.resolve); the
-worker reads its own shard of the data (feed.ShardSource), and runs the shared runtime.
+worker reads its own shard of the data (feed.ShardSource), and runs the shared runtime. Its
+first fit() starts every rank from rank 0's state (`_from_rank_0`).
 
 Every incarnation of a group that torchrun restarts (--max-restarts) joins under keys of its own
 in torchrun's store (`_join`), agrees whether to resume from the last checkpoint, and watches its
@@ -13,6 +14,7 @@ workers; then the signal takes effect.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 import time
@@ -85,6 +87,20 @@ def _hierarchy(config: Config, rank: int, world: int, per_node: int) -> tuple[di
     return across[rank % per_node], Node(nodes[rank // per_node], per_node, rank % per_node)
 
 
+def _from_rank_0(state: TrainingState) -> TrainingState:
+    """Rank 0's state, on every rank of the default group. Each rank built its own model (drawn
+    unseeded, or loaded differently), so the ranks would start apart: a first round averaging
+    unrelated models (a NaN loss, at times), and params at lr 0, which no round averages, apart
+    for good. So, as DDP does at construction, the first fit() starts every rank from rank 0's
+    model, optimizer and schedule. The state is on the CPU (Parts.state), and pickling keeps its
+    bits: a resumed run, which every rank loaded alike, is unchanged. Under NCCL,
+    broadcast_object_list carries the bytes on the current CUDA device, which claim_device set."""
+    box: list[TrainingState | None] = [state if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
+
+
 class TorchrunWorker:
     """The host interface (`fit`, `close`, `kill`) for this process in a torchrun group."""
 
@@ -110,9 +126,13 @@ class TorchrunWorker:
         self._hooks = SignalHooks(make_checkpointer(config, job, env.world_size))
         group, node = _hierarchy(config, env.rank, env.world_size, env.local_world_size)
         self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, node=node)
+        self._started = False  # whether a fit() has made every rank's state rank 0's
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Train this rank's shard; return the final state (model, optimizer, schedule), the same on every rank."""
+        if not self._started:
+            command = dataclasses.replace(command, state=_from_rank_0(command.state))
+            self._started = True
         counters = command.counters
         source = ShardSource(data, self._rank, self._world, counters.epoch, counters.position)
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):
