@@ -51,6 +51,8 @@ from parallelwrapper import ParallelWrapper
 from parallelwrapper.data import load_mnist
 from parallelwrapper.models import LeNet
 
+import gpt_arena
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 Trainer = Callable[[list[Batch]], None]  # trains this rank on its share of a chunk of batches
 SEED = 123  # pw-fit's: model init and shuffling
@@ -95,6 +97,13 @@ def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Call
     return train
 
 
+def inner_optimizer(args: argparse.Namespace) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """Nesterov SGD (the LeNet arena), or AdamW (the GPT arena, as in DiLoCo's inner loop)."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW, {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    return torch.optim.SGD, {"lr": args.lr, "momentum": MOMENTUM, "nesterov": True}
+
+
 def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, stack: contextlib.ExitStack) -> Trainer:
     rank, world, lr = dist.get_rank(), dist.get_world_size(), args.lr
     if kind in WRAPPERS:
@@ -103,7 +112,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         change = WRAPPERS[kind]
         b = (
             ParallelWrapper.builder(model)
-            .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)
+            .optimizer(inner_optimizer(args)[0], **inner_optimizer(args)[1])
             .averaging_frequency(k)
             .average_updaters(change.get("average_updaters", True))
             .overlap_averaging(change.get("overlap_averaging", False))
@@ -121,7 +130,8 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
             wrapper.fit(chunk, epochs=1)
 
         return fit
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True)
+    cls, kwargs = inner_optimizer(args)
+    optimizer = cls(model.parameters(), **kwargs)
     if kind == "ddp":
         return local_sgd(DistributedDataParallel(model), optimizer, lambda: None, rank, world)
     if kind == "powersgd":
@@ -166,9 +176,20 @@ def accuracy(model: nn.Module, test: list[Batch]) -> float:
 
 def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    test = load_mnist(args.data_dir, "test", download=False).batches(1000) if rank == 0 else []
-    torch.manual_seed(SEED)
-    model = LeNet()
+    gpt = args.arena == "gpt"
+    if gpt:  # the GPT arena: a byte-level character GPT on the standard library's sources
+        text, val_text = gpt_arena.corpus()
+        test = gpt_arena.val_batches(val_text) if rank == 0 else []
+        stream: Iterator[Batch] = gpt_arena.train_batches(text, args.batch, world * args.max_steps, SEED)
+        torch.manual_seed(SEED)
+        model: nn.Module = gpt_arena.CharGPT()
+        score, reached = (lambda m: gpt_arena.val_loss(m, test)), (lambda s: s <= args.target)
+    else:
+        test = load_mnist(args.data_dir, "test", download=False).batches(1000) if rank == 0 else []
+        stream = batch_stream(args.data_dir, args.max_epochs)
+        torch.manual_seed(SEED)
+        model = LeNet()
+        score, reached = (lambda m: accuracy(m, test)), (lambda s: s >= args.target)
     points: list[dict[str, float]] = []
     seconds = eval_seconds = 0.0
     samples = steps = 0
@@ -176,7 +197,7 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
         train = make_trainer(args.contender, args.k, model, args, stack)
         dist.barrier()  # start the clocks together, after the set-up (DDP's broadcast included)
         wall = time.perf_counter()
-        for chunk in chunks(batch_stream(args.data_dir, args.max_epochs), world * args.eval_every):
+        for chunk in chunks(stream, world * args.eval_every):
             start = time.perf_counter()
             train(chunk)
             dist.barrier()  # the chunk is done when the slower rank is done
@@ -185,14 +206,14 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
             steps += len(chunk[rank::world])
             # Off the clock: rank 0 scores its replica while rank 1 waits for the verdict.
             start = time.perf_counter()
-            verdict = torch.tensor([accuracy(model, test) if rank == 0 else 0.0], dtype=torch.float64)
+            verdict = torch.tensor([score(model) if rank == 0 else 0.0], dtype=torch.float64)
             dist.broadcast(verdict, src=0)
             eval_seconds += time.perf_counter() - start
             acc = float(verdict.item())
-            points.append({"seconds": seconds, "samples": samples, "steps": steps, "accuracy": acc})
+            points.append({"seconds": seconds, "samples": samples, "steps": steps, ("val_loss" if gpt else "accuracy"): acc})
             if rank == 0:
-                print(f"{args.contender} {args.k}: {steps} steps, {seconds:.1f} s, accuracy {acc:.4f}", flush=True)
-            if acc >= args.target:
+                print(f"{args.contender} {args.k}: {steps} steps, {seconds:.1f} s, {'val loss' if gpt else 'accuracy'} {acc:.4f}", flush=True)
+            if reached(acc):
                 break
         wall = time.perf_counter() - wall
     return {"points": points, "train_seconds": seconds, "eval_seconds": eval_seconds, "wall_seconds": wall}
@@ -223,6 +244,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     parser.add_argument("--target", type=float, default=0.98)
     parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--arena", choices=["lenet", "gpt"], default="lenet", help="gpt: gpt_arena.py's CharGPT; --target is then a validation loss (nats/byte)")
+    parser.add_argument("--batch", type=int, default=16, help="gpt arena: windows of 128 bytes per step")
+    parser.add_argument("--max-steps", type=int, default=2000, help="gpt arena: steps per rank at most")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="inner optimizer (gpt arena: adamw)")
     parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between evaluations")
     parser.add_argument("--lr", type=float, default=0.04)
     parser.add_argument("--powersgd-start", type=int, default=16, help="powersgd's uncompressed steps first")
