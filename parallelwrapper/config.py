@@ -264,14 +264,26 @@ def check_job(job: Job, config: Config, sendable: bool) -> list[str]:
             raise ValueError(f"outer_optimizer: {job.outer_optimizer.name} failed: {type(e).__name__}: {cause}") from None
     if sendable:
         _check_sendable(job)
+    notes = []
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left_out = [name for name, p in job.model.named_parameters() if p.requires_grad and id(p) not in held]
+    if left_out:
+        notes.append(
+            f"optimizer: {len(left_out)} trainable parameters are in no param group ({_names(left_out)}): they never "
+            f"move, and are treated as frozen (not averaged); add them to a group, or set requires_grad=False"
+        )
     hooked = [name for name, p in job.model.named_parameters() if getattr(p, "_backward_hooks", None)]
-    if not hooked:
-        return []
-    return [
-        f"parameters {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} carry hooks "
-        f"(Parameter.register_hook), which do not reach the workers' copies of the model; "
-        f"do that gradient work in .before_step(fn) with fn(model, optimizer) instead"
-    ]
+    if hooked:
+        notes.append(
+            f"parameters {_names(hooked)} carry hooks (Parameter.register_hook), which do not reach the workers' "
+            f"copies of the model; do that gradient work in .before_step(fn) with fn(model, optimizer) instead"
+        )
+    return notes
+
+
+def _names(names: list[str]) -> str:
+    """The first three names, then how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _check_optimizer(job: Job) -> torch.optim.Optimizer:
@@ -347,9 +359,10 @@ def _check_sendable(job: Job) -> None:
             pickle.Pickler(_NullWriter(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         except Exception as e:  # noqa: BLE001 - pickle raises many types
             raise ValueError(
-                f"{name} cannot be sent to a spawned worker process ({type(e).__name__}: {e}). "
-                f"Define functions and classes at module level (not lambdas or local functions), "
-                f"and guard the script's entry point with `if __name__ == '__main__':`"
+                f"{name} cannot be sent to a spawned worker process ({type(e).__name__}: {e}): use a module-level "
+                f"function, or functools.partial of one to give it arguments (e.g. lr_lambda=functools.partial("
+                f"warmup_cosine, warmup=12, total=256)), not a lambda or local function; define classes at module "
+                f"level, and guard the script's entry point with `if __name__ == '__main__':`"
             ) from e
 
 

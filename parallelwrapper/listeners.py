@@ -40,11 +40,14 @@ class Score:
 
 @dataclass(frozen=True)
 class EpochEnd:
+    """The end of an epoch, or of the part of it a fit trained when early stopping ended it there."""
+
     epoch: int
     iteration: int
     samples: int
-    score: float  # sample-weighted mean loss over the epoch
+    score: float  # sample-weighted mean loss over the epoch (over its rounds in this fit)
     seconds: float
+    complete: bool = True  # False: early stopping stopped the fit partway through the epoch
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,11 @@ class History:
     validations: list[Validation] = field(default_factory=list)
     replacements: list[Replacement] = field(default_factory=list)
 
+    best_round: int | None = None  # with EarlyStopping(restore_best=True): the round whose state the model holds
+
     @property
     def final_score(self) -> float:
+        """The mean loss of the last epoch, or of the part of it trained before an early stop."""
         return self.epochs[-1].score if self.epochs else math.nan
 
 
@@ -124,7 +130,7 @@ class Recorder:
             self.history.replacements.append(Replacement(report.rank, report.reason, report.lost_round, seconds))
             notify(self.listeners, "on_worker_replaced", report.rank, report.reason, report.lost_round)
         else:
-            end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds)
+            end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds, report.complete)
             self.history.epochs.append(end)
             notify(self.listeners, "on_epoch_end", end)
 
@@ -168,7 +174,7 @@ class ProgressBar:
 
     def on_epoch_end(self, epoch: EpochEnd) -> None:
         bar = self._open(epoch.epoch)
-        if bar.total:
+        if bar.total and epoch.complete:
             bar.update(bar.total - bar.n)
         self._postfix.pop("round loss", None)
         self._show({"epoch_loss": epoch.score}, refresh=True)
@@ -239,7 +245,9 @@ class EarlyStopping:
 
     The decision is taken on every worker from the same combined metrics, so all stop after the
     same round, with no message between them; this copy, in the main process, follows the same
-    validations, so `best` and `stopped_round` say what happened. State restarts at every fit()."""
+    validations, so `best`, `best_round` and `stopped_round` say what happened, and with
+    `restore_best` fit()'s History says which round's state the model holds (`best_round`).
+    State restarts at every fit()."""
 
     def __init__(self, monitor: str = "val_loss", patience: int = 3, mode: str = "min", min_delta: float = 0.0, restore_best: bool = False) -> None:
         if mode not in ("min", "max"):
@@ -253,6 +261,7 @@ class EarlyStopping:
 
     def reset(self) -> None:
         self.best: float | None = None
+        self.best_round: int | None = None  # the round of the best validation (this copy's account)
         self.wait = 0
         self.stopped_round: int | None = None
 
@@ -273,7 +282,12 @@ class EarlyStopping:
         return improved, self.wait >= self.patience
 
     def on_validation(self, validation: Validation) -> None:
-        if self.stopped_round is None and self.update(validation.metrics)[1]:
+        if self.stopped_round is not None:
+            return
+        improved, stop = self.update(validation.metrics)
+        if improved:
+            self.best_round = validation.round
+        if stop:
             self.stopped_round = validation.round
 
 

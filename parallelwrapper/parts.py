@@ -15,6 +15,7 @@ import torch
 from .batches import to_cpu
 from .config import Job
 from .outer import OuterStep
+from .rounds.state import trained_parameters
 from .schedule import Schedule, make_schedule
 from .types import TrainingState
 
@@ -26,8 +27,8 @@ class Parts:
         self.model = model
         self.optimizer = job.make_optimizer(model)
         self.schedule: Schedule | None = make_schedule(job.lr_scheduler, self.optimizer, world_size)
-        trainable: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
-        self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trainable)
+        trained = trained_parameters(model, self.optimizer)
+        self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trained)
 
     def state(self) -> TrainingState:
         """Every part's state, on the CPU: a copy, which training the parts does not change."""

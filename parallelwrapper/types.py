@@ -60,7 +60,8 @@ class RoundReport:
 class EpochReport:
     counters: Counters
     epoch: int
-    score: float  # sample-weighted mean loss of the epoch
+    score: float  # sample-weighted mean loss of the epoch (of its rounds in this fit)
+    complete: bool = True  # False: early stopping ended the fit partway through the epoch
     at: float = dataclasses.field(default_factory=time.monotonic)
 
 

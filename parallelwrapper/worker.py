@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .batches import batch_size, describe, move_to
 from .checkpoint import rng_state
 from .config import Config, Job, NanPolicy
-from .evaluation import classification_metrics, metric_sums
+from .evaluation import autocast, metric_sums, validation_metrics
 from .feed import rank_share
 from .rounds import Node, Rounds
 from .parts import Parts
@@ -141,7 +141,7 @@ class Replica:
         if self.job.validation_data is None:
             return None
         share = rank_share(self.job.validation_data, rank, world_size)
-        return metric_sums(self.model, share, self._validation_metrics, self.device, self._autocast)
+        return metric_sums(self.model, share, validation_metrics(self.job), self.device, self._autocast)
 
     def averaged(self, averages: Mapping[int, torch.Tensor] | None = None) -> None:
         """This round's average has landed: the outer optimizer, if any, steps from it. It is in
@@ -173,16 +173,8 @@ class Replica:
             self._best = self.state_dicts()
         return bool(stop)
 
-    def _validation_metrics(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
-        if self.job.validation_step is not None:
-            return self.job.validation_step(model, batch)
-        return {f"val_{name}": value for name, value in classification_metrics(model, batch, self.job.loss_fn).items()}
-
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """bf16-mixed and 16-mixed: forward and loss in bfloat16 or float16 where autocast deems it
-        safe; the parameters, their gradients, the optimizer and the averaging stay float32."""
-        dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.config.precision)
-        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+        return autocast(self.config.precision, self.device)
 
     def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
         """AVERAGING's local step: forward, backward and the optimizer's step."""

@@ -18,7 +18,7 @@ import torch
 from . import checkpoint
 from .config import Config, Job, check_job
 from .env import Placement, resolve, torchrun_env
-from .evaluation import classification_metrics, metric_sums
+from .evaluation import check_validation, classification_metrics, metric_sums
 from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, TorchrunWorker, start_host
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
@@ -45,6 +45,7 @@ class ParallelWrapper:
         self._listeners = listeners
         self._pool: Host | None = None
         self._closed = False
+        self._validation_tried = job.validation_data is None  # check_validation, at the first fit()
         self.counters = Counters()  # as the workers report them after each round
 
     @property
@@ -137,6 +138,9 @@ class ParallelWrapper:
                     f"the checkpoint has already trained {self.counters.epoch} epochs, fit(epochs={epochs}) "
                     f"asks for no more; pass epochs > {self.counters.epoch} to train on"
                 )
+        if not self._validation_tried:
+            check_validation(self._job, self.model, self.config.precision)  # before any worker starts
+            self._validation_tried = True
         listeners = self._listeners if self.is_main else []
         recorder = Recorder(listeners, time.monotonic())
         notify(listeners, "on_fit_start", self.config, until_epoch - self.counters.epoch)
@@ -158,6 +162,9 @@ class ParallelWrapper:
             self._abort()
             raise
         self._parts.load(state)
+        stopper = early_stopping_of(listeners)
+        if stopper is not None and stopper.restore_best:
+            recorder.history.best_round = stopper.best_round  # the workers restored that round's state
         notify(listeners, "on_fit_end", recorder.history)
         return recorder.history
 

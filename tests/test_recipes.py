@@ -294,7 +294,8 @@ def test_early_stopping_stops_every_worker_after_the_same_round_and_the_next_fit
     with builder.build() as w:
         history = w.fit(data)
         # The first validation sets the best; two more without improvement stop the fit there.
-        assert [v.round for v in history.validations] == [1, 2, 3] and not history.epochs
+        assert [v.round for v in history.validations] == [1, 2, 3]
+        assert [(e.epoch, e.iteration, e.complete) for e in history.epochs] == [(0, 3 * workers, False)]  # a partial epoch
         assert stopper.stopped_round == 3 and stopper.best == 1.0
         assert (w.counters.rounds, w.counters.iterations, w.counters.epoch) == (3, 3 * workers, 0)
         history = w.fit(data)  # the rest of the epoch: rounds 4 and 5, too few to stop again

@@ -221,8 +221,9 @@ class Rounds:
         early = self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds)))
         early = early and validate(self.trainer, self.counters, book.report, self.group, self.rank, self.world_size)
         final = epoch_done or totals.stop > 0 or early
-        if epoch_done:
-            book.report(EpochReport(dataclasses.replace(self.counters), self.counters.epoch - 1, book.whole.score))
+        if epoch_done or early:  # an early stop ends the epoch's part in this fit: its loss too
+            epoch = self.counters.epoch - 1 if epoch_done else self.counters.epoch
+            book.report(EpochReport(dataclasses.replace(self.counters), epoch, book.whole.score, complete=epoch_done))
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
             if self._node is None:
                 everyone, size, writes = self.group, self.world_size, self.rank == 0

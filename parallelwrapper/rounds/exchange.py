@@ -128,7 +128,7 @@ class SyncExchange:
 
     def _gradient_payload(self) -> FlatAverager:
         if self._payload is None:
-            self._payload = FlatAverager(gradient_tensors(self.trainer.model), self.device, HEADER_LEN)
+            self._payload = FlatAverager(gradient_tensors(self.trainer.model, self.trainer.optimizer), self.device, HEADER_LEN)
             self._layout, self._gradients = 0, True
         return self._payload
 

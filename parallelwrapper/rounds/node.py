@@ -54,7 +54,7 @@ class NodeSteps:
 
     def _gradients(self) -> FlatAverager:
         if self._payload is None:
-            self._payload = FlatAverager(gradient_tensors(self.trainer.model), self.device, self.TRAILER)
+            self._payload = FlatAverager(gradient_tensors(self.trainer.model, self.trainer.optimizer), self.device, self.TRAILER)
         return self._payload
 
     def release(self) -> None:
