@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .codec import DeltaCoder, codec
+
 ProcessGroup = dist.ProcessGroup | None  # None: the default group
 
 
@@ -98,8 +100,15 @@ class _Group:
     data: torch.Tensor  # the tensors' part of flat
     resident: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): its storage is the view
     copied: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): copied in and out
-    start: torch.Tensor | None = None  # with a wire dtype: the last average, which deltas are taken from
-    error: torch.Tensor | None = None  # ... and what the casts have lost so far (error feedback)
+    coder: DeltaCoder | None = None  # with a wire codec: the last average and the error fed back
+
+
+@dataclass
+class _Flight:
+    """A group's collectives in flight: an all-reduce of `buffer`, or (None) a coded round's, per piece."""
+
+    works: list[list[dist.Work]]
+    buffer: torch.Tensor | None
 
 
 class FlatAverager:
@@ -119,20 +128,19 @@ class FlatAverager:
 
     The list of tensors is fixed at construction; build a new averager when it changes.
 
-    With a `wire` dtype (bfloat16, float16) the floating-point tensors travel as deltas from the
-    last average, cast to it: x − start + error, times the scale; `error` keeps what the cast lost,
-    to send with the next round (error feedback), so nothing is lost in total. The casts are
-    gathered, not summed in the wire dtype (whose rounding no feedback could undo), and summed in
-    rank order in float32, the same on every worker: each worker receives (N − 1) casts, which is
-    half the bytes of a float32 all-reduce for 2 workers and as many for 4. The trailer travels in
-    float64 beside them. `average()` (a fit's first round, when nobody's state is the last average
-    yet) always goes in full precision, and sets the start.
+    With a `wire` codec (codec.CODECS) the floating-point tensors travel as their change since the
+    last average, encoded with error feedback (codec.DeltaCoder), so nothing is lost in total. Each
+    payload goes to every other rank in pieces, by sends and receives (on gloo, twice as fast as an
+    all_gather of the same bytes), and every rank's is decoded and summed in rank order in float32,
+    the same on every worker, piece by piece as they arrive. The trailer goes in float64 beside them.
+    `average()` (a fit's first round, when nobody's state is the last average yet) always goes in
+    full precision, and sets the start.
     """
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: torch.dtype | None = None, shards: Shards | None = None
+        self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: str | torch.dtype | None = None, shards: Shards | None = None
     ) -> None:
-        self._wire, self._trailer_len, self._shards = wire, trailer, shards
+        self._wire, self._trailer_len, self._shards = None if wire is None else str(wire).removeprefix("torch."), trailer, shards
         self._groups: list[_Group] = []
         with torch.no_grad():
             for dtype, members in _by_dtype(tensors):
@@ -148,9 +156,9 @@ class FlatAverager:
                 self._groups.append(group)
         self.numel = sum(g.data.numel() for g in self._groups)
         self.nbytes = sum(g.flat.numel() * g.flat.element_size() for g in self._groups)  # trailer included
-        if wire is not None:  # what travels after the first round
-            self.nbytes = trailer * 8 + sum(g.data.numel() * (wire.itemsize if g.data.is_floating_point() else g.data.element_size()) for g in self._groups)
-        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # (work, the buffer it sums), per group
+        if self._wire is not None:  # what travels after the first round: the codes and scales, the trailer in float64
+            self.nbytes = trailer * 8 + sum(codec(self._wire).nbytes(g.data.numel()) if g.data.is_floating_point() else g.data.nbytes for g in self._groups)
+        self._in_flight: list[_Flight] = []  # per group
         self._wired_trailer: tuple[dist.Work, torch.Tensor] | None = None  # a wired round's float64 trailer
 
     @property
@@ -160,26 +168,30 @@ class FlatAverager:
     @torch.no_grad()
     def send(self, scale: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None, exact: bool = False) -> None:
         """Multiply every tensor by `scale`, put the trailer (zeros when None) after them and start
-        summing over the group; with a wire dtype and not `exact`, the deltas go cast to it.
+        summing over the group; with a wire codec and not `exact`, the deltas go encoded.
 
         scale = 0 sends zeros from a scratch buffer and leaves the tensors as they are (they may
         hold NaN, or be all this worker has when it turns out nobody trained).
         """
         assert not self._in_flight, "wait() for the previous sums first"
         wired = self._wire is not None and not exact
+        if wired:  # the trailer goes first, exact, beside the encoded deltas: its sums are in by wait()
+            values = torch.tensor(list(trailer or [0.0] * self._trailer_len), dtype=torch.float64, device=self._groups[0].flat.device)
+            work = dist.all_reduce(values, group=group, async_op=True)
+            assert work is not None
+            self._wired_trailer = (work, values)
         for g in self._groups:
             for t, view in g.resident:
                 if t.data_ptr() != view.data_ptr():  # reallocated since: move it back in
                     view.copy_(t)
                     t.data = view
-            if wired and g.start is not None:
+            if wired and g.coder is not None:
                 for t, view in g.copied:
                     view.copy_(t)
-                cast = self._cast_delta(g, scale)
-                buffer = torch.empty((dist.get_world_size(group), cast.numel()), dtype=cast.dtype, device=cast.device)
-                work = dist.all_gather(list(buffer.unbind(0)), cast, group=group, async_op=True)
-                assert work is not None
-                self._in_flight.append((work, buffer))
+                peers = [(r, r if group is None else dist.get_global_rank(group, r)) for r in range(g.coder.ranks) if r != g.coder.rank]
+                payloads = list(g.coder.encode(scale))  # all, then sent: sending while encoding slowed both on 2 cores
+                ops = [[dist.P2POp(op, t, peer, group, i) for r, peer in peers for op, t in ((dist.isend, p), (dist.irecv, g.coder.inbox[i][r]))] for i, p in enumerate(payloads)]
+                self._in_flight.append(_Flight([dist.batch_isend_irecv(o) if o else [] for o in ops], None))
                 continue
             if scale == 0.0:
                 buffer = torch.zeros_like(g.flat)
@@ -193,51 +205,42 @@ class FlatAverager:
             part = buffer if self._shards is None else buffer.view(self._shards.size, -1)[self._shards.index]
             work = dist.all_reduce(part, group=group, async_op=True)
             assert work is not None
-            self._in_flight.append((work, buffer))
-        if wired:  # the trailer goes last, exact, beside the cast deltas
-            numbers = list(trailer) if trailer is not None else [0.0] * self._trailer_len
-            values = torch.tensor(numbers, dtype=torch.float64, device=self._groups[0].flat.device)
-            work = dist.all_reduce(values, group=group, async_op=True)
-            assert work is not None
-            self._wired_trailer = (work, values)
-
-    def _cast_delta(self, g: _Group, scale: float) -> torch.Tensor:
-        """(x − start + error)·scale in the wire dtype; the error keeps what the cast lost."""
-        assert self._wire is not None and g.start is not None and g.error is not None
-        if scale == 0.0:
-            return torch.zeros(g.data.numel(), dtype=self._wire, device=g.data.device)
-        delta = g.error.add_(g.data).sub_(g.start)  # in the error's buffer: what this round sends
-        wire = torch.mul(delta, scale).to(self._wire)
-        delta.sub_(wire.to(delta.dtype), alpha=1.0 / scale)  # the error: what the cast lost
-        return wire
+            self._in_flight.append(_Flight([[work]], buffer))
 
     def wait(self) -> list[float]:
-        """Wait for the sums; the trailer's sums."""
-        for work, buffer in self._in_flight:
-            work.wait()
-            if self._shards is not None and buffer.dim() == 1:  # reduced in parts (gathered casts are 2-D)
-                parts = buffer.view(self._shards.size, -1)  # each rank's part, summed across nodes: gather them
-                dist.all_gather(list(parts.unbind(0)), parts[self._shards.index].clone(), group=self._shards.group)
+        """Wait for the sums; the trailer's sums. (apply() waits for a coded round's pieces.)"""
+        for flight in self._in_flight:
+            if flight.buffer is not None:
+                flight.works[0][0].wait()
+                if self._shards is not None:  # reduced in parts: each rank's part, summed across nodes; gather them
+                    parts = flight.buffer.view(self._shards.size, -1)
+                    dist.all_gather(list(parts.unbind(0)), parts[self._shards.index].clone(), group=self._shards.group)
         if self._wired_trailer is not None:
             work, values = self._wired_trailer
             work.wait()
             self._wired_trailer = None
             return values.tolist()
-        return _trailer(self._in_flight[0][1], self._groups[0].data.numel(), self._trailer_len).tolist()
+        buffer = self._in_flight[0].buffer
+        assert buffer is not None
+        return _trailer(buffer, self._groups[0].data.numel(), self._trailer_len).tolist()
 
     @torch.no_grad()
     def apply(self, scale: float) -> None:
         """After wait(): every tensor becomes its sum times `scale`. Not calling it (nobody
         trained) leaves the tensors as they were, when they were sent with scale 0."""
-        for g, (_, buffer) in zip(self._groups, self._in_flight):
-            if buffer.dim() == 2 and g.start is not None:  # the gathered casts: start + the mean delta
-                torch.add(g.start, buffer.sum(dim=0, dtype=g.data.dtype), alpha=scale, out=g.data)
-            elif buffer is not g.flat:
-                torch.mul(buffer[: g.data.numel()], scale, out=g.data)
+        for g, flight in zip(self._groups, self._in_flight):
+            if flight.buffer is None:  # every rank's payload: start + scale · Σ decoded, piece by piece
+                assert g.coder is not None
+                for piece, works in enumerate(flight.works):
+                    for work in works:
+                        work.wait()
+                    g.coder.decode(piece, scale)
+            elif flight.buffer is not g.flat:
+                torch.mul(flight.buffer[: g.data.numel()], scale, out=g.data)
             elif scale != 1.0:
                 g.data.mul_(scale)
-            if g.start is not None:
-                g.start.copy_(g.data)
+            if g.coder is not None and flight.buffer is not None:
+                g.coder.restart()  # a full-precision round: the next change is taken from here
             for t, view in g.copied:
                 t.copy_(view if t.is_floating_point() else view.round())
         self._in_flight = []
@@ -245,18 +248,20 @@ class FlatAverager:
     def discard(self) -> None:
         """After wait(), when nobody sent anything (every scale was 0): drop the sums; the tensors
         stay as they were."""
+        for work in [w for flight in self._in_flight if flight.buffer is None for ws in flight.works for w in ws]:
+            work.wait()
         self._in_flight = []
 
     def average(self, share: float, group: ProcessGroup = None) -> None:
         """Replace every tensor by Σ_i share_i · tensor_i, where share_i = w_i / Σw, in full
-        precision; with a wire dtype, the result is the start of the next round's deltas."""
+        precision; with a wire codec, the result is the start of the next round's deltas."""
         self.send(share, group=group, exact=True)
         self.wait()
+        self.apply(1.0)
         if self._wire is not None:
             for g in self._groups:
-                if g.data.is_floating_point() and g.start is None:
-                    g.start, g.error = torch.empty_like(g.data), torch.zeros_like(g.data)
-        self.apply(1.0)
+                if g.data.is_floating_point() and g.coder is None:
+                    g.coder = DeltaCoder(self._wire, g.data, dist.get_world_size(group), dist.get_rank(group))
 
     @torch.no_grad()
     def release(self) -> None:

@@ -4,9 +4,10 @@ measured) from the same flat-buffer layout the workers build (averaging.FlatAver
 A round of SHARED_GRADIENTS sends gradients | buffers; of AVERAGING, params | buffers (| the
 optimizer's state with average_updaters), one all-reduce per dtype, the first carrying the round's
 header. An outer optimizer (DiLoCo, SlowMo) sends nothing more: every worker steps it on the same
-average. With a 16-bit payload dtype a round's floats are all-gathered as casts of their change
-since the last average, beside the header in float64; a fit()'s first round, which sets that
-last average, goes in float32.
+average. With a payload dtype other than float32 a round's floats go to every other worker as
+their change since the last average, encoded (codec.py: cast to 16 bits, or block-quantized to
+int8 or int4 with a scale per 256 numbers), beside the header in float64; a fit()'s first round,
+which sets that last average, goes in float32.
 """
 
 from __future__ import annotations
@@ -30,20 +31,20 @@ class Communication:
     payload_bytes: int  # the flat buffers of one full-precision round, all dtypes, with the header they carry
     payload_collectives: int  # one all-reduce per dtype
     workers: int
-    wire_bytes: int | None = None  # one worker's casts in a 16-bit round, without the header (None: float32)
+    wire_bytes: int | None = None  # one worker's encoded payload in a coded round, without the header (None: float32)
 
     def ring_bytes(self, size: int) -> float:
         """Bytes each worker sends in a ring all-reduce of `size` bytes: 2(N-1)/N · size."""
         return 2 * (self.workers - 1) / self.workers * size
 
     def gather_bytes(self, size: int) -> float:
-        """Bytes each worker sends in a ring all-gather of `size` bytes from each: (N-1) · size."""
+        """Bytes each worker sends when its `size` bytes go to each of the others: (N-1) · size."""
         return (self.workers - 1) * size
 
     def collectives(self, rounds: int, fits: int) -> int:
         """Payloads, one per round, which carry the header, and the header a fit()'s first round
         sends alone before the buffers exist (counted for every fit(): an overcount of at most
-        one per call). A 16-bit round adds the header's own all-reduce."""
+        one per call). A coded round adds the header's own all-reduce."""
         wired = 0 if self.wire_bytes is None else max(rounds - fits, 0)
         return fits + rounds * self.payload_collectives + wired
 
@@ -78,7 +79,7 @@ def estimated_communication(options: RunOptions) -> Communication:
     wired = options.mode is TrainingMode.AVERAGING and options.payload_dtype != "float32"
     if not wired:
         return Communication(flat.nbytes, flat.collectives, options.workers)
-    cast = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN, getattr(torch, options.payload_dtype))
+    cast = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN, options.payload_dtype)
     return Communication(flat.nbytes, flat.collectives, options.workers, cast.nbytes - HEADER_BYTES)
 
 

@@ -42,7 +42,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 # bf16-mixed: forward and loss under autocast; 16-mixed: float16 with a GradScaler. Params, grads,
 # optimizer state and the averaging stay float32.
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
-PAYLOAD_DTYPES = ("float32", "bfloat16", "float16")  # the averaging's wire format (averaging.FlatAverager)
+PAYLOAD_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # the averaging's wire format (codec.py)
 FAILURE_POLICIES = ("raise", "replace")  # what a spawned worker's failure does (hosts/spawned.py)
 INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.py)
 
@@ -71,7 +71,7 @@ class Config:
     precision: str = "32"  # or "bf16-mixed", "16-mixed"
     validation_every: int | None = 50  # averagings between validations (None: epoch ends only), with .validation(data)
     warmup_sync_steps: int = 0  # post-local SGD: steps of SHARED_GRADIENTS before the averaging rounds
-    payload_dtype: str = "float32"  # or "bfloat16", "float16": what an averaging's floats travel as
+    payload_dtype: str = "float32"  # or "bfloat16", "float16", "int8", "int4": what an averaging's floats travel as
     hierarchy: str = "none"  # or "node": under torchrun, a node's ranks share gradients each step, nodes average
     on_worker_failure: str = "raise"  # or "replace": a spawned worker that fails is replaced from the last average
     max_replacements: int = 3  # with "replace": replacements over the wrapper's life before a failure raises
@@ -79,9 +79,9 @@ class Config:
     peer_timeout_s: float = 30.0  # under torchrun: a rank that hears nothing from a peer this long exits, naming it
 
     @property
-    def wire_dtype(self) -> torch.dtype | None:
-        """The dtype an averaging's floats travel as, when not float32."""
-        return None if self.payload_dtype == "float32" else getattr(torch, self.payload_dtype)
+    def wire_dtype(self) -> str | None:
+        """The codec an averaging's floats travel in (codec.py), when not float32."""
+        return None if self.payload_dtype == "float32" else self.payload_dtype
 
     def __post_init__(self) -> None:
         check_int("workers", self.workers, 1, "ParallelWrapper.builder(model).workers(2)")

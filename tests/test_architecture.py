@@ -71,9 +71,13 @@ def test_the_import_graph_has_no_cycle() -> None:
         visit(name, [])
 
 
-@pytest.mark.parametrize("leaf", ["config", "types", "batches", "averaging", "models", "data.mnist"])
+@pytest.mark.parametrize("leaf", ["config", "types", "batches", "codec", "models", "data.mnist"])
 def test_bottom_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[f"parallelwrapper.{leaf}"] == set()
+
+
+def test_averaging_imports_only_the_codecs() -> None:
+    assert GRAPH["parallelwrapper.averaging"] <= {"parallelwrapper.codec"}
 
 
 def test_averaging_knows_no_protocol_flag() -> None:

@@ -156,12 +156,12 @@ def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, A
     assert (o.outer_lr, o.outer_momentum, o.warmup_sync_steps, o.payload_dtype) == (None, 0.0, 0, "float32")
     with builder(LeNet(), o).build() as w:
         assert w.outer_optimizer is None and (w.config.warmup_sync_steps, w.config.payload_dtype) == (0, "float32")
-    args = ("--outer-lr", "0.8", "--outer-momentum", "0.5", "--warmup-sync-steps", "20", "--payload-dtype", "bfloat16")
+    args = ("--outer-lr", "0.8", "--outer-momentum", "0.5", "--warmup-sync-steps", "20", "--payload-dtype", "int8")
     assert invoke(*args).exit_code == 0
     options = captured["train"]
-    assert options == RunOptions(outer_lr=0.8, outer_momentum=0.5, warmup_sync_steps=20, payload_dtype="bfloat16")
+    assert options == RunOptions(outer_lr=0.8, outer_momentum=0.5, warmup_sync_steps=20, payload_dtype="int8")
     with builder(LeNet(), options).build() as w:
-        assert (w.config.warmup_sync_steps, w.config.payload_dtype) == (20, "bfloat16")
+        assert (w.config.warmup_sync_steps, w.config.payload_dtype) == (20, "int8")
         assert w.outer_optimizer is not None and type(w.outer_optimizer) is torch.optim.SGD
         group = w.outer_optimizer.param_groups[0]
         assert (group["lr"], group["momentum"], group["nesterov"]) == (0.8, 0.5, True)
@@ -248,7 +248,7 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["--outer-lr", "1", "--outer-momentum", "1"], ["--outer-momentum", "0<=x<1"]),
         (["--outer-momentum", "0.5"], ["outer_momentum 0.5 is the outer optimizer's", "--outer-lr LR"]),
         (["--warmup-sync-steps", "-1"], ["--warmup-sync-steps"]),
-        (["--payload-dtype", "int8"], ["--payload-dtype", "'int8' is not one of 'float32', 'bfloat16', 'float16'"]),
+        (["--payload-dtype", "int16"], ["--payload-dtype", "'int16' is not one of 'float32', 'bfloat16', 'float16', 'int8', 'int4'"]),
         (["compare", "--warmup-sync-steps", "5"], ["drop --warmup-sync-steps"]),
         (["compare", "--outer-lr", "1", "--frequencies", ""], ["give averaging frequencies with --outer-lr"]),
     ],

@@ -65,6 +65,9 @@ def test_a_16_bit_payload_is_gathered_after_each_fits_first_round(workers: int, 
     full = estimated_communication(AVG.options(base))
     cast = estimated_communication(AVG.options(RunOptions(workers=workers, payload_dtype="bfloat16")))
     assert full.wire_bytes is None and cast.wire_bytes == 2 * (2 * LENET_PARAMS)
+    for dtype, per_block in (("int8", 256 + 4), ("int4", 128 + 4)):  # a quarter, an eighth, and a float32 scale per 256
+        coded = estimated_communication(AVG.options(RunOptions(workers=workers, payload_dtype=dtype)))
+        assert coded.wire_bytes == -(-2 * LENET_PARAMS // 256) * per_block
     assert cast.payload_bytes == full.payload_bytes  # the float32 first round
     header = cast.ring_bytes(HEADER_BYTES)
     wired_round = cast.bytes_per_worker(11, 1) - cast.bytes_per_worker(10, 1)

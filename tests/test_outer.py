@@ -275,8 +275,8 @@ def test_a_bfloat16_payload_trains_as_float32_does() -> None:
         torch.testing.assert_close(wired, full, rtol=0, atol=2e-3)
     with pytest.raises(ValueError, match=r"payload_dtype sends deltas from the last average, which overlap_averaging"):
         ParallelWrapper.builder(mlp()).workers(1).overlap_averaging(True).payload_dtype(torch.bfloat16).build()
-    with pytest.raises(ValueError, match=r"payload_dtype must be one of \['float32', 'bfloat16', 'float16'\], got 'int8'"):
-        ParallelWrapper.builder(mlp()).workers(1).payload_dtype(torch.int8).build()
+    with pytest.raises(ValueError, match=r"payload_dtype must be one of \['float32', 'bfloat16', 'float16', 'int8', 'int4'\], got 'int16'"):
+        ParallelWrapper.builder(mlp()).workers(1).payload_dtype(torch.int16).build()
 
 
 def test_hierarchy_needs_averaging_rounds_and_is_noted_outside_torchrun() -> None:

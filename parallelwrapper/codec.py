@@ -1,0 +1,272 @@
+"""Codecs for an averaging's payload: a flat float buffer's change since the last average,
+encoded with error feedback, and every rank's encoding decoded and summed onto that average.
+
+    bfloat16, float16   the change cast, 2 bytes a number
+    int8, int4          block-quantized: a float32 scale per BLOCK numbers (absmax / 127 or / 7,
+                        symmetric), then 1 byte a number, or half a byte (two codes a byte)
+
+Error feedback: what the codes lose stays in `error` and is added to the next round's change, so
+over many rounds nothing is lost in total: what was sent plus the error equals the sum of the
+true changes. The sum after the exchange is taken in the buffer's dtype (float32), rank after
+rank in rank order, so every rank computes bitwise the same average from the same bytes.
+
+A `DeltaCoder` works on the flat buffer CHUNK numbers at a time: the chunk of the state, its
+start, its error and a scratch buffer stay in a core's L2 cache while the codec's vectorized
+passes run over them, so each number is read from memory once and written once, however many
+passes the codec makes (one pass over the whole buffer per operation cost 2 to 3 times as much,
+see benchmarks/README.md). The chunks are grouped into pieces of about PIECE_BYTES encoded bytes,
+handed out one by one as they are written, so that whoever sends them may send each while the
+rest are encoded, and decode each as it arrives. A piece's payload is its codes, then its scales.
+
+This module knows nothing of collectives, processes or the protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+BLOCK = 256  # numbers per scale, int8 and int4
+CHUNK = 1 << 16  # numbers encoded at a time on the CPU: 4 float32 buffers of it fill 1 MiB of L2
+PIECE_BYTES = 4 << 20  # encoded bytes a piece holds, about (1 MiB to all in one: within noise on loopback)
+TINY = 1e-30  # a block's absmax is at least this: a block of zeros gets a finite scale and codes 0
+CODECS = ("bfloat16", "float16", "int8", "int4")
+
+
+@dataclass
+class Scratch:
+    """Working memory for one chunk, shaped as its codec works on it: numbers, and one number per block."""
+
+    numbers: torch.Tensor
+    amax: torch.Tensor  # (blocks, 1)
+    inverse: torch.Tensor  # (blocks, 1)
+
+
+class Codec:
+    """Encodes a chunk of numbers into bytes, and adds what bytes decode to onto a chunk. The
+    chunk, its codes and scales come shaped by `view` and `wire`, once, not at every call."""
+
+    name: str
+    bits: int  # per number, scales aside
+    block: int  # the numbers that share a scale (1: no scale); a chunk holds whole blocks
+
+    def nbytes(self, numel: int) -> int:
+        """The bytes of `numel` numbers' payload, a tail block padded: codes, then scales."""
+        return -(-numel // self.block) * self.block * self.bits // 8 + self.scale_bytes(numel)
+
+    def scale_bytes(self, numel: int) -> int:
+        return 0 if self.block == 1 else -(-numel // self.block) * 4
+
+    def view(self, numbers: torch.Tensor) -> torch.Tensor:
+        """A chunk of numbers as the codec works on them."""
+        return numbers
+
+    def wire(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's codes (uint8) and scales (float32) as the codec writes and reads them."""
+        return codes, scales
+
+    def encode_(self, delta: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scratch: Scratch) -> None:
+        """Write delta's codes and scales, and leave in `delta` what they lose."""
+        raise NotImplementedError
+
+    def decode_add_(self, codes: torch.Tensor, scales: torch.Tensor, total: torch.Tensor, alpha: float, scratch: Scratch) -> None:
+        """total += alpha · decode(codes, scales)."""
+        raise NotImplementedError
+
+
+class Cast(Codec):
+    """The numbers cast to a 16-bit float (float16: clamped to its range first, the rest carried
+    by the error)."""
+
+    bits, block = 16, 1
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.name, self.dtype = str(dtype).removeprefix("torch."), dtype
+        self.limit = torch.finfo(dtype).max if dtype == torch.float16 else None
+
+    def wire(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return codes.view(self.dtype), scales
+
+    def encode_(self, delta: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scratch: Scratch) -> None:
+        if self.limit is not None:
+            codes.copy_(torch.clamp(delta, -self.limit, self.limit, out=scratch.numbers))
+        else:
+            codes.copy_(delta)
+        delta.sub_(scratch.numbers.copy_(codes))
+
+    def decode_add_(self, codes: torch.Tensor, scales: torch.Tensor, total: torch.Tensor, alpha: float, scratch: Scratch) -> None:
+        total.add_(scratch.numbers.copy_(codes), alpha=alpha)  # same-dtype adds are vectorized; a mixed one is 4x slower
+
+
+class Blocks(Codec):
+    """Symmetric absmax quantization per block of BLOCK numbers: code = round(x / scale), scale =
+    absmax / (2^(bits-1) - 1). int4 packs a block's codes i and i + 128 into byte i as the int8
+    code_i + 16 · code_(i+128)."""
+
+    block = BLOCK
+
+    def __init__(self, bits: int) -> None:
+        assert bits in (4, 8)
+        self.name, self.bits, self.levels = f"int{bits}", bits, 2 ** (bits - 1) - 1
+
+    def view(self, numbers: torch.Tensor) -> torch.Tensor:
+        return numbers.view(-1, BLOCK)
+
+    def wire(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return codes.view(torch.int8).view(-1, BLOCK * self.bits // 8), scales.view(-1, 1)
+
+    def encode_(self, delta: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scratch: Scratch) -> None:
+        rounded, amax, inverse = scratch.numbers, scratch.amax, scratch.inverse
+        torch.amax(torch.abs(delta, out=rounded), dim=1, keepdim=True, out=amax)
+        torch.div(amax.clamp_min_(TINY), self.levels, out=scales)
+        torch.reciprocal(scales, out=inverse)
+        torch.mul(delta, inverse, out=rounded).round_()  # |x| · levels / absmax ≤ levels: no clamp needed
+        delta.addcmul_(rounded, scales, value=-1)  # the error: x − code · scale
+        if self.bits == 8:
+            codes.copy_(rounded)
+        else:
+            codes.copy_(rounded[:, : BLOCK // 2].add_(rounded[:, BLOCK // 2 :], alpha=16))  # low + 16 high, in [-119, 119]
+
+    def decode_add_(self, codes: torch.Tensor, scales: torch.Tensor, total: torch.Tensor, alpha: float, scratch: Scratch) -> None:
+        decoded = scratch.numbers
+        if self.bits == 8:
+            decoded.copy_(codes)
+        else:  # byte = low + 16 high, |low|, |high| ≤ 7: high = round(byte / 16), as |low / 16| < 1/2
+            low, high = decoded[:, : BLOCK // 2], decoded[:, BLOCK // 2 :]
+            torch.mul(low.copy_(codes), 1 / 16, out=high).round_()
+            low.add_(high, alpha=-16)
+        total.addcmul_(decoded, scales, value=alpha)
+
+
+def codec(name: str | torch.dtype) -> Codec:
+    """The codec of a payload dtype: "bfloat16", "float16", "int8", "int4" (or the torch dtype)."""
+    name = str(name).removeprefix("torch.")
+    if name in ("bfloat16", "float16"):
+        return Cast(getattr(torch, name))
+    if name in ("int8", "int4"):
+        return Blocks(int(name[3:]))
+    raise ValueError(f"no codec {name!r}; one of {list(CODECS)}")
+
+
+@dataclass
+class _Chunk:
+    """Views of one chunk: the state and the first as many numbers of its start and error (the
+    tail chunk's state may end before a padded block), then the start, the error, this rank's
+    codes and scales and every rank's, and the scratch, shaped for the codec."""
+
+    state: torch.Tensor
+    start_head: torch.Tensor
+    error_head: torch.Tensor
+    start: torch.Tensor
+    error: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    scratch: Scratch
+    received: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # every rank's codes, scales
+
+
+@dataclass
+class _Piece:
+    payload: torch.Tensor  # this rank's bytes: the chunks' codes, then their scales
+    chunks: list[_Chunk]
+
+
+class DeltaCoder:
+    """The change of a flat buffer since the last average, encoded piece by piece with error
+    feedback, and the pieces every rank sent, summed onto that average.
+
+    `encode(scale)` yields each piece's payload as soon as it is written; whoever sends it puts
+    rank r's payload of piece i into `inbox[i][r]` (this rank's is its own); `decode(i, alpha)`
+    then sets the piece's part of the start and of the state to start + alpha · Σ_r decode(rank
+    r's payload), in rank order. The start is the state when the coder is built (a
+    full-precision average), and the error zero.
+    """
+
+    def __init__(self, name: str | torch.dtype, state: torch.Tensor, ranks: int = 1, rank: int = 0, piece_bytes: int | None = None) -> None:
+        self.codec, self.state, self.ranks, self.rank = codec(name), state, ranks, rank
+        block, numel, c = self.codec.block, state.numel(), self.codec
+        padded = -(-numel // block) * block
+        self.start = torch.zeros(padded, dtype=state.dtype, device=state.device)
+        self.start[:numel].copy_(state)
+        self.error = torch.zeros_like(self.start)
+        chunk = CHUNK if state.device.type == "cpu" else padded  # on a GPU one kernel per pass is faster
+        per_piece = max(chunk, (piece_bytes or PIECE_BYTES) * 8 // c.bits // chunk * chunk)
+        numbers = torch.empty(min(chunk, padded), dtype=state.dtype, device=state.device)
+        per_block = torch.empty(2, chunk // BLOCK, 1, dtype=state.dtype, device=state.device)  # amax, inverse
+        self.nbytes = sum(c.nbytes(min(per_piece, padded - lo)) for lo in range(0, padded, per_piece))
+        payload = torch.empty(self.nbytes, dtype=torch.uint8, device=state.device)
+        self._pieces, offset = [], 0
+        for lo in range(0, padded, per_piece):
+            hi = min(lo + per_piece, padded)
+            size = c.nbytes(hi - lo)
+            codes, scales = self._split(payload[offset : offset + size], hi - lo)
+            chunks = []
+            for a in range(lo, hi, chunk):
+                b, n = min(a + chunk, hi), min(a + chunk, hi, numel) - a
+                code_range = slice((a - lo) * c.bits // 8, (b - lo) * c.bits // 8)
+                scale_range = slice((a - lo) // block, (b - lo) // block) if block > 1 else slice(0, 0)
+                work = Scratch(c.view(numbers[: b - a]), per_block[0, : (b - a) // BLOCK], per_block[1, : (b - a) // BLOCK])
+                heads = state[a : a + n], self.start[a : a + n], self.error[a : a + n]
+                chunks.append(_Chunk(*heads, c.view(self.start[a:b]), c.view(self.error[a:b]), *c.wire(codes[code_range], scales[scale_range]), work))
+            self._pieces.append(_Piece(payload[offset : offset + size], chunks))
+            offset += size
+        received, offset = torch.empty((ranks - 1) * self.nbytes, dtype=torch.uint8, device=state.device), 0
+        self.inbox: list[list[torch.Tensor]] = []  # per piece, per rank: where its payload is received (own: sent)
+        for piece in self._pieces:
+            size, numel = piece.payload.numel(), sum(ch.start.numel() for ch in piece.chunks)
+            others = received[offset : offset + (ranks - 1) * size].view(ranks - 1, size)
+            self.inbox.append([piece.payload if r == rank else others[r - (r > rank)] for r in range(ranks)])
+            offset += (ranks - 1) * size
+            rows = [self._split(row, numel) for row in self.inbox[-1]]
+            codes_at, scales_at = 0, 0
+            for ch in piece.chunks:  # each chunk's codes and scales in every rank's payload
+                n_codes, n_scales = ch.codes.numel() * ch.codes.element_size(), ch.scales.numel()
+                ch.received = [c.wire(codes[codes_at : codes_at + n_codes], scales[scales_at : scales_at + n_scales]) for codes, scales in rows]
+                codes_at, scales_at = codes_at + n_codes, scales_at + n_scales
+
+    def _split(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A piece's payload as its codes (uint8) and its scales (float32)."""
+        cut = payload.numel() - self.codec.scale_bytes(numel)
+        scales = payload[cut:].view(torch.float32) if cut < payload.numel() else torch.empty(0, device=payload.device)
+        return payload[:cut], scales
+
+    @property
+    def pieces(self) -> int:
+        return len(self._pieces)
+
+    @torch.no_grad()
+    def encode(self, scale: float) -> Iterator[torch.Tensor]:
+        """Yield each piece's payload: (state − start + error) · scale, encoded; the error keeps
+        what the codes lost, in the state's units. scale = 0 sends zeros and keeps the error."""
+        for piece in self._pieces:
+            if scale == 0.0:
+                piece.payload.zero_()  # decodes to 0 whatever the codec (a scale of 0)
+                yield piece.payload
+                continue
+            for c in piece.chunks:
+                c.error_head.add_(c.state)  # a tail block's padding stays 0
+                c.error.sub_(c.start)
+                if scale != 1.0:
+                    c.error.mul_(scale)
+                self.codec.encode_(c.error, c.codes, c.scales, c.scratch)
+                if scale != 1.0:
+                    c.error.div_(scale)
+            yield piece.payload
+
+    @torch.no_grad()
+    def decode(self, index: int, alpha: float) -> None:
+        """Piece `index` of the start and of the state becomes start + alpha · Σ_rank decode(its
+        payload), summed in rank order, after every rank's payload is in `inbox`."""
+        for c in self._pieces[index].chunks:
+            for codes, scales in c.received:
+                self.codec.decode_add_(codes, scales, c.start, alpha, c.scratch)
+            c.state.copy_(c.start_head)
+
+    def restart(self) -> None:
+        """The state is a full-precision average: the start of the next change."""
+        self.start[: self.state.numel()].copy_(self.state)
+
+
+__all__ = ["BLOCK", "CHUNK", "CODECS", "Blocks", "Cast", "Codec", "DeltaCoder", "Scratch", "codec"]
