@@ -82,8 +82,9 @@ class Settings:
         return self._set("warmup_sync_steps", n)
 
     def payload_dtype(self, dtype: torch.dtype | str) -> Self:
-        """torch.bfloat16 or torch.float16: each averaging sends the floats' change since the last
-        average in that dtype, what the cast loses going with the next round. Default: float32."""
+        """torch.bfloat16, torch.float16, "int8" or "int4": each averaging sends the floats' change
+        since the last average cast or block-quantized, what the encoding loses going with the next
+        round. Default: float32."""
         return self._set("payload_dtype", str(dtype).removeprefix("torch."))
 
     def hierarchy(self, level: str) -> Self:
