@@ -14,7 +14,6 @@ This module knows nothing of queues, processes or the protocol: it takes a proce
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import DeltaCoder, codec
+from .wire import Flight, decode_coded, send_coded, send_trailer, wait_trailer
 
 ProcessGroup = dist.ProcessGroup | None  # None: the default group
 
@@ -103,14 +103,6 @@ class _Group:
     coder: DeltaCoder | None = None  # with a wire codec: the last average and the error fed back
 
 
-@dataclass
-class _Flight:
-    """A group's collectives in flight: an all-reduce of `buffer`, or (None) a coded round's, per piece."""
-
-    works: list[list[dist.Work]]
-    buffer: torch.Tensor | None
-
-
 class FlatAverager:
     """Averages a fixed list of tensors in place, one flat buffer and one all-reduce per dtype.
 
@@ -158,7 +150,7 @@ class FlatAverager:
         self.nbytes = sum(g.flat.numel() * g.flat.element_size() for g in self._groups)  # trailer included
         if self._wire is not None:  # what travels after the first round: the codes and scales, the trailer in float64
             self.nbytes = trailer * 8 + sum(codec(self._wire).nbytes(g.data.numel()) if g.data.is_floating_point() else g.data.nbytes for g in self._groups)
-        self._in_flight: list[_Flight] = []  # per group
+        self._in_flight: list[Flight] = []  # per group
         self._wired_trailer: tuple[dist.Work, torch.Tensor] | None = None  # a wired round's float64 trailer
 
     @property
@@ -176,10 +168,7 @@ class FlatAverager:
         assert not self._in_flight, "wait() for the previous sums first"
         wired = self._wire is not None and not exact
         if wired:  # the trailer goes first, exact, beside the encoded deltas: its sums are in by wait()
-            values = torch.tensor(list(trailer or [0.0] * self._trailer_len), dtype=torch.float64, device=self._groups[0].flat.device)
-            work = dist.all_reduce(values, group=group, async_op=True)
-            assert work is not None
-            self._wired_trailer = (work, values)
+            self._wired_trailer = send_trailer(trailer, self._trailer_len, self._groups[0].flat.device, group)
         for g in self._groups:
             for t, view in g.resident:
                 if t.data_ptr() != view.data_ptr():  # reallocated since: move it back in
@@ -188,10 +177,7 @@ class FlatAverager:
             if wired and g.coder is not None:
                 for t, view in g.copied:
                     view.copy_(t)
-                peers = [(r, r if group is None else dist.get_global_rank(group, r)) for r in range(g.coder.ranks) if r != g.coder.rank]
-                payloads = list(g.coder.encode(scale))  # all, then sent: sending while encoding slowed both on 2 cores
-                ops = [[dist.P2POp(op, t, peer, group, i) for r, peer in peers for op, t in ((dist.isend, p), (dist.irecv, g.coder.inbox[i][r]))] for i, p in enumerate(payloads)]
-                self._in_flight.append(_Flight([dist.batch_isend_irecv(o) if o else [] for o in ops], None))
+                self._in_flight.append(Flight(send_coded(g.coder, scale, group), None))
                 continue
             if scale == 0.0:
                 buffer = torch.zeros_like(g.flat)
@@ -205,7 +191,7 @@ class FlatAverager:
             part = buffer if self._shards is None else buffer.view(self._shards.size, -1)[self._shards.index]
             work = dist.all_reduce(part, group=group, async_op=True)
             assert work is not None
-            self._in_flight.append(_Flight([[work]], buffer))
+            self._in_flight.append(Flight([[work]], buffer))
 
     def wait(self) -> list[float]:
         """Wait for the sums; the trailer's sums. (apply() waits for a coded round's pieces.)"""
@@ -216,10 +202,8 @@ class FlatAverager:
                     parts = flight.buffer.view(self._shards.size, -1)
                     dist.all_gather(list(parts.unbind(0)), parts[self._shards.index].clone(), group=self._shards.group)
         if self._wired_trailer is not None:
-            work, values = self._wired_trailer
-            work.wait()
-            self._wired_trailer = None
-            return values.tolist()
+            values, self._wired_trailer = wait_trailer(self._wired_trailer), None
+            return values
         buffer = self._in_flight[0].buffer
         assert buffer is not None
         return _trailer(buffer, self._groups[0].data.numel(), self._trailer_len).tolist()
@@ -231,10 +215,7 @@ class FlatAverager:
         for g, flight in zip(self._groups, self._in_flight):
             if flight.buffer is None:  # every rank's payload: start + scale · Σ decoded, piece by piece
                 assert g.coder is not None
-                for piece, works in enumerate(flight.works):
-                    for work in works:
-                        work.wait()
-                    g.coder.decode(piece, scale)
+                decode_coded(g.coder, flight.works, scale)
             elif flight.buffer is not g.flat:
                 torch.mul(flight.buffer[: g.data.numel()], scale, out=g.data)
             elif scale != 1.0:
@@ -272,6 +253,20 @@ class FlatAverager:
                     t.data = view.clone()
 
 
+@dataclass
+class _Snapshots:
+    """The tensors of one dtype in a DeltaAverager."""
+
+    snapshot: torch.Tensor  # (Σ numel,): the tensors at the launch
+    total: torch.Tensor  # (Σ numel [+ trailer],): the weighted sum, then the average [and the trailer]
+    members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (tensor, its snapshot, its part of total)
+    coder: DeltaCoder | None = None  # with a wire codec, from the first landing: the last average and the error
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.total[: self.snapshot.numel()]
+
+
 class DeltaAverager:
     """Averaging in the background, for `Builder.overlap_averaging(True)`.
 
@@ -281,118 +276,100 @@ class DeltaAverager:
     are kept on top of the average. A worker that took no step since the snapshot therefore lands
     exactly on the average.
 
+    With a `wire` codec, as in FlatAverager, the floating-point snapshots travel as their change
+    since the last landed average, encoded with error feedback, once a first round (in full
+    precision) has landed: every worker knows that average, so it is the common start.
+
     Every launch sends the tensors it was built with, whatever an optimizer has created since.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0) -> None:
-        self._groups: list[tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = []
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: str | None = None) -> None:
+        self._wire, self._trailer_len = wire, trailer
+        self._groups: list[_Snapshots] = []
         for dtype, members in _by_dtype(tensors):
             extra = 0 if self._groups else trailer
             snapshot, total = _flat(members, dtype, device), _flat(members, dtype, device, extra)
-            self._groups.append((snapshot, total, list(zip(members, _views(snapshot, members), _views(total, members)))))
-        self._in_flight: list[dist.Work] = []
+            self._groups.append(_Snapshots(snapshot, total, list(zip(members, _views(snapshot, members), _views(total, members)))))
+        self._in_flight: list[Flight] = []
+        self._coded_trailer: tuple[dist.Work, torch.Tensor] | None = None
+        self._world: tuple[int, int] = (1, 0)  # the group's size and this rank, for the coders
 
     @torch.no_grad()
     def launch(self, weight: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None) -> None:
         """Snapshot the tensors and start summing weight · snapshot, and the trailer, over the group."""
         assert not self._in_flight, "land() the previous averaging first"
-        for snapshot, total, members in self._groups:
-            for t, snap, _ in members:
+        if self._wire is not None:
+            self._world = (dist.get_world_size(group), dist.get_rank(group))
+        coded = any(s.coder is not None for s in self._groups)
+        if coded:
+            self._coded_trailer = send_trailer(trailer, self._trailer_len, self._groups[0].total.device, group)
+        for s in self._groups:
+            for t, snap, _ in s.members:
                 snap.copy_(t)
-            data = total[: snapshot.numel()]
+            if s.coder is not None:
+                s.data.copy_(s.snapshot)  # the coder's state: its change from the last average goes
+                self._in_flight.append(Flight(send_coded(s.coder, weight, group), None))
+                continue
             if weight == 0.0:
-                data.zero_()  # whatever the snapshot holds (even NaN) contributes nothing
+                s.data.zero_()  # whatever the snapshot holds (even NaN) contributes nothing
             else:
-                torch.mul(snapshot, weight, out=data)
-            _put_trailer(total, snapshot.numel(), trailer)
-            work = dist.all_reduce(total, group=group, async_op=True)
+                torch.mul(s.snapshot, weight, out=s.data)
+            _put_trailer(s.total, s.snapshot.numel(), None if coded else trailer)
+            work = dist.all_reduce(s.total, group=group, async_op=True)
             assert work is not None
-            self._in_flight.append(work)
+            self._in_flight.append(Flight([[work]], s.total))
 
     def wait(self) -> list[float]:
-        """Wait for the sums; the trailer's sums."""
-        for work in self._in_flight:
-            work.wait()
-        snapshot, total, _ = self._groups[0]
-        return _trailer(total, snapshot.numel(), total.numel() - snapshot.numel()).tolist()
+        """Wait for the sums (a coded payload: its trailer's); the trailer's sums."""
+        for flight in self._in_flight:
+            if flight.buffer is not None:
+                flight.works[0][0].wait()
+        if self._coded_trailer is not None:
+            values, self._coded_trailer = wait_trailer(self._coded_trailer), None
+            return values
+        first = self._groups[0]
+        return _trailer(first.total, first.snapshot.numel(), first.total.numel() - first.snapshot.numel()).tolist()
 
     @torch.no_grad()
-    def land(self, total_weight: float, adopt: bool = False, transform: Callable[[dict[int, torch.Tensor]], None] | None = None) -> None:
+    def land(
+        self, total_weight: float, adopt: bool = False, transform: Callable[[dict[int, torch.Tensor]], None] | None = None, at_average: Callable[[], None] | None = None
+    ) -> None:
         """After wait(): move each tensor by (average − snapshot), or, with `adopt` (its own
         progress since is worthless or nil), replace it by the average. Σw = 0: no change.
         `transform` may first change the averages in place, given by id(tensor) (an outer
-        optimizer's step from the average: it moves the tensors by (its result − snapshot))."""
-        self._in_flight = []
+        optimizer's step from the average: it moves the tensors by (its result − snapshot)).
+        `at_average` is called while the tensors hold the (transformed) average, their progress
+        since the snapshot kept aside in the snapshots and added back after it."""
+        flights, self._in_flight = self._in_flight, []
+        for s, flight in zip(self._groups, flights):
+            if flight.buffer is None:
+                assert s.coder is not None
+                if total_weight == 0:
+                    for work in (w for works in flight.works for w in works):
+                        work.wait()
+                else:
+                    decode_coded(s.coder, flight.works, 1.0 / total_weight)  # the average, and the next start
+            elif total_weight != 0:
+                s.data.div_(total_weight)  # the average
+                if self._wire is not None and s.data.is_floating_point():
+                    s.coder = DeltaCoder(self._wire, s.data, *self._world)  # landed in full precision: the start
         if total_weight == 0:
             return
-        for snapshot, total, _ in self._groups:
-            total[: snapshot.numel()].div_(total_weight)  # the average
         if transform is not None:
-            transform({id(t): average for _, _, members in self._groups for t, _, average in members})
-        for snapshot, total, members in self._groups:
-            data = total[: snapshot.numel()]
-            if not adopt:
-                data.sub_(snapshot)  # its difference from this worker's snapshot
-            for t, _, change in members:
+            transform({id(t): average for s in self._groups for t, _, average in s.members})
+        aside = at_average is not None and not adopt  # the progress since goes in the snapshots
+        for s in self._groups:
+            if not adopt and not aside:
+                s.data.sub_(s.snapshot)  # its difference from this worker's snapshot
+            for t, snap, change in s.members:
                 change = change if t.is_floating_point() else change.round()
-                if adopt:
+                if aside:
+                    torch.sub(t, snap, out=snap)
+                if adopt or aside:
                     t.copy_(change)
                 else:
                     t.add_(change.to(t.dtype))
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's tensor state in a deterministic order: param order, then key order."""
-    out: list[torch.Tensor] = []
-    for p in _params(optimizer):
-        state = optimizer.state.get(p, {})
-        out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
-    return out
-
-
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-StateSignature = tuple[tuple[int, str, tuple[int, ...], str, bool], ...]
-
-
-def optimizer_signature(optimizer: torch.optim.Optimizer) -> StateSignature:
-    """(param index, key, shape, dtype, on the param's device) of each tensor of state."""
-    sig = []
-    for i, p in enumerate(_params(optimizer)):
-        state = optimizer.state.get(p, {})
-        for k in sorted(state):
-            v = state[k]
-            if isinstance(v, torch.Tensor):
-                sig.append((i, k, tuple(v.shape), str(v.dtype), v.device == p.device))
-    return tuple(sig)
-
-
-def signature_hash(signature: object) -> int:
-    """A 32-bit hash of a layout (a StateSignature, or a tuple holding one), the same in every process."""
-    return zlib.crc32(repr(signature).encode())
-
-
-def fill_missing_state(optimizer: torch.optim.Optimizer, union: StateSignature) -> None:
-    """Create zero tensors for the entries of `union` this optimizer lacks.
-
-    Optimizers create their state lazily, at a parameter's first step; a worker that has not
-    stepped yet must still send a buffer of the agreed layout (it sends zeros with w = 0).
-    """
-    params = _params(optimizer)
-    for i, key, shape, dtype_name, on_param_device in union:
-        p = params[i]
-        state = optimizer.state[p]
-        if key not in state:
-            dtype = getattr(torch, dtype_name.removeprefix("torch."))
-            state[key] = torch.zeros(shape, dtype=dtype, device=p.device if on_param_device else "cpu")
-
-
-def agree_on_optimizer_layout(optimizer: torch.optim.Optimizer, group: ProcessGroup = None) -> None:
-    """Gather every worker's state layout and give each worker the union of them."""
-    world = dist.get_world_size(group)
-    signatures: list[StateSignature | None] = [None] * world
-    dist.all_gather_object(signatures, optimizer_signature(optimizer), group=group)
-    union = sorted({entry for sig in signatures if sig for entry in sig})
-    fill_missing_state(optimizer, tuple(union))
+        if at_average is not None:
+            at_average()
+        for t, snap, _ in (m for s in self._groups for m in s.members) if aside else ():
+            t.add_(snap.to(t.dtype))

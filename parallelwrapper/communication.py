@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .averaging import FlatAverager, optimizer_state_tensors
+from .averaging import FlatAverager
 from .config import TrainingMode
 from .options import OPTIMIZERS, RunOptions, initial_model
 from .rounds import HEADER_LEN
+from .rounds.state import optimizer_state_tensors
 
 HEADER_BYTES = HEADER_LEN * 8  # averaging.all_reduce_values, float64: a fit()'s first round (checked by a test)
 

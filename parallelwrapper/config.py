@@ -125,8 +125,6 @@ class Config:
             )
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
-        if self.payload_dtype != "float32" and self.overlap_averaging:
-            raise ValueError("payload_dtype sends deltas from the last average, which overlap_averaging has not yet; drop one")
         if self.hierarchy not in ("none", "node"):
             raise ValueError(f"hierarchy must be 'none' or 'node', got {self.hierarchy!r}")
         if self.hierarchy == "node" and self.training_mode is not TrainingMode.AVERAGING:
@@ -137,11 +135,6 @@ class Config:
         if self.on_worker_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_worker_failure must be one of {list(FAILURE_POLICIES)}, got {self.on_worker_failure!r}")
         check_int("max_replacements", self.max_replacements, 0, 'e.g. .on_worker_failure("replace", max_replacements=3)')
-        if self.on_worker_failure == "replace" and self.overlap_averaging:
-            raise ValueError(
-                'on_worker_failure("replace") rolls every worker back to the last landed average, which '
-                "overlap_averaging never holds (each round lands during the next); drop one of them"
-            )
         if not self.peer_timeout_s > 0:
             raise ValueError(f"peer_timeout_s must be > 0 seconds, got {self.peer_timeout_s}")
         if self.precision not in PRECISIONS:

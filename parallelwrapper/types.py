@@ -162,9 +162,20 @@ class Hooks:
         wrapper's life; a take is for the round in progress otherwise): a host that can feed a
         lost round again records it (hosts/ledger.py)."""
 
-    def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
-        """Round `tag` of `epoch` starts, from the last average; `finished`: this worker has had
-        its end of the epoch. A host that can replace a worker keeps this state (hosts/ledger.py)."""
+    def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
+        """Round `tag` of `epoch` starts; `finished`: this worker has had its end of the epoch;
+        rounds up to `landed` have landed: `tag - 1`, when the worker starts from their average,
+        or `tag - 2`, when round `tag - 1` is still being averaged (overlap_averaging). A host
+        that can replace a worker keeps the state a redo would start from (hosts/recovery.py)."""
+
+    @property
+    def keeps_averages(self) -> bool:
+        """Whether the host wants `at_average` called when an overlapped round lands."""
+        return False
+
+    def at_average(self) -> None:
+        """An overlapped round has landed and, for this call only, the worker holds its average
+        (the steps taken since are put back after it)."""
 
     def checkpoint_due(self, rounds: int) -> bool:
         """Whether a periodic checkpoint falls at the end of round number `rounds`."""

@@ -76,8 +76,9 @@ def test_bottom_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[f"parallelwrapper.{leaf}"] == set()
 
 
-def test_averaging_imports_only_the_codecs() -> None:
-    assert GRAPH["parallelwrapper.averaging"] <= {"parallelwrapper.codec"}
+def test_averaging_imports_only_the_codecs_and_their_exchange() -> None:
+    assert GRAPH["parallelwrapper.averaging"] <= {"parallelwrapper.codec", "parallelwrapper.wire"}
+    assert GRAPH["parallelwrapper.wire"] <= {"parallelwrapper.codec"}
 
 
 def test_averaging_knows_no_protocol_flag() -> None:

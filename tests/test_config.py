@@ -88,8 +88,8 @@ def test_replacing_workers_has_a_bounded_count_and_needs_rounds_that_land() -> N
         assert (w.config.on_worker_failure, w.config.max_replacements) == ("replace", 5)
     with pytest.raises(ValueError, match=r"max_replacements must be an int >= 0, got -1"):
         b.on_worker_failure("replace", max_replacements=-1).build()
-    with pytest.raises(ValueError, match=r"overlap_averaging never holds .*drop one of them"):
-        b.on_worker_failure("replace").overlap_averaging(True).build()
+    with b.on_worker_failure("replace").overlap_averaging(True).build() as w:  # composes (test_composition.py)
+        assert w.config.overlap_averaging
 
 
 def test_overlap_averaging_is_for_averaging_only() -> None:

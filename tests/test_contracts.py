@@ -124,6 +124,26 @@ def test_delta_averager_keeps_the_steps_taken_since_the_snapshot(fake: FakeAllRe
     assert torch.equal(tensors[1][0], torch.full((2,), 2.0))  # no step since: exactly the average
 
 
+def test_delta_averager_shows_at_average_the_average_then_puts_the_steps_back(fake: FakeAllReduce) -> None:
+    """What a replaceable worker keeps when an overlapped round lands (hosts/runtime.py)."""
+    tensors = [[torch.full((2,), 1.0), torch.tensor(4)], [torch.full((2,), 3.0), torch.tensor(6)]]
+    deltas = [DeltaAverager(t, CPU, trailer=1) for t in tensors]
+    for rank in (0, 1):
+        fake.rank = rank
+        deltas[rank].launch(1.0, [1.0])
+    tensors[0][0].add_(0.5)  # rank 0 steps while the averaging is in flight
+    tensors[0][1].add_(1)
+    seen: list[list[torch.Tensor]] = []
+    for rank in (0, 1):
+        fake.rank = rank
+        deltas[rank].wait()
+        deltas[rank].land(2.0, adopt=rank == 1, at_average=lambda r=rank: seen.append([t.clone() for t in tensors[r]]))
+    for held in seen:  # both held exactly the average
+        assert torch.equal(held[0], torch.full((2,), 2.0)) and int(held[1]) == 5
+    assert torch.equal(tensors[0][0], torch.full((2,), 2.5)) and int(tensors[0][1]) == 6  # then their steps again
+    assert torch.equal(tensors[1][0], torch.full((2,), 2.0)) and int(tensors[1][1]) == 5
+
+
 def test_header_round_trip_and_layout_agreement() -> None:
     headers = [
         make_header(samples=5000, loss_sum=2.5, batches=2, finished=True, skipped=False, layout=0xBEEF),

@@ -87,7 +87,7 @@ class Heard:
 
 def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, faults: str = "", k: int = 2, deterministic: bool = True,
           max_replacements: int = 3, epochs: int = 2, every_time: bool = False, fits: int = 1, workers: int = 2,
-          mode: str = "averaging", momentum: float = 0.0) -> tuple[Counting, Any, Heard]:  # fmt: skip
+          mode: str = "averaging", momentum: float = 0.0, overlap: bool = False) -> tuple[Counting, Any, Heard]:  # fmt: skip
     monkeypatch.setenv("PW_TEST_DIR", str(tmp_path))
     monkeypatch.setenv("PW_TEST_FAULTS", faults)
     monkeypatch.setenv("PW_TEST_EVERY_TIME", "1" if every_time else "")
@@ -97,6 +97,7 @@ def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, faults: str = "", 
         ParallelWrapper.builder(model).workers(workers).threads_per_worker(1).deterministic(deterministic)
         .optimizer(torch.optim.SGD, lr=LR, momentum=momentum).training_step(step).averaging_frequency(k).training_mode(mode)
         .stall_timeout(2).on_worker_failure("replace", max_replacements=max_replacements).listeners(heard)
+        .overlap_averaging(overlap)
     )  # fmt: skip
     with b.build() as wrapper:
         for _ in range(fits):  # a fit() ends holding no slot, whatever it took
@@ -146,6 +147,18 @@ def test_three_workers_sharing_gradients_with_momentum_end_bitwise_equal_to_the_
         assert torch.equal(x, reference.state_dict()[name]), name
 
 
+def test_overlapped_rounds_go_back_to_the_last_landed_average_and_count_every_batch_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # k = 2 on 2 workers, each round landing during the next: batch 9 is worker 1's in round 3,
+    # while round 2 is in flight. The redo starts from round 1's or 2's landed average, whichever
+    # a survivor holds, and every batch after it is trained again.
+    model, history, heard = train(tmp_path, monkeypatch, faults="9:kill", overlap=True, epochs=1)
+    assert [(rank, reason.batch) for rank, reason, _ in heard.replaced] == [(1, 9)]
+    assert history.scores[-1].iteration == BATCHES
+    assert counts(model, 2) == [1] * BATCHES  # not one batch lost or counted twice
+
+
 def test_first_come_feed_counts_every_batch_once_after_a_kill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Shared gradients: every step, each worker trains one batch, whichever it takes.
     model, history, heard = train(tmp_path, monkeypatch, faults="5:kill", deterministic=False, epochs=1, mode="shared-gradients", k=1)
@@ -174,17 +187,22 @@ def test_the_ledger_frees_landed_rounds_and_keeps_the_round_taken_ahead_and_the_
     import multiprocessing
 
     ledger = Ledger(multiprocessing.get_context("spawn"), 6)
-    ledger.cut(1, 0, finished=False)
+    ledger.cut(1, 0, finished=False, landed=0)
     for slot in (10, 11):
         ledger.take(slot)
     ledger.take(12)
     ledger.retag_last(2)  # the batch looked ahead at, for round 2
-    assert ledger.cut(2, 0, finished=False) == [10, 11]
+    assert ledger.cut(2, 0, finished=False, landed=1) == [10, 11]
     ledger.take(END_SLOT)
     assert ledger.entries() == [Entry(2, 12, 0), Entry(2, END_SLOT, 0)]
-    assert ledger.cut(3, 0, finished=True) == [12]
+    assert ledger.cut(3, 0, finished=True, landed=2) == [12]
     assert ledger.entries() == [Entry(2, END_SLOT, 0)]  # the end stays while the epoch lasts
-    assert ledger.cut(4, 1, finished=False) == [] and ledger.entries() == []
+    assert ledger.cut(4, 1, finished=False, landed=3) == [] and ledger.entries() == []
+    # overlap_averaging: round 5 starts while round 4 is averaged; its batches stay until it lands
+    for slot in (20, 21):
+        ledger.take(slot)
+    assert ledger.cut(5, 1, finished=False, landed=3) == [] and len(ledger.entries()) == 2
+    assert ledger.cut(6, 1, finished=False, landed=4) == [20, 21]
 
 
 @pytest.mark.fast

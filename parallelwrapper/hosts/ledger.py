@@ -31,8 +31,9 @@ class Entry:
 
 
 class Ledger:
-    """One worker's entries since its round started: at most `capacity` (a round's batches, the
-    one taken ahead for the next round, and an end of epoch)."""
+    """One worker's entries of the rounds not landed yet: at most `capacity` (a round's batches,
+    two rounds' with overlap_averaging, the one taken ahead for the next round, and an end of
+    epoch)."""
 
     def __init__(self, ctx: Any, capacity: int) -> None:
         self._array = ctx.Array("q", 1 + capacity * _FIELDS, lock=False)
@@ -56,9 +57,9 @@ class Ledger:
         assert n > 0, "retag_last without a take"
         self._array[1 + (n - 1) * _FIELDS] = tag
 
-    def cut(self, tag: int, epoch: int, finished: bool) -> list[int]:
-        """Round `tag` of `epoch` starts: drop the entries of landed rounds (and the ends of past
-        epochs), and return their slots, which the feeder may reuse."""
+    def cut(self, tag: int, epoch: int, finished: bool, landed: int) -> list[int]:
+        """Round `tag` of `epoch` starts, rounds up to `landed` have landed: drop their entries
+        (and the ends of past epochs), and return their slots, which the feeder may reuse."""
         self.tag, self.epoch = tag, epoch
         kept: list[Entry] = []
         released: list[int] = []
@@ -66,7 +67,7 @@ class Ledger:
             if e.slot == END_SLOT:
                 if finished and e.epoch == epoch:
                     kept.append(e)
-            elif e.tag >= tag:
+            elif e.tag > landed:
                 kept.append(e)
             else:
                 released.append(e.slot)

@@ -51,9 +51,17 @@ class _SpawnedHooks(Hooks):
         if self.keeper is not None:
             self.keeper.took_ahead(tag)
 
-    def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
+    def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
         if self.keeper is not None:
-            self.keeper.round_starts(tag, epoch, finished)
+            self.keeper.round_starts(tag, epoch, finished, landed)
+
+    @property
+    def keeps_averages(self) -> bool:
+        return self.keeper is not None
+
+    def at_average(self) -> None:
+        if self.keeper is not None:
+            self.keeper.worker.hold_average()
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,9 @@ class Keeper:
     def took_ahead(self, tag: int) -> None:
         self.ledger.retag_last(tag)
 
-    def round_starts(self, tag: int, epoch: int, finished: bool) -> None:
-        self.source.release(self.ledger.cut(tag, epoch, finished))
-        self.worker.keep()
+    def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
+        self.source.release(self.ledger.cut(tag, epoch, finished, landed))
+        self.worker.keep(tag, landed)
 
     def fit_ended(self) -> None:
         """Every round of the fit landed: free what is still held (a batch taken ahead before an

@@ -87,12 +87,28 @@ class Worker:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + rank)
             self._rng = rng_state()
-        self.kept: Kept | None = None  # with `keep`: the state the round in progress started from
+        self.kept: Kept | None = None  # with `keep`: the state a redo of the oldest round not landed starts from
+        self._begun: tuple[Any, dict[str, Any]] | None = None  # at the last round's start: its schedule and RNG
+        self._average: TrainingState | None = None  # held by `hold_average` at an overlapped landing
 
-    def keep(self) -> None:
-        """Keep a copy of the state the round now starting begins from: the last average."""
+    def keep(self, tag: int, landed: int) -> None:
+        """Round `tag` starts, rounds up to `landed` have landed: keep what a redo of round
+        `landed + 1` starts from. When that is this round, the worker holds the last average; with
+        the previous round in flight, the average was held when round `landed` landed (or the
+        kept state is still the one it started from), with the schedule and RNG of round
+        `landed + 1`'s start."""
         r = self.replica
-        self.kept = Kept(r.state_dicts(), dataclasses.replace(r.counters), r.rounds.seq, r.own_state())
+        schedule = None if r.schedule is None else copy.deepcopy(r.schedule.state_dict())
+        if landed == tag - 1:
+            self.kept = Kept(r.state_dicts(), dataclasses.replace(r.counters), tag, r.own_state())
+        elif self._average is not None and self._begun is not None:
+            state = dataclasses.replace(self._average, lr_scheduler=self._begun[0])
+            self.kept = Kept(state, dataclasses.replace(r.counters), landed + 1, self._begun[1])
+        self._average, self._begun = None, (schedule, r.own_state())
+
+    def hold_average(self) -> None:
+        """The replica holds a landed average, for this call only (overlap_averaging)."""
+        self._average = self.replica.state_dicts()
 
     def redo(self, kept: Kept, until_epoch: int, own: dict[str, Any] | None) -> FitCommand:
         """The fit that redoes round `kept.seq` from `kept` (a survivor's copy), with this worker's

@@ -56,12 +56,13 @@ class WorkerPool:
             self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
         replaces = config.on_worker_failure == "replace"
         # A replaceable worker keeps a round's slots until it lands (ledger.py): all together they
-        # hold the round's N·k batches and one taken ahead each, beyond the prefetched ones. One
-        # worker may take all of a round (first-come), then one ahead and an end of epoch.
-        k = config.averaging_frequency
+        # hold the round's N·k batches (two rounds' with overlap_averaging, the one in flight too)
+        # and one taken ahead each, beyond the prefetched ones. One worker may take all of a round
+        # (first-come), then one ahead and an end of epoch.
+        k, in_flight = config.averaging_frequency, 2 if config.overlap_averaging else 1
         self._free_slots = ctx.Queue()
-        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (n * (k + 1) if replaces else 0))
-        self._ledgers = [Ledger(ctx, (k if config.deterministic else n * k) + 2) for _ in range(n)] if replaces else None
+        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (n * (in_flight * k + 1) if replaces else 0))
+        self._ledgers = [Ledger(ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)] if replaces else None
         self._recovery = Recovery(config.max_replacements) if replaces else None
         self._generation = 0
         self._results = ctx.Queue()

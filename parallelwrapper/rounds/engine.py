@@ -98,7 +98,7 @@ class Rounds:
         self._cut.epoch_starts(self.counters)
         in_flight: Any = None  # a round launched and not landed (overlap_averaging)
         while True:
-            work = self._local_work()
+            work = self._local_work(in_flight is not None)
             land_now = not (self._stream is not None and self._averaging)
             if in_flight is not None:
                 totals = self._land(in_flight, work)
@@ -130,14 +130,15 @@ class Rounds:
         """AVERAGING: k for every rank; SHARED_GRADIENTS (and a warm-up): one each."""
         return self._cut.ranks * (self.config.averaging_frequency if self._averaging else 1)
 
-    def _local_work(self) -> Work:
+    def _local_work(self, behind: bool) -> Work:
         """AVERAGING: an independent step on each of this worker's batches of the round (k, or
         with the first-come feed as many as it takes first). SHARED_GRADIENTS: one
-        forward/backward; the step waits for the averaged gradients."""
+        forward/backward; the step waits for the averaged gradients. `behind`: the last round
+        is still being averaged."""
         epoch, trainer = self.counters.epoch, self.trainer
         self.seq += 1
         self._cut.round_starts(self._batches_per_round())
-        self.hooks.round_starts(self.seq, epoch, self._cut.finished)
+        self.hooks.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
         work = Work(first_step=trainer.local_steps)
         self._sync.prepare(self._averaging)
         if self._averaging and self._node is not None:
@@ -186,7 +187,7 @@ class Rounds:
         a gradient round then takes its step, the same on every worker."""
         if not isinstance(launched, Sent):
             assert self._stream is not None
-            return self._stream.land(launched, since.skipped)
+            return self._stream.land(launched, since.skipped, self.hooks.at_average if self.hooks.keeps_averages else None)
         totals = self._sync.land(launched)
         if not launched.averaging and totals.samples > 0:
             self.trainer.at_step(self._cut.step_of(self._cut.start))

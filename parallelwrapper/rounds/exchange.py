@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..averaging import FlatAverager, Shards, agree_on_optimizer_layout, all_reduce_values
+from ..averaging import FlatAverager, Shards, all_reduce_values
 from ..config import Config
 from .header import HEADER_LEN, RoundTotals, Work, check_diverged, read_header, round_header
-from .state import averaged_tensors, gradient_tensors, state_layout
+from .state import agree_on_optimizer_layout, averaged_tensors, gradient_tensors, state_layout
 from .trainer import Trainer
 
 

@@ -11,11 +11,11 @@ changes on every worker alike, and the state is averaged anew.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
-
-from ..averaging import optimizer_signature, optimizer_state_tensors, signature_hash
+import torch.distributed as dist
 
 
 def _still(group: dict[str, Any]) -> bool:
@@ -56,4 +56,69 @@ def gradient_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return [p.grad for p in params if p.grad is not None] + list(model.buffers())
 
 
-__all__ = ["averaged_tensors", "gradient_tensors", "state_layout", "trained_parameters"]
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's tensor state in a deterministic order: param order, then key order."""
+    out: list[torch.Tensor] = []
+    for p in _params(optimizer):
+        state = optimizer.state.get(p, {})
+        out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+    return out
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+StateSignature = tuple[tuple[int, str, tuple[int, ...], str, bool], ...]
+
+
+def optimizer_signature(optimizer: torch.optim.Optimizer) -> StateSignature:
+    """(param index, key, shape, dtype, on the param's device) of each tensor of state."""
+    sig = []
+    for i, p in enumerate(_params(optimizer)):
+        state = optimizer.state.get(p, {})
+        for k in sorted(state):
+            v = state[k]
+            if isinstance(v, torch.Tensor):
+                sig.append((i, k, tuple(v.shape), str(v.dtype), v.device == p.device))
+    return tuple(sig)
+
+
+def signature_hash(signature: object) -> int:
+    """A 32-bit hash of a layout (a StateSignature, or a tuple holding one), the same in every process."""
+    return zlib.crc32(repr(signature).encode())
+
+
+def fill_missing_state(optimizer: torch.optim.Optimizer, union: StateSignature) -> None:
+    """Create zero tensors for the entries of `union` this optimizer lacks.
+
+    Optimizers create their state lazily, at a parameter's first step; a worker that has not
+    stepped yet must still send a buffer of the agreed layout (it sends zeros with w = 0).
+    """
+    params = _params(optimizer)
+    for i, key, shape, dtype_name, on_param_device in union:
+        p = params[i]
+        state = optimizer.state[p]
+        if key not in state:
+            dtype = getattr(torch, dtype_name.removeprefix("torch."))
+            state[key] = torch.zeros(shape, dtype=dtype, device=p.device if on_param_device else "cpu")
+
+
+def agree_on_optimizer_layout(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None) -> None:
+    """Gather every worker's state layout and give each worker the union of them."""
+    world = dist.get_world_size(group)
+    signatures: list[StateSignature | None] = [None] * world
+    dist.all_gather_object(signatures, optimizer_signature(optimizer), group=group)
+    union = sorted({entry for sig in signatures if sig for entry in sig})
+    fill_missing_state(optimizer, tuple(union))
+
+
+__all__ = [
+    "agree_on_optimizer_layout",
+    "averaged_tensors",
+    "gradient_tensors",
+    "optimizer_signature",
+    "optimizer_state_tensors",
+    "state_layout",
+    "trained_parameters",
+]

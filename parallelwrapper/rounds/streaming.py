@@ -11,6 +11,7 @@ maths). The next snapshot is then θ' plus the next round's progress, so its Δ 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,8 @@ class StreamExchange:
 
     def _build(self) -> DeltaAverager:
         self._layout = self._state_layout()
-        self._delta = DeltaAverager(averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters), self.device, HEADER_LEN)
+        tensors = averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters)
+        self._delta = DeltaAverager(tensors, self.device, HEADER_LEN, self.config.wire_dtype)
         return self._delta
 
     def launch(self, work: Work, stop: bool) -> Launched:
@@ -61,19 +63,21 @@ class StreamExchange:
         delta.launch(work.weight, header, self.group)
         return Launched(layout, work.weight, work.skipped, self.trainer.local_steps)
 
-    def land(self, launched: Launched, skipped_since: bool) -> RoundTotals:
+    def land(self, launched: Launched, skipped_since: bool, at_average: Callable[[], None] | None = None) -> RoundTotals:
         """Wait for a launched round and move the state by its average (and the outer step).
 
         A worker adopts the average outright when its progress since is worthless (a non-finite
         loss then or since) or nil (no step since). When the layouts disagreed, the buffers still
         matched (they keep their layout), so the average applies; then the state is averaged anew.
+        `at_average` is called while the worker holds the average (DeltaAverager.land).
         """
         assert self._delta is not None
         totals = read_header(self._delta.wait(), launched.layout, self.world_size)
         check_diverged(totals)
         worthless = launched.skipped or skipped_since
         adopt = worthless or self.trainer.local_steps == launched.local_steps
-        self._delta.land(totals.samples, adopt=adopt, transform=self.trainer.averaged if totals.samples > 0 else None)
+        transform = self.trainer.averaged if totals.samples > 0 else None
+        self._delta.land(totals.samples, adopt, transform, at_average if totals.layouts_agree else None)
         if not totals.layouts_agree:
             share = launched.weight / totals.samples if totals.samples > 0 else 1.0 / self.world_size
             average_anew(self.trainer, self.config, self.device, self.group, 0.0 if worthless else share, agree=True).release()
