@@ -33,6 +33,7 @@ class Communication:
     payload_collectives: int  # one all-reduce per dtype
     workers: int
     wire_bytes: int | None = None  # one worker's encoded payload in a coded round, without the header (None: float32)
+    fragments: int = 1  # Builder.fragments: n collectives a round, and a full average at each fit()'s end
 
     def ring_bytes(self, size: int) -> float:
         """Bytes each worker sends in a ring all-reduce of `size` bytes: 2(N-1)/N · size."""
@@ -45,15 +46,20 @@ class Communication:
     def collectives(self, rounds: int, fits: int) -> int:
         """Payloads, one per round, which carry the header, and the header a fit()'s first round
         sends alone before the buffers exist (counted for every fit(): an overcount of at most
-        one per call). A coded round adds the header's own all-reduce."""
+        one per call). A coded round adds the header's own all-reduce; fragments, a collective
+        each (and, coded, its trailer's) and the full average at each fit()'s end."""
         wired = 0 if self.wire_bytes is None else max(rounds - fits, 0)
-        return fits + rounds * self.payload_collectives + wired
+        pieces = (self.fragments - 1) * (rounds + wired) + (fits if self.fragments > 1 else 0)
+        return fits + rounds * self.payload_collectives + wired + pieces
 
     def bytes_per_worker(self, rounds: int, fits: int) -> float:
+        """The bytes of the rounds (fragments: the same bytes in n pieces, their trailers of one
+        number each left out) and of each fit()'s closing full average, with fragments."""
+        closing = self.ring_bytes(self.payload_bytes) * fits if self.fragments > 1 else 0.0
         if self.wire_bytes is None:
-            return self.ring_bytes(HEADER_BYTES) * fits + self.ring_bytes(self.payload_bytes) * rounds
+            return self.ring_bytes(HEADER_BYTES) * fits + self.ring_bytes(self.payload_bytes) * rounds + closing
         wired = max(rounds - fits, 0)  # every fit()'s first round goes in float32
-        return (
+        return closing + (
             self.ring_bytes(HEADER_BYTES) * (fits + wired)
             + self.ring_bytes(self.payload_bytes) * (rounds - wired)
             + self.gather_bytes(self.wire_bytes) * wired
@@ -78,10 +84,11 @@ def estimated_communication(options: RunOptions) -> Communication:
             tensors += optimizer_state_tensors(optimizer)
     flat = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN)
     wired = options.mode is TrainingMode.AVERAGING and options.payload_dtype != "float32"
+    fragments = options.fragments if options.mode is TrainingMode.AVERAGING else 1
     if not wired:
-        return Communication(flat.nbytes, flat.collectives, options.workers)
+        return Communication(flat.nbytes, flat.collectives, options.workers, fragments=fragments)
     cast = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN, options.payload_dtype)
-    return Communication(flat.nbytes, flat.collectives, options.workers, cast.nbytes - HEADER_BYTES)
+    return Communication(flat.nbytes, flat.collectives, options.workers, cast.nbytes - HEADER_BYTES, fragments)
 
 
 __all__ = ["HEADER_BYTES", "Communication", "estimated_communication"]

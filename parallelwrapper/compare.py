@@ -85,12 +85,14 @@ class RunSpec:
 
     def options(self, base: RunOptions) -> RunOptions:
         """`base` as this run trains: its mode and k; the outer optimizer only in an outer run; the
-        payload dtype only where there are averagings."""
+        payload dtype and fragments only where there are averagings (fragments overlap them)."""
         outer = self.outer and base.outer_lr is not None
         return dataclasses.replace(
             base, mode=self.mode, averaging_frequency=self.averaging_frequency, report_score_after_averaging=True,
             deterministic=True, outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0,
             payload_dtype=base.payload_dtype if self.mode is TrainingMode.AVERAGING else "float32",
+            fragments=base.fragments if self.mode is TrainingMode.AVERAGING else 1,
+            overlap_averaging=base.overlap_averaging or (self.mode is TrainingMode.AVERAGING and base.fragments > 1),
         )  # fmt: skip
 
 
@@ -239,6 +241,7 @@ def describe_setup(options: CompareOptions, results: Sequence[RunResult]) -> str
         f"{b.optimizer} lr {b.learning_rate:g}, "
         + (f"outer SGD lr {b.outer_lr:g} Nesterov momentum {b.outer_momentum:g}, " if b.outer_lr is not None else "")
         + (f"averagings sent in {b.payload_dtype}, " if b.payload_dtype != "float32" else "")
+        + (f"averagings in {b.fragments} fragments, overlapped, " if b.fragments > 1 else "")
         + f"{samples:,} training samples per run"
     )
 

@@ -57,6 +57,7 @@ class Config:
     report_score_after_averaging: bool = True
     average_updaters: bool = True
     overlap_averaging: bool = False  # average in the background during the next round's steps
+    fragments: int = 1  # with overlap: the state in n fragments, each averaged at its own point of the round
     training_mode: TrainingMode = TrainingMode.AVERAGING
     deterministic: bool = False
     seed: int = 0
@@ -122,6 +123,17 @@ class Config:
             raise ValueError(
                 "warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING; "
                 "drop .warmup_sync_steps() or .training_mode(TrainingMode.SHARED_GRADIENTS)"
+            )
+        check_int("fragments", self.fragments, 1, "a few, e.g. .fragments(4); 1 averages the state whole")
+        if self.fragments > 1 and not self.overlap_averaging:
+            raise ValueError(
+                f"fragments({self.fragments}) spreads each round's averaging through the next round's steps, "
+                "fragment by fragment: it needs .overlap_averaging(True)"
+            )
+        if self.fragments > 1 and self.on_worker_failure == "replace":
+            raise ValueError(
+                f'on_worker_failure("replace") restarts every worker from one landed average, which fragments({self.fragments}) '
+                "reach only at an epoch's end, a checkpoint or a validation: drop one of them"
             )
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")

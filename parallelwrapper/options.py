@@ -84,6 +84,7 @@ class RunOptions:
     outer_momentum: float = 0.0  # its momentum (Builder.outer_optimizer)
     warmup_sync_steps: int = 0  # shared gradients for the first N steps, then averaging (Builder.warmup_sync_steps)
     payload_dtype: str = "float32"  # or bfloat16, float16, int8, int4: what an averaging sends (Builder.payload_dtype)
+    fragments: int = 1  # with overlap_averaging: the state averaged in n fragments through the round (Builder.fragments)
     replace_workers: int = 0  # replace a failed worker up to N times (Builder.on_worker_failure); 0: a failure ends the run
 
     def __post_init__(self) -> None:
@@ -125,6 +126,7 @@ class RunOptions:
         check_int("warmup_sync_steps", self.warmup_sync_steps, 0)
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
+        check_int("fragments", self.fragments, 1)
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and gpu_count() == 0:
@@ -191,6 +193,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .precision(options.precision)
         .warmup_sync_steps(options.warmup_sync_steps)
         .payload_dtype(options.payload_dtype)
+        .fragments(options.fragments)
         .listeners(*listeners)
     )
     if options.outer_lr is not None:

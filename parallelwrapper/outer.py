@@ -36,17 +36,21 @@ class OuterStep:
             a.copy_(p)
 
     @torch.no_grad()
-    def step(self, averages: list[torch.Tensor] | None = None) -> None:
+    def step(self, averages: list[torch.Tensor | None] | None = None) -> None:
         """After an averaging: `averages` (by default the model's parameters) hold average(θ);
         move the anchor by the outer optimizer on Δ = anchor − average(θ) and put the result in
         them. With overlap_averaging the model holds its own progress since on top of the average,
-        which is kept: the averages are a buffer's, and the model moves by (result − snapshot)."""
-        targets = self.params if averages is None else averages
-        for a, delta in zip(self.anchor, torch._foreach_sub(self.anchor, targets), strict=True):
+        which is kept: the averages are a buffer's, and the model moves by (result − snapshot).
+        A parameter whose average is None (another fragment's, or a still group's) does not step."""
+        pairs = list(zip(self.anchor, self.params if averages is None else averages, strict=True))
+        anchors, targets = [a for a, t in pairs if t is not None], [t for _, t in pairs if t is not None]
+        if not targets:
+            return
+        for a, delta in zip(anchors, torch._foreach_sub(anchors, targets), strict=True):
             a.grad = delta
         self.optimizer.step()
-        torch._foreach_copy_(targets, self.anchor)
-        for a in self.anchor:
+        torch._foreach_copy_(targets, anchors)
+        for a in anchors:
             a.grad = None
 
     def state_dict(self) -> dict[str, Any]:

@@ -165,6 +165,13 @@ class Settings:
         Replicas are equal again at every epoch's end, checkpoint and stop. Default: False."""
         return self._set("overlap_averaging", bool(flag))
 
+    def fragments(self, n: int) -> Self:
+        """With overlap_averaging: cut the averaged state into n fragments of about equal bytes;
+        fragment p is sent after local step round((p + 1)·k / n) of each round and lands a round
+        later (Streaming DiLoCo), so each collective carries about 1/n of the bytes and they are
+        spread through the round. Replicas are equal at the same points as with one. Default: 1."""
+        return self._set("fragments", n)
+
     def training_mode(self, mode: TrainingMode | str) -> Self:
         """TrainingMode.AVERAGING (default) or TrainingMode.SHARED_GRADIENTS."""
         return self._set("training_mode", parse_enum(TrainingMode, mode, "training_mode"))

@@ -146,10 +146,11 @@ class Replica:
     def averaged(self, averages: Mapping[int, torch.Tensor] | None = None) -> None:
         """This round's average has landed: the outer optimizer, if any, steps from it. It is in
         the model, or (overlap_averaging) in `averages` by id(parameter), where the step's result
-        goes (a parameter that is not there, in a still group, is its own average)."""
+        goes; a parameter that is not there (in a still group, or in another fragment) does not
+        step."""
         outer = self.parts.outer
         if outer is not None:
-            outer.step(None if averages is None else [averages.get(id(p), p) for p in outer.params])
+            outer.step(None if averages is None else [averages.get(id(p)) for p in outer.params])
 
     def at_step(self, step: int) -> None:
         """The next optimizer step is global step `step`: a per-step schedule goes on to it."""

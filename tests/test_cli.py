@@ -168,6 +168,11 @@ def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, A
     assert invoke("--outer-lr", "1").exit_code == 0
     with builder(LeNet(), captured["train"]).build() as w:
         assert w.outer_optimizer is not None and w.outer_optimizer.param_groups[0]["nesterov"] is False
+    assert invoke("--fragments", "3", "--overlap-averaging").exit_code == 0
+    with builder(LeNet(), captured["train"]).build() as w:
+        assert (w.config.fragments, w.config.overlap_averaging) == (3, True)
+    with pytest.raises(ValueError, match=r"fragments\(3\) spreads each round's averaging"):
+        builder(LeNet(), RunOptions(fragments=3)).build()
 
 
 @pytest.mark.parametrize(

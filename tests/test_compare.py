@@ -85,6 +85,17 @@ def test_an_outer_optimizer_sends_nothing_more() -> None:
     assert estimated_communication(outer) == estimated_communication(plain)
 
 
+def test_fragments_overlap_the_averaging_runs_and_add_a_collective_each_and_a_closing_average() -> None:
+    base = RunOptions(fragments=3)
+    plain, fragmented, sg = AVG.options(RunOptions()), AVG.options(base), SG.options(base)
+    assert (fragmented.fragments, fragmented.overlap_averaging, sg.fragments, sg.overlap_averaging) == (3, True, 1, False)
+    one, three = estimated_communication(plain), estimated_communication(fragmented)
+    assert three.payload_bytes == one.payload_bytes and three.fragments == 3
+    # 10 rounds in 2 fit() calls: 2 more collectives a round, and a full average at each fit()'s end.
+    assert three.collectives(10, 2) == one.collectives(10, 2) + 2 * 10 + 2
+    assert three.bytes_per_worker(10, 2) == one.bytes_per_worker(10, 2) + 2 * three.ring_bytes(three.payload_bytes)
+
+
 def test_ring_all_reduce_volume() -> None:
     one, two, four = (Communication(1000, 1, n) for n in (1, 2, 4))
     assert one.ring_bytes(1000) == 0.0  # a group of one sends nothing

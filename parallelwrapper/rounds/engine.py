@@ -109,7 +109,7 @@ class Rounds:
                 land_now = totals.stop > 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
             in_flight = self._launch(work)
             if land_now:
-                totals = self._land(in_flight, work)
+                totals = self._land(in_flight, work, at_once=True)
                 in_flight = None
                 epoch_done = self._settle(totals, book)
                 self._after_landing(totals, epoch_done, book)
@@ -151,6 +151,8 @@ class Rounds:
             if self._averaging:
                 trainer.at_step(self._cut.step_of(item[0]))
             loss, n = step(epoch, *item)
+            if self._averaging and self._stream is not None:
+                self._stream.stepped(loss, n)  # fragments launch through the round
             work.losses.append(loss)
             work.samples, work.batches = work.samples + n, work.batches + 1
         work.loss_sum, work.skipped = trainer.checked_loss(work.losses, work.first_step, epoch)
@@ -174,7 +176,7 @@ class Rounds:
 
     def exchange(self, work: Work) -> RoundTotals:
         """Launch and land a round at once, after `work` (benchmarks time this)."""
-        return self._land(self._launch(work), work)
+        return self._land(self._launch(work), work, at_once=True)
 
     def _launch(self, work: Work) -> Any:
         stop = self.hooks.stop_requested()
@@ -182,12 +184,13 @@ class Rounds:
             return self._stream.launch(work, stop)
         return self._sync.launch(work, self._averaging, stop)
 
-    def _land(self, launched: Any, since: Work) -> RoundTotals:
-        """Land a launched round (`since`: the local work done after it, itself when at once);
+    def _land(self, launched: Any, since: Work, at_once: bool = False) -> RoundTotals:
+        """Land a launched round (`since`: the local work done after it, itself when `at_once`);
         a gradient round then takes its step, the same on every worker."""
         if not isinstance(launched, Sent):
             assert self._stream is not None
-            return self._stream.land(launched, since.skipped, self.hooks.at_average if self.hooks.keeps_averages else None)
+            at_average = self.hooks.at_average if self.hooks.keeps_averages else None
+            return self._stream.land(launched, since.skipped, at_once, at_average)
         totals = self._sync.land(launched)
         if not launched.averaging and totals.samples > 0:
             self.trainer.at_step(self._cut.step_of(self._cut.start))

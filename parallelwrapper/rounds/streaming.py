@@ -7,12 +7,22 @@ arXiv 2501.18512, τ = one round): when round r lands, every worker computes the
 from the same average, θ' = OuterOpt(anchor, Δ = anchor − avg(snapshots_r)), and moves its current
 weights by θ' − its snapshot, keeping the local progress it made since (docs/design.md has the
 maths). The next snapshot is then θ' plus the next round's progress, so its Δ is that round's.
+
+With `fragments(n)`, the state is cut into n fragments of about equal bytes (whole tensors, in
+the state's order). Fragment p < n − 1 is snapshotted and sent after local step round((p + 1)·k/n)
+of a round (or at the round's end, for a worker that took fewer steps), weighted by the samples
+trained since its last launch, and lands just before its next launch, a round later; the last
+fragment goes with the round's header, as with n = 1. Each collective carries about 1/n of the
+bytes, and they are spread through the round. A round that lands at once (an epoch's end, a
+checkpoint, a validation, a stop) lands every fragment still in flight and then averages the
+whole state once, so that every replica holds the same state there.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,41 +45,115 @@ class Launched:
     local_steps: int  # Trainer.local_steps at the launch
 
 
+@dataclass
+class _Fragment:
+    """One of the first n − 1 fragments: its averager, when a round launches it, and what this
+    worker trained since its last launch."""
+
+    delta: DeltaAverager
+    at_step: int  # launched after this local step of a round
+    samples: int = 0  # since its last launch
+    losses: list[torch.Tensor] = field(default_factory=list)  # loss·n of each step since
+    flight: Launched | None = None  # its last launch, until it lands
+    sent: bool = False  # launched in the round in progress
+
+
+def cut_fragments(tensors: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
+    """The tensors in n runs of about equal bytes, in order, none empty (fewer than n when there
+    are fewer tensors)."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    runs: list[list[torch.Tensor]] = [[]]
+    done = 0
+    for i, t in enumerate(tensors):
+        left = len(tensors) - i  # tensors from here on, this one included
+        wanted = min(n, len(tensors))
+        if runs[-1] and len(runs) < wanted and (done >= total * len(runs) / wanted or left <= wanted - len(runs)):
+            runs.append([])
+        runs[-1].append(t)
+        done += t.numel() * t.element_size()
+    return runs
+
+
 class StreamExchange:
     """One worker's snapshot buffers and their averaging in the background."""
 
     def __init__(self, trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, world_size: int) -> None:
         self.trainer, self.config, self.device, self.group, self.world_size = trainer, config, device, group, world_size
-        self._delta: DeltaAverager | None = None
+        self._delta: DeltaAverager | None = None  # the last fragment's, which carries the header
+        self._fragments: list[_Fragment] = []  # the others
+        self._steps = 0  # local steps in the round in progress
         self._layout = 0  # the state layout the buffers were built for
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
-        self._delta = None
+        self._delta, self._fragments = None, []
 
     def _state_layout(self) -> int:
         return state_layout(self.trainer.optimizer, self.config.average_updaters)
 
     def _build(self) -> DeltaAverager:
         self._layout = self._state_layout()
-        tensors = averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters)
-        self._delta = DeltaAverager(tensors, self.device, HEADER_LEN, self.config.wire_dtype)
+        runs = cut_fragments(averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters), self.config.fragments)
+        k, wire = self.config.averaging_frequency, self.config.wire_dtype
+        self._fragments = [_Fragment(DeltaAverager(run, self.device, 1, wire), max(1, round((p + 1) * k / len(runs)))) for p, run in enumerate(runs[:-1])]
+        self._delta = DeltaAverager(runs[-1], self.device, HEADER_LEN, wire)
         return self._delta
 
+    # -- the first n − 1 fragments, through the round --------------------------------------------
+
+    def stepped(self, loss: torch.Tensor, samples: int) -> None:
+        """After each local step of an averaging round: launch the fragments due now (the first
+        step of a fit builds the buffers, once the optimizer has made its state)."""
+        if self._delta is None:
+            self._build()
+        self._steps += 1
+        for f in self._fragments:
+            f.samples += samples
+            f.losses.append(loss)
+        for f in self._fragments:
+            if not f.sent and f.at_step <= self._steps:
+                self._relaunch(f)
+
+    def _relaunch(self, f: _Fragment) -> None:
+        """Land a fragment's last launch, then launch it with what this worker trained since."""
+        self._land_fragment(f)
+        skipped = bool(f.losses) and not math.isfinite(float(torch.stack(f.losses).sum()))
+        weight = 0.0 if skipped else float(f.samples)
+        f.delta.launch(weight, [weight], self.group)
+        f.flight, f.sent, f.samples, f.losses = Launched(None, weight, skipped, self.trainer.local_steps), True, 0, []
+
+    def _land_fragment(self, f: _Fragment) -> None:
+        if f.flight is None:
+            return
+        (total,) = f.delta.wait()
+        adopt = f.flight.skipped or self.trainer.local_steps == f.flight.local_steps
+        f.delta.land(total, adopt, self.trainer.averaged if total > 0 else None)
+        f.flight = None
+
+    # -- the round -------------------------------------------------------------------------------
+
     def launch(self, work: Work, stop: bool) -> Launched:
-        """Snapshot the state and send it, with the round's header; do not wait."""
+        """Launch the fragments a short round did not reach, then snapshot the last fragment and
+        send it with the round's header; do not wait."""
         delta = self._delta or self._build()
+        for f in self._fragments:
+            if not f.sent:
+                self._relaunch(f)
+            f.sent = False
+        self._steps = 0
         header, layout = round_header(work, self._state_layout(), self._layout, stop)
         delta.launch(work.weight, header, self.group)
         return Launched(layout, work.weight, work.skipped, self.trainer.local_steps)
 
-    def land(self, launched: Launched, skipped_since: bool, at_average: Callable[[], None] | None = None) -> RoundTotals:
+    def land(self, launched: Launched, skipped_since: bool, at_once: bool, at_average: Callable[[], None] | None = None) -> RoundTotals:
         """Wait for a launched round and move the state by its average (and the outer step).
 
         A worker adopts the average outright when its progress since is worthless (a non-finite
         loss then or since) or nil (no step since). When the layouts disagreed, the buffers still
         matched (they keep their layout), so the average applies; then the state is averaged anew.
-        `at_average` is called while the worker holds the average (DeltaAverager.land).
+        With fragments, a round landed `at_once` or that ends the epoch first lands the other
+        fragments and then averages the whole state. `at_average` is called while the worker
+        holds the average (DeltaAverager.land; with one fragment only).
         """
         assert self._delta is not None
         totals = read_header(self._delta.wait(), launched.layout, self.world_size)
@@ -78,11 +162,15 @@ class StreamExchange:
         adopt = worthless or self.trainer.local_steps == launched.local_steps
         transform = self.trainer.averaged if totals.samples > 0 else None
         self._delta.land(totals.samples, adopt, transform, at_average if totals.layouts_agree else None)
-        if not totals.layouts_agree:
+        gather = bool(self._fragments) and (at_once or totals.epoch_done)
+        if gather or not totals.layouts_agree:
+            for f in self._fragments:
+                self._land_fragment(f)
             share = launched.weight / totals.samples if totals.samples > 0 else 1.0 / self.world_size
-            average_anew(self.trainer, self.config, self.device, self.group, 0.0 if worthless else share, agree=True).release()
-            self._build()
+            average_anew(self.trainer, self.config, self.device, self.group, 0.0 if worthless else share, agree=not totals.layouts_agree).release()
+            if not totals.layouts_agree:
+                self._build()
         return totals
 
 
-__all__ = ["Launched", "StreamExchange"]
+__all__ = ["Launched", "StreamExchange", "cut_fragments"]
