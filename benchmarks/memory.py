@@ -1,0 +1,224 @@
+"""Peak memory of a fit: the main process and each worker of `ParallelWrapper`, against each rank
+of DistributedDataParallel on the same job.
+
+    python benchmarks/memory.py                      # the code of this checkout
+    python benchmarks/memory.py --before /tmp/pw-before   # and another checkout's, side by side
+
+The job: an MLP of about 10M and 50M parameters (float32), SGD with momentum, 2 workers of one
+thread, k = 4, `--batches` small batches in all. Each wrapper fit runs in a fresh process (the
+"main" process here), with PYTHONPATH set to the checkout measured, so that its peak is this fit's
+alone; its baseline is its resident size with torch imported and the data made, before the model.
+Workers are read from /proc after the fit, before close(): VmHWM, the peak resident size of each
+process over its life (shared memory it touched included). DDP's ranks report their own VmHWM.
+
+On CUDA each process also reports `torch.cuda.max_memory_allocated()` on its device: a DDP rank at
+the end; a worker at each local step, from `.before_step` (so its figure is the peak up to its
+last step: the last averaging, which allocates nothing new on the device, is not in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from common import run_processes, table, write_results
+
+MIB = 2**20
+ROOT = Path(__file__).resolve().parents[1]
+IN, OUT, BATCH, K, LR, MOMENTUM = 128, 10, 16, 4, 0.01, 0.9
+
+
+def vm(field: str, pid: int | str = "self") -> float:
+    """A /proc/<pid>/status size (VmHWM, VmRSS) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def width(params: int) -> int:
+    """The hidden width h of IN → h → h → OUT with about `params` parameters: h² + (IN + OUT + 2)h."""
+    b = IN + OUT + 2
+    return int((-b + (b * b + 4 * params) ** 0.5) / 2)
+
+
+def mlp(params: int) -> nn.Module:
+    torch.manual_seed(0)
+    h = width(params)
+    return nn.Sequential(nn.Linear(IN, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, OUT))
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)) for _ in range(n)]
+
+
+def device_peak(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None
+
+
+# -- DDP --------------------------------------------------------------------------------------------
+
+
+def _ddp_rank(rank: int, world: int, params: int, n: int) -> dict[str, Any]:
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
+    data = batches(n)[rank::world]
+    model = mlp(params).to(device)
+    net = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for x, y in data:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(net(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+    return {"rss_peak_mib": vm("VmHWM"), "device_peak_mib": device_peak(device)}
+
+
+# -- the wrapper, in a process of its own -----------------------------------------------------------
+
+
+class _DevicePeak:
+    """`.before_step`: a worker writes its device's peak allocation to `folder`/<pid>.json."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if torch.cuda.is_available():
+            peak = device_peak(next(model.parameters()).device)
+            Path(self.folder, f"{os.getpid()}.json").write_text(json.dumps(peak))
+
+
+def _children(pid: int) -> list[int]:
+    """Worker processes of `pid` (multiprocessing's resource tracker left out), in start order."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(stat.parent, "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            out.append(int(stat.parent.name))
+    return sorted(out)
+
+
+def _wrapper_main(params: int, n: int) -> dict[str, Any]:
+    """One fit as a user's script runs it; the figures of this process and of its workers."""
+    from parallelwrapper import ParallelWrapper
+
+    data = batches(n)
+    baseline = vm("VmRSS")
+    first_round: list[float] = []  # the main process's peak by its first score: the workers' start
+
+    def at_first_score(score: Any) -> None:
+        if not first_round:
+            first_round.append(vm("VmHWM"))
+
+    with tempfile.TemporaryDirectory() as folder:
+        w = (
+            ParallelWrapper.builder(mlp(params))
+            .optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+            .before_step(_DevicePeak(folder))
+            .workers(2)
+            .threads_per_worker(1)
+            .averaging_frequency(K)
+            .listeners(at_first_score)
+            .build()
+        )
+        with w:
+            w.fit(data)
+            workers: list[dict[str, Any]] = [{"pid": pid, "rss_peak_mib": vm("VmHWM", pid)} for pid in _children(os.getpid())]
+            for worker in workers:
+                peak = Path(folder, f"{worker['pid']}.json")
+                worker["device_peak_mib"] = json.loads(peak.read_text()) if peak.exists() else None
+        import parallelwrapper
+
+        return {
+            "code": str(Path(parallelwrapper.__file__).parents[1]),
+            "main_baseline_mib": baseline,
+            "main_peak_mib": vm("VmHWM"),
+            "main_peak_by_first_round_mib": first_round[0],
+            "workers": workers,
+        }
+
+
+def wrapper(code: Path, params: int, n: int) -> dict[str, Any]:
+    """`_wrapper_main` in a fresh Python, importing parallelwrapper from `code`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", str(params), "--batches", str(n)],
+        env=env, check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    run: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return run
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+def ratios(run: dict[str, Any], ddp: list[dict[str, Any]], model_mib: float) -> dict[str, float]:
+    worker, rank = max(w["rss_peak_mib"] for w in run["workers"]), max(r["rss_peak_mib"] for r in ddp)
+    return {
+        "worker_peak_mib": worker,
+        "ddp_rank_peak_mib": rank,
+        "worker_over_ddp": worker / rank,
+        "worker_minus_ddp_in_models": (worker - rank) / model_mib,
+        "main_over_model": run["main_peak_mib"] / model_mib,
+        "main_above_baseline_in_models": (run["main_peak_mib"] - run["main_baseline_mib"]) / model_mib,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="10000000,50000000", help="MLP sizes, in parameters")
+    parser.add_argument("--batches", type=int, default=48, help=f"batches of {BATCH} in all, shared by the 2 workers")
+    parser.add_argument("--before", type=Path, default=None, help="another checkout, measured beside this one")
+    parser.add_argument("--out", default="benchmarks/results/memory.json")
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a wrapper fit's own process
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(_wrapper_main(args.one, args.batches)))
+        return
+    codes = {"after": ROOT} if args.before is None else {"before": args.before.resolve(), "after": ROOT}
+    runs: dict[str, Any] = {}
+    rows = []
+    for params in (int(p) for p in args.params.split(",")):
+        model = mlp(params)
+        size = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+        count = sum(p.numel() for p in model.parameters())
+        del model
+        ddp = run_processes(_ddp_rank, 2, params, args.batches)
+        entry: dict[str, Any] = {"parameters": count, "model_mib": size, "ddp_ranks": ddp}
+        rows.append((f"{count / 1e6:.1f}M", size, "DDP ranks", "", " / ".join(f"{r['rss_peak_mib']:.0f}" for r in ddp), "", "", "", ""))
+        for label, code in codes.items():
+            run = wrapper(code, params, args.batches)
+            run.update(ratios(run, ddp, size))
+            entry[label] = run
+            workers = " / ".join(f"{w['rss_peak_mib']:.0f}" for w in run["workers"])
+            main_peaks = f"{run['main_peak_by_first_round_mib']:.0f} / {run['main_peak_mib']:.0f} ({run['main_baseline_mib']:.0f})"
+            rows.append(
+                (f"{count / 1e6:.1f}M", size, f"wrapper ({label})", main_peaks, workers, run["worker_over_ddp"],
+                 run["worker_minus_ddp_in_models"], run["main_over_model"], run["main_above_baseline_in_models"])
+            )  # fmt: skip
+            print(f"{count / 1e6:.1f}M {label}: done", flush=True)
+        runs[f"{count / 1e6:.1f}M"] = entry
+    print(f"MLP, SGD momentum, 2 workers of 1 thread, k={K}, {args.batches} batches of {BATCH}; peak RSS (VmHWM) in MiB")
+    headers = ["model", "model MiB", "run", "main: peak by round 1 / in all (baseline)", "each process", "worker / DDP rank",
+               "(worker − DDP) / model", "main / model", "(main − baseline) / model"]  # fmt: skip
+    print(table(headers, rows))
+    payload = {"job": {"in": IN, "out": OUT, "batch": BATCH, "batches": args.batches, "k": K, "workers": 2, "momentum": MOMENTUM}, "runs": runs}
+    write_results(args.out, {**payload, "codes": {k: str(v) for k, v in codes.items()}})
+
+
+if __name__ == "__main__":
+    main()
