@@ -9,10 +9,11 @@ the user's model: a fit() starts every worker from the wrapper's state and ends 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
-from .batches import to_cpu
+from .batches import map_leaves, to_cpu
 from .config import Job
 from .outer import OuterStep
 from .rounds.state import trained_parameters
@@ -30,28 +31,45 @@ class Parts:
         trained = trained_parameters(model, self.optimizer)
         self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trained)
 
-    def state(self) -> TrainingState:
-        """Every part's state, on the CPU: a copy, which training the parts does not change."""
+    def state(self, shared: bool = False) -> TrainingState:
+        """Every part's state, on the CPU: a copy, which training the parts does not change. With
+        `shared`, its tensors are made in shared memory, where a queue would move them (a second
+        copy, for a moment) on the way to another process."""
+        cpu = _to_shared if shared else to_cpu
         return TrainingState(
-            to_cpu(self.model.state_dict()),
-            to_cpu(self.optimizer.state_dict()),
+            cpu(self.model.state_dict()),
+            cpu(self.optimizer.state_dict()),
             None if self.schedule is None else copy.deepcopy(self.schedule.state_dict()),  # lists the scheduler keeps
-            None if self.outer is None else to_cpu(self.outer.state_dict()),
+            None if self.outer is None else cpu(self.outer.state_dict()),
         )
 
-    def load(self, state: TrainingState) -> None:
-        """Load every part's state; the optimizers cast theirs to their parameters' device."""
+    def load(self, state: TrainingState, *, take: bool = False) -> None:
+        """Load every part's state; the optimizers cast theirs to their parameters' device. With
+        `take`, the state is the caller's to give away (nobody else holds it, nor will write to
+        it): the optimizers keep its tensors instead of copies."""
         self.model.load_state_dict(state.model)
         # Every worker receives the same shared-memory tensors, and an optimizer keeps the tensors
         # it loads when they already have the right device and dtype (Adam's step is increased
         # in place): without a copy, the workers would step one shared counter.
-        self.optimizer.load_state_dict(to_cpu(state.optimizer))
+        self.optimizer.load_state_dict(state.optimizer if take else to_cpu(state.optimizer))
         if self.schedule is not None and state.lr_scheduler is not None:
             self.schedule.load_state_dict(state.lr_scheduler)
         if self.outer is not None:
             self.outer.restart()  # the loaded parameters are the next round's start
             if state.outer_optimizer is not None:
-                self.outer.load_state_dict(to_cpu(state.outer_optimizer))
+                self.outer.load_state_dict(state.outer_optimizer if take else to_cpu(state.outer_optimizer))
+
+
+def _to_shared(state: Any) -> Any:
+    """`to_cpu`, into shared memory: each copy is made there (strides kept), not moved there."""
+
+    def copy(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        shared: torch.Tensor = torch.empty_like(leaf, device="cpu").share_memory_()  # type: ignore[no-untyped-call]
+        return shared.copy_(leaf.detach())
+
+    return map_leaves(state, copy)
 
 
 __all__ = ["Parts"]

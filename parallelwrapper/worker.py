@@ -71,9 +71,9 @@ class Replica:
         self.parts.load(state)
         self.rounds.reset()  # the optimizer's tensors were replaced
 
-    def state_dicts(self) -> TrainingState:
-        """Every part's state on the CPU, to send to the main process."""
-        return self.parts.state()
+    def state_dicts(self, shared: bool = False) -> TrainingState:
+        """Every part's state on the CPU, to send to the main process (`shared`: in shared memory)."""
+        return self.parts.state(shared)
 
     def own_state(self) -> dict[str, Any]:
         """What is this worker's alone, for a checkpoint: its RNG state and its loss scale."""
@@ -96,7 +96,7 @@ class Replica:
             self._best = None
         self.rounds.run(until_epoch, source, report)
         if self._best is not None:
-            self.parts.load(self._best)  # every worker holds the same: the fit's buffers are released
+            self.parts.load(self._best, take=True)  # every worker holds the same: the fit's buffers are released
             self._best = None
 
     # -- one step -------------------------------------------------------------------------------

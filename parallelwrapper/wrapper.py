@@ -152,21 +152,28 @@ class ParallelWrapper:
         try:
             if self._pool is None:
                 self._pool = start_host(self.config, self._job, self.placement)
-            # Copies: sending a tensor moves its storage into shared memory, and the user's own
-            # model must not be changed under them.
-            command = FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.state(), rng)
-            state = self._pool.fit(command, data, on_report)
+            state = self._pool.fit(self._command(until_epoch, rng), data, on_report)  # held by no name here
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
             # afresh next time. The user's model keeps its state from before this fit().
             self._abort()
             raise
-        self._parts.load(state)
+        # The host's copy is this process's alone (a spawned worker's, in shared memory, is let go
+        # by its sender): the optimizer keeps its tensors rather than a copy of them.
+        self._parts.load(state, take=True)
+        del state
         stopper = early_stopping_of(listeners)
         if stopper is not None and stopper.restore_best:
             recorder.history.best_round = stopper.best_round  # the workers restored that round's state
         notify(listeners, "on_fit_end", recorder.history)
         return recorder.history
+
+    def _command(self, until_epoch: int, rng: list[dict[str, Any]] | None) -> FitCommand:
+        """What every worker starts this fit from: a copy of the state, since sending a tensor moves
+        its storage into shared memory, and the user's own model must not be changed under them.
+        For spawned workers the copy is made there at once; the host lets it go once sent."""
+        spawned = self.placement.torchrun is None and not self.placement.in_process
+        return FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.state(shared=spawned), rng)
 
     def _auto_resume(self) -> str | None:
         """Under torchrun, a group that torchrun restarted (--max-restarts) resumes its first fit() from

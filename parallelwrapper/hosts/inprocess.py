@@ -58,7 +58,9 @@ class InProcessWorker:
         """Train as a spawned worker 0 would on `command`; return its final state (model, optimizer, schedule)."""
         source = ShardSource(data, 0, 1, command.counters.epoch, command.counters.position)
         with stop_on_signals(self._hooks, (signal.SIGINT,)):
-            self._worker.fit(command, source, on_report)
+            until_epoch = self._worker.start(command)
+            del command  # loaded: the copy of the state goes now, not at the fit's end
+            self._worker.train(until_epoch, source, on_report)
         return self._worker.replica.state_dicts()
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
@@ -99,9 +100,9 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
             dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=world, timeout=collective_timeout(config))
 
         join(generation)
-        job: Job = pickle.loads(_get(c.commands, parent_pid))
+        job = _unpickle_job(_get(c.commands, parent_pid))
         hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
-        worker = Worker(job, config, placement, rank, rank, hooks=hooks)
+        worker = Worker(job, config, placement, rank, rank, hooks=hooks, own_model=True)
         ledger = None if c.ledgers is None else c.ledgers[rank]
         source = QueueSource(c.data[rank % len(c.data)], SlotReader(c.free_slots), parent_pid, c.abort, ledger)
         keeper = hooks.keeper = None if ledger is None else Keeper(worker, source, ledger)
@@ -116,7 +117,9 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
                 if isinstance(command, Regroup):
                     assert keeper is not None
                     command = keeper.regroup(command, rank, join)
-                worker.fit(command, source, report)
+                until_epoch = worker.start(command)
+                command = None  # loaded: its shared memory goes back now, not at the fit's end
+                worker.train(until_epoch, source, report)
             except Stopped:
                 stopped = True
             except WorkerError as e:
@@ -129,8 +132,10 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
                     report.flush()
             if keeper is not None:
                 keeper.fit_ended()
-            done = None if stopped or rank != 0 else worker.replica.state_dicts()
+            # Rank 0's state is made in shared memory, where sending it would move it (a copy).
+            done = None if stopped or rank != 0 else worker.replica.state_dicts(shared=True)
             c.results.put(("stopped" if stopped else "done", rank, done))
+            done = None  # the queue holds it until it is sent; the main process owns it then
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
         error = e if isinstance(e, WorkerError) else WorkerError(rank, summary(e) + " (while starting)", traceback.format_exc())
         c.results.put(("error", rank, error))
@@ -141,6 +146,13 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _unpickle_job(payload: torch.Tensor) -> Job:
+    """The job, from the pickle the main process wrote into shared memory once for every worker
+    (spawned.py); its model is this process's own. The shared pages go when `payload` does."""
+    job: Job = pickle.loads(payload.numpy().data)
+    return job
 
 
 def _ignore(report: Report) -> None:

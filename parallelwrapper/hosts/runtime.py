@@ -5,7 +5,10 @@ who failed, where, and why.
 The hosts (spawned.py, inprocess.py, torchrun.py) differ only in where the worker's process is,
 how batches reach it, how it is asked to stop and how its reports travel; what a worker does is
 written here once. By construction:
-- the replica trains a deep copy of the user's model, so a failed fit() leaves theirs as it was;
+- the replica trains a deep copy of the user's model, so a failed fit() leaves theirs as it was
+  (a spawned worker trains the model it unpickled, which is its own already: `own_model`);
+- a fit's state is loaded (`start`) before the training (`train`) and not kept, so that a host
+  that drops its command has that memory back for the fit's length;
 - the model moves to its device before any state is loaded, so the optimizer's state (which
   `load_state_dict` casts to the params' device) lands on the worker's device;
 - the worker has its own RNG stream (seeded `seed + rank`, carried from fit() to fit(), restored
@@ -76,10 +79,13 @@ class Worker:
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
         node: Node | None = None,
+        own_model: bool = False,
     ) -> None:
+        """`own_model`: `job.model` is this worker's alone (a spawned worker unpickled it), so it
+        trains that one instead of a copy; elsewhere it is the user's, which the wrapper holds."""
         self.rank, self._threads = rank, placement.threads
         device = placement.device(local_rank)
-        model = copy.deepcopy(job.model).to(device)
+        model = (job.model if own_model else copy.deepcopy(job.model)).to(device)
         self.replica = Replica(
             model, job, config, device, rank, placement.world_size,
             group=group, hooks=hooks, node=node,
@@ -99,9 +105,13 @@ class Worker:
         `landed + 1`'s start."""
         r = self.replica
         schedule = None if r.schedule is None else copy.deepcopy(r.schedule.state_dict())
+        # The kept state a new one replaces goes first: two at once are twice the model and its
+        # optimizer's state, for a moment at every round.
         if landed == tag - 1:
+            self.kept = None
             self.kept = Kept(r.state_dicts(), dataclasses.replace(r.counters), tag, r.own_state())
         elif self._average is not None and self._begun is not None:
+            self.kept = None
             state = dataclasses.replace(self._average, lr_scheduler=self._begun[0])
             self.kept = Kept(state, dataclasses.replace(r.counters), landed + 1, self._begun[1])
         self._average, self._begun = None, (schedule, r.own_state())
@@ -119,9 +129,10 @@ class Worker:
         self.replica.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
         return FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None)
 
-    def fit(self, command: FitCommand, source: BatchSource, report: Reporter) -> None:
-        """Train from `command`'s state to its last epoch. A stop (Stopped) and the data's own
-        errors (FeedError) pass through; any other failure is a WorkerError."""
+    def start(self, command: FitCommand) -> int:
+        """A fit's first half: load `command`'s state, counters and RNG, and return the epoch to
+        train until. Nothing of the command is kept, so a host lets it go before `train` (it is
+        a model's size at least, in shared memory for a spawned worker). A failure is a WorkerError."""
         replica = self.replica
         self.kept = None
         if command.rng is not None:
@@ -131,7 +142,17 @@ class Worker:
             try:
                 replica.load_state(command.state)
                 replica.counters = dataclasses.replace(command.counters)
-                replica.fit(command.until_epoch, source, report)
+            except Exception as e:
+                raise self.failure(e) from e
+        return command.until_epoch
+
+    def train(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
+        """A fit's second half: train from the state `start` loaded to the end of epoch
+        `until_epoch - 1`. A stop (Stopped) and the data's own errors (FeedError) pass through;
+        any other failure is a WorkerError."""
+        with self._own_threads_and_rng():
+            try:
+                self.replica.fit(until_epoch, source, report)
             except (Stopped, FeedError):
                 raise
             except Exception as e:

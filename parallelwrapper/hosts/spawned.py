@@ -14,6 +14,7 @@ import pickle
 import time
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -32,6 +33,14 @@ _JOIN_TIMEOUT_S = 10.0
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
 
 
+def _shared_pickle(job: Job) -> torch.Tensor:
+    """The job's plain pickle, as bytes in shared memory (process.py unpickles it)."""
+    data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+    out: torch.Tensor = torch.empty(len(data), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+    out.numpy().data[:] = data
+    return out
+
+
 class WorkerPool:
     """N spawned workers, their queues and their supervision."""
 
@@ -45,7 +54,9 @@ class WorkerPool:
         # every worker then trains in place, all at once. And the job goes through the command
         # queue, not Process(): a spawn writes its arguments into a pipe, and a large write
         # blocks for ever when the child dies while starting (a script without a main guard).
-        self._job_bytes = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+        # The pickle goes in shared memory, once for every worker: each queue would otherwise
+        # hold a copy of its own until its worker took it. Kept only to start a replacement.
+        self._job: torch.Tensor | None = _shared_pickle(job)
         # The main process serves the rendezvous store: port 0 lets the OS choose a free port,
         # so pools running side by side (tests, several trainers) never collide.
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout(config))
@@ -80,6 +91,8 @@ class WorkerPool:
             if self._recovery is not None and self._recovery.left > 0:
                 self._standby = self._spawn(None)
             self._supervisor.gather("ready", set(range(n)), _START_TIMEOUT_S, lambda message: None, "starting")
+            if self._recovery is None:
+                self._job = None  # every worker has unpickled it
         except BaseException:
             self.kill()
             raise
@@ -98,7 +111,7 @@ class WorkerPool:
             daemon=True,
         )
         if rank is not None:
-            commands.put(self._job_bytes)
+            commands.put(self._job)
             self._processes[rank], self._commands[rank] = process, commands
         process.start()
         return process, commands
@@ -111,7 +124,7 @@ class WorkerPool:
             return
         process, commands = standby
         commands.put((rank, self._generation))
-        commands.put(self._job_bytes)
+        commands.put(self._job)
         self._processes[rank], self._commands[rank] = process, commands
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
@@ -122,10 +135,13 @@ class WorkerPool:
         With on_worker_failure("replace"), a worker's failure replaces it (recovery.py).
         """
         self._stop.clear()
-        c = command.counters
-        feeder = Feeder(data, c.epoch, command.until_epoch, c.position, self.data_queues, len(self._processes), self.slots)
+        c, until_epoch = command.counters, command.until_epoch
+        feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, len(self._processes), self.slots)
         for q in self._commands:
             q.put(command)
+        # The queues hold the command until they have sent it, and the state's shared memory is
+        # the workers' then: a caller that keeps no reference of its own has it back.
+        del command
         feeder.start()
         done: set[int] = set()
         final: TrainingState | None = None
@@ -143,7 +159,7 @@ class WorkerPool:
                 except WorkerError as error:
                     if self._recovery is None or done:
                         raise
-                    self._replace(error, feeder, command.until_epoch, on_report)
+                    self._replace(error, feeder, until_epoch, on_report)
                     continue
                 if message is not None and message[0] == "done":
                     done.add(message[1])

@@ -137,7 +137,9 @@ class TorchrunWorker:
         source = ShardSource(data, self._rank, self._world, counters.epoch, counters.position)
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):
             try:
-                self._worker.fit(command, source, on_report)
+                until_epoch = self._worker.start(command)
+                del command  # loaded: the copy of the state goes now, not at the fit's end
+                self._worker.train(until_epoch, source, on_report)
             except WorkerError as e:
                 if not _PEER_GONE.search(e.summary):
                     raise

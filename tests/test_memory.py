@@ -1,0 +1,90 @@
+"""What a fit holds in memory (benchmarks/memory.py measures how much): a worker trains one model
+and no copy of the one it was built from, nor of the state its fit started from; the main process
+lets go of the state it sent, and of the job's pickle once every worker has it."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from parallelwrapper import ParallelWrapper
+from parallelwrapper.hosts.inprocess import group_of_one
+from parallelwrapper.hosts.runtime import Worker
+from parallelwrapper.hosts.spawned import WorkerPool
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE = (13, 7)  # the first layer's weight: no other tensor of the job has this shape
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(SHAPE[1], SHAPE[0]), nn.ReLU(), nn.Linear(SHAPE[0], 3))
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, SHAPE[1], generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def others(*mine: torch.Tensor | None) -> int:
+    """Live tensors of SHAPE in this process whose memory is none of `mine`'s."""
+    ours = {t.untyped_storage().data_ptr() for t in mine if t is not None}
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.shape == SHAPE and o.untyped_storage().data_ptr() not in ours)
+
+
+class FirstStepHoldsOneModel:
+    """`.before_step`, in a worker: at its first step it holds its weight and gradient of SHAPE,
+    and nothing else of that shape (no copy of the unpickled model, no state it started from)."""
+
+    def __init__(self) -> None:
+        self.checked = False
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if not self.checked:
+            self.checked = True
+            assert isinstance(model, nn.Sequential)
+            weight = model[0].weight
+            assert others(weight, weight.grad) == 0, f"{others(weight, weight.grad)} more tensors of the first layer's shape"
+
+
+@pytest.mark.fast
+def test_a_worker_copies_the_users_model_unless_the_model_is_its_own() -> None:
+    w = ParallelWrapper.builder(mlp()).workers(1).threads_per_worker(1).build()
+    config, job, placement = w.config, w._job, w.placement
+    group = group_of_one(config)
+    copied = Worker(job, config, placement, 0, 0, group=group).replica.model
+    assert copied is not job.model
+    theirs = {p.untyped_storage().data_ptr() for p in job.model.parameters()}
+    assert not theirs & {p.untyped_storage().data_ptr() for p in copied.parameters()}
+    # A spawned worker's job was unpickled in its own process: its model is nobody else's.
+    assert Worker(job, config, placement, 0, 0, group=group, own_model=True).replica.model is job.model
+
+
+def test_spawned_workers_and_the_main_process_hold_no_spare_copy() -> None:
+    seen: list[int] = []
+    user = mlp()
+
+    def in_main(score: Any) -> None:  # a round's score: the workers are training
+        if not seen:
+            seen.append(others(user[0].weight))  # the state sent to the workers is theirs now
+
+    w = (
+        ParallelWrapper.builder(user)
+        .optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
+        .before_step(FirstStepHoldsOneModel())
+        .workers(2)
+        .threads_per_worker(1)
+        .averaging_frequency(2)
+        .listeners(in_main)
+        .build()
+    )
+    with w:
+        w.fit(batches(8))
+        assert isinstance(w._pool, WorkerPool) and w._pool._job is None  # every worker unpickled it
+        w.fit(batches(8))  # a second fit starts from the optimizer's state too
+    assert seen == [0]
