@@ -29,7 +29,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
         builder = ParallelWrapper.builder(model).optimizer(torch.optim.SGD, lr=0.01).workers(2).threads_per_worker(1)
-        with builder.averaging_frequency(args.k).build() as w:
+        with builder.averaging_frequency(args.k).feed("queue").build() as w:  # first-come
             history = w.fit(data)
         print(f"run {run}: {len(history.scores)} rounds, samples after each: {[s.samples for s in history.scores]}")
 

@@ -44,6 +44,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PAYLOAD_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # the averaging's wire format (codec.py)
 FAILURE_POLICIES = ("raise", "replace")  # what a spawned worker's failure does (hosts/spawned.py)
+FEEDS = ("auto", "queue")  # how spawned workers get a list of batches (feed.py)
 INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.py)
 
 
@@ -60,6 +61,7 @@ class Config:
     fragments: int = 1  # with overlap: the state in n fragments, each averaged at its own point of the round
     training_mode: TrainingMode = TrainingMode.AVERAGING
     deterministic: bool = False
+    feed: str = "auto"  # auto: spawned workers read a list or tuple of batches in shards; queue: the main process feeds every batch
     seed: int = 0
     devices: tuple[str, ...] | None = None  # None: a GPU per worker when there are GPUs, else the CPU (env.resolve)
     backend: str = "auto"  # auto: NCCL when every worker has a GPU of its own, else gloo (env.resolve)
@@ -144,6 +146,8 @@ class Config:
                 "hierarchy('node') averages gradients within a node and the state across nodes: it needs "
                 "TrainingMode.AVERAGING (SHARED_GRADIENTS averages gradients over every rank already); drop one"
             )
+        if self.feed not in FEEDS:
+            raise ValueError(f"feed must be one of {list(FEEDS)}, got {self.feed!r}")
         if self.on_worker_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_worker_failure must be one of {list(FAILURE_POLICIES)}, got {self.on_worker_failure!r}")
         check_int("max_replacements", self.max_replacements, 0, 'e.g. .on_worker_failure("replace", max_replacements=3)')

@@ -10,7 +10,9 @@ Deterministic mode: batch i goes to worker i mod N through a queue of its own, s
 gives the same model on every run.
 
 Under torchrun, and for one worker in the caller's process, there is no queue: each process
-reads its own rank-strided shard (`ShardSource`).
+reads its own rank-strided shard (`ShardSource`). So do spawned workers given a list or tuple
+of batches (`shardable`): they receive it once per fit(), its tensors in shared memory, and each
+reads its shard in the dealt order; the main process copies nothing per batch.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def compact(data: Batches) -> Batches:
     of one big tensor (slices of a dataset) would each carry all of it to every spawned worker.
     Other data (a DataLoader, a function) is returned as it is."""
     return [to_cpu(batch) for batch in data] if isinstance(data, (list, tuple)) else data
+
+
+def shardable(data: Batches, feed: str, replaces: bool) -> bool:
+    """Whether spawned workers read `data` in shards (Builder.feed): a list or tuple of batches,
+    with feed "auto", when no replacement needs the queue's ledger to feed a round again."""
+    return feed == "auto" and isinstance(data, (list, tuple)) and not replaces
 
 
 def epoch_iterable(data: Batches) -> Callable[[], Iterable[Any]]:

@@ -181,6 +181,16 @@ class Settings:
         Default: False."""
         return self._set("deterministic", bool(flag))
 
+    def feed(self, mode: str) -> Self:
+        """How spawned workers get their batches. "auto": each reads its own shard of a list or
+        tuple of batches, batch i to worker i mod N (the deal of .deterministic(True)), which
+        they receive once per fit() in shared memory, so the main process copies nothing per
+        batch; any other data (a DataLoader, a generator, a function), and any data with
+        on_worker_failure("replace"), goes through the main process's queue. "queue": every
+        batch through the queue, first-come unless .deterministic(True), which balances workers
+        of unequal speed. Default: "auto"."""
+        return self._set("feed", mode)
+
     def seed(self, n: int) -> Self:
         """Seed of worker i's RNGs is `n + i`. Default: 0."""
         return self._set("seed", n)

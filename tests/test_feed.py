@@ -1,5 +1,5 @@
-"""The torchrun shard: rank-strided batches, resumed positions, and DataLoaders that a
-DistributedSampler shards already."""
+"""The shard a worker reads (torchrun, one worker, spawned workers given a list): rank-strided
+batches, resumed positions, and DataLoaders that a DistributedSampler shards already."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from parallelwrapper.feed import ShardSource
+from parallelwrapper.config import Config
+from parallelwrapper.feed import ShardSource, shardable
 from parallelwrapper.types import EndOfEpoch
 
 pytestmark = pytest.mark.fast
@@ -45,3 +46,13 @@ def test_distributed_sampler_is_not_sharded_twice_and_gets_the_epoch() -> None:
     sampler.set_epoch(3)
     assert first == [int(i) for i in sampler]  # the epoch was passed on
     assert first != second
+
+
+def test_spawned_workers_read_a_list_or_tuple_in_shards_unless_told_or_replacing() -> None:
+    batches = [(torch.zeros(2, 3), torch.zeros(2))]
+    assert shardable(batches, "auto", replaces=False) and shardable(tuple(batches), "auto", replaces=False)
+    assert not shardable(batches, "queue", replaces=False)  # first-come, or dealt through the queue
+    assert not shardable(batches, "auto", replaces=True)  # a replacement feeds a round again from the ledger
+    assert not shardable(lambda: batches, "auto", replaces=False) and not shardable(iter(batches), "auto", replaces=False)
+    with pytest.raises(ValueError, match=r"feed must be one of \['auto', 'queue'\], got 'shards'"):
+        Config(feed="shards")

@@ -118,7 +118,7 @@ def recipe(directory: Path, deterministic: bool) -> ParallelWrapper:
         ParallelWrapper.builder(TinyGPT()).optimizer(functools.partial(adamw_groups, weight_decay=0.1))
         .loss_fn(next_token_loss).lr_scheduler(torch.optim.lr_scheduler.LambdaLR, interval="step", lr_lambda=schedule)
         .gradient_clipping(1.0).precision("bf16-mixed").workers(WORKERS).threads_per_worker(1).averaging_frequency(K)
-        .deterministic(deterministic).before_step(LrLog(directory))
+        .deterministic(deterministic).feed("queue").before_step(LrLog(directory))
         .validation(corpus_windows(4, seed=9), every=1, step=token_loss)
         .listeners(EarlyStopping(monitor="val_loss", patience=ROUNDS, restore_best=True))
         .build()

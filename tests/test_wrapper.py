@@ -123,13 +123,30 @@ def test_overlap_lets_the_faster_worker_take_more_of_each_round(tmp_path: Path) 
     epoch of 60 batches is 10 rounds of 6."""
     base = make_batches(60)
     data = [(x, y, torch.arange(100 * i, 100 * i + len(y)), str(tmp_path)) for i, (x, y) in enumerate(base)]
-    w = builder(mlp(), averaging_frequency=3, overlap_averaging=True).training_step(recording_step).build()
+    w = builder(mlp(), averaging_frequency=3, overlap_averaging=True, feed="queue").training_step(recording_step).build()
     with w:
         history = w.fit(data, epochs=2)
     batches = {f.stem: len(f.read_text().split()) // 16 for f in tmp_path.glob("*.txt")}
     assert batches["0"] + batches["1"] == 120 and [e.iteration for e in history.epochs] == [60, 120]
     assert batches["0"] > 1.5 * batches["1"], batches  # with k each, both would train 60
     assert [s.iteration for s in history.scores] == list(range(6, 121, 6))
+
+
+def test_a_list_is_read_in_shards_and_trains_as_the_dealt_queue() -> None:
+    """feed "auto": spawned workers read a list of batches in shards, batch i on worker i mod N,
+    and the main process feeds nothing; the model is bitwise the one the dealt queue trains from
+    the same batches given as a function (which only the queue can feed), over two fit() calls
+    and an epoch with an uneven end."""
+    data = make_batches(13, last=7)
+    finals = []
+    for given, deterministic in ((data, False), (lambda: data, True)):
+        with builder(mlp(), averaging_frequency=2, deterministic=deterministic).build() as w:
+            for _ in range(2):
+                w.fit(given)
+            assert (w.counters.epoch, w.samples) == (2, 2 * sum(len(y) for _, y in data))
+            finals.append(copy.deepcopy(w.model.state_dict()))
+    for k in finals[0]:
+        assert torch.equal(finals[0][k], finals[1][k]), k
 
 
 def test_deterministic_runs_are_bitwise_equal() -> None:

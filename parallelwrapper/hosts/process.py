@@ -21,7 +21,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
-from ..feed import QueueSource
+from ..feed import QueueSource, ShardSource
 from ..slots import SlotReader
 from ..types import EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger
@@ -117,9 +117,11 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
                 if isinstance(command, Regroup):
                     assert keeper is not None
                     command = keeper.regroup(command, rank, join)
+                c0 = command.counters
+                fed = source if command.shards is None else ShardSource(command.shards, rank, world, c0.epoch, c0.position)
                 until_epoch = worker.start(command)
                 command = None  # loaded: its shared memory goes back now, not at the fit's end
-                worker.train(until_epoch, source, report)
+                worker.train(until_epoch, fed, report)
             except Stopped:
                 stopped = True
             except WorkerError as e:

@@ -9,6 +9,7 @@ Workers are daemons, and each gives up when its parent is gone, so none outlives
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import time
@@ -20,7 +21,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, Feeder, drain
+from ..feed import Batches, Feeder, drain, shardable
 from ..slots import SlotWriter
 from ..types import FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
 from .ledger import Ledger
@@ -136,18 +137,23 @@ class WorkerPool:
         """
         self._stop.clear()
         c, until_epoch = command.counters, command.until_epoch
-        feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, len(self._processes), self.slots)
+        feeder = None
+        if shardable(data, self.config.feed, self._recovery is not None):
+            command = dataclasses.replace(command, shards=data)  # its tensors go to shared memory once
+        else:
+            feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, len(self._processes), self.slots)
         for q in self._commands:
             q.put(command)
         # The queues hold the command until they have sent it, and the state's shared memory is
         # the workers' then: a caller that keeps no reference of its own has it back.
         del command
-        feeder.start()
+        if feeder is not None:
+            feeder.start()
         done: set[int] = set()
         final: TrainingState | None = None
         try:
             while len(done) < len(self._processes):
-                if feeder.error is not None:
+                if feeder is not None and feeder.error is not None:
                     raise feeder.error
                 try:
                     message = self._receive("training", on_report)
@@ -157,7 +163,7 @@ class WorkerPool:
                     self._stop_gracefully(on_report)
                     raise
                 except WorkerError as error:
-                    if self._recovery is None or done:
+                    if self._recovery is None or feeder is None or done:
                         raise
                     self._replace(error, feeder, until_epoch, on_report)
                     continue
@@ -165,7 +171,8 @@ class WorkerPool:
                     done.add(message[1])
                     final = message[2] if message[1] == 0 else final
         finally:
-            feeder.stop()
+            if feeder is not None:
+                feeder.stop()
         self._drain()
         assert final is not None
         return final
