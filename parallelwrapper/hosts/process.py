@@ -117,8 +117,8 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
                 if isinstance(command, Regroup):
                     assert keeper is not None
                     command = keeper.regroup(command, rank, join)
-                c0 = command.counters
-                fed = source if command.shards is None else ShardSource(command.shards, rank, world, c0.epoch, c0.position)
+                counters = command.counters
+                fed = source if command.shards is None else ShardSource(command.shards, rank, world, counters.epoch, counters.position)
                 until_epoch = worker.start(command)
                 command = None  # loaded: its shared memory goes back now, not at the fit's end
                 worker.train(until_epoch, fed, report)
