@@ -63,9 +63,13 @@ def _views(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> list[torch.Te
 
 def _flat(members: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, trailer: int = 0, parts: int = 1) -> torch.Tensor:
     """A buffer for the members, end to end, then room for `trailer` numbers, padded with zeros to
-    a multiple of `parts` numbers."""
-    numel = sum(t.numel() for t in members) + trailer
-    return torch.zeros(-(-numel // parts) * parts, dtype=dtype, device=device)
+    a multiple of `parts` numbers. The members' part is left unwritten (whoever builds the buffer
+    copies them in), so that its pages are only touched as each member moves in and lets its own
+    storage go: the state is not held twice at once."""
+    data = sum(t.numel() for t in members)
+    buffer = torch.empty(-(-(data + trailer) // parts) * parts, dtype=dtype, device=device)
+    buffer[data:].zero_()
+    return buffer
 
 
 def _trailer(buffer: torch.Tensor, data_numel: int, length: int) -> torch.Tensor:

@@ -54,6 +54,7 @@ def _run_options(f: F) -> F:
         click.option("--outer-lr", type=click.FloatRange(min=0, min_open=True), default=None, help="DiLoCo/SlowMo: after each averaging, step an outer SGD at this learning rate on the round's change (1 with no momentum: plain averaging). Default: off."),
         click.option("--outer-momentum", type=click.FloatRange(min=0, max=1, max_open=True), default=0.0, show_default=True, help="The outer SGD's Nesterov momentum (needs --outer-lr)."),
         click.option("--warmup-sync-steps", type=click.IntRange(min=0), default=0, show_default=True, help="Post-local SGD: share gradients every step for the first N steps, then average every --averaging-frequency."),
+        click.option("--overlap-averaging/--no-overlap-averaging", default=False, show_default=True, help="Run each averaging in the background during the next round's steps (averaging mode only; in pw-fit compare, its averaging runs)."),
         click.option("--fragments", type=click.IntRange(min=1), default=1, show_default=True, help="Average the state in N fragments of about equal bytes, each sent at its own point of the round and landed a round later (needs --overlap-averaging in pw-fit; pw-fit compare's averaging runs overlap with N > 1)."),
         click.option("--payload-dtype", type=click.Choice(list(PAYLOAD_DTYPES)), default="float32", show_default=True, help="What an averaging sends: bfloat16/float16 send the change since the last average cast, int8/int4 block-quantized (a scale per 256 numbers); what is lost goes with the next round."),
     ]  # fmt: skip
@@ -85,7 +86,6 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
 @click.option("--averaging-frequency", type=click.IntRange(min=1), default=3, show_default=True, help="Local iterations per worker between averagings.")
 @click.option("--mode", type=click.Choice([m.value for m in TrainingMode]), default=TrainingMode.AVERAGING.value, show_default=True, help="averaging: local steps, then average; shared-gradients: average gradients every step.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
-@click.option("--overlap-averaging/--no-overlap-averaging", default=False, show_default=True, help="Run each averaging in the background during the next round's steps (averaging mode only).")
 @click.option("--deterministic/--no-deterministic", default=False, show_default=True, help="Deal batch i to worker i mod N: the same run gives the same model, and a resumed run ends as an uninterrupted one.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save a checkpoint here every --checkpoint-every rounds, at each epoch's end and on Ctrl-C.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=50, show_default=True, help="Rounds between checkpoints.")

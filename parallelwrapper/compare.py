@@ -92,7 +92,7 @@ class RunSpec:
             deterministic=True, outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0,
             payload_dtype=base.payload_dtype if self.mode is TrainingMode.AVERAGING else "float32",
             fragments=base.fragments if self.mode is TrainingMode.AVERAGING else 1,
-            overlap_averaging=base.overlap_averaging or (self.mode is TrainingMode.AVERAGING and base.fragments > 1),
+            overlap_averaging=self.mode is TrainingMode.AVERAGING and (base.overlap_averaging or base.fragments > 1),
         )  # fmt: skip
 
 
@@ -242,6 +242,7 @@ def describe_setup(options: CompareOptions, results: Sequence[RunResult]) -> str
         + (f"outer SGD lr {b.outer_lr:g} Nesterov momentum {b.outer_momentum:g}, " if b.outer_lr is not None else "")
         + (f"averagings sent in {b.payload_dtype}, " if b.payload_dtype != "float32" else "")
         + (f"averagings in {b.fragments} fragments, overlapped, " if b.fragments > 1 else "")
+        + ("averagings overlapped, " if b.overlap_averaging and b.fragments == 1 else "")
         + f"{samples:,} training samples per run"
     )
 
