@@ -1,0 +1,317 @@
+"""LeNet on MNIST against torchft's DiLoCo and LocalSGD (issue 21, item 5): ms per step.
+
+    pip install --no-deps torchft==0.2.0   # then its pure-python needs: opentelemetry-api,
+                                           # opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http
+    python benchmarks/torchft_lenet.py --workers 2 --k 16 --steps 208 --warmup 32 --repeats 5
+
+Contenders, each worker (torchft: each replica group of one process) training `steps` batches of
+its own (batch i to worker i mod N, the wrapper's deal), batch 128, Nesterov SGD (momentum 0.9,
+lr --lr, default common.py's 0.02), one thread per process, gloo on loopback:
+  none              N independent processes, no communication at all: the ceiling
+  torchft-diloco    torchft's DiLoCo, outer SGD (lr 0.7, momentum 0.9, Nesterov), sync_every=k
+  torchft-localsgd  torchft's LocalSGD (parameters averaged), sync_every=k
+  wrapper           ParallelWrapper, .averaging_frequency(k), averaging in step (overlap off)
+  wrapper-overlap   the same with .overlap_averaging(True)
+  wrapper-outer     overlap and .outer_optimizer(SGD, lr 0.7, momentum 0.9, Nesterov): Streaming DiLoCo
+torchft runs as its examples and integration tests do: a LighthouseServer (here in this process,
+min_replicas=N, a fresh one per run) and in each replica group a TCPStore, a Manager
+(use_async_quorum=False, which DiLoCo requires; min_replica_size=N; init_sync=False, the models
+being seeded alike) on a torchft ProcessGroupGloo.
+
+Steady state, timed alike for all: every process stamps the clock after each step's backward,
+before the optimizer's step (the wrapper's workers through `.before_step`, writing to a file per
+process); the window runs from the stamp of step `warmup` to the stamp whole rounds of k steps
+later (as many as `steps` allows), so it holds the same number of syncs for everyone and leaves
+out start-up and the closing sync. ms/step is per worker: independent processes (`none`) add
+their own step rates; the others take the span from the first process's start stamp to the last
+one's end stamp. (The wrapper's Score listener is not used: with overlap a round's Score arrives
+when the round lands, a round late, which would count one round too many in the window.) Each
+round of the benchmark runs the contenders in turn, starting one further along each time; the
+median over rounds is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib.metadata
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, run_processes, table, write_results
+from parallelwrapper import ParallelWrapper, Score
+
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD (torchft's train_diloco.py)
+STAMPS_ENV = "TORCHFT_LENET_STAMPS"
+_stamps: Any = None  # this process's stamp file, in the wrapper's workers
+CONTENDERS = ("none", "torchft-diloco", "torchft-localsgd", "wrapper", "wrapper-overlap", "wrapper-outer")
+MISSING = (
+    "torchft is not importable ({error}). It is a benchmark-only peer, not a dependency: "
+    "pip install --no-deps torchft==0.2.0 (--no-deps keeps this torch), then its pure-python needs "
+    "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http; "
+    "or leave the torchft contenders out with --contenders"
+)
+
+
+def _window(warmup: int, steps: int, k: int) -> tuple[int, int]:
+    """The steps whose stamps open and close the timed window: whole rounds of k after warmup."""
+    rounds = (steps - 1 - warmup) // k
+    if rounds < 1:
+        raise SystemExit(f"--steps {steps} leaves no whole round of k={k} after --warmup {warmup}: need {warmup + k + 1} at least")
+    return warmup, warmup + rounds * k
+
+
+def _stamp(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """`.before_step` in the wrapper's workers: the clock after each backward, one file a process."""
+    global _stamps
+    if _stamps is None:
+        _stamps = open(Path(os.environ[STAMPS_ENV]) / str(os.getpid()), "a", buffering=1)  # noqa: SIM115
+    _stamps.write(f"{time.monotonic():.9f}\n")
+
+
+def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], k: int) -> dict[str, Any]:
+    """Train on `batches`; the clock after each backward, as `_stamp` reads it for the wrapper,
+    and the mean loss of the last k steps (a diverged run's timing would mean nothing)."""
+    stamps, losses = [], []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        stamps.append(time.monotonic())
+        optimizer.step()  # torchft's LocalSGD and DiLoCo sync in this step's post-hook
+        losses.append(loss.item())
+    return {"stamps": stamps, "last_loss": statistics.fmean(losses[-k:])}
+
+
+def _ms_per_step(kind: str, stamps: list[list[float]], a: int, b: int) -> float:
+    """Per worker: independent processes add their rates, the others share one span."""
+    if kind == "none":
+        return 1000.0 / sum((b - a) / (s[b] - s[a]) for s in stamps) * len(stamps)
+    return 1000.0 * (max(s[b] for s in stamps) - min(s[a] for s in stamps)) / (b - a)
+
+
+def _peer(rank: int, world: int, kind: str, lighthouse: str | None, k: int, steps: int, lr: float, data_dir: str) -> dict[str, Any]:
+    batches = mnist_batches(data_dir)[rank::world][:steps]
+    model = lenet()
+    inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True)
+    if kind == "none":
+        return _steps(model, inner, batches, k)
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    outer = torch.optim.SGD(model.parameters(), **OUTER) if kind == "torchft-diloco" else None
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # this replica group's
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=datetime.timedelta(seconds=60)),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=world,
+        use_async_quorum=False,
+        replica_id=f"lenet_{rank}",
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        timeout=datetime.timedelta(seconds=60),
+        init_sync=False,  # every replica starts from the same seeded model, as Manager's docs advise then
+    )
+    try:
+        algo = DiLoCo(manager, [model], inner, outer, sync_every=k) if outer is not None else LocalSGD(manager, model, inner, sync_every=k)
+        with algo:
+            out = _steps(model, inner, batches, k)
+        out["syncs_committed"] = manager.current_step()  # the manager's step counts committed syncs
+        out["participants"] = manager.num_participants()
+        return out
+    finally:
+        manager.shutdown(wait=False)
+
+
+def peers(kind: str, world: int, k: int, steps: int, warmup: int, lr: float, data_dir: str) -> dict[str, Any]:
+    server = None
+    if kind != "none":
+        from torchft.coordination import LighthouseServer
+
+        server = LighthouseServer(bind="[::]:0", min_replicas=world)  # fresh: no quorum left from the last run
+    wall = time.monotonic()
+    try:
+        parts = run_processes(_peer, world, kind, server and server.address(), k, steps, lr, data_dir, group=False)
+    finally:
+        if server is not None:
+            server.shutdown()
+    wall = time.monotonic() - wall
+    out: dict[str, Any] = {
+        "ms_per_step": _ms_per_step(kind, [p["stamps"] for p in parts], *_window(warmup, steps, k)),
+        "wall_s": wall,
+        "last_loss": statistics.fmean(p["last_loss"] for p in parts),
+    }
+    if kind != "none":
+        out["syncs_committed"] = [p["syncs_committed"] for p in parts]
+        out["participants"] = [p["participants"] for p in parts]
+    return out
+
+
+def wrapper(world: int, k: int, steps: int, warmup: int, lr: float, data_dir: str, overlap: bool, outer: bool) -> dict[str, Any]:
+    batches = mnist_batches(data_dir)[: world * steps]
+    scores: list[Score] = []
+    with tempfile.TemporaryDirectory(prefix="torchft_lenet_") as folder:
+        os.environ[STAMPS_ENV] = folder  # the spawned workers inherit it
+        wall = time.monotonic()
+        b = (
+            ParallelWrapper.builder(lenet())
+            .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)
+            .workers(world)
+            .threads_per_worker(1)
+            .averaging_frequency(k)
+            .overlap_averaging(overlap)  # set either way: the builder's default is not pinned here
+            .before_step(_stamp)
+            .listeners(scores.append)  # only for the last round's loss, not for timing
+        )
+        if outer:
+            b = b.outer_optimizer(torch.optim.SGD, **OUTER)
+        with b.build() as w:
+            w.fit(batches)
+        wall = time.monotonic() - wall
+        stamps = [[float(line) for line in f.read_text().split()] for f in sorted(Path(folder).iterdir())]
+    if len(stamps) != world or any(len(s) != steps for s in stamps):
+        raise RuntimeError(f"expected {world} workers of {steps} steps, stamped {[len(s) for s in stamps]}")
+    return {"ms_per_step": _ms_per_step("wrapper", stamps, *_window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score}
+
+
+def _commit() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "parallelwrapper"], cwd=here.parent, capture_output=True, text=True).stdout
+        return head + (" (parallelwrapper/ modified)" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2, help="workers, or torchft replica groups of one process")
+    parser.add_argument("--k", type=int, default=16, help="local steps between two syncs")
+    parser.add_argument("--steps", type=int, default=208, help="batches per worker (13 rounds of 16)")
+    parser.add_argument("--warmup", type=int, default=32, help="batches per worker not timed (2 rounds of 16)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds over all contenders; the median is reported")
+    parser.add_argument("--lr", type=float, default=LR, help="inner Nesterov SGD's learning rate (momentum 0.9)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--out", default="benchmarks/results/torchft_lenet.json")
+    args = parser.parse_args()
+    n, k, steps, warmup = args.workers, args.k, args.steps, args.warmup
+    names = [c for c in args.contenders.split(",") if c]
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose from {','.join(CONTENDERS)}")
+    window = _window(warmup, steps, k)
+    torchft_version = None
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
+    if any(c.startswith("torchft") for c in names):
+        try:
+            import torchft  # noqa: F401  (its import needs opentelemetry too)
+
+            torchft_version = importlib.metadata.version("torchft")
+        except ImportError as error:
+            raise SystemExit(MISSING.format(error=error)) from None
+
+    make: dict[str, Callable[[], dict[str, Any]]] = {
+        "none": functools.partial(peers, "none", n, k, steps, warmup, args.lr, args.data_dir),
+        "torchft-diloco": functools.partial(peers, "torchft-diloco", n, k, steps, warmup, args.lr, args.data_dir),
+        "torchft-localsgd": functools.partial(peers, "torchft-localsgd", n, k, steps, warmup, args.lr, args.data_dir),
+        "wrapper": functools.partial(wrapper, n, k, steps, warmup, args.lr, args.data_dir, False, False),
+        "wrapper-overlap": functools.partial(wrapper, n, k, steps, warmup, args.lr, args.data_dir, True, False),
+        "wrapper-outer": functools.partial(wrapper, n, k, steps, warmup, args.lr, args.data_dir, True, True),
+    }
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    began = time.monotonic()
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[: r % len(names)]  # rotated: no contender always first
+        for name in order:
+            try:
+                samples[name].append(make[name]())
+            except Exception as error:  # noqa: BLE001 - e.g. a wrapper whose loss went NaN: recorded, the others go on
+                first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+                print(f"{name} failed: {first}", flush=True)
+                samples[name].append({"failed": first})
+        print(f"round {r + 1}/{args.repeats} done ({time.monotonic() - began:.0f} s)", flush=True)
+
+    runs: dict[str, dict[str, Any]] = {}
+    for name, xs in samples.items():
+        ok = [x for x in xs if "failed" not in x]
+        runs[name] = {
+            "ms_per_step": statistics.median(x["ms_per_step"] for x in ok) if ok else None,
+            "all_ms_per_step": [x.get("ms_per_step") for x in xs],
+            "wall_s": statistics.median(x["wall_s"] for x in ok) if ok else None,
+            "last_loss": statistics.median(x["last_loss"] for x in ok) if ok else None,
+            "failed": len(xs) - len(ok),
+            "repeats": xs,
+        }
+    ceiling = runs["none"]["ms_per_step"] if "none" in runs else None
+    for r in runs.values():
+        r["vs_ceiling"] = ceiling / r["ms_per_step"] if ceiling and r["ms_per_step"] else None
+    rows = [
+        (
+            name,
+            r["ms_per_step"] if r["ms_per_step"] is not None else "failed",
+            r["vs_ceiling"] if r["vs_ceiling"] is not None else "-",
+            " / ".join("failed" if v is None else f"{v:.1f}" for v in r["all_ms_per_step"]),
+            r["last_loss"] if r["last_loss"] is not None else "-",
+        )
+        for name, r in runs.items()
+    ]
+    print(
+        f"LeNet, MNIST, batch {BATCH}, {n} workers, k={k}, {steps} batches each, timed from step {window[0]} "
+        f"to {window[1]}, median of {args.repeats}; torchft {torchft_version}"
+    )
+    print(table(["run", "ms/step (median)", "ceiling / this", "each repeat, ms/step", "last round's loss"], rows))
+    verdict = None
+    d = runs.get("torchft-diloco", {}).get("ms_per_step")
+    if d:
+        verdict = {name: r["ms_per_step"] / d for name, r in runs.items() if name.startswith("wrapper") and r["ms_per_step"]}
+        print("ms/step over torchft-diloco's: " + ", ".join(f"{name} {v:.3f}" for name, v in verdict.items()))
+    write_results(
+        args.out,
+        {
+            "torchft": torchft_version,
+            "parallelwrapper_commit": _commit(),
+            "workers": n,
+            "k": k,
+            "batch": BATCH,
+            "lr": args.lr,
+            "momentum": MOMENTUM,
+            "steps": steps,
+            "warmup": warmup,
+            "timed_steps": list(window),
+            "repeats": args.repeats,
+            "outer": OUTER,
+            "seconds": time.monotonic() - began,
+            "runs": runs,
+            "vs_torchft_diloco": verdict,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
