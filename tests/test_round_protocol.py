@@ -67,12 +67,12 @@ def flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return out
 
 
-def _one_round(rank: int, world: int, k: int, sizes: dict[int, list[int]]) -> list[dict[str, torch.Tensor]]:
+def _one_round(rank: int, world: int, k: int, sizes: dict[int, list[int]], overlap: bool = False) -> list[dict[str, torch.Tensor]]:
     out = []
     for cls, kwargs in OPTIMIZERS:
         model = bn_model()
         job = Job(model, cls, kwargs, nn.functional.cross_entropy, None)
-        replica = Replica(model, job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
+        replica = Replica(model, job, Config(workers=world, averaging_frequency=k, overlap_averaging=overlap), CPU, rank, world)
         replica.fit(1, ListSource(batches(rank, sizes[rank]), rank, world), lambda r: None)
         out.append(flat_state(replica.model, replica.optimizer))
     return out
@@ -126,9 +126,11 @@ def test_average_equals_sample_weighted_mean_and_replicas_are_bitwise_equal() ->
         assert "model.2.running_mean" in r0 and "model.2.num_batches_tracked" in r0
 
 
-def test_worker_without_batches_receives_the_average_and_adopts_optimizer_state() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["at-once", "overlap"])
+def test_worker_without_batches_receives_the_average_and_adopts_optimizer_state(overlap: bool) -> None:
     # Rank 1 has no batch at all: it has no optimizer state yet (a different layout) and weight 0.
-    results = run_group(_one_round, 2, 2, {0: [8, 8], 1: []})
+    # Overlapped, the workers agree on the layout before their first snapshot.
+    results = run_group(_one_round, 2, 2, {0: [8, 8], 1: []}, overlap)
     for o, (cls, kwargs) in enumerate(OPTIMIZERS):
         alone = reference(0, cls, kwargs, [8, 8])
         for key, value in results[0][o].items():

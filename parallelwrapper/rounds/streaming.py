@@ -31,7 +31,7 @@ from ..averaging import DeltaAverager
 from ..config import Config
 from .exchange import average_anew
 from .header import HEADER_LEN, RoundTotals, Work, check_diverged, read_header, round_header
-from .state import averaged_tensors, state_layout
+from .state import agree_on_optimizer_layout, averaged_tensors, state_layout
 from .trainer import Trainer
 
 
@@ -92,6 +92,10 @@ class StreamExchange:
         return state_layout(self.trainer.optimizer, self.config.average_updaters)
 
     def _build(self) -> DeltaAverager:
+        """The buffers, once every worker has the union of the optimizers' layouts (one that has
+        not stepped yet has no state): each worker's first step of a fit, or its first launch."""
+        if self.config.average_updaters:
+            agree_on_optimizer_layout(self.trainer.optimizer, self.group)
         self._layout = self._state_layout()
         runs = cut_fragments(averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters), self.config.fragments)
         k, wire = self.config.averaging_frequency, self.config.wire_dtype
