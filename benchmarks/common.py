@@ -42,6 +42,43 @@ def nesterov(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True)
 
 
+STAMPS_ENV = "PW_BENCH_STAMPS"  # where `stamp` writes, in spawned workers
+_stamps: Any = None  # this process's stamp file
+
+
+def window(warmup: int, steps: int, k: int) -> tuple[int, int]:
+    """The steps whose stamps open and close the timed window: whole rounds of k after warmup."""
+    rounds = (steps - 1 - warmup) // k
+    if rounds < 1:
+        raise SystemExit(f"--steps {steps} leaves no whole round of k={k} after --warmup {warmup}: need {warmup + k + 1} at least")
+    return warmup, warmup + rounds * k
+
+
+def stamp(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """`.before_step` in the wrapper's workers: the clock after each backward, one file a process
+    in the folder $STAMPS_ENV (the spawned workers inherit it). A Score listener would not do: with
+    overlap_averaging a round's Score arrives when it lands, a round late."""
+    global _stamps
+    if _stamps is None:
+        _stamps = open(Path(os.environ[STAMPS_ENV]) / str(os.getpid()), "a", buffering=1)  # noqa: SIM115
+    _stamps.write(f"{time.monotonic():.9f}\n")
+
+
+def ms_per_step(kind: str, stamps: list[list[float]], a: int, b: int) -> float:
+    """Per worker: independent processes add their rates, the others share one span."""
+    if kind == "none":
+        return 1000.0 / sum((b - a) / (s[b] - s[a]) for s in stamps) * len(stamps)
+    return 1000.0 * (max(s[b] for s in stamps) - min(s[a] for s in stamps)) / (b - a)
+
+
+def read_stamps(folder: str | Path, world: int, steps: int) -> list[list[float]]:
+    """Each worker's stamps, as `stamp` wrote them; every worker must have stamped every step."""
+    stamps = [[float(line) for line in f.read_text().split()] for f in sorted(Path(folder).iterdir())]
+    if len(stamps) != world or any(len(s) != steps for s in stamps):
+        raise RuntimeError(f"expected {world} workers of {steps} steps, stamped {[len(s) for s in stamps]}")
+    return stamps
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpus": len(os.sched_getaffinity(0)),

@@ -49,12 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, run_processes, table, write_results
+from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, STAMPS_ENV, lenet, mnist_batches, ms_per_step, read_stamps, run_processes, stamp, table, write_results, window
 from parallelwrapper import ParallelWrapper, Score
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD (torchft's train_diloco.py)
-STAMPS_ENV = "TORCHFT_LENET_STAMPS"
-_stamps: Any = None  # this process's stamp file, in the wrapper's workers
 CONTENDERS = ("none", "torchft-diloco", "torchft-localsgd", "wrapper", "wrapper-overlap", "wrapper-outer")
 MISSING = (
     "torchft is not importable ({error}). It is a benchmark-only peer, not a dependency: "
@@ -62,22 +60,6 @@ MISSING = (
     "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http; "
     "or leave the torchft contenders out with --contenders"
 )
-
-
-def _window(warmup: int, steps: int, k: int) -> tuple[int, int]:
-    """The steps whose stamps open and close the timed window: whole rounds of k after warmup."""
-    rounds = (steps - 1 - warmup) // k
-    if rounds < 1:
-        raise SystemExit(f"--steps {steps} leaves no whole round of k={k} after --warmup {warmup}: need {warmup + k + 1} at least")
-    return warmup, warmup + rounds * k
-
-
-def _stamp(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """`.before_step` in the wrapper's workers: the clock after each backward, one file a process."""
-    global _stamps
-    if _stamps is None:
-        _stamps = open(Path(os.environ[STAMPS_ENV]) / str(os.getpid()), "a", buffering=1)  # noqa: SIM115
-    _stamps.write(f"{time.monotonic():.9f}\n")
 
 
 def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], k: int) -> dict[str, Any]:
@@ -92,13 +74,6 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any
         optimizer.step()  # torchft's LocalSGD and DiLoCo sync in this step's post-hook
         losses.append(loss.item())
     return {"stamps": stamps, "last_loss": statistics.fmean(losses[-k:])}
-
-
-def _ms_per_step(kind: str, stamps: list[list[float]], a: int, b: int) -> float:
-    """Per worker: independent processes add their rates, the others share one span."""
-    if kind == "none":
-        return 1000.0 / sum((b - a) / (s[b] - s[a]) for s in stamps) * len(stamps)
-    return 1000.0 * (max(s[b] for s in stamps) - min(s[a] for s in stamps)) / (b - a)
 
 
 def _peer(rank: int, world: int, kind: str, lighthouse: str | None, k: int, steps: int, lr: float, data_dir: str) -> dict[str, Any]:
@@ -161,7 +136,7 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, lr: float, dat
             server.shutdown()
     wall = time.monotonic() - wall
     out: dict[str, Any] = {
-        "ms_per_step": _ms_per_step(kind, [p["stamps"] for p in parts], *_window(warmup, steps, k)),
+        "ms_per_step": ms_per_step(kind, [p["stamps"] for p in parts], *window(warmup, steps, k)),
         "wall_s": wall,
         "last_loss": statistics.fmean(p["last_loss"] for p in parts),
     }
@@ -184,7 +159,7 @@ def wrapper(world: int, k: int, steps: int, warmup: int, lr: float, data_dir: st
             .threads_per_worker(1)
             .averaging_frequency(k)
             .overlap_averaging(overlap)  # set either way: the builder's default is not pinned here
-            .before_step(_stamp)
+            .before_step(stamp)
             .listeners(scores.append)  # only for the last round's loss, not for timing
         )
         if outer:
@@ -192,10 +167,8 @@ def wrapper(world: int, k: int, steps: int, warmup: int, lr: float, data_dir: st
         with b.build() as w:
             w.fit(batches)
         wall = time.monotonic() - wall
-        stamps = [[float(line) for line in f.read_text().split()] for f in sorted(Path(folder).iterdir())]
-    if len(stamps) != world or any(len(s) != steps for s in stamps):
-        raise RuntimeError(f"expected {world} workers of {steps} steps, stamped {[len(s) for s in stamps]}")
-    return {"ms_per_step": _ms_per_step("wrapper", stamps, *_window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score}
+        stamps = read_stamps(folder, world, steps)
+    return {"ms_per_step": ms_per_step("wrapper", stamps, *window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score}
 
 
 def _commit() -> str:
@@ -225,7 +198,7 @@ def main() -> None:
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:
         parser.error(f"unknown contenders {unknown}; choose from {','.join(CONTENDERS)}")
-    window = _window(warmup, steps, k)
+    timed = window(warmup, steps, k)
     torchft_version = None
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
     if any(c.startswith("torchft") for c in names):
@@ -282,8 +255,8 @@ def main() -> None:
         for name, r in runs.items()
     ]
     print(
-        f"LeNet, MNIST, batch {BATCH}, {n} workers, k={k}, {steps} batches each, timed from step {window[0]} "
-        f"to {window[1]}, median of {args.repeats}; torchft {torchft_version}"
+        f"LeNet, MNIST, batch {BATCH}, {n} workers, k={k}, {steps} batches each, timed from step {timed[0]} "
+        f"to {timed[1]}, median of {args.repeats}; torchft {torchft_version}"
     )
     print(table(["run", "ms/step (median)", "ceiling / this", "each repeat, ms/step", "last round's loss"], rows))
     verdict = None
@@ -303,7 +276,7 @@ def main() -> None:
             "momentum": MOMENTUM,
             "steps": steps,
             "warmup": warmup,
-            "timed_steps": list(window),
+            "timed_steps": list(timed),
             "repeats": args.repeats,
             "outer": OUTER,
             "seconds": time.monotonic() - began,
