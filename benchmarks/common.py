@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from parallelwrapper import ParallelWrapper, Score
 from parallelwrapper.data import load_mnist
 from parallelwrapper.models import LeNet
 
@@ -77,6 +79,31 @@ def read_stamps(folder: str | Path, world: int, steps: int) -> list[list[float]]
     if len(stamps) != world or any(len(s) != steps for s in stamps):
         raise RuntimeError(f"expected {world} workers of {steps} steps, stamped {[len(s) for s in stamps]}")
     return stamps
+
+
+def timed_fit(world: int, k: int, steps: int, warmup: int, data_dir: str, configure: Callable[[Any], Any], lr: float = LR) -> dict[str, Any]:
+    """LeNet on `steps` batches per worker through a ParallelWrapper (Nesterov SGD at `lr`, one
+    thread a worker, averaging every k, then `configure(builder)`), timed by `stamp` over whole
+    rounds after `warmup`: ms per step, the wall seconds, the last round's loss."""
+    batches = mnist_batches(data_dir)[: world * steps]
+    scores: list[Score] = []
+    with tempfile.TemporaryDirectory(prefix="pw_bench_") as folder:
+        os.environ[STAMPS_ENV] = folder  # the spawned workers inherit it
+        wall = time.monotonic()
+        b = (
+            ParallelWrapper.builder(lenet())
+            .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)
+            .workers(world)
+            .threads_per_worker(1)
+            .averaging_frequency(k)
+            .before_step(stamp)
+            .listeners(scores.append)  # the last round's loss only, not the timing
+        )
+        with configure(b).build() as w:
+            w.fit(batches)
+        wall = time.monotonic() - wall
+        stamps = read_stamps(folder, world, steps)
+    return {"ms_per_step": ms_per_step("wrapper", stamps, *window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score}
 
 
 def machine() -> dict[str, Any]:

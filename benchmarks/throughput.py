@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -30,11 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
-from common import (
-    BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, STAMPS_ENV, lenet, mnist_batches, ms_per_step, nesterov, read_stamps, run_processes, stamp, table,
-    window, write_results,
-)  # fmt: skip
-from parallelwrapper import ParallelWrapper
+from common import BATCH, DEFAULT_DATA_DIR, lenet, mnist_batches, nesterov, run_processes, table, timed_fit, write_results
 
 
 def _peer(rank: int, world: int, kind: str, k: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
@@ -81,29 +75,10 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, data_dir: str)
 
 
 def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap: bool = False) -> dict[str, float]:
-    """Timed by each worker's clock after every backward (common.stamp), over whole rounds after
-    the warm-up: with overlap a round's Score arrives a round late, and a window of Scores would
-    count one round more than it timed."""
-    batches = mnist_batches(data_dir)[: world * steps]
-    with tempfile.TemporaryDirectory(prefix="throughput_") as folder:
-        os.environ[STAMPS_ENV] = folder  # the spawned workers inherit it
-        wall = time.monotonic()
-        w = (
-            ParallelWrapper.builder(lenet())
-            .optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM, nesterov=True)
-            .workers(world)
-            .threads_per_worker(1)
-            .averaging_frequency(k)
-            .overlap_averaging(overlap)
-            .before_step(stamp)
-            .build()
-        )
-        with w:
-            w.fit(batches)
-        wall = time.monotonic() - wall
-        stamps = read_stamps(folder, world, steps)
-    ms = ms_per_step("wrapper", stamps, *window(warmup, steps, k))
-    return {"samples_per_s": world * BATCH * 1000.0 / ms, "wall_s": wall}
+    """Timed by each worker's clock after every backward (common.timed_fit): with overlap a
+    round's Score arrives a round late, and a window of Scores would count a round more."""
+    timed = timed_fit(world, k, steps, warmup, data_dir, lambda b: b.overlap_averaging(overlap))
+    return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"]}
 
 
 def main() -> None:

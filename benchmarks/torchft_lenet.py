@@ -39,7 +39,6 @@ import importlib.metadata
 import os
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,8 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, STAMPS_ENV, lenet, mnist_batches, ms_per_step, read_stamps, run_processes, stamp, table, write_results, window
-from parallelwrapper import ParallelWrapper, Score
+from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, ms_per_step, run_processes, table, timed_fit, write_results, window
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD (torchft's train_diloco.py)
 CONTENDERS = ("none", "torchft-diloco", "torchft-localsgd", "wrapper", "wrapper-overlap", "wrapper-outer")
@@ -147,28 +145,11 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, lr: float, dat
 
 
 def wrapper(world: int, k: int, steps: int, warmup: int, lr: float, data_dir: str, overlap: bool, outer: bool) -> dict[str, Any]:
-    batches = mnist_batches(data_dir)[: world * steps]
-    scores: list[Score] = []
-    with tempfile.TemporaryDirectory(prefix="torchft_lenet_") as folder:
-        os.environ[STAMPS_ENV] = folder  # the spawned workers inherit it
-        wall = time.monotonic()
-        b = (
-            ParallelWrapper.builder(lenet())
-            .optimizer(torch.optim.SGD, lr=lr, momentum=MOMENTUM, nesterov=True)
-            .workers(world)
-            .threads_per_worker(1)
-            .averaging_frequency(k)
-            .overlap_averaging(overlap)  # set either way: the builder's default is not pinned here
-            .before_step(stamp)
-            .listeners(scores.append)  # only for the last round's loss, not for timing
-        )
-        if outer:
-            b = b.outer_optimizer(torch.optim.SGD, **OUTER)
-        with b.build() as w:
-            w.fit(batches)
-        wall = time.monotonic() - wall
-        stamps = read_stamps(folder, world, steps)
-    return {"ms_per_step": ms_per_step("wrapper", stamps, *window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score}
+    def configure(b: Any) -> Any:
+        b = b.overlap_averaging(overlap)  # set either way: the builder's default is not pinned here
+        return b.outer_optimizer(torch.optim.SGD, **OUTER) if outer else b
+
+    return timed_fit(world, k, steps, warmup, data_dir, configure, lr)
 
 
 def _commit() -> str:
