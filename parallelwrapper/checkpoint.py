@@ -22,6 +22,9 @@ The file is a `torch.save`d dict:
                  precision 16-mixed, its GradScaler's
 
 Resuming restores all of it; the feed skips the `position` batches of the epoch already trained.
+The file is read with `torch.load(weights_only=True)`: tensors and plain values only, so a file
+that would run code as it loads is refused, and resuming from someone else's checkpoint runs
+nothing of theirs.
 With the deterministic feed, an interrupted and resumed run ends bitwise equal to one that was
 never interrupted.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -104,12 +108,20 @@ def save(directory: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
 
 def _read(location: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     """The checkpoint file and its contents; any missing, unreadable or foreign file is a
-    CheckpointError naming it."""
+    CheckpointError naming it. Only tensors and plain values are read (`weights_only=True`): a
+    file that would run code or build other objects as it loads is refused, so resuming from a
+    checkpoint someone else gave you runs nothing of theirs."""
     path = path_of(location)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: pass the checkpoint directory or its {FILENAME}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        detail = str(e).splitlines()[0][:300]
+        raise CheckpointError(
+            f"{path} holds more than tensors and plain values, and checkpoints are read without running "
+            f"any code in them: not resumed ({detail})"
+        ) from e
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
         raise CheckpointError(f"{path} is not a readable checkpoint: {type(e).__name__}: {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:

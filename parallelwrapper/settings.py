@@ -5,10 +5,16 @@ right); `wrapper.Builder.build()` validates the whole and builds the ParallelWra
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Self
+from typing import Any
 
 import torch
+
+if sys.version_info >= (3, 11):
+    from typing import Self
+else:  # Python 3.10: typing_extensions comes with torch
+    from typing_extensions import Self
 
 from .config import BeforeStep, LossFn, NanPolicy, OptimizerFn, OuterSpec, SchedulerSpec, TrainingMode, TrainingStep
 from .config import ValidationStep, parse_enum

@@ -186,7 +186,7 @@ def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
     counters = Counters(rounds=10, iterations=30, samples=300, epoch=1, position=4)
     state = TrainingState(model.state_dict(), {"state": {}, "param_groups": []})
     writer.save(state, counters, [{"torch": torch.get_rng_state()}] * 2)
-    payload = torch.load(tmp_path / checkpoint.FILENAME, weights_only=False)
+    payload = torch.load(tmp_path / checkpoint.FILENAME, weights_only=True)  # tensors and plain values only
     assert set(payload) == {"format", "fingerprint", "config", "model", "optimizer", "lr_scheduler", "outer_optimizer", "counters", "rng"}
     assert payload["format"] == checkpoint.FORMAT and payload["config"]["averaging_frequency"] == 3
     assert checkpoint.peek(tmp_path) == dataclasses.asdict(counters)
@@ -197,6 +197,24 @@ def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
     assert "workers: checkpoint has 2, this run has 3" in str(error.value)
     assert "averaging_frequency: checkpoint has 3, this run has 4" in str(error.value)
     assert not list(tmp_path.glob(".checkpoint-*"))  # no temporary file left
+
+
+class _Payload:
+    """What a hostile checkpoint could carry: unpickling it would write a file."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.write_text, (self.target, "ran"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    ran = tmp_path / "ran.txt"
+    torch.save({"format": checkpoint.FORMAT, "counters": {}, "model": _Payload(ran)}, tmp_path / checkpoint.FILENAME)
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds more than tensors and plain values, .* not resumed"):
+        checkpoint.peek(tmp_path)
+    assert not ran.exists()
 
 
 def test_worker_error_says_who_where_and_what_in_its_first_line_and_travels() -> None:
