@@ -32,7 +32,9 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def others(*mine: torch.Tensor | None) -> int:
-    """Live tensors of SHAPE in this process whose memory is none of `mine`'s."""
+    """Live tensors of SHAPE in this process whose memory is none of `mine`'s (garbage that an
+    earlier test left in cycles is collected first: it is not live)."""
+    gc.collect()
     ours = {t.untyped_storage().data_ptr() for t in mine if t is not None}
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.shape == SHAPE and o.untyped_storage().data_ptr() not in ours)
 
@@ -54,8 +56,8 @@ class FirstStepHoldsOneModel:
 
 @pytest.mark.fast
 def test_a_worker_copies_the_users_model_unless_the_model_is_its_own() -> None:
-    w = ParallelWrapper.builder(mlp()).workers(1).threads_per_worker(1).build()
-    config, job, placement = w.config, w._job, w.placement
+    with ParallelWrapper.builder(mlp()).workers(1).threads_per_worker(1).build() as w:
+        config, job, placement = w.config, w._job, w.placement
     group = group_of_one(config)
     copied = Worker(job, config, placement, 0, 0, group=group).replica.model
     assert copied is not job.model
