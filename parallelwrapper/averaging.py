@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import DeltaCoder, codec
-from .wire import Flight, decode_coded, send_coded, send_trailer, wait_trailer
+from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, wait_trailer
 
 ProcessGroup = dist.ProcessGroup | None  # None: the default group
 
@@ -233,8 +233,9 @@ class FlatAverager:
     def discard(self) -> None:
         """After wait(), when nobody sent anything (every scale was 0): drop the sums; the tensors
         stay as they were."""
-        for work in [w for flight in self._in_flight if flight.buffer is None for ws in flight.works for w in ws]:
-            work.wait()
+        for flight in self._in_flight:
+            if flight.buffer is None:
+                drop_coded(flight.works)
         self._in_flight = []
 
     def average(self, share: float, group: ProcessGroup = None) -> None:
@@ -349,8 +350,7 @@ class DeltaAverager:
             if flight.buffer is None:
                 assert s.coder is not None
                 if total_weight == 0:
-                    for work in (w for works in flight.works for w in works):
-                        work.wait()
+                    drop_coded(flight.works)
                 else:
                     decode_coded(s.coder, flight.works, 1.0 / total_weight)  # the average, and the next start
             elif total_weight != 0:

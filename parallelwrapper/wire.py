@@ -39,6 +39,13 @@ def decode_coded(coder: DeltaCoder, works: list[list[dist.Work]], alpha: float) 
         coder.decode(piece, alpha)
 
 
+def drop_coded(works: list[list[dist.Work]]) -> None:
+    """Wait for a coded round's sends and receives, and decode nothing (nobody trained)."""
+    for piece_works in works:
+        for work in piece_works:
+            work.wait()
+
+
 def send_trailer(trailer: Sequence[float] | None, length: int, device: torch.device, group: dist.ProcessGroup | None) -> tuple[dist.Work, torch.Tensor]:
     """A coded round's trailer, summed exactly in float64 beside the payload (zeros when None)."""
     values = torch.tensor(list(trailer or [0.0] * length), dtype=torch.float64, device=device)
@@ -52,4 +59,4 @@ def wait_trailer(sent: tuple[dist.Work, torch.Tensor]) -> list[float]:
     return sent[1].tolist()
 
 
-__all__ = ["Flight", "decode_coded", "send_coded", "send_trailer", "wait_trailer"]
+__all__ = ["Flight", "decode_coded", "drop_coded", "send_coded", "send_trailer", "wait_trailer"]

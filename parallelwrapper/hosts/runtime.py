@@ -104,7 +104,6 @@ class Worker:
         kept state is still the one it started from), with the schedule and RNG of round
         `landed + 1`'s start."""
         r = self.replica
-        schedule = None if r.schedule is None else copy.deepcopy(r.schedule.state_dict())
         # The kept state a new one replaces goes first: two at once are twice the model and its
         # optimizer's state, for a moment at every round.
         if landed == tag - 1:
@@ -114,7 +113,9 @@ class Worker:
             self.kept = None
             state = dataclasses.replace(self._average, lr_scheduler=self._begun[0])
             self.kept = Kept(state, dataclasses.replace(r.counters), landed + 1, self._begun[1])
-        self._average, self._begun = None, (schedule, r.own_state())
+        self._average, self._begun = None, None
+        if landed < tag - 1:  # a redo of this round will start from the average of the one in flight
+            self._begun = (None if r.schedule is None else copy.deepcopy(r.schedule.state_dict()), r.own_state())
 
     def hold_average(self) -> None:
         """The replica holds a landed average, for this call only (overlap_averaging)."""

@@ -189,7 +189,8 @@ class Rounds:
         a gradient round then takes its step, the same on every worker."""
         if not isinstance(launched, Sent):
             assert self._stream is not None
-            at_average = self.hooks.at_average if self.hooks.keeps_averages else None
+            # A round landed at once is followed by a round's start from its average: kept there.
+            at_average = self.hooks.at_average if self.hooks.keeps_averages and not at_once else None
             return self._stream.land(launched, since.skipped, at_once, at_average)
         totals = self._sync.land(launched)
         if not launched.averaging and totals.samples > 0:

@@ -130,9 +130,15 @@ class StreamExchange:
         if f.flight is None:
             return
         (total,) = f.delta.wait()
-        adopt = f.flight.skipped or self.trainer.local_steps == f.flight.local_steps
-        f.delta.land(total, adopt, self.trainer.averaged if total > 0 else None)
+        self._move(f.delta, f.flight, total)
         f.flight = None
+
+    def _move(self, delta: DeltaAverager, launched: Launched, total: float, skipped_since: bool = False, at_average: Callable[[], None] | None = None) -> None:
+        """Move the state by a landed average of Σw `total` (and the outer step). A worker adopts
+        the average outright when its progress since is worthless (a non-finite loss then or
+        since) or nil (no step since)."""
+        adopt = launched.skipped or skipped_since or self.trainer.local_steps == launched.local_steps
+        delta.land(total, adopt, self.trainer.averaged if total > 0 else None, at_average)
 
     # -- the round -------------------------------------------------------------------------------
 
@@ -152,9 +158,7 @@ class StreamExchange:
     def land(self, launched: Launched, skipped_since: bool, at_once: bool, at_average: Callable[[], None] | None = None) -> RoundTotals:
         """Wait for a launched round and move the state by its average (and the outer step).
 
-        A worker adopts the average outright when its progress since is worthless (a non-finite
-        loss then or since) or nil (no step since). When the layouts disagreed, the buffers still
-        matched (they keep their layout), so the average applies; then the state is averaged anew.
+        When the layouts disagreed, the buffers still matched (they keep their layout), so the average applies; then the state is averaged anew.
         With fragments, a round landed `at_once` or that ends the epoch first lands the other
         fragments and then averages the whole state. `at_average` is called while the worker
         holds the average (DeltaAverager.land; with one fragment only).
@@ -162,15 +166,13 @@ class StreamExchange:
         assert self._delta is not None
         totals = read_header(self._delta.wait(), launched.layout, self.world_size)
         check_diverged(totals)
-        worthless = launched.skipped or skipped_since
-        adopt = worthless or self.trainer.local_steps == launched.local_steps
-        transform = self.trainer.averaged if totals.samples > 0 else None
-        self._delta.land(totals.samples, adopt, transform, at_average if totals.layouts_agree else None)
+        self._move(self._delta, launched, totals.samples, skipped_since, at_average if totals.layouts_agree else None)
         gather = bool(self._fragments) and (at_once or totals.epoch_done)
         if gather or not totals.layouts_agree:
             for f in self._fragments:
                 self._land_fragment(f)
             share = launched.weight / totals.samples if totals.samples > 0 else 1.0 / self.world_size
+            worthless = launched.skipped or skipped_since
             average_anew(self.trainer, self.config, self.device, self.group, 0.0 if worthless else share, agree=not totals.layouts_agree).release()
             if not totals.layouts_agree:
                 self._build()
