@@ -159,20 +159,24 @@ class ProgressBar:
         self._bar.set_postfix(self._postfix, refresh=refresh)
 
     def on_score(self, score: Score) -> None:
+        """Move the bar to the score's place in the epoch and show its round loss."""
         bar = self._open(score.epoch)
         bar.update(score.position - bar.n)
         self._show({"round_loss": score.score})
 
     def on_validation(self, validation: Validation) -> None:
+        """Show the validation's metrics beside the round loss."""
         if self._bar is not None:  # at an epoch's end the bar is still open: the validation comes first
             self._show(validation.metrics)
 
     def on_worker_replaced(self, rank: int, reason: WorkerError, lost_round: int) -> None:
+        """Write a line under the bar: which worker was replaced, and why."""
         from tqdm.auto import tqdm
 
         tqdm.write(f"worker {rank} replaced, round {lost_round} trained again: {str(reason).splitlines()[0]}")
 
     def on_epoch_end(self, epoch: EpochEnd) -> None:
+        """Fill the bar, show the epoch's mean loss and close it."""
         bar = self._open(epoch.epoch)
         if bar.total and epoch.complete:
             bar.update(bar.total - bar.n)
@@ -192,16 +196,20 @@ class JsonlWriter:
         self._file: IO[str] = self.path.open("a", encoding="utf-8")
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
+        """Append `record` with `"kind": kind`, and flush."""
         self._file.write(json.dumps({"kind": kind, **record}) + "\n")
         self._file.flush()
 
     def on_score(self, score: Score) -> None:
+        """A `"score"` record."""
         self.write("score", dataclasses.asdict(score))
 
     def on_epoch_end(self, epoch: EpochEnd) -> None:
+        """An `"epoch"` record."""
         self.write("epoch", dataclasses.asdict(epoch))
 
     def close(self) -> None:
+        """Close the file."""
         self._file.close()
 
 
@@ -220,10 +228,12 @@ class CsvWriter:
             self._writer.writeheader()
 
     def on_score(self, score: Score) -> None:
+        """A row, flushed."""
         self._writer.writerow(dataclasses.asdict(score))
         self._file.flush()
 
     def close(self) -> None:
+        """Close the file."""
         self._file.close()
 
 
@@ -234,6 +244,7 @@ class ScoreLogger:
         self.every = every
 
     def on_score(self, score: Score) -> None:
+        """Print the score on every `every`-th averaging."""
         if score.round % self.every == 0:
             print(f"round {score.round} iteration {score.iteration} epoch {score.epoch}: score {score.score:.5f}")
 
@@ -260,12 +271,14 @@ class EarlyStopping:
         self.reset()
 
     def reset(self) -> None:
+        """Forget the best value and the wait, as at the start of a fit()."""
         self.best: float | None = None
         self.best_round: int | None = None  # the round of the best validation (this copy's account)
         self.wait = 0
         self.stopped_round: int | None = None
 
     def on_fit_start(self, config: Config, epochs: int) -> None:
+        """Start afresh: each fit() stops on its own validations."""
         self.reset()
 
     def update(self, metrics: dict[str, float]) -> tuple[bool, bool]:
@@ -282,6 +295,7 @@ class EarlyStopping:
         return improved, self.wait >= self.patience
 
     def on_validation(self, validation: Validation) -> None:
+        """Follow the workers' decision on this validation, to say later what happened."""
         if self.stopped_round is not None:
             return
         improved, stop = self.update(validation.metrics)

@@ -42,6 +42,7 @@ class LeNet(nn.Module):
         _xavier_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 1, 28, 28)
+        """Class scores (logits), (B, 10), of a batch of 28x28 images."""
         # No activation after the convolutions: DL4J's example uses Activation.IDENTITY there.
         x = self.pool(self.conv1(x))  # (B, 20, 24, 24) -> (B, 20, 12, 12)
         x = self.pool(self.conv2(x))  # (B, 50, 8, 8) -> (B, 50, 4, 4)

@@ -209,14 +209,17 @@ class WorkerError(RuntimeError):
 
     @property
     def epoch(self) -> int | None:
+        """The epoch the worker was in, or None when it failed outside one."""
         return None if self.where is None else self.where.epoch
 
     @property
     def batch(self) -> int | None:
+        """The index in its epoch of the batch the worker was on, or None when it held none."""
         return None if self.where is None or self.where.batch < 0 else self.where.batch
 
     @property
     def local_step(self) -> int | None:
+        """The worker's local step in its round, or None when it failed outside one."""
         return None if self.where is None else self.where.local_step
 
     def __reduce__(self) -> tuple[Any, ...]:  # travels from a spawned worker as a value

@@ -50,14 +50,17 @@ class ParallelWrapper:
 
     @property
     def rounds(self) -> int:
+        """Averagings so far, over the wrapper's life (checkpoints and resumes included)."""
         return self.counters.rounds
 
     @property
     def iterations(self) -> int:
+        """Batches trained so far, all workers together, over the wrapper's life."""
         return self.counters.iterations
 
     @property
     def samples(self) -> int:
+        """Samples trained so far, all workers together, over the wrapper's life."""
         return self.counters.samples
 
     @property
@@ -73,6 +76,7 @@ class ParallelWrapper:
 
     @staticmethod
     def builder(model: torch.nn.Module) -> Builder:
+        """A `Builder` for a wrapper that trains `model`; `fit()` leaves the averaged state in it."""
         return Builder(model)
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -103,6 +107,7 @@ class ParallelWrapper:
 
     @property
     def world_size(self) -> int:
+        """How many workers train: `.workers(n)`, or the torchrun group's size."""
         return self.placement.world_size
 
     @property
@@ -212,6 +217,8 @@ class Builder(Settings):
     """
 
     def build(self) -> ParallelWrapper:
+        """Check every option and make the wrapper; a bad option raises `ValueError` naming it
+        and the fix. No worker starts until the first `fit()`."""
         config = Config(**self._options)
         job = Job(
             self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step,

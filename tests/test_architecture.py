@@ -1,6 +1,6 @@
 """The module map holds: imports point one way (no cycle, even inside a function or behind
 TYPE_CHECKING), `config`, `types` and `batches` import nothing of the package, `averaging` knows
-nothing of the protocol, no module outgrows a read, and README's Layout table names every module.
+nothing of the protocol, no module outgrows a read, and the Layout table of the design guide (docs/design.md) names every module.
 Fast tier: reads the source, runs none of it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.fast
 
 PACKAGE = Path(__file__).resolve().parents[1] / "parallelwrapper"
-README = PACKAGE.parent / "README.md"
+DESIGN = PACKAGE.parent / "docs" / "design.md"
 MAX_LINES = 400
 
 
@@ -92,12 +92,12 @@ def test_no_module_is_over_the_limit() -> None:
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-def test_readme_layout_names_every_module() -> None:
-    text = README.read_text()
+def test_the_design_guides_layout_names_every_module() -> None:
+    text = DESIGN.read_text()
     layout = text[text.index("## Layout") :].split("\n## ")[0]
     missing = [
         str(path.relative_to(PACKAGE.parent))
         for path in MODULES.values()
         if f"`{path.relative_to(PACKAGE.parent)}`" not in layout and path.name != "__init__.py"
     ]
-    assert not missing, f"README's Layout table does not name: {missing}"
+    assert not missing, f"docs/design.md's Layout table does not name: {missing}"

@@ -1,13 +1,13 @@
-"""Every code block in README.md runs as written, at a small size.
+"""Every code block in README.md and in every page under docs/ runs as written, at a small size.
 
-README's blocks are ```python, ```bash or ```text (output, never run). A python or bash block
+Their blocks are ```python, ```bash or ```text (output, never run). A python or bash block
 runs unless the HTML comment right above it says why not (`<!-- not run: REASON -->`);
-`<!-- file: NAME -->` saves a python block as NAME for the commands after it to run (the quick
-start is `quickstart.py`); `<!-- run at once, one line per machine -->` starts each command of
+`<!-- file: NAME -->` saves a python block as NAME for the commands after it, in the same page,
+to run (the quick start is `quickstart.py`; names are unique across pages); `<!-- run at once, one line per machine -->` starts each command of
 a block at the same time, as the torchrun agents of two machines, here both on this one: HOST0
 is 127.0.0.1 and the port a free one instead of 29500.
 
-Where they run: a fresh checkout-like directory DIR/main, holding README's files and a link to
+Where they run: a fresh checkout-like directory DIR/main, holding the pages' files and a link to
 this repository's examples/, beside DIR/shared/data/mnist, a small MNIST (the real files' first
 1,024 training and 256 test images) that `--data-dir ../shared/data/mnist` and $PW_DATA_DIR both
 name. `pip` is a stub that accepts the install commands README gives and nothing else: the suite
@@ -30,15 +30,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 TIMEOUT_S = 120
 TRAIN_IMAGES, TEST_IMAGES = 1024, 256
 # What the pip stub accepts: the installs of README's install, test and CUDA commands.
-PIP_INSTALLS = ("install torch==2.13.0", "install -e .", "install -e .[test]")
+PIP_INSTALLS = ("install torch==2.13.0", "install -e .", "install -e .[test,docs,tensorboard]")
 
 
 @dataclass(frozen=True)
 class Block:
-    line: int  # where the block's code starts in README.md
+    page: str  # README.md, or a page under docs/
+    line: int  # where the block's code starts in the page
     language: str
     code: str
     marker: str  # the HTML comment right above the fence, or ""
@@ -60,19 +62,19 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"line{self.line}-{self.commands[0].split()[0]}"
+        return f"{self.page}:{self.line}-{self.commands[0].split()[0]}"
 
 
-def readme_blocks() -> list[Block]:
-    text = README.read_text()
+def blocks_of(path: Path) -> list[Block]:
+    text, page = path.read_text(), str(path.relative_to(ROOT))
     blocks = []
     for m in re.finditer(r"(?:<!-- (.+?) -->\n)?```(\w*)\n(.*?)```", text, re.S):
         line = text.count("\n", 0, m.start(3)) + 1
-        blocks.append(Block(line, m.group(2), m.group(3), m.group(1) or ""))
+        blocks.append(Block(page, line, m.group(2), m.group(3), m.group(1) or ""))
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [b for path in DOCUMENTS for b in blocks_of(path)]
 RUN = [b for b in BLOCKS if b.language == "bash" and b.not_run is None]
 
 
@@ -80,15 +82,18 @@ RUN = [b for b in BLOCKS if b.language == "bash" and b.not_run is None]
 def test_every_block_runs_or_says_why_not() -> None:
     assert {b.language for b in BLOCKS} <= {"bash", "python", "text"}, "a block in another language: run it here, or make it text"
     for b in BLOCKS:
+        where = f"{b.page} line {b.line}"
         if b.language == "text":
-            assert not b.marker, f"README line {b.line}: output blocks take no marker"
+            assert not b.marker, f"{where}: output blocks take no marker"
         elif b.language == "python":
-            assert b.file or b.not_run, f"README line {b.line}: a python block is a file the commands after it run"
-            assert b.file is None or any(b.file in c for r in RUN if r.line > b.line for c in r.commands), b.file
+            assert b.file or b.not_run, f"{where}: a python block is a file the commands after it run"
+            assert b.file is None or any(b.file in c for r in RUN if r.page == b.page and r.line > b.line for c in r.commands), f"{where}: no command after it runs {b.file}"
         else:
-            assert b.marker in ("", "run at once, one line per machine") or b.not_run, b.marker
-    not_run = [b for b in BLOCKS if b.not_run]
-    assert len(not_run) == 4 and len(RUN) == 4, [(b.line, b.not_run) for b in not_run]
+            assert b.marker in ("", "run at once, one line per machine") or b.not_run, f"{where}: {b.marker}"
+    files = [b.file for b in BLOCKS if b.file]
+    assert len(files) == len(set(files)), f"two pages save a file of the same name: {sorted(files)}"
+    # README's four commands (install and train, the quick start, torchrun on one and two machines) run
+    assert len([b for b in RUN if b.page == "README.md"]) == 4, [(b.line, b.commands) for b in RUN if b.page == "README.md"]
 
 
 @pytest.mark.fast
@@ -118,7 +123,7 @@ def tiny_mnist(source: Path, target: Path) -> None:
 
 @pytest.fixture(scope="module")
 def place(mnist_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """DIR/main with README's files, examples/ and a pip stub; DIR/shared/data/mnist, small."""
+    """DIR/main with the pages' files, examples/ and a pip stub; DIR/shared/data/mnist, small."""
     base = tmp_path_factory.mktemp("newcomer")
     tiny_mnist(mnist_dir, base / "shared" / "data" / "mnist")
     checkout = base / "main"
@@ -163,7 +168,7 @@ def test_block_runs_as_written(block: Block, place: Path) -> None:
     env = environment(place)
     if block.marker != "run at once, one line per machine":
         result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=place, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        assert result.returncode == 0, f"README line {block.line} failed:\n{result.stdout}\n{result.stderr}"
+        assert result.returncode == 0, f"{block.page} line {block.line} failed:\n{result.stdout}\n{result.stderr}"
         check_output(block, result.stdout)
         return
     port = str(free_port())
@@ -177,5 +182,5 @@ def test_block_runs_as_written(block: Block, place: Path) -> None:
         for m in machines:
             m.kill()
     for m, (stdout, stderr) in zip(machines, outputs):
-        assert m.returncode == 0, f"README line {block.line}: {m.args[-1]} failed:\n{stdout}\n{stderr}"
+        assert m.returncode == 0, f"{block.page} line {block.line}: {m.args[-1]} failed:\n{stdout}\n{stderr}"
     check_output(block, "".join(stdout for stdout, _ in outputs))
