@@ -1,6 +1,7 @@
 """What a fit holds in memory (benchmarks/memory.py measures how much): a worker trains one model
 and no copy of the one it was built from, nor of the state its fit started from; the main process
-lets go of the state it sent, and of the job's pickle once every worker has it."""
+lets go of the state it sent, and of the job's pickle once every worker has it, and that pickle
+holds the model's structure, not its weights."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from torch import nn
 
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.hosts.inprocess import group_of_one
+from parallelwrapper.hosts.process import _unpickle_job
 from parallelwrapper.hosts.runtime import Worker
-from parallelwrapper.hosts.spawned import WorkerPool
+from parallelwrapper.hosts.spawned import WorkerPool, _shared_pickle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,3 +92,27 @@ def test_spawned_workers_and_the_main_process_hold_no_spare_copy() -> None:
         assert isinstance(w._pool, WorkerPool) and w._pool._job is None  # every worker unpickled it
         w.fit(batches(8))  # a second fit starts from the optimizer's state too
     assert seen == [0]
+
+
+@pytest.mark.fast
+def test_the_jobs_pickle_is_the_models_structure_not_its_weights() -> None:
+    """Every worker loads the fit's starting state into its model before training, so the job
+    goes with zeros where the state dict's tensors are: a few KiB for a 4 MiB model. What is not
+    in the state dict (a plain tensor attribute) goes by value, and a Parameter keeps its class,
+    requires_grad and attributes."""
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.BatchNorm1d(1024))
+    model[0].weight.no_decay = True  # type: ignore[assignment]
+    model[0].bias.requires_grad_(False)
+    model.scale = torch.full((3,), 2.0)  # type: ignore[assignment]
+    with ParallelWrapper.builder(model).workers(2).build() as w:
+        job = w._job
+    payload = _shared_pickle(job)
+    assert payload.numel() < 64 * 1024 < 4 * 2**20
+    sent = _unpickle_job(payload).model
+    assert isinstance(sent, nn.Sequential)
+    weight, bias = sent[0].weight, sent[0].bias
+    assert type(weight) is nn.Parameter and weight.shape == (1024, 1024) and weight.no_decay
+    assert weight.requires_grad and not bias.requires_grad and not weight.any()
+    assert torch.equal(sent.scale, model.scale) and not sent[1].running_var.any()
+    sent.load_state_dict(model.state_dict())  # what a worker's start does
+    assert all(torch.equal(a, b) for a, b in zip(sent.state_dict().values(), model.state_dict().values(), strict=True))

@@ -10,6 +10,7 @@ Workers are daemons, and each gives up when its parent is gone, so none outlives
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import time
@@ -35,11 +36,54 @@ _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round a
 
 
 def _shared_pickle(job: Job) -> torch.Tensor:
-    """The job's plain pickle, as bytes in shared memory (process.py unpickles it)."""
-    data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+    """The job's pickle, as bytes in shared memory (process.py unpickles it): the model's
+    structure, not its weights. Every worker loads the fit's starting state (or a kept round's)
+    into the model before it trains, so the tensors of its state dict go as zeros of their shape;
+    a copy of the weights here would be one more model's size in the main process, twice over
+    while pickle builds its bytes."""
+    buffer = io.BytesIO()
+    _StructurePickler(buffer, job.model).dump(job)
+    data = buffer.getbuffer()
     out: torch.Tensor = torch.empty(len(data), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
     out.numpy().data[:] = data
     return out
+
+
+class _StructurePickler(pickle.Pickler):
+    """Pickles the tensors of `model`'s state dict (the objects themselves: a view kept
+    elsewhere goes by value, as plain pickle sends it) as zeros of the same shape, strides,
+    dtype and device; a Parameter keeps its class, requires_grad and attributes."""
+
+    def __init__(self, file: io.BytesIO, model: torch.nn.Module) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._blank = {id(t) for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor) and _blankable(t)}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if id(obj) not in self._blank:
+            return NotImplemented
+        spec = (tuple(obj.size()), obj.stride(), obj.dtype, str(obj.device), obj.requires_grad)
+        if type(obj) is torch.nn.Parameter:
+            rebuild, args = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[no-untyped-call]
+            return rebuild, (_Zeros(spec), *args[1:])  # (data, requires_grad, hooks[, state])
+        return _zeros, spec
+
+
+def _blankable(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided and not t.is_quantized
+
+
+def _zeros(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: str, requires_grad: bool) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device).zero_().requires_grad_(requires_grad)
+
+
+class _Zeros:
+    """A Parameter's data, pickled as `_zeros(*spec)`."""
+
+    def __init__(self, spec: tuple[Any, ...]) -> None:
+        self.spec = spec
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _zeros, self.spec
 
 
 class WorkerPool:
