@@ -7,7 +7,8 @@ of DistributedDataParallel on the same job.
 The job: an MLP of about 10M and 50M parameters (float32), SGD with momentum, 2 workers of one
 thread, k = 4, `--batches` small batches in all. Each wrapper fit runs in a fresh process (the
 "main" process here), with PYTHONPATH set to the checkout measured, so that its peak is this fit's
-alone; its baseline is its resident size with torch imported and the data made, before the model.
+alone; its baseline is its resident size with torch imported, the data made and an optimizer made on a
+throwaway layer (that imports torch._dynamo, as any training script's optimizer does), before the model.
 Workers are read from /proc after the fit, before close(): VmHWM, the peak resident size of each
 process over its life (shared memory it touched included). DDP's ranks report their own VmHWM.
 
@@ -117,6 +118,9 @@ def _wrapper_main(params: int, n: int) -> dict[str, Any]:
     from parallelwrapper import ParallelWrapper
 
     data = batches(n)
+    # Making any torch optimizer imports torch._dynamo (some 70 MiB here), which a plain training
+    # script pays as well: the baseline is taken after one, on a throwaway layer.
+    torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=LR)
     baseline = vm("VmRSS")
     first_round: list[float] = []  # the main process's peak by its first score: the workers' start
 
