@@ -10,7 +10,7 @@ The file is a `torch.save`d dict:
     format       1
     fingerprint  what must match to resume: the options that change the arithmetic (workers,
                  averaging_frequency, training_mode, average_updaters, deterministic,
-                 warmup_sync_steps), the optimizer class and arguments, the scheduler's, the
+                 warmup_sync_steps, gradient_encoding), the optimizer class and arguments, the scheduler's, the
                  outer optimizer's, and every parameter and buffer's name, shape, dtype
     config       the whole config, for people
     model        the averaged model's state_dict
@@ -18,8 +18,9 @@ The file is a `torch.save`d dict:
     lr_scheduler the schedule's state (schedule.Schedule), or None without .lr_scheduler(...)
     outer_optimizer  the outer optimizer's state_dict, or None without .outer_optimizer(...)
     counters     rounds, iterations, samples, epoch, position (batches of `epoch` already trained)
-    rng          each worker's own state, by rank: its torch RNG state (and CUDA's) and, with
-                 precision 16-mixed, its GradScaler's
+    rng          each worker's own state, by rank: its torch RNG state (and CUDA's), with
+                 precision 16-mixed its GradScaler's, with gradient encoding its residual, τ
+                 and the encoded steps (threshold.Residual)
 
 Resuming restores all of it; the feed skips the `position` batches of the epoch already trained.
 The file is read with `torch.load(weights_only=True)`: tensors and plain values only, so a file
@@ -47,7 +48,7 @@ FILENAME = "checkpoint.pt"
 FORMAT = 1
 _FINGERPRINT_OPTIONS = (
     "workers", "averaging_frequency", "training_mode", "average_updaters", "overlap_averaging", "deterministic",
-    "warmup_sync_steps",
+    "warmup_sync_steps", "gradient_encoding",
 )  # fmt: skip
 
 
@@ -59,6 +60,8 @@ def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
     options = {k: v for k, v in describe_config(config).items() if k in _FINGERPRINT_OPTIONS}
     if not options["warmup_sync_steps"]:
         del options["warmup_sync_steps"]  # as checkpoints from before warm-ups have it
+    if options["gradient_encoding"] is None:
+        del options["gradient_encoding"]  # as checkpoints from before gradient encoding have it
     options["workers"] = world_size  # under torchrun the world size is the worker count
     return {
         **options,

@@ -56,6 +56,7 @@ def _run_options(f: F) -> F:
         click.option("--warmup-sync-steps", type=click.IntRange(min=0), default=0, show_default=True, help="Post-local SGD: share gradients every step for the first N steps, then average every --averaging-frequency."),
         click.option("--overlap-averaging/--no-overlap-averaging", default=False, show_default=True, help="Run each averaging in the background during the next round's steps (averaging mode only; in pw-fit compare, its averaging runs)."),
         click.option("--fragments", type=click.IntRange(min=1), default=1, show_default=True, help="Average the state in N fragments of about equal bytes, each sent at its own point of the round and landed a round later (needs --overlap-averaging in pw-fit; pw-fit compare's averaging runs overlap with N > 1)."),
+        click.option("--gradient-threshold", type=click.FloatRange(min=0, min_open=True), default=None, help="Shared gradients threshold-encoded (DL4J, Strom 2015): only entries of lr x gradient past this τ are sent, τ then adapting (needs --mode shared-gradients; in pw-fit compare, the τ its --encoded run starts from, default 1e-3). Default: dense."),
         click.option("--payload-dtype", type=click.Choice(list(PAYLOAD_DTYPES)), default="float32", show_default=True, help="What an averaging sends: bfloat16/float16 send the change since the last average cast, int8/int4 block-quantized (a scale per 256 numbers); what is lost goes with the next round."),
     ]  # fmt: skip
     for option in reversed(options):
@@ -107,6 +108,8 @@ def main(ctx: click.Context, /, mode: str, **kwargs: Any) -> None:
         if given:
             raise click.UsageError(f"{', '.join(given)} given before '{ctx.invoked_subcommand}': options go after the command, e.g. pw-fit compare --workers 2")
         return
+    if kwargs["gradient_threshold"] is not None and mode != TrainingMode.SHARED_GRADIENTS.value:
+        raise click.UsageError("--gradient-threshold encodes shared gradients: add --mode shared-gradients")
     options = _make(RunOptions, mode=TrainingMode(mode), **kwargs)
     try:
         summary = _call(train_mnist, options)
@@ -156,17 +159,18 @@ def _frequencies(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @_run_options
 @click.option("--frequencies", default="1,4,16", show_default=True, callback=_frequencies, help="Averaging frequencies k to run, comma-separated.")
 @click.option("--shared-gradients/--no-shared-gradients", default=True, show_default=True, help="Also run shared gradients (averaged every step).")
+@click.option("--encoded/--no-encoded", default=False, show_default=True, help="Also run shared gradients threshold-encoded, τ starting at --gradient-threshold (default 1e-3); its bytes are those it sent.")
 @click.option("--evals", type=click.IntRange(min=1), default=8, show_default=True, help="Test-set evaluations per epoch (the points of each curve).")
 @click.option("--target", type=click.FloatRange(min=0, max=1, min_open=True), default=0.97, show_default=True, help="Accuracy whose samples and seconds to reach are tabled.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/compare"), show_default=True, help="Write compare.csv, compare.md and compare.png here.")
-def compare_command(frequencies: tuple[int, ...], shared_gradients: bool, evals: int, target: float, out: Path, **kwargs: Any) -> None:  # fmt: skip
+def compare_command(frequencies: tuple[int, ...], shared_gradients: bool, encoded: bool, evals: int, target: float, out: Path, **kwargs: Any) -> None:  # fmt: skip
     """Train the same model from the same weights on the same data with shared gradients and
     with averaging at several frequencies (and, with --outer-lr, each frequency again with the
     outer optimizer); table and plot test accuracy against samples and seconds, and the bytes
     each sends per worker."""
     base = _make(RunOptions, **kwargs)
     options = _make(
-        CompareOptions, base=base, frequencies=frequencies, shared_gradients=shared_gradients,
+        CompareOptions, base=base, frequencies=frequencies, shared_gradients=shared_gradients, encoded=encoded,
         evals_per_epoch=evals, target_accuracy=target, out=out,
     )  # fmt: skip
     _call(compare, options)

@@ -51,6 +51,7 @@ class CompareOptions:
     base: RunOptions = field(default_factory=RunOptions)
     frequencies: tuple[int, ...] = (1, 4, 16)  # one AVERAGING run per k
     shared_gradients: bool = True  # and one SHARED_GRADIENTS run
+    encoded: bool = False  # and one SHARED_GRADIENTS run threshold-encoded, τ from base.gradient_threshold (default 1e-3)
     evals_per_epoch: int = 8
     target_accuracy: float = 0.97
     out: Path = Path("runs/compare")
@@ -59,7 +60,7 @@ class CompareOptions:
         ks = self.frequencies
         if any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks) or len(set(ks)) != len(ks):
             raise ValueError(f"frequencies must be distinct ints >= 1, e.g. (1, 4, 16); got {ks!r}")
-        if not ks and not self.shared_gradients:
+        if not ks and not self.shared_gradients and not self.encoded:
             raise ValueError("nothing to compare: give at least one averaging frequency or keep shared gradients")
         if not isinstance(self.evals_per_epoch, int) or self.evals_per_epoch < 1:
             raise ValueError(f"evals_per_epoch must be an int >= 1, got {self.evals_per_epoch!r}")
@@ -76,11 +77,12 @@ class RunSpec:
     mode: TrainingMode
     averaging_frequency: int
     outer: bool = False  # with the base options' outer optimizer
+    encoded: bool = False  # SHARED_GRADIENTS threshold-encoded
 
     @property
     def label(self) -> str:
         if self.mode is TrainingMode.SHARED_GRADIENTS:
-            return "shared gradients"
+            return "encoded shared gradients" if self.encoded else "shared gradients"
         return f"{'outer' if self.outer else 'averaging'} k={self.averaging_frequency}"
 
     def options(self, base: RunOptions) -> RunOptions:
@@ -93,11 +95,13 @@ class RunSpec:
             payload_dtype=base.payload_dtype if self.mode is TrainingMode.AVERAGING else "float32",
             fragments=base.fragments if self.mode is TrainingMode.AVERAGING else 1,
             overlap_averaging=self.mode is TrainingMode.AVERAGING and (base.overlap_averaging or base.fragments > 1),
+            gradient_threshold=(base.gradient_threshold or 1e-3) if self.encoded else None,
         )  # fmt: skip
 
 
 def run_specs(options: CompareOptions) -> list[RunSpec]:
     specs = [RunSpec(TrainingMode.SHARED_GRADIENTS, 1)] if options.shared_gradients else []
+    specs += [RunSpec(TrainingMode.SHARED_GRADIENTS, 1, encoded=True)] if options.encoded else []
     outer = options.base.outer_lr is not None
     return specs + [RunSpec(TrainingMode.AVERAGING, k, o) for k in sorted(options.frequencies) for o in (False, True)[: 1 + outer]]
 
@@ -165,12 +169,15 @@ def run_one(
     model = initial_model(run_options)  # the same initial weights in every run
     wrapper = builder(model, run_options).build()
 
+    sent = 0.0  # encoded: the bytes the fits' rounds sent, as their scores say
+
     def point(samples: int, seconds: float, score: float, rounds: int, fits: int) -> Point:
         ev = wrapper.evaluate(test)
-        return Point(
-            samples, seconds, ev["accuracy"], ev["loss"], score, rounds,
-            cost.collectives(rounds, fits), cost.bytes_per_worker(rounds, fits),
-        )  # fmt: skip
+        if spec.encoded:  # a fit's first round sends its header alone, then each round a meta all-reduce and the messages
+            collectives, sent_bytes = fits + 2 * rounds, sent + cost.ring_bytes(HEADER_BYTES) * fits
+        else:
+            collectives, sent_bytes = cost.collectives(rounds, fits), cost.bytes_per_worker(rounds, fits)
+        return Point(samples, seconds, ev["accuracy"], ev["loss"], score, rounds, collectives, sent_bytes)
 
     with wrapper:
         _start_workers(wrapper, pieces[0])
@@ -181,6 +188,7 @@ def run_one(
             start = time.perf_counter()
             history = wrapper.fit(piece)
             seconds += time.perf_counter() - start
+            sent += sum(s.encoding.bytes_sent for s in history.scores if s.encoding is not None)
             points.append(point(wrapper.samples - samples0, seconds, history.final_score, wrapper.rounds - rounds0, fits))
             if echo is not None:
                 p = points[-1]
@@ -220,7 +228,7 @@ def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = pri
     return results
 
 
-CSV_FIELDS = ["run", "mode", "averaging_frequency", "outer", *(f.name for f in dataclasses.fields(Point))]
+CSV_FIELDS = ["run", "mode", "averaging_frequency", "outer", "encoded", *(f.name for f in dataclasses.fields(Point))]
 
 
 def write_csv(results: Sequence[RunResult], path: Path) -> None:
@@ -229,7 +237,7 @@ def write_csv(results: Sequence[RunResult], path: Path) -> None:
         writer.writeheader()
         for r in results:
             for p in r.points:
-                row = {"run": r.spec.label, "mode": r.spec.mode.value, "averaging_frequency": r.spec.averaging_frequency, "outer": r.spec.outer}
+                row = {"run": r.spec.label, "mode": r.spec.mode.value, "averaging_frequency": r.spec.averaging_frequency, "outer": r.spec.outer, "encoded": r.spec.encoded}
                 writer.writerow({**row, **dataclasses.asdict(p)})
 
 
@@ -257,6 +265,7 @@ def markdown(results: Sequence[RunResult], options: CompareOptions, wall_seconds
         f"Seconds are training time (no start-up, no evaluation). Communication is computed from "
         f"the all-reduce layout (ring all-reduce: 2(N-1)/N of each buffer sent per worker; a 16-bit "
         f"payload: (N-1) casts all-gathered, after each fit()'s first round in float32), not measured; "
+        f"encoded shared gradients count the bytes their messages had ((N-1) each), with the ring's share of the header; "
         f"an outer step sends nothing. \"To {target:.0%}\" is the first of the evaluations at or above it.\n",
         f"| run | final test accuracy | final test loss | training seconds | training samples/s "
         f"| samples to {target:.0%} | seconds to {target:.0%} | collectives | MB sent per worker |",

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import io
-import pickle
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +48,27 @@ INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.
 
 
 @dataclass(frozen=True)
+class GradientEncoding:
+    """`.gradient_encoding(...)`: SHARED_GRADIENTS' updates sent threshold-encoded, DL4J's way
+    (Strom, 2015; threshold.py). Validated on construction, the fix in the message."""
+
+    threshold: float = 1e-3  # τ at the start, in parameter units: an entry of lr × gradient past it is sent
+    adaptive: bool = True  # τ steered so that each step sends between min_density and max_density of the entries
+    min_density: float = 1e-4
+    max_density: float = 1e-2
+    residual_clip: float | None = 5.0  # every 5 steps the residual is clipped to ±residual_clip·τ (None: never)
+
+    def __post_init__(self) -> None:
+        fix = "e.g. .gradient_encoding(threshold=1e-3, min_density=1e-4, max_density=1e-2, residual_clip=5.0)"
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not 0 < self.threshold < math.inf:
+            raise ValueError(f"gradient_encoding: threshold must be a positive number, got {self.threshold!r}; {fix}")
+        if not 0 < self.min_density <= self.max_density <= 1:
+            raise ValueError(f"gradient_encoding: need 0 < min_density <= max_density <= 1, got {self.min_density!r} and {self.max_density!r}; {fix}")
+        if self.residual_clip is not None and not 1 <= self.residual_clip < math.inf:
+            raise ValueError(f"gradient_encoding: residual_clip must be a number >= 1 (in units of τ) or None, got {self.residual_clip!r}; {fix}")
+
+
+@dataclass(frozen=True)
 class Config:
     """Every option of a ParallelWrapper, with its default. Validated on construction."""
 
@@ -80,6 +100,7 @@ class Config:
     max_replacements: int = 3  # with "replace": replacements over the wrapper's life before a failure raises
     auto_resume: bool = True  # under torchrun with checkpoints: a restarted group resumes from the last checkpoint
     peer_timeout_s: float = 30.0  # under torchrun: a rank that hears nothing from a peer this long exits, naming it
+    gradient_encoding: GradientEncoding | None = None  # SHARED_GRADIENTS: updates sent threshold-encoded (None: dense)
 
     @property
     def wire_dtype(self) -> str | None:
@@ -155,11 +176,25 @@ class Config:
             raise ValueError(f"peer_timeout_s must be > 0 seconds, got {self.peer_timeout_s}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        if self.gradient_encoding is not None:
+            _check_encoding(self)
         for d in self.devices or ():  # how many there must be is env.resolve's to check
             try:
                 torch.device(d)
             except RuntimeError as e:
                 raise ValueError(f"devices: {d!r} is not a torch device ({e})") from None
+
+
+def _check_encoding(config: Config) -> None:
+    """Gradient encoding has a meaning in SHARED_GRADIENTS, on its own wire, in float32 or bf16."""
+    for bad, fix in (
+        (config.training_mode is not TrainingMode.SHARED_GRADIENTS, "the training_mode: it encodes each step's update, which only TrainingMode.SHARED_GRADIENTS shares; add .training_mode(TrainingMode.SHARED_GRADIENTS)"),
+        (config.payload_dtype != "float32", "payload_dtype, which casts averagings (the encoded updates are signs already): drop .payload_dtype()"),
+        (config.precision == "16-mixed", "precision 16-mixed, whose loss scale would go into each worker's residual: use .precision('bf16-mixed')"),
+        (config.on_worker_failure == "replace", "on_worker_failure('replace'): a worker's residual (what it has not sent yet) is lost with it; use .checkpoint(dir) and resume"),
+    ):  # fmt: skip
+        if bad:
+            raise ValueError(f"gradient_encoding does not go with {fix}")
 
 
 def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> None:
@@ -246,11 +281,11 @@ class Job:
         return f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}({self.optimizer_kwargs!r})"
 
 
-def check_job(job: Job, config: Config, sendable: bool) -> list[str]:
+def check_job(job: Job, config: Config) -> list[str]:
     """A ValueError naming the fix for a job that cannot train (an optimizer that fails or trains
-    another model, parts that need what the config or job lacks; with `sendable`, an object a
-    spawned worker cannot receive); the warnings for one that trains but loses something on the
-    way (parameter hooks)."""
+    another model, parts that need what the config or job lacks); the warnings for one that
+    trains but loses something on the way (parameter hooks). What a spawned worker cannot
+    receive is sendable.py's to say."""
     if job.outer_optimizer is not None and config.training_mode is not TrainingMode.AVERAGING:
         raise ValueError(
             "outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not: use TrainingMode.AVERAGING"
@@ -271,8 +306,6 @@ def check_job(job: Job, config: Config, sendable: bool) -> list[str]:
         except Exception as e:  # noqa: BLE001 - any failure here is a bad outer optimizer argument
             cause = (str(e).strip().splitlines() or [""])[0][:300]
             raise ValueError(f"outer_optimizer: {job.outer_optimizer.name} failed: {type(e).__name__}: {cause}") from None
-    if sendable:
-        _check_sendable(job)
     notes = []
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     left_out = [name for name, p in job.model.named_parameters() if p.requires_grad and id(p) not in held]
@@ -341,40 +374,6 @@ def _check_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, vali
         )
 
 
-class _NullWriter(io.RawIOBase):
-    """Counts nothing, keeps nothing: pickling into it checks picklability without a copy."""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        return len(b)
-
-
-def _check_sendable(job: Job) -> None:
-    """Workers are spawned processes: everything they rebuild must pickle."""
-    parts: Iterable[tuple[str, object]] = [
-        ("model", job.model),
-        ("optimizer", job.optimizer_fn or (job.optimizer_cls, job.optimizer_kwargs)),
-        ("loss_fn", job.loss_fn),
-        ("training_step", job.training_step),
-        ("before_step", job.before_step),
-        ("lr_scheduler", job.lr_scheduler),
-        ("validation data", job.validation_data),
-        ("validation_step", job.validation_step),
-    ]
-    for name, obj in parts:
-        try:
-            pickle.Pickler(_NullWriter(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        except Exception as e:  # noqa: BLE001 - pickle raises many types
-            raise ValueError(
-                f"{name} cannot be sent to a spawned worker process ({type(e).__name__}: {e}): use a module-level "
-                f"function, or functools.partial of one to give it arguments (e.g. lr_lambda=functools.partial("
-                f"warmup_cosine, warmup=12, total=256)), not a lambda or local function; define classes at module "
-                f"level, and guard the script's entry point with `if __name__ == '__main__':`"
-            ) from e
-
-
 def parse_enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
     """An option given as an enum member or its value, or a ValueError naming the choices."""
     if isinstance(value, cls):
@@ -392,4 +391,4 @@ def describe_config(config: Config) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in out.items()}
 
 
-__all__ = ["Config", "Job", "OuterSpec", "SchedulerSpec", "NanPolicy", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]
+__all__ = ["Config", "GradientEncoding", "Job", "NanPolicy", "OuterSpec", "SchedulerSpec", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from .types import ReplacementReport, Report, RoundReport, ValidationReport, WorkerError
+from .types import EncodingStats, ReplacementReport, Report, RoundReport, ValidationReport, WorkerError
 
 if TYPE_CHECKING:
     from .config import Config
@@ -36,6 +36,8 @@ class Score:
     seconds: float  # since this fit() started
     skipped: int = 0  # workers dropped from this round by NanPolicy.SKIP
     position: int = 0  # batches of `epoch` trained so far (a resumed fit() starts past 0)
+    encoding: EncodingStats | None = None  # with gradient encoding: τ after these steps, their density and bytes sent
+    lr: float = math.nan  # the learning rate of the round's last local step (the first parameter group's, on rank 0)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class Recorder:
     def __call__(self, report: Report) -> None:
         c, seconds = report.counters, report.at - self.start
         if isinstance(report, RoundReport):
-            score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped, c.position)
+            score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped, c.position, report.encoding, report.lr)
             self.history.scores.append(score)
             notify(self.listeners, "on_score", score)
         elif isinstance(report, ValidationReport):

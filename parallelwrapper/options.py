@@ -86,6 +86,7 @@ class RunOptions:
     payload_dtype: str = "float32"  # or bfloat16, float16, int8, int4: what an averaging sends (Builder.payload_dtype)
     fragments: int = 1  # with overlap_averaging: the state averaged in n fragments through the round (Builder.fragments)
     replace_workers: int = 0  # replace a failed worker up to N times (Builder.on_worker_failure); 0: a failure ends the run
+    gradient_threshold: float | None = None  # shared gradients threshold-encoded, τ starting here (Builder.gradient_encoding); None: dense
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
@@ -127,6 +128,8 @@ class RunOptions:
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
         check_int("fragments", self.fragments, 1)
+        if self.gradient_threshold is not None and not (self.gradient_threshold > 0 and math.isfinite(self.gradient_threshold)):
+            raise ValueError(f"gradient_threshold must be a positive number, e.g. 1e-3; got {self.gradient_threshold!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and gpu_count() == 0:
@@ -204,6 +207,8 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         b = b.gradient_clipping(options.clip_grad_norm)
     if options.replace_workers:
         b = b.on_worker_failure("replace", max_replacements=options.replace_workers)
+    if options.gradient_threshold is not None:
+        b = b.gradient_encoding(options.gradient_threshold)
     checkpoints = options.checkpoint_dir or options.resume
     if checkpoints is not None:
         b = b.checkpoint(checkpoints, every=options.checkpoint_every)

@@ -55,6 +55,8 @@ class Summary:
     final_lr: float  # the learning rate at the end (it moves with --lr-schedule)
     stopped_early_at_round: int | None = None  # where early stopping ended the run
     replacements: int = 0  # workers replaced after a failure (--replace-workers)
+    encoded_bytes_per_worker: float | None = None  # --gradient-threshold: the bytes each worker sent, on average, as the scores say
+    final_threshold: float | None = None  # --gradient-threshold: τ at the end
     epoch_accuracies: list[float] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -65,8 +67,12 @@ class Summary:
         train = f"{self.train_samples_per_second:,.0f}" if self.train_samples_per_second is not None else "n/a"
         stopped = f"early stopping ended the run at averaging {self.stopped_early_at_round}\n" if self.stopped_early_at_round else ""
         replaced = f"{self.replacements} failed workers replaced (see metrics.jsonl's replacement records)\n" if self.replacements else ""
+        encoded = (
+            f"encoded shared gradients: {self.encoded_bytes_per_worker / 1e6:,.2f} MB sent per worker, τ now {self.final_threshold:.3g}\n"
+            if self.encoded_bytes_per_worker is not None and self.final_threshold is not None else ""
+        )  # fmt: skip
         return (
-            f"{stopped}{replaced}test accuracy {self.test_accuracy:.4f}, test loss {self.test_loss:.4f}\n"
+            f"{stopped}{replaced}{encoded}test accuracy {self.test_accuracy:.4f}, test loss {self.test_loss:.4f}\n"
             f"{train} samples/s while training (start-up and validation excluded), "
             f"{self.wall_samples_per_second:,.0f} samples/s over the wall time of {self.wall_seconds:.1f} s (all included)"
         )
@@ -80,7 +86,7 @@ class RunLog:
     loss and the epoch-end validation's test metrics), `metrics.jsonl` when given a path, and the
     training clock.
 
-    `metrics.jsonl` has a "score" record per averaged score (the round's mean loss), a "validation"
+    `metrics.jsonl` has a "score" record per averaged score (the round's mean loss; encoded: τ, density, bytes_sent), a "validation"
     record per validation (val_loss, val_accuracy) and an "epoch" record per epoch (epoch_loss,
     test_loss, test_accuracy), each with step, iteration, samples, epoch and seconds since `start`;
     with --replace-workers, a "replacement" record (rank, lost_round, reason) per replaced worker.
@@ -120,7 +126,8 @@ class RunLog:
     def on_score(self, score: Score) -> None:
         self._tick(score.seconds, score.samples)
         self._step = score.round
-        self._write("score", score, score=score.score)
+        encoding = {} if score.encoding is None else {"threshold": score.encoding.threshold, "density": score.encoding.density, "bytes_sent": score.encoding.bytes_sent}
+        self._write("score", score, score=score.score, **encoding)
 
     def on_validation(self, validation: Validation) -> None:
         self._tick(validation.seconds, validation.samples)
@@ -188,6 +195,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
     final = history.validations[-1].metrics  # the trained model's: at the last epoch's end, or where it stopped
     wall = time.perf_counter() - start
     session_samples = wrapper.samples - restored["samples"]
+    encodings = [s.encoding for s in history.scores if s.encoding is not None]
     summary = Summary(
         test_accuracy=final["val_accuracy"],
         test_loss=final["val_loss"],
@@ -208,6 +216,8 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
         final_lr=wrapper.optimizer.param_groups[0]["lr"],
         stopped_early_at_round=stopper.stopped_round if stopper is not None else None,
         replacements=log.replacements,
+        encoded_bytes_per_worker=sum(e.bytes_sent for e in encodings) if encodings else None,
+        final_threshold=encodings[-1].threshold if encodings else None,
         epoch_accuracies=log.epoch_accuracies,
         options=options_json(options),
     )

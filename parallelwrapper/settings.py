@@ -17,7 +17,7 @@ else:  # Python 3.10: typing_extensions comes with torch
     from typing_extensions import Self
 
 from .config import BeforeStep, LossFn, NanPolicy, OptimizerFn, OuterSpec, SchedulerSpec, TrainingMode, TrainingStep
-from .config import ValidationStep, parse_enum
+from .config import GradientEncoding, ValidationStep, parse_enum
 from .feed import Batches, compact
 
 
@@ -92,6 +92,18 @@ class Settings:
         since the last average cast or block-quantized, what the encoding loses going with the next
         round. Default: float32."""
         return self._set("payload_dtype", str(dtype).removeprefix("torch."))
+
+    def gradient_encoding(
+        self, threshold: float = 1e-3, *, adaptive: bool = True, min_density: float = 1e-4, max_density: float = 1e-2, residual_clip: float | None = 5.0
+    ) -> Self:
+        """TrainingMode.SHARED_GRADIENTS with DL4J's threshold encoding (Strom, 2015): each step a
+        worker adds lr × its gradient to a residual and sends only the entries past τ
+        (`threshold`, at the start), as ±τ with their index (a 2-bit bitmap when denser than 1/16);
+        what is not sent stays in the residual. With `adaptive`, τ moves by at most a factor
+        0.5^(1/20) a step to keep the share of entries sent in [min_density, max_density]; every 5
+        steps the residual is clipped to ±residual_clip·τ (None: never). Default: off (dense).
+        See docs/guides/gradient-encoding.md."""
+        return self._set("gradient_encoding", GradientEncoding(threshold, adaptive, min_density, max_density, residual_clip))
 
     def hierarchy(self, level: str) -> Self:
         """"node": under torchrun with several processes per node, a node's ranks average their

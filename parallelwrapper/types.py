@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import time
 from collections.abc import Callable
@@ -54,6 +55,24 @@ class RoundReport:
     score: float  # sample-weighted mean loss over the reported rounds
     skipped: int
     at: float = dataclasses.field(default_factory=time.monotonic)  # when (system-wide clock)
+    encoding: EncodingStats | None = None  # with gradient encoding: its rounds' τ, density and bytes
+    lr: float = math.nan  # the first parameter group's learning rate at the reporting worker's last local step
+
+
+@dataclass(frozen=True)
+class EncodingStats:
+    """Gradient encoding over a run of steps (`Builder.gradient_encoding`), the same on every worker."""
+
+    threshold: float  # τ after the last of them: the next step's
+    density: float  # the share of entries a worker that sent sent, the mean over the steps (NaN: nobody sent)
+    bytes_sent: float  # bytes each worker sent in them, on average: its messages, the header, the buffers
+    steps: int
+
+    def __add__(self, later: EncodingStats) -> EncodingStats:
+        """These steps, then `later`'s."""
+        steps = self.steps + later.steps
+        density = (self.density * self.steps + later.density * later.steps) / steps
+        return EncodingStats(later.threshold, density, self.bytes_sent + later.bytes_sent, steps)
 
 
 @dataclass(frozen=True)
@@ -243,6 +262,7 @@ __all__ = [
     "BatchSource",
     "CheckpointWriter",
     "Counters",
+    "EncodingStats",
     "EndOfEpoch",
     "EpochReport",
     "FitCommand",

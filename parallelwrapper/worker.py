@@ -76,8 +76,9 @@ class Replica:
         return self.parts.state(shared)
 
     def own_state(self) -> dict[str, Any]:
-        """What is this worker's alone, for a checkpoint: its RNG state and its loss scale."""
-        own = rng_state()
+        """What is this worker's alone, for a checkpoint: its RNG state, its loss scale and its
+        gradient encoding's residual."""
+        own = rng_state() | self.rounds.own_state()  # with gradient encoding: its residual
         if self.scaler is not None:
             own["grad_scaler"] = self.scaler.state_dict()
         return own
@@ -85,6 +86,7 @@ class Replica:
     def load_own_state(self, own: dict[str, Any]) -> None:
         if self.scaler is not None and "grad_scaler" in own:
             self.scaler.load_state_dict(own["grad_scaler"])
+        self.rounds.load_own_state(own)
 
     def fit(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """Train from `self.counters` to the end of epoch `until_epoch - 1`. With

@@ -23,6 +23,7 @@ from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, TorchrunWorker, start_host
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
 from .parts import Parts
+from .sendable import check_sendable
 from .settings import Settings
 from .types import Counters, FitCommand, Report, TrainingState, WorkerError
 
@@ -226,7 +227,9 @@ class Builder(Settings):
             self._lr_scheduler, self._outer,
         )  # fmt: skip
         torchrun = torchrun_env()
-        notes = check_job(job, config, sendable=torchrun is None)  # under torchrun nothing travels
+        notes = check_job(job, config)
+        if torchrun is None:  # under torchrun nothing travels
+            check_sendable(job)
         check_listeners(self._listeners)
         placement = resolve(config, torchrun, explicit=self._options.keys())
         for note in [*notes, *placement.notes]:

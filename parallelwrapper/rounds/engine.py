@@ -64,6 +64,17 @@ class Rounds:
         `warmup_sync_steps` synchronous steps (rounds, over the wrapper's life) are done."""
         return self._averages_state and self.counters.rounds >= self.config.warmup_sync_steps
 
+    def own_state(self) -> dict[str, Any]:
+        """What of the rounds is this worker's alone, for a checkpoint: with gradient encoding, its
+        residual (and τ and the step count, the same on every worker)."""
+        if self.config.gradient_encoding is None:
+            return {}
+        return {"gradient_encoding": self._sync.encoding_residual().state_dict()}
+
+    def load_own_state(self, own: dict[str, Any]) -> None:
+        if self.config.gradient_encoding is not None and "gradient_encoding" in own:
+            self._sync.encoding_residual().load_state_dict(own["gradient_encoding"])
+
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
         self._sync.reset()
@@ -182,6 +193,8 @@ class Rounds:
         stop = self.hooks.stop_requested()
         if self._stream is not None and self._averaging:
             return self._stream.launch(work, stop)
+        if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
+            self.trainer.at_step(self._cut.step_of(self._cut.start))
         return self._sync.launch(work, self._averaging, stop)
 
     def _land(self, launched: Any, since: Work, at_once: bool = False) -> RoundTotals:
@@ -194,7 +207,6 @@ class Rounds:
             return self._stream.land(launched, since.skipped, at_once, at_average)
         totals = self._sync.land(launched)
         if not launched.averaging and totals.samples > 0:
-            self.trainer.at_step(self._cut.step_of(self._cut.start))
             self.trainer.step()
         return totals
 
@@ -207,7 +219,7 @@ class Rounds:
         if totals.samples > 0:
             c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
             c.position += totals.batches
-            book.add(totals, c, end_of_epoch=epoch_done)
+            book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]))
         if epoch_done:
             c.epoch, c.position = c.epoch + 1, 0
         self.trainer.landed(c, book.whole.score if epoch_done else totals.score, epoch_done)

@@ -18,8 +18,24 @@ import torch.distributed as dist
 
 from ..averaging import FlatAverager, Shards, all_reduce_values
 from ..config import Config
-from .header import HEADER_LEN, RoundTotals, Work, check_diverged, read_header, round_header
-from .state import agree_on_optimizer_layout, averaged_tensors, gradient_tensors, state_layout
+from ..threshold import Residual
+from ..types import EncodingStats
+from .encoded import EncodedGradients
+from .header import (
+    HEADER_LEN,
+    RoundTotals,
+    Work,
+    check_diverged,
+    read_header,
+    round_header,
+)
+from .state import (
+    agree_on_optimizer_layout,
+    averaged_tensors,
+    gradient_tensors,
+    state_layout,
+    trained_parameters,
+)
 from .trainer import Trainer
 
 
@@ -56,7 +72,8 @@ class SyncExchange:
         self.trainer, self.config, self.device = trainer, config, device
         self._groups = {True: state, False: gradients}  # by `averaging`: under a hierarchy, across nodes or every rank
         self._shards = shards  # with a hierarchy: each rank of a node sends its part across nodes
-        self._payload: FlatAverager | None = None
+        self._payload: FlatAverager | EncodedGradients | None = None
+        self.residual: Residual | None = None  # with gradient encoding: this worker's, kept from fit to fit
         self._layout: int | None = None  # the state layout the payload was built for
         self._gradients = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
         self._reference = 0.0  # Σw of the last round that trained, the same on every worker
@@ -126,11 +143,27 @@ class SyncExchange:
         self._reference = totals.samples
         return totals
 
-    def _gradient_payload(self) -> FlatAverager:
+    def _gradient_payload(self) -> FlatAverager | EncodedGradients:
         if self._payload is None:
-            self._payload = FlatAverager(gradient_tensors(self.trainer.model, self.trainer.optimizer), self.device, HEADER_LEN)
+            model, optimizer, encoding = self.trainer.model, self.trainer.optimizer, self.config.gradient_encoding
+            if encoding is None:
+                self._payload = FlatAverager(gradient_tensors(model, optimizer), self.device, HEADER_LEN)
+            else:
+                self._payload = EncodedGradients(model, optimizer, self.encoding_residual(), encoding, self.device, HEADER_LEN)
             self._layout, self._gradients = 0, True
         return self._payload
+
+    def encoding_residual(self) -> Residual:
+        """With gradient encoding: this worker's residual (zeros at first), τ and step count."""
+        assert self.config.gradient_encoding is not None
+        if self.residual is None:
+            n = sum(p.numel() for p in trained_parameters(self.trainer.model, self.trainer.optimizer))
+            self.residual = Residual.zeros(n, self.device, self.config.gradient_encoding)
+        return self.residual
+
+    def encoded_round(self) -> EncodingStats | None:
+        """With gradient encoding, the last round landed: τ after it, its density and bytes."""
+        return self._payload.last if isinstance(self._payload, EncodedGradients) else None
 
 
 __all__ = ["Sent", "SyncExchange", "average_anew"]

@@ -5,12 +5,13 @@ validation: every worker's share scored, combined and reported."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from ..types import Counters, Reporter, RoundReport, ValidationReport
+from ..types import Counters, EncodingStats, Reporter, RoundReport, ValidationReport
 from .header import RoundTotals
 from .trainer import Trainer
 
@@ -23,12 +24,15 @@ class _Window:
     loss_sum: float = 0.0
     samples: int = 0
     skipped: int = 0
+    encoding: EncodingStats | None = None
 
-    def add(self, totals: RoundTotals) -> None:
+    def add(self, totals: RoundTotals, encoding: EncodingStats | None) -> None:
         self.rounds += 1
         self.loss_sum += totals.loss_sum
         self.samples += int(totals.samples)
         self.skipped += totals.skipped
+        if encoding is not None:
+            self.encoding = encoding if self.encoding is None else self.encoding + encoding
 
     @property
     def score(self) -> float:
@@ -42,11 +46,13 @@ class ScoreBook:
         self.report, self._every, self._rounds = report, every, rounds
         self.window, self.whole = _Window(), _Window()  # since the last report; the whole epoch
 
-    def add(self, totals: RoundTotals, counters: Counters, end_of_epoch: bool) -> None:
-        self.window.add(totals)
-        self.whole.add(totals)
+    def add(self, totals: RoundTotals, counters: Counters, end_of_epoch: bool, encoding: EncodingStats | None = None, lr: float = math.nan) -> None:
+        """A landed round's totals (and, with gradient encoding, its τ, density and bytes), and the
+        learning rate of this worker's last step."""
+        self.window.add(totals, encoding)
+        self.whole.add(totals, encoding)
         if self._rounds and (self.window.rounds == self._every or end_of_epoch):
-            self.report(RoundReport(dataclasses.replace(counters), self.window.score, self.window.skipped))
+            self.report(RoundReport(dataclasses.replace(counters), self.window.score, self.window.skipped, encoding=self.window.encoding, lr=lr))
             self.window = _Window()
 
 

@@ -1,0 +1,126 @@
+"""Threshold encoding of a flat update, after Strom (2015, "Scalable distributed DNN training
+using commodity GPU cloud computing") and DL4J's `EncodingHandler`, `AdaptiveThresholdAlgorithm`
+and `ResidualClippingPostProcessor`: the maths on one worker's flat buffers, vectorized torch;
+rounds/encoded.py sends the messages.
+
+    residual   what a worker has not sent yet: each step's update (lr × gradient) is added to it
+    encode     every entry with |r| >= τ goes as ±τ, and ±τ leaves the residual; the message is
+               int32: ±(index + 1) per entry sent (the sign is the entry's), or, when that would
+               not be shorter, a 2-bit bitmap (00 nothing, 01 +τ, 10 −τ; 16 entries a word): a
+               message of bitmap_words(n) words is a bitmap, any shorter one is sparse
+    decode     out += alpha · (±1 at each entry sent), in the message's order: every worker decodes
+               the same messages in the same order into the same floats
+    adaptive   τ moves by a factor FACTOR = 0.5^(1/20) a step at most (halved in 20 steps): down
+               when fewer than min_density of the entries went, up when more than max_density
+    clipping   every CLIP_EVERY steps the residual is clipped to ±residual_clip·τ
+
+Nothing is lost but what clipping drops: what was sent plus the residual is what was added.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import GradientEncoding
+
+FACTOR = 0.5 ** (1 / 20)  # the most τ changes in a step (DL4J's decay rate)
+CLIP_EVERY = 5  # steps between two clippings of the residual
+MAX_ENTRIES = 2**31 - 2  # an index + 1 must fit an int32
+_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # four 2-bit codes to a byte
+
+
+def bitmap_words(n: int) -> int:
+    """int32 words of a bitmap of n entries: 2 bits each, 16 to a word."""
+    return -(-n // 16)
+
+
+@torch.no_grad()
+def encode_(residual: torch.Tensor, tau: float) -> tuple[torch.Tensor, int]:
+    """The message of `residual`'s entries past τ (int32, on the residual's device), and how many
+    they are; ±τ leaves each of them."""
+    n = residual.numel()
+    above = residual.abs() >= tau  # (n,) bool
+    count = int(above.sum())
+    if count < bitmap_words(n):  # sparse: ±(index + 1)
+        index = above.nonzero().squeeze(1)  # (count,) int64, ascending
+        positive = residual[index] > 0
+        residual.index_add_(0, index, torch.where(positive, -tau, tau).to(residual.dtype))
+        return torch.where(positive, index + 1, -(index + 1)).to(torch.int32), count
+    sign = torch.where(above, torch.sign(residual), 0.0)  # (n,) in {-1, 0, 1}
+    residual.sub_(sign, alpha=tau)
+    codes = torch.zeros(bitmap_words(n) * 16, dtype=torch.uint8, device=residual.device)
+    codes[:n] = (sign > 0).to(torch.uint8) + (sign < 0).to(torch.uint8) * 2
+    packed = (codes.view(-1, 4) << _SHIFTS.to(codes.device)).sum(1, dtype=torch.uint8)  # (n/4,) bytes
+    return packed.view(torch.int32), count
+
+
+def _codes(bitmap: torch.Tensor, n: int) -> torch.Tensor:
+    """A bitmap's 2-bit codes, (n,) uint8."""
+    packed = bitmap.view(torch.uint8)  # (words · 4,)
+    return ((packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 3).view(-1)[:n]
+
+
+@torch.no_grad()
+def decode_add_(message: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
+    """out += alpha · (±1 at each entry of the message)."""
+    n = out.numel()
+    if message.numel() < bitmap_words(n) or n == 0:
+        index = message.abs().long() - 1  # (count,)
+        out.index_add_(0, index, message.sign().to(out.dtype), alpha=alpha)
+        return
+    codes = _codes(message, n)
+    out.add_((codes == 1).to(out.dtype) - (codes == 2).to(out.dtype), alpha=alpha)
+
+
+def next_threshold(tau: float, density: float, settings: GradientEncoding) -> float:
+    """τ for the next step, given the share of entries the last one sent (NaN: nobody sent)."""
+    if not settings.adaptive or math.isnan(density):
+        return tau
+    if density < settings.min_density:
+        return tau * FACTOR
+    if density > settings.max_density:
+        return tau / FACTOR
+    return tau
+
+
+@dataclass
+class Residual:
+    """One worker's residual and the encoding's state every worker shares: τ and the steps taken
+    (a checkpoint keeps all three, in the worker's own state)."""
+
+    values: torch.Tensor  # (n,) float32: lr × gradient not sent yet
+    threshold: float
+    steps: int = 0  # encoded steps over the wrapper's life: when to clip
+
+    @classmethod
+    def zeros(cls, n: int, device: torch.device, settings: GradientEncoding) -> Residual:
+        if n > MAX_ENTRIES:
+            raise ValueError(
+                f"gradient_encoding: the model trains {n:,} parameters, more than the {MAX_ENTRIES:,} an int32 index "
+                f"reaches; train it densely (drop .gradient_encoding())"
+            )
+        return cls(torch.zeros(n, dtype=torch.float32, device=device), settings.threshold)
+
+    def stepped(self, density: float, settings: GradientEncoding) -> None:
+        """After a step that sent `density` of the entries: τ moves; every CLIP_EVERY steps the
+        residual is clipped to ±residual_clip·τ."""
+        self.threshold = next_threshold(self.threshold, density, settings)
+        self.steps += 1
+        if settings.residual_clip is not None and self.steps % CLIP_EVERY == 0:
+            bound = settings.residual_clip * self.threshold
+            self.values.clamp_(-bound, bound)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"residual": self.values.cpu(), "threshold": self.threshold, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        values = state["residual"]
+        assert isinstance(values, torch.Tensor) and values.shape == self.values.shape, "a residual of another model"
+        self.values.copy_(values)
+        self.threshold, self.steps = float(state["threshold"]), int(state["steps"])  # type: ignore[arg-type, call-overload]
+
+
+__all__ = ["CLIP_EVERY", "FACTOR", "Residual", "bitmap_words", "decode_add_", "encode_", "next_threshold"]
