@@ -7,6 +7,7 @@
 
 from .config import Config, NanPolicy, TrainingMode
 from .listeners import CsvWriter, EarlyStopping, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation
+from .tensorboard_logger import TensorBoardLogger
 from .types import TrainingError, WorkerError
 from .wrapper import Builder, ParallelWrapper
 
@@ -23,6 +24,7 @@ __all__ = [
     "ProgressBar",
     "Score",
     "ScoreLogger",
+    "TensorBoardLogger",
     "TrainingError",
     "TrainingMode",
     "Validation",

@@ -80,6 +80,8 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
         raise click.ClickException(e.explain("pass --data-dir DIR", "drop --no-download to fetch them")) from None
     except (ValueError, WorkerError) as e:  # MnistError is a ValueError: it names the file
         raise click.ClickException(str(e)) from None
+    except ImportError as e:  # an optional extra (--tensorboard): the message names the package to install
+        raise click.ClickException(str(e)) from None
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -87,6 +89,7 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
 @click.option("--averaging-frequency", type=click.IntRange(min=1), default=3, show_default=True, help="Local iterations per worker between averagings.")
 @click.option("--mode", type=click.Choice([m.value for m in TrainingMode]), default=TrainingMode.AVERAGING.value, show_default=True, help="averaging: local steps, then average; shared-gradients: average gradients every step.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
+@click.option("--tensorboard", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write the scores, validations, epoch figures, learning rate and replacements here as TensorBoard scalars (needs the tensorboard package: pip install tensorboard). Default: off.")
 @click.option("--deterministic/--no-deterministic", default=False, show_default=True, help="Deal batch i to worker i mod N: the same run gives the same model, and a resumed run ends as an uninterrupted one.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save a checkpoint here every --checkpoint-every rounds, at each epoch's end and on Ctrl-C.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=50, show_default=True, help="Rounds between checkpoints.")

@@ -68,6 +68,7 @@ class RunOptions:
     data_dir: Path | None = None  # None: the loader's cache dir (downloads what is missing)
     download: bool = True
     out: Path | None = None
+    tensorboard: Path | None = None  # None: no TensorBoard scalars; a directory: TensorBoardLogger writes there
     train_samples: int | None = None  # the first N training images only: for smoke tests
     test_samples: int | None = None  # the first N test images only: for smoke tests
     overlap_averaging: bool = False  # averaging during the next round's steps (Builder.overlap_averaging)

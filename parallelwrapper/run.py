@@ -28,6 +28,7 @@ import torch
 
 from . import checkpoint
 from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation
+from .tensorboard_logger import TensorBoardLogger
 from .types import WorkerError
 from .options import RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits, options_json, with_lr_schedule
 
@@ -182,6 +183,8 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
     listeners: list[Any] = [ProgressBar(batches_per_epoch)] if progress else []
     stopper = EarlyStopping("val_loss", options.early_stopping_patience) if options.early_stopping_patience else None
     listeners += [log] if stopper is None else [log, stopper]
+    board = TensorBoardLogger(options.tensorboard) if options.tensorboard is not None else None
+    listeners += [board] if board is not None else []
     b = builder(model, options, listeners).validation(eval_batches(test), every=options.val_every or _EPOCH_ENDS_ONLY)
     wrapper = with_lr_schedule(b, options, batches_per_epoch).build()
     if progress:
@@ -192,6 +195,8 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
             history = wrapper.fit(lambda: epoch_batches(train, options, next(epochs)), epochs=options.epochs, resume=options.resume)
     finally:
         log.close()
+        if board is not None:
+            board.close()
     final = history.validations[-1].metrics  # the trained model's: at the last epoch's end, or where it stopped
     wall = time.perf_counter() - start
     session_samples = wrapper.samples - restored["samples"]
