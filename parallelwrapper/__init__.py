@@ -6,6 +6,7 @@
 """
 
 from .config import Config, NanPolicy, TrainingMode
+from .inference import InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation
 from .tensorboard_logger import TensorBoardLogger
 from .types import TrainingError, WorkerError
@@ -18,8 +19,11 @@ __all__ = [
     "EarlyStopping",
     "EpochEnd",
     "History",
+    "InferenceError",
+    "InferenceMode",
     "JsonlWriter",
     "NanPolicy",
+    "ParallelInference",
     "ParallelWrapper",
     "ProgressBar",
     "Score",

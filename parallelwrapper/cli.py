@@ -20,9 +20,11 @@ from .checkpoint import CheckpointError
 from .compare import CompareOptions, compare
 from .config import PAYLOAD_DTYPES, PRECISIONS, TrainingMode
 from .data.mnist import MnistFilesMissing
+from .inference import InferenceError, InferenceMode
 from .types import WorkerError
 from .models import MODEL_NAMES
 from .options import DEVICES, LR_SCHEDULES, OPTIMIZERS, RunOptions
+from .predict import PredictOptions, predict_mnist
 from .run import train_mnist
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -78,7 +80,7 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     except MnistFilesMissing as e:
         raise click.ClickException(e.explain("pass --data-dir DIR", "drop --no-download to fetch them")) from None
-    except (ValueError, WorkerError) as e:  # MnistError is a ValueError: it names the file
+    except (ValueError, WorkerError, InferenceError) as e:  # MnistError is a ValueError: it names the file
         raise click.ClickException(str(e)) from None
     except ImportError as e:  # an optional extra (--tensorboard): the message names the package to install
         raise click.ClickException(str(e)) from None
@@ -105,7 +107,8 @@ def main(ctx: click.Context, /, mode: str, **kwargs: Any) -> None:
     training loss and test accuracy and, at the end, the test accuracy, samples per second while
     training and over the wall time. With checkpoints, Ctrl-C prints the command that resumes.
 
-    `pw-fit compare --help` compares shared gradients against averaging frequencies."""
+    `pw-fit compare --help` compares shared gradients against averaging frequencies;
+    `pw-fit predict --help` scores a saved model with parallel inference workers."""
     if ctx.invoked_subcommand is not None:
         given = [f"--{name.replace('_', '-')}" for name in ctx.params if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
         if given:
@@ -178,6 +181,24 @@ def compare_command(frequencies: tuple[int, ...], shared_gradients: bool, encode
     )  # fmt: skip
     _call(compare, options)
     click.echo(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, {out / 'compare.png'}")
+
+
+@main.command(name="predict")
+@click.option("--model-path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True, help="The state dict to score, as pw-fit --out DIR saves it (DIR/model.pt).")
+@click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="The architecture it was trained as.")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Inference workers, one process and device each.")
+@click.option("--mode", type=click.Choice([m.value for m in InferenceMode]), default=InferenceMode.BATCHED.value, show_default=True, help="batched: requests waiting while the workers are busy go together; sequential: one at a time; inplace: in this process.")
+@click.option("--request-size", type=click.IntRange(min=1), default=1, show_default=True, help="Test images per request (1: single images, as a server gets them).")
+@click.option("--batch-limit", type=click.IntRange(min=1), default=32, show_default=True, help="batched: the most images in one forward pass.")
+@click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any, else the CPU.")
+@click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files. Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist).")
+@click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir.")
+@click.option("--test-samples", type=click.IntRange(min=1), default=None, help="Score the first N test images only (for smoke tests).")
+def predict_command(**kwargs: Any) -> None:
+    """Score a saved model on the MNIST test set with a ParallelInference of N workers: print
+    where they run, the test accuracy and the samples per second (start-up excluded)."""
+    options = _make(PredictOptions, **kwargs)
+    click.echo(_call(predict_mnist, options, click.echo).describe())
 
 
 __all__ = ["main"]

@@ -34,6 +34,11 @@ def check_sendable(job: Job) -> None:
         ("validation data", job.validation_data),
         ("validation_step", job.validation_step),
     ]
+    check_pickles(parts)
+
+
+def check_pickles(parts: Iterable[tuple[str, object]]) -> None:
+    """A ValueError naming the first of the (name, object) `parts` that does not pickle, with the fix."""
     for name, obj in parts:
         try:
             pickle.Pickler(_NullWriter(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
@@ -46,4 +51,4 @@ def check_sendable(job: Job) -> None:
             ) from e
 
 
-__all__ = ["check_sendable"]
+__all__ = ["check_pickles", "check_sendable"]

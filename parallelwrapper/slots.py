@@ -76,12 +76,66 @@ def _fill(skeleton: Any, buffer: torch.Tensor) -> Any:
     return map_leaves(skeleton, copy_out)
 
 
+class Segments:
+    """Named shared-memory segments that this process owns, by index: one is made when first
+    asked for, and replaced by a larger one (under a new name) when asked for more than it holds.
+    `close` unlinks them all; a process that maps one by name (Mappings) sees the name change."""
+
+    def __init__(self, n: int) -> None:
+        self._segments: list[shared_memory.SharedMemory | None] = [None] * n
+
+    def get(self, i: int, size: int) -> shared_memory.SharedMemory:
+        """Segment `i`, of `size` bytes at least."""
+        segment = self._segments[i]
+        if segment is None or segment.size < size:
+            if segment is not None:
+                segment.close()
+                segment.unlink()
+            # A little headroom, so that batches of slowly growing size do not remap every time.
+            segment = shared_memory.SharedMemory(create=True, size=max(_ALIGN, size + size // 8))
+            self._segments[i] = segment
+        return segment
+
+    @property
+    def names(self) -> list[str]:
+        """The segments' names now (a process maps one by its name)."""
+        return [s.name for s in self._segments if s is not None]
+
+    def close(self) -> None:
+        for i, segment in enumerate(self._segments):
+            if segment is not None:
+                segment.close()
+                segment.unlink()
+                self._segments[i] = None
+
+
+class Mappings:
+    """Another process's segments (Segments), each mapped once by its key and mapped again when
+    its owner replaced it by a larger one under a new name."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[Any, shared_memory.SharedMemory] = {}
+
+    def get(self, key: Any, name: str) -> shared_memory.SharedMemory:
+        segment = self._mapped.get(key)
+        if segment is None or segment.name != name:
+            if segment is not None:
+                segment.close()  # it grew: the owner made a new segment
+            segment = self._mapped[key] = shared_memory.SharedMemory(name=name)
+        return segment
+
+    def close(self) -> None:
+        for segment in self._mapped.values():
+            segment.close()
+        self._mapped.clear()
+
+
 class SlotWriter:
     """The feeder's side: owns the segments; `pack` blocks until a slot is free (or `stop`)."""
 
     def __init__(self, free: Any, slots: int) -> None:
         self._free = free  # slot numbers the workers have handed back (a multiprocessing queue)
-        self._segments: list[shared_memory.SharedMemory | None] = [None] * slots
+        self._segments = Segments(slots)
         for slot in range(slots):
             free.put(slot)
 
@@ -92,7 +146,7 @@ class SlotWriter:
         slot = self._take(stop)
         if slot is None:
             return None
-        segment = self._segment(slot, size)
+        segment = self._segments.get(slot, size)
         offset = 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -115,23 +169,8 @@ class SlotWriter:
                 continue
         return None
 
-    def _segment(self, slot: int, size: int) -> shared_memory.SharedMemory:
-        segment = self._segments[slot]
-        if segment is None or segment.size < size:
-            if segment is not None:
-                segment.close()
-                segment.unlink()
-            # A little headroom, so that batches of slowly growing size do not remap every time.
-            segment = shared_memory.SharedMemory(create=True, size=max(_ALIGN, size + size // 8))
-            self._segments[slot] = segment
-        return segment
-
     def close(self) -> None:
-        for i, segment in enumerate(self._segments):
-            if segment is not None:
-                segment.close()
-                segment.unlink()
-                self._segments[i] = None
+        self._segments.close()
 
 
 class SlotReader:
@@ -139,16 +178,12 @@ class SlotReader:
 
     def __init__(self, free: Any) -> None:
         self._free = free
-        self._mapped: dict[int, shared_memory.SharedMemory] = {}
+        self._mapped = Mappings()
 
     def unpack(self, slot: int, name: str, skeleton: Any, keep: bool = False) -> Any:
         """The batch in `slot`, copied out; the slot goes back at once unless `keep` (a worker that
         may be replaced keeps it until its round lands: hosts/ledger.py), then by `release`."""
-        segment = self._mapped.get(slot)
-        if segment is None or segment.name != name:
-            if segment is not None:
-                segment.close()  # the slot grew: the feeder made a new segment
-            segment = self._mapped[slot] = shared_memory.SharedMemory(name=name)
+        segment = self._mapped.get(slot, name)
         buffer = torch.frombuffer(segment.buf, dtype=torch.uint8)
         batch = _fill(skeleton, buffer)
         del buffer  # no view of the segment may outlive this call
@@ -160,6 +195,4 @@ class SlotReader:
         self._free.put(slot)
 
     def close(self) -> None:
-        for segment in self._mapped.values():
-            segment.close()
-        self._mapped.clear()
+        self._mapped.close()

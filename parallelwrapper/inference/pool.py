@@ -1,0 +1,205 @@
+"""The main process's side of the inference workers: one spawned process per device (process.py
+is the other side), a pipe to each for a few small messages, and two shared-memory segments per
+worker that this process owns (slots.Segments): one its batches' inputs are written into, one
+the worker writes their outputs into. A tensor never travels as a pickle: the pipe carries the
+segments' names, dtypes and shapes.
+
+The process discipline is the training's (hosts/spawned.py): a `spawn` context, a module-level
+entry, daemons that give up when their parent is gone, a timeout on every wait, close by message,
+join with a timeout, then kill. A worker that dies is started again under the same rank (its
+segments are this process's and stay); one that fails while starting is not: it is `lost`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp  # its reducers send the model's pickle and new states in shared memory
+
+from ..env import Placement
+from ..hosts.supervisor import _exit_message
+from ..slots import Segments
+from .process import Batch, serve, view
+from .requests import Request
+
+_START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
+_JOIN_TIMEOUT_S = 10.0
+
+
+class Worker:
+    """One worker as the main process sees it: its process and pipe, the batch it runs, and the
+    model version it holds."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.process: Any = None
+        self.conn: Any = None
+        self.ready = False  # built, and not running a batch of ours when `batch` is None
+        self.batch: list[Request] | None = None  # the requests of the batch in flight
+        self.sent: Batch | None = None  # where that batch lies
+        self.version = 0  # the update_model version it holds or has been sent
+        self.lost: str | None = None  # why it could not start: it is not started again
+
+    @property
+    def idle(self) -> bool:
+        return self.ready and self.batch is None
+
+    def __str__(self) -> str:
+        return f"inference worker {self.rank}"
+
+
+class Pool:
+    """The worker processes, their segments and the state they serve."""
+
+    def __init__(self, model: torch.nn.Module, placement: Placement) -> None:
+        self._placement = placement
+        self._ctx = mp.get_context("spawn")
+        # The model goes as its pickle's bytes in shared memory, kept to start a worker again.
+        data = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)  # build() checked that it pickles
+        self._payload: torch.Tensor = torch.empty(len(data), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+        self._payload.numpy().data[:] = data
+        self.state: dict[str, torch.Tensor] | None = None  # update_model's last state, in shared memory
+        self.version = 0
+        self._segments = Segments(2 * len(placement.devices))  # worker r's inputs at 2r, its outputs at 2r + 1
+        self.workers = [Worker(rank) for rank in range(len(placement.devices))]
+        try:
+            for w in self.workers:
+                self.start(w)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def segment_names(self) -> list[str]:
+        """The shared-memory segments this pool holds now (gone after `close`)."""
+        return self._segments.names
+
+    def start(self, w: Worker) -> None:
+        """Start `w`'s process; it answers ("ready", None) once its replica is built."""
+        ours, theirs = self._ctx.Pipe()
+        w.process = self._ctx.Process(
+            target=serve, args=(w.rank, self._placement, theirs, os.getpid()), name=f"parallelwrapper-inference-{w.rank}", daemon=True
+        )
+        w.process.start()
+        theirs.close()
+        w.conn, w.ready, w.batch, w.sent, w.version = ours, False, None, None, self.version
+        ours.send(("model", self._payload, self.state))
+
+    def await_ready(self) -> None:
+        """Wait until every worker is built; a ValueError naming the first that could not be."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not all(w.ready or w.lost for w in self.workers):
+            if time.monotonic() > deadline:
+                slow = next(w for w in self.workers if not (w.ready or w.lost))
+                raise ValueError(f"{slow} did not start within {_START_TIMEOUT_S:.0f} s; is the machine overloaded?")
+            for w, message in self.receive(1.0):
+                if message is None:
+                    self.died(w, "starting")
+                elif message[0] == "ready":
+                    w.ready = True
+                elif message[0] == "failed":
+                    w.lost = message[1]
+        lost = next((w for w in self.workers if w.lost), None)
+        if lost is not None:
+            raise ValueError(f"{lost} could not start: {lost.lost}")
+
+    def died(self, w: Worker, stage: str) -> str:
+        """`w`'s process has ended: what to tell the requests it held. One that never got ready is lost."""
+        w.process.join(timeout=_JOIN_TIMEOUT_S)
+        why = _exit_message(w.process.exitcode or 0, stage)
+        if not w.ready:
+            w.lost = w.lost or why
+        w.ready = False
+        return f"{w} died: {why}"
+
+    def receive(self, timeout: float) -> list[tuple[Worker, Any]]:
+        """The messages that came within `timeout`, each with its worker; (worker, None) for a
+        worker whose process has ended. A worker's messages come before its death."""
+        live = [w for w in self.workers if w.process is not None and w.conn is not None]
+        handles = {w.conn: w for w in live} | {w.process.sentinel: w for w in live}
+        got: list[tuple[Worker, Any]] = []
+        dead: list[Worker] = []
+        heard: list[Any] = wait(list(handles), timeout)
+        for ready in heard:
+            w = handles[ready]
+            if ready is w.conn:
+                try:
+                    got.append((w, w.conn.recv()))
+                except (EOFError, OSError):
+                    dead.append(w)
+            elif w not in dead:
+                dead.append(w)
+        for w in dict.fromkeys(dead):
+            got.append((w, None))
+            w.conn.close()
+            w.conn = None
+        return got
+
+    def send(self, w: Worker, conn: Any, requests: list[Request], load: dict[str, torch.Tensor] | None) -> None:
+        """Write the requests' inputs into `w`'s input segment, one batch, and have `w` run it, on
+        its pipe `conn` (a worker started again has another); first `load` that state, if any."""
+        dtype, sample = requests[0].key
+        shape = (sum(r.rows for r in requests), *sample)
+        segment = self._segments.get(2 * w.rank, torch.Size(shape).numel() * dtype.itemsize)
+        place = view(segment, dtype, shape)
+        if len(requests) > 1:
+            torch.cat([r.x.cpu() for r in requests], out=place)
+        else:
+            place.copy_(requests[0].x)
+        del place  # no view of a segment may outlive its replacement by a larger one
+        out = self._segments.get(2 * w.rank + 1, segment.size)  # the outputs' size is the model's: a guess, grown on demand
+        w.sent = Batch(segment.name, dtype, shape, out.name, out.size)
+        if load is not None:
+            self._post(conn, ("load", load))
+        self._post(conn, ("run", w.sent))
+
+    def grow(self, w: Worker, nbytes: int) -> None:
+        """`w`'s outputs need `nbytes`: a larger output segment, and the same batch run again."""
+        assert w.sent is not None
+        out = self._segments.get(2 * w.rank + 1, nbytes)
+        w.sent = Batch(w.sent.inputs, w.sent.dtype, w.sent.shape, out.name, out.size)
+        self._post(w.conn, ("run", w.sent))
+
+    def outputs(self, w: Worker, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of the outputs `w` wrote: let it go before `w` runs another batch."""
+        return view(self._segments.get(2 * w.rank + 1, 0), dtype, shape)
+
+    @staticmethod
+    def _post(conn: Any, message: Any) -> None:
+        if conn is None:
+            return  # found dead already
+        try:
+            conn.send(message)
+        except OSError:
+            pass  # its worker died, or was found dead: `receive` reports it, with what it held
+
+    def close(self) -> None:
+        """Tell every worker to stop, join them, kill the ones that do not stop (one still running
+        a batch at once: close() gave it its time); free the segments."""
+        for w in self.workers:
+            if w.batch is not None and w.process is not None and w.process.pid is not None:
+                w.process.kill()
+            if w.conn is not None:
+                self._post(w.conn, None)
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        started = [w.process for w in self.workers if w.process is not None and w.process.pid is not None]
+        for p in started:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in started:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=_JOIN_TIMEOUT_S)
+        for w in self.workers:
+            if w.conn is not None:
+                w.conn.close()
+                w.conn = None
+            w.ready = False
+        self._segments.close()
+
+
+__all__ = ["Pool", "Worker"]

@@ -1,0 +1,119 @@
+"""An inference worker's process (inference/pool.py starts it): its replica of the model on its
+device, then forward passes on the batches the main process writes into shared memory, until
+told to close or its parent is gone.
+
+Messages on its pipe, from the main process:
+    ("model", pickle, state)  first: the model's pickle (bytes in shared memory) and the state
+                              update_model last swapped in (None: the pickle's own)
+    ("run", batch)            a Batch: inputs in segment `batch.inputs`, outputs to `batch.outputs`
+    ("load", state)           update_model: the new state dict, its tensors in shared memory
+    None                      close
+and back:
+    ("ready", None)           the replica is built
+    ("done", (dtype, shape))  the outputs are in the output segment
+    ("grow", nbytes)          they need a larger output segment: run the batch again with one
+    ("error", summary)        the model raised on this batch (the process goes on)
+    ("failed", summary)       the replica could not be built (the process exits)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from ..env import Placement
+from ..hosts.runtime import claim_device, summary
+from ..slots import Mappings
+from .requests import NOT_A_TENSOR
+
+_POLL_S = 1.0  # how often a worker waiting for a message looks whether its parent is gone
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Where a batch's inputs lie and where its outputs go: named segments the main process owns."""
+
+    inputs: str  # segment name
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # (rows, *sample shape)
+    outputs: str  # segment name
+    capacity: int  # bytes of the output segment
+
+
+def view(segment: shared_memory.SharedMemory, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over the first bytes of `segment`. It must be let go before the segment is closed."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    return torch.frombuffer(segment.buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
+def serve(rank: int, placement: Placement, conn: Any, parent_pid: int) -> None:
+    """The worker of `rank`: build the replica, answer ("ready", None), then run what comes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
+    mapped = Mappings()
+    try:
+        try:
+            device = claim_device(placement, rank)
+            torch.set_num_threads(placement.threads)
+            model = _replica(_receive(conn, parent_pid), device)
+        except Exception as e:  # noqa: BLE001 - every failure to start goes back to the main process
+            conn.send(("failed", f"{summary(e)}\n\n{traceback.format_exc()}"))
+            return
+        conn.send(("ready", None))
+        with torch.inference_mode():
+            while (message := _receive(conn, parent_pid)) is not None:
+                if message[0] == "load":
+                    model.load_state_dict(message[1])
+                else:
+                    conn.send(_run(model, message[1], mapped, device))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the main process is gone, or closed the pipe: nobody is left to answer
+    finally:
+        mapped.close()
+
+
+def _replica(message: tuple[str, torch.Tensor, dict[str, torch.Tensor] | None], device: torch.device) -> torch.nn.Module:
+    _, payload, state = message
+    model: torch.nn.Module = pickle.loads(payload.numpy().data)
+    del payload  # its shared pages go back now
+    model = model.to(device).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def _run(model: torch.nn.Module, batch: Batch, mapped: Mappings, device: torch.device) -> tuple[str, Any]:
+    """One forward pass: the inputs read where they lie, the outputs written into the output segment."""
+    inputs = view(mapped.get("inputs", batch.inputs), batch.dtype, batch.shape)
+    try:
+        outputs = model(inputs.to(device))
+    except Exception as e:  # noqa: BLE001 - the model's failure is this batch's answer
+        return "error", summary(e)
+    finally:
+        del inputs  # no view of a segment may outlive this call: the next batch may remap it
+    if not isinstance(outputs, torch.Tensor):
+        return "error", NOT_A_TENSOR.format(type(outputs).__name__)
+    nbytes = outputs.numel() * outputs.element_size()
+    if nbytes > batch.capacity:
+        return "grow", nbytes
+    place = view(mapped.get("outputs", batch.outputs), outputs.dtype, tuple(outputs.shape))
+    place.copy_(outputs)
+    del place
+    return "done", (outputs.dtype, tuple(outputs.shape))
+
+
+def _receive(conn: Any, parent_pid: int) -> Any:
+    """The next message; None (close) when the parent process is gone."""
+    while not conn.poll(_POLL_S):
+        if os.getppid() != parent_pid:
+            return None
+    return conn.recv()
+
+
+__all__ = ["Batch", "serve", "view"]
