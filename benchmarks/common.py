@@ -62,7 +62,7 @@ def stamp(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     overlap_averaging a round's Score arrives when it lands, a round late."""
     global _stamps
     if _stamps is None:
-        _stamps = open(Path(os.environ[STAMPS_ENV]) / str(os.getpid()), "a", buffering=1)  # noqa: SIM115
+        _stamps = open(Path(os.environ[STAMPS_ENV]) / str(os.getpid()), "a", buffering=1)
     _stamps.write(f"{time.monotonic():.9f}\n")
 
 

@@ -46,12 +46,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSG
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
+import gpt_arena
 from common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.data import load_mnist
 from parallelwrapper.models import LeNet
-
-import gpt_arena
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 Trainer = Callable[[list[Batch]], None]  # trains this rank on its share of a chunk of batches
@@ -105,7 +104,7 @@ def inner_optimizer(args: argparse.Namespace) -> tuple[type[torch.optim.Optimize
 
 
 def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, stack: contextlib.ExitStack) -> Trainer:
-    rank, world, lr = dist.get_rank(), dist.get_world_size(), args.lr
+    rank, world = dist.get_rank(), dist.get_world_size()
     if kind in WRAPPERS:
         # Under torchrun fit() runs this process as one worker on its shard, ends with an
         # averaging and loads the average into `model`; it reuses the process group of main().

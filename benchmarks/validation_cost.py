@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from common import DEFAULT_DATA_DIR, BATCH, lenet, mnist_batches, nesterov, table, write_results
+from common import BATCH, DEFAULT_DATA_DIR, lenet, mnist_batches, nesterov, table, write_results
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.data import load_mnist
 

@@ -125,7 +125,7 @@ def _read(location: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
             f"{path} holds more than tensors and plain values, and checkpoints are read without running "
             f"any code in them: not resumed ({detail})"
         ) from e
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
+    except Exception as e:  # any unreadable file is the same error to the user
         raise CheckpointError(f"{path} is not a readable checkpoint: {type(e).__name__}: {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a parallelwrapper checkpoint of format {FORMAT}")

@@ -21,11 +21,11 @@ from .compare import CompareOptions, compare
 from .config import PAYLOAD_DTYPES, PRECISIONS, TrainingMode
 from .data.mnist import MnistFilesMissing
 from .inference import InferenceError, InferenceMode
-from .types import WorkerError
 from .models import MODEL_NAMES
 from .options import DEVICES, LR_SCHEDULES, OPTIMIZERS, RunOptions
 from .predict import PredictOptions, predict_mnist
 from .run import train_mnist
+from .types import WorkerError
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

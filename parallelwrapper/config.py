@@ -188,7 +188,8 @@ class Config:
 def _check_encoding(config: Config) -> None:
     """Gradient encoding has a meaning in SHARED_GRADIENTS, on its own wire, in float32 or bf16."""
     for bad, fix in (
-        (config.training_mode is not TrainingMode.SHARED_GRADIENTS, "the training_mode: it encodes each step's update, which only TrainingMode.SHARED_GRADIENTS shares; add .training_mode(TrainingMode.SHARED_GRADIENTS)"),
+        (config.training_mode is not TrainingMode.SHARED_GRADIENTS,
+         "the training_mode: it encodes each step's update, which only TrainingMode.SHARED_GRADIENTS shares; add .training_mode(TrainingMode.SHARED_GRADIENTS)"),
         (config.payload_dtype != "float32", "payload_dtype, which casts averagings (the encoded updates are signs already): drop .payload_dtype()"),
         (config.precision == "16-mixed", "precision 16-mixed, whose loss scale would go into each worker's residual: use .precision('bf16-mixed')"),
         (config.on_worker_failure == "replace", "on_worker_failure('replace'): a worker's residual (what it has not sent yet) is lost with it; use .checkpoint(dir) and resume"),

@@ -95,7 +95,7 @@ def check_validation(job: Job, model: torch.nn.Module, precision: str) -> None:
         raise ValueError("validation: the validation data yielded no batch; pass .validation(data) with at least one")
     try:
         metric_sums(model, [batch], validation_metrics(job), device, functools.partial(autocast, precision, device))
-    except Exception as e:  # noqa: BLE001 - any failure here is the validation's, reported as such
+    except Exception as e:  # any failure here is the validation's, reported as such
         cause = (str(e).strip().splitlines() or [""])[0][:300]
         raise ValueError(
             f"validation: batch 0 {describe(batch)} fails before training starts: {type(e).__name__}: {cause}; "

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from .config import PAYLOAD_DTYPES, PRECISIONS, TrainingMode, check_int
-from .env import gpu_count, gpu_devices
 from .data.mnist import MnistSplit, load_mnist
+from .env import gpu_count, gpu_devices
 from .models import MODEL_NAMES, build_model
 from .wrapper import Builder, ParallelWrapper
 

@@ -28,9 +28,9 @@ import torch
 
 from . import checkpoint
 from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation
+from .options import RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits, options_json, with_lr_schedule
 from .tensorboard_logger import TensorBoardLogger
 from .types import WorkerError
-from .options import RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits, options_json, with_lr_schedule
 
 
 @dataclass(frozen=True)

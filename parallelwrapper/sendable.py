@@ -42,7 +42,7 @@ def check_pickles(parts: Iterable[tuple[str, object]]) -> None:
     for name, obj in parts:
         try:
             pickle.Pickler(_NullWriter(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        except Exception as e:  # noqa: BLE001 - pickle raises many types
+        except Exception as e:  # pickle raises many types
             raise ValueError(
                 f"{name} cannot be sent to a spawned worker process ({type(e).__name__}: {e}): use a module-level "
                 f"function, or functools.partial of one to give it arguments (e.g. lr_lambda=functools.partial("

@@ -16,8 +16,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: typing_extensions comes with torch
     from typing_extensions import Self
 
-from .config import BeforeStep, LossFn, NanPolicy, OptimizerFn, OuterSpec, SchedulerSpec, TrainingMode, TrainingStep
-from .config import GradientEncoding, ValidationStep, parse_enum
+from .config import BeforeStep, GradientEncoding, LossFn, NanPolicy, OptimizerFn, OuterSpec, SchedulerSpec, TrainingMode, TrainingStep, ValidationStep, parse_enum
 from .feed import Batches, compact
 
 

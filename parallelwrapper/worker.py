@@ -20,8 +20,8 @@ from .checkpoint import rng_state
 from .config import Config, Job, NanPolicy
 from .evaluation import autocast, metric_sums, validation_metrics
 from .feed import rank_share
-from .rounds import Node, Rounds
 from .parts import Parts
+from .rounds import Node, Rounds
 from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, TrainingState, Where
 
 

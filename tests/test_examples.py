@@ -41,7 +41,7 @@ def test_dl4j_mnist_tutorial(mnist_dir: Path) -> None:
 @pytest.mark.timeout(120)
 def test_custom_dataset_and_dataloader() -> None:
     out = run_example("custom_data.py")
-    line = next(l for l in out.splitlines() if "test accuracy" in l)
+    line = next(ln for ln in out.splitlines() if "test accuracy" in ln)
     before, after = (float(x) for x in line.split("test accuracy ")[1].split(" -> "))
     assert before < 0.5 < 0.8 < after, "the MLP did not learn the teacher's classes"
 
@@ -49,7 +49,7 @@ def test_custom_dataset_and_dataloader() -> None:
 @pytest.mark.timeout(120)
 def test_custom_training_step(mnist_dir: Path) -> None:
     out = run_example("custom_training_step.py", "--data-dir", str(mnist_dir))
-    line = next(l for l in out.splitlines() if "test reconstruction MSE" in l)
+    line = next(ln for ln in out.splitlines() if "test reconstruction MSE" in ln)
     before, after = (float(x) for x in line.split("MSE ")[1].split(" -> "))
     assert after < before, "the autoencoder did not learn"
 

@@ -3,10 +3,9 @@ batches, resumed positions, and DataLoaders that a DistributedSampler shards alr
 
 from __future__ import annotations
 
-import pytest
-
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler

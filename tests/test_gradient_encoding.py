@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from tiny import make_batches, mlp
 from torch import nn
 
 from parallelwrapper import ParallelWrapper, TrainingMode
@@ -35,6 +34,7 @@ from parallelwrapper.threshold import (
     encode_,
     next_threshold,
 )
+from tiny import make_batches, mlp
 
 pytestmark = pytest.mark.timeout(120)
 SHARED = TrainingMode.SHARED_GRADIENTS

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallelwrapper import ParallelWrapper, Score, WorkerError
-from parallelwrapper.feed import FeedError
 from parallelwrapper.config import Config
+from parallelwrapper.feed import FeedError
 from parallelwrapper.hosts.inprocess import InProcessWorker, runs_in_process
 from parallelwrapper.hosts.spawned import WorkerPool
 from parallelwrapper.types import Counters, FitCommand, RoundReport, TrainingState

@@ -16,11 +16,11 @@ from torch import nn
 
 from groups import run_group
 from parallelwrapper import ParallelWrapper, TrainingMode
-from tiny import make_batches, mlp
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.config import Config, Job, OuterSpec
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource, batches, bn_model, one_thread
+from tiny import make_batches, mlp
 
 pytestmark = pytest.mark.timeout(120)
 

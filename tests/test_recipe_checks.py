@@ -68,7 +68,7 @@ def test_a_validation_that_cannot_score_fails_at_fit_start_naming_validation_and
     first = str(raised.value).splitlines()[0]
     assert first.startswith("validation: batch 0 (float32[4, 10], int64[4, 7]) fails before training starts: ValueError:")
     assert "pass .validation(data, step=fn)" in first and len(str(raised.value)) < 600
-    assert w._pool is None  # no worker was started  # noqa: SLF001
+    assert w._pool is None  # no worker was started
 
 
 @pytest.mark.fast

@@ -101,7 +101,7 @@ class LrLog:
 
 def corpus_windows(count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Batches of (context, next tokens) windows from a small character corpus."""
-    import this  # noqa: F401 - its source is the Zen of Python, rot13-coded: a corpus every machine has
+    import this  # its source is the Zen of Python, rot13-coded: a corpus every machine has
 
     text = "".join(chr(c) for c in range(32, 32 + VOCAB)) + this.s * 4
     data = torch.tensor([min(ord(ch) - 32, VOCAB - 1) if ord(ch) >= 32 else 0 for ch in text])

@@ -19,7 +19,6 @@ from torch import nn
 from parallelwrapper import ParallelWrapper, WorkerError
 from parallelwrapper.feed import END_SLOT
 from parallelwrapper.hosts.ledger import Entry, Ledger, split
-
 from tiny import mlp
 
 pytestmark = pytest.mark.timeout(120)

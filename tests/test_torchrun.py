@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from torchrun_train import data, model  # noqa: E402
-
-from parallelwrapper import ParallelWrapper  # noqa: E402
+from parallelwrapper import ParallelWrapper
+from torchrun_train import data, model
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_train.py"
 TIMEOUT_S = 120

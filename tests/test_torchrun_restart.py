@@ -28,10 +28,10 @@ from parallelwrapper.hosts.torchrun import _join
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from slow_link import Link, check_privileges, slow_link  # noqa: E402
-from test_torchrun import check, clean_env, free_port, torchrun  # noqa: E402
-from tiny import make_batches, mlp  # noqa: E402
-from torchrun_restart import PEER_TIMEOUT_S, builder  # noqa: E402
+from slow_link import Link, check_privileges, slow_link
+from test_torchrun import check, clean_env, free_port, torchrun
+from tiny import make_batches, mlp
+from torchrun_restart import PEER_TIMEOUT_S, builder
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_restart.py"
 TIMEOUT_S = 90

@@ -27,6 +27,7 @@ from ..types import Counters, FitCommand, WorkerError
 from .ledger import Ledger, split
 from .runtime import Worker
 
+
 @dataclass(frozen=True)
 class Regroup:
     """The main process's word to every worker after a replacement: join process group
@@ -155,7 +156,7 @@ def _drain(q: Any) -> list[Any]:
     """Every item in `q`. A worker killed while waiting on it held its read lock (a semaphore of
     multiprocessing's Queue, which no one else would release): with every worker parked or dead,
     a lock held is a dead worker's."""
-    lock = q._rlock  # noqa: SLF001 - multiprocessing.Queue keeps no public handle on it
+    lock = q._rlock  # multiprocessing.Queue keeps no public handle on it
     lock.acquire(False)  # free: now ours; held: by a dead worker. Released either way.
     lock.release()
     return drain(q, settle=True)  # what the feeder put just before its pause may still be flushing

@@ -135,7 +135,7 @@ class Supervisor:
                         self._raise_root_cause(self._death(rank, stage))
                 if time.monotonic() > deadline:
                     missing = sorted(ranks - got.keys())
-                    raise WorkerError(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}")
+                    raise WorkerError(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}") from None  # the silence is the error, not the empty queue
                 continue
             if message[0] == kind and message[1] in ranks:
                 got[message[1]] = message[2]

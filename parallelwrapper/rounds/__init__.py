@@ -28,8 +28,8 @@ the engine that runs the rounds (engine.py).
 from __future__ import annotations
 
 from .engine import Rounds
-from .trainer import Trainer
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
 from .node import Node
+from .trainer import Trainer
 
 __all__ = ["HEADER_LEN", "Node", "RoundTotals", "Rounds", "Trainer", "make_header", "read_header"]

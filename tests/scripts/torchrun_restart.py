@@ -29,7 +29,7 @@ from parallelwrapper import ParallelWrapper
 from parallelwrapper.wrapper import Builder
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny import make_batches, mlp  # noqa: E402
+from tiny import make_batches, mlp
 
 FAULT_STEP = 12
 PEER_TIMEOUT_S = 3.0

@@ -17,7 +17,7 @@ from torch import nn
 from parallelwrapper import ParallelWrapper
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny import make_batches  # noqa: E402
+from tiny import make_batches
 
 
 def main(out: Path) -> None:
