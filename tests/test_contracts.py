@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from click.testing import CliRunner
 from torch import nn
 
-from parallelwrapper import checkpoint
+from parallelwrapper import ParallelWrapper, checkpoint, cli
 from parallelwrapper.averaging import DeltaAverager, FlatAverager
 from parallelwrapper.config import Config, Job
 from parallelwrapper.env import Placement
@@ -209,11 +211,27 @@ class _Payload:
         return (Path.write_text, (self.target, "ran"))
 
 
-def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path) -> None:
-    ran = tmp_path / "ran.txt"
-    torch.save({"format": checkpoint.FORMAT, "counters": {}, "model": _Payload(ran)}, tmp_path / checkpoint.FILENAME)
-    with pytest.raises(checkpoint.CheckpointError, match=r"holds more than tensors and plain values, .* not resumed"):
-        checkpoint.peek(tmp_path)
+REFUSED = r"holds more than tensors and plain values, .* not resumed"
+
+
+@pytest.mark.parametrize("reader", ["peek", "fit(resume=...)", "pw-fit --resume"])
+def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(reader: str, tmp_path: Path, mnist_dir: Path) -> None:
+    """Each way a checkpoint is read refuses it with a CheckpointError, and the payload never runs.
+    One worker on the CPU trains in this process: fit() spawns nothing."""
+    ran, checkpoints = tmp_path / "ran.txt", tmp_path / "ckpt"
+    checkpoints.mkdir()
+    torch.save({"format": checkpoint.FORMAT, "counters": {}, "model": _Payload(ran)}, checkpoints / checkpoint.FILENAME)
+    if reader == "peek":
+        with pytest.raises(checkpoint.CheckpointError, match=REFUSED):
+            checkpoint.peek(checkpoints)
+    elif reader == "fit(resume=...)":
+        with ParallelWrapper.builder(nn.Linear(4, 2)).workers(1).build() as wrapper, pytest.raises(checkpoint.CheckpointError, match=REFUSED):
+            wrapper.fit([(torch.zeros(8, 4), torch.zeros(8, dtype=torch.long))], resume=checkpoints)
+    else:
+        args = ["--workers", "1", "--data-dir", str(mnist_dir), "--train-samples", "128", "--test-samples", "128", "--resume", str(checkpoints)]
+        result = CliRunner().invoke(cli.main, args, prog_name="pw-fit")
+        assert result.exit_code == 1 and re.search(REFUSED, result.output), result.output
+        assert "Traceback" not in result.output
     assert not ran.exists()
 
 
