@@ -9,6 +9,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -81,8 +82,22 @@ class Channels:
 
 def worker_entry(rank: int | None, config: Config, placement: Placement, store_port: int, channels: Channels, parent_pid: int, generation: int) -> None:
     """A spawned worker: join the group, then run fit commands until told to close. A standby
-    (rank None) has its imports done and waits to be told the rank it takes and its generation."""
-    c = channels
+    (rank None) has its imports done and waits to be told the rank it takes and its generation.
+
+    Once its work is done and what it sent is flushed, the process ends at once (os._exit), as a
+    forked child does: the interpreter's own teardown of torch takes a third of a second, at
+    every close() of every worker, and nothing of a worker's is left for it to save. So
+    `atexit` handlers do not run in a worker."""
+    _serve(rank, config, placement, store_port, channels, parent_pid, generation)
+    for q in (channels.results, channels.free_slots):  # what this worker put in them reaches the pipe
+        q.close()
+        q.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve(rank: int | None, config: Config, placement: Placement, store_port: int, c: Channels, parent_pid: int, generation: int) -> None:
     world = placement.world_size
     # Ctrl-C in a terminal reaches every process of the group: the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
