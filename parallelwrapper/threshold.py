@@ -37,24 +37,51 @@ def bitmap_words(n: int) -> int:
     return -(-n // 16)
 
 
-@torch.no_grad()
-def encode_(residual: torch.Tensor, tau: float) -> tuple[torch.Tensor, int]:
-    """The message of `residual`'s entries past τ (int32, on the residual's device), and how many
-    they are; ±τ leaves each of them."""
+def is_bitmap(message: torch.Tensor, n: int) -> bool:
+    """Whether a message of a buffer of n entries is a bitmap (else: ±(index + 1) entries)."""
+    return n > 0 and message.numel() == bitmap_words(n)
+
+
+def scratch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Working memory for `encode_` on n entries, to keep from step to step (fresh buffers cost a
+    page fault per page at every step): magnitudes, and flags padded with False to whole words."""
+    return torch.empty(n, device=device), torch.zeros(-(-n // 8) * 8, dtype=torch.bool, device=device)
+
+
+def _above(residual: torch.Tensor, tau: float, magnitude: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """The indices (int64, ascending) of the entries with |r| >= τ, flagged in flags[:n]. The
+    flags are scanned 8 to an int64 word first: nonzero() over n / 8 words and then over the 8
+    flags of each word hit takes a quarter of the time of nonzero() over n flags at low density."""
     n = residual.numel()
-    above = residual.abs() >= tau  # (n,) bool
-    count = int(above.sum())
+    torch.ge(torch.abs(residual, out=magnitude), tau, out=flags[:n])
+    hit = (flags.view(torch.int64) != 0).nonzero().squeeze(1)  # (words hit,)
+    candidates = (hit.unsqueeze(1) * 8 + torch.arange(8, device=residual.device)).view(-1)  # (8 · words hit,)
+    return candidates[flags[candidates]]
+
+
+@torch.no_grad()
+def encode_(residual: torch.Tensor, tau: float, buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+    """The message of `residual`'s entries past τ (int32, on the residual's device), and how many
+    they are; ±τ leaves each of them. `buffers`: `scratch(n)`'s, or made here."""
+    n = residual.numel()
+    magnitude, flags = buffers or scratch(n, residual.device)
+    index = _above(residual, tau, magnitude, flags)  # (count,)
+    count = index.numel()
     if count < bitmap_words(n):  # sparse: ±(index + 1)
-        index = above.nonzero().squeeze(1)  # (count,) int64, ascending
         positive = residual[index] > 0
         residual.index_add_(0, index, torch.where(positive, -tau, tau).to(residual.dtype))
         return torch.where(positive, index + 1, -(index + 1)).to(torch.int32), count
-    sign = torch.where(above, torch.sign(residual), 0.0)  # (n,) in {-1, 0, 1}
+    sign = torch.where(flags[:n], torch.sign(residual), 0.0)  # (n,) in {-1, 0, 1}
     residual.sub_(sign, alpha=tau)
     codes = torch.zeros(bitmap_words(n) * 16, dtype=torch.uint8, device=residual.device)
     codes[:n] = (sign > 0).to(torch.uint8) + (sign < 0).to(torch.uint8) * 2
     packed = (codes.view(-1, 4) << _SHIFTS.to(codes.device)).sum(1, dtype=torch.uint8)  # (n/4,) bytes
     return packed.view(torch.int32), count
+
+
+def sparse_entries(message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse message's entries: their indices (int64, ascending) and signs (±1, float32)."""
+    return message.abs().long() - 1, message.sign().float()
 
 
 def _codes(bitmap: torch.Tensor, n: int) -> torch.Tensor:
@@ -67,9 +94,9 @@ def _codes(bitmap: torch.Tensor, n: int) -> torch.Tensor:
 def decode_add_(message: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
     """out += alpha · (±1 at each entry of the message)."""
     n = out.numel()
-    if message.numel() < bitmap_words(n) or n == 0:
-        index = message.abs().long() - 1  # (count,)
-        out.index_add_(0, index, message.sign().to(out.dtype), alpha=alpha)
+    if not is_bitmap(message, n):
+        index, sign = sparse_entries(message)
+        out.index_add_(0, index, sign.to(out.dtype), alpha=alpha)
         return
     codes = _codes(message, n)
     out.add_((codes == 1).to(out.dtype) - (codes == 2).to(out.dtype), alpha=alpha)
@@ -123,4 +150,4 @@ class Residual:
         self.threshold, self.steps = float(state["threshold"]), int(state["steps"])  # type: ignore[arg-type, call-overload]
 
 
-__all__ = ["CLIP_EVERY", "FACTOR", "Residual", "bitmap_words", "decode_add_", "encode_", "next_threshold"]
+__all__ = ["CLIP_EVERY", "FACTOR", "Residual", "bitmap_words", "decode_add_", "encode_", "is_bitmap", "next_threshold", "scratch", "sparse_entries"]

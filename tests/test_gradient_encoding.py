@@ -6,6 +6,7 @@ the density into its band on the real MNIST files, and a resumed run bitwise the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shutil
 from pathlib import Path
@@ -14,9 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from click.testing import CliRunner
 from torch import nn
 
-from parallelwrapper import ParallelWrapper, TrainingMode
+from parallelwrapper import ParallelWrapper, TrainingMode, cli
+from parallelwrapper.communication import estimated_communication
+from parallelwrapper.compare import CompareOptions, run_specs
 from parallelwrapper.config import GradientEncoding
 from parallelwrapper.options import (
     RunOptions,
@@ -204,3 +208,34 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path: Path) -> None:
         resumed = final(w)
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed, strict=True))
     assert history.scores[-1].encoding == tau and tau is not None and tau.threshold != 1e-2
+
+
+# -- the reports: pw-fit and pw-fit compare ------------------------------------------------------
+
+
+@pytest.mark.fast
+def test_gradient_threshold_needs_shared_gradients_and_compare_encodes_one_run_only() -> None:
+    result = CliRunner().invoke(cli.main, ["--gradient-threshold", "1e-3"], prog_name="pw-fit")
+    assert result.exit_code == 2 and "--gradient-threshold encodes shared gradients: add --mode shared-gradients" in result.output
+    specs = run_specs(CompareOptions(RunOptions(gradient_threshold=2e-3), frequencies=(4,), encoded=True))
+    assert [(s.label, s.options(RunOptions(gradient_threshold=2e-3)).gradient_threshold) for s in specs] == [
+        ("shared gradients", None), ("encoded shared gradients", 2e-3), ("averaging k=4", None),
+    ]  # fmt: skip
+    assert CompareOptions(frequencies=(), shared_gradients=False, encoded=True).encoded  # encoded alone is a comparison
+
+
+def test_pw_fit_reports_the_bytes_the_encoded_run_sent(mnist_dir: Path, tmp_path: Path) -> None:
+    """pw-fit --mode shared-gradients --gradient-threshold: the summary's bytes are the scores'
+    sum, a fraction of what the dense gradients' all-reduce would have sent."""
+    args = ["--mode", "shared-gradients", "--gradient-threshold", "1e-3", "--averaging-frequency", "1", "--data-dir", str(mnist_dir),
+            "--train-samples", "1024", "--test-samples", "200", "--out", str(tmp_path)]  # fmt: skip
+    result = CliRunner().invoke(cli.main, args, prog_name="pw-fit")
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    scores = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"score"' in line]
+    assert len(scores) == 4 and all(r["bytes_sent"] > 0 and 0 < r["density"] <= 1 and r["threshold"] > 0 for r in scores)
+    assert summary["encoded_bytes_per_worker"] == pytest.approx(sum(r["bytes_sent"] for r in scores))
+    assert summary["final_threshold"] == scores[-1]["threshold"]
+    assert f"encoded shared gradients: {summary['encoded_bytes_per_worker'] / 1e6:,.2f} MB sent per worker" in result.output
+    dense = 4 * estimated_communication(RunOptions(mode=SHARED)).bytes_per_worker(1, 0)  # 4 steps of LeNet's gradients
+    assert summary["encoded_bytes_per_worker"] < 0.1 * dense

@@ -10,8 +10,10 @@ it runs the dense gradients, and the engine does not know which one runs.
             sends and receives of exactly its length (an empty message: none)
     apply   every rank decodes the messages in rank order and divides the sum by the senders:
             the same average update Δ, in parameter units, on every worker; the gradients become
-            Δ / lr, so that the optimizer's step (SGD: −lr · Δ / lr) applies Δ. τ then moves by the
-            measured density, the same on every worker, and the residual is clipped when due
+            Δ / lr, so that the optimizer's step (SGD: −lr · Δ / lr) applies Δ. Sparse messages go
+            straight into the zeroed gradients, entry by entry; a bitmap among them, through one
+            flat sum. τ then moves by the measured density, the same on every worker, and the
+            residual is clipped when due
 
 The update is lr × gradient, not the optimizer's own update: the optimizer then steps on the
 same averaged gradients on every worker, so its state (momentum, Adam's moments) stays equal
@@ -29,7 +31,7 @@ import torch.distributed as dist
 
 from ..averaging import FlatAverager
 from ..config import GradientEncoding
-from ..threshold import Residual, decode_add_, encode_
+from ..threshold import Residual, decode_add_, encode_, is_bitmap, scratch, sparse_entries
 from ..types import EncodingStats
 from ..wire import send_trailer, wait_trailer
 from .state import gradient_tensors, trained_parameters
@@ -59,6 +61,9 @@ class EncodedGradients:
         self._groups = [group_of[id(p)] for p in self.params]
         self.residual, self.settings, self.device, self._trailer = residual, settings, device, trailer
         self._slices = _slices(self.params)
+        self._starts = torch.tensor([lo for lo, _ in self._slices] + [self.numel], device=device)  # (params + 1,)
+        self._scratch = scratch(self.numel, device)
+        self._update: torch.Tensor | None = None  # for bitmaps: the decoded sum, flat
         self._flight: _Flight | None = None
         self.last: EncodingStats | None = None  # the last round applied
 
@@ -80,7 +85,7 @@ class EncodedGradients:
             values = self.residual.values
             for grad, lr, (lo, hi) in zip(self.grads, self._lrs(), self._slices):
                 values[lo:hi].add_(grad.reshape(-1), alpha=lr)
-            message, count = encode_(values, self.residual.threshold)
+            message, count = encode_(values, self.residual.threshold, self._scratch)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         lengths = [0.0] * size
         lengths[rank] = float(message.numel())
@@ -125,18 +130,39 @@ class EncodedGradients:
         flight = self._landed()
         assert flight.received is not None and flight.sums is not None
         senders, entries = flight.sums[self._trailer : self._trailer + _META]
-        tau = self.residual.threshold
-        update = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        if senders > 0:
-            for message in flight.received:
-                decode_add_(message, update, tau / senders)
-        for grad, lr, (lo, hi) in zip(self.grads, self._lrs(), self._slices):
-            grad.copy_(update[lo:hi].view_as(grad)).mul_(1 / lr if lr > 0 else 0.0)
+        alpha = self.residual.threshold / senders if senders > 0 else 0.0
+        if all(g.is_contiguous() for g in self.grads) and not any(is_bitmap(m, self.numel) for m in flight.received):
+            self._scatter(flight.received, alpha)
+        else:
+            self._decode_dense(flight.received, alpha)
         if self._buffers is not None:
             self._buffers.apply(scale)
         density = entries / (senders * self.numel) if senders > 0 and self.numel else float("nan")
         self.residual.stepped(density, self.settings)
         self.last = EncodingStats(self.residual.threshold, density, self._bytes_sent(flight), 1)
+
+    def _scatter(self, messages: list[torch.Tensor], alpha: float) -> None:
+        """Sparse messages: each entry adds ±alpha / lr to its parameter's zeroed gradient, message
+        after message in rank order (one pass over the gradients, to zero them)."""
+        lrs = self._lrs()
+        for grad in self.grads:
+            grad.zero_()
+        for message in messages:
+            index, sign = sparse_entries(message)  # ascending
+            cuts = torch.searchsorted(index, self._starts).tolist()  # where each parameter's entries start
+            for grad, lr, a, b, (lo, _) in zip(self.grads, lrs, cuts, cuts[1:], self._slices):
+                if a < b and lr > 0:
+                    grad.view(-1).index_add_(0, index[a:b] - lo, sign[a:b], alpha=alpha / lr)
+
+    def _decode_dense(self, messages: list[torch.Tensor], alpha: float) -> None:
+        """Any bitmap among the messages: all decoded into one flat sum, then the gradients are it / lr."""
+        if self._update is None:
+            self._update = torch.empty(self.numel, device=self.device)
+        update = self._update.zero_()
+        for message in messages:
+            decode_add_(message, update, alpha)
+        for grad, lr, (lo, hi) in zip(self.grads, self._lrs(), self._slices):
+            torch.mul(update[lo:hi].view_as(grad), 1 / lr if lr > 0 else 0.0, out=grad)
 
     def discard(self) -> None:
         """Nobody trained: the (empty) messages are dropped."""
