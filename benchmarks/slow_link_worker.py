@@ -10,6 +10,7 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-overlap K  wrapper K with .overlap_averaging(True): the averaging runs during the next K steps
   wrapper-outer K    wrapper K with an outer Nesterov SGD (--outer-lr, --outer-momentum; DiLoCo, SlowMo)
   wrapper-bf16 K     wrapper K with .payload_dtype(torch.bfloat16): deltas sent in bfloat16, error fed back
+  wrapper-encoded 1  this project with SHARED_GRADIENTS and .gradient_encoding(): threshold-encoded updates every step
   wrapper-node K     wrapper K with .hierarchy("node"): a node's ranks average gradients every step,
                      the nodes average every K (run with several ranks per node)
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
@@ -48,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gpt_arena
 from common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
-from parallelwrapper import ParallelWrapper
+from parallelwrapper import ParallelWrapper, TrainingMode
 from parallelwrapper.data import load_mnist
 from parallelwrapper.models import LeNet
 
@@ -65,6 +66,7 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-overlap": {"overlap_averaging": True},
     "wrapper-outer": {"outer": True},
     "wrapper-bf16": {"payload_dtype": torch.bfloat16},
+    "wrapper-encoded": {"gradient_encoding": True},  # SHARED_GRADIENTS, threshold-encoded, the defaults: run as wrapper-encoded:1
     "wrapper-node": {"hierarchy": "node"},  # needs several ranks per node (slow_link.py --procs-per-node 2)
 }
 
@@ -120,6 +122,8 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
             .threads_per_worker(1)  # the two "machines" share this machine's cores
             .seed(SEED)
         )
+        if change.get("gradient_encoding"):
+            b = b.training_mode(TrainingMode.SHARED_GRADIENTS).gradient_encoding()
         if change.get("outer"):
             nesterov = args.outer_momentum > 0
             b = b.outer_optimizer(torch.optim.SGD, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=nesterov, foreach=True)
