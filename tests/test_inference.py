@@ -29,6 +29,7 @@ from parallelwrapper.inference import (
     InferenceMode,
     ParallelInference,
 )
+from parallelwrapper.inference.pool import DEPTH
 from parallelwrapper.models import LeNet
 
 WAIT_S = 60.0  # the longest any test waits for an answer: a worker started again imports torch first
@@ -186,7 +187,7 @@ def test_a_full_queue_blocks_callers_and_close_fails_what_is_pending(tmp_path: P
     gate = tmp_path / "gate"
     gate.touch()
     served = ParallelInference.builder(Gated(gate)).workers(1).mode(InferenceMode.SEQUENTIAL).queue_limit(2).build()
-    x = [torch.full((1, 3), float(i)) for i in range(5)]
+    x = [torch.full((1, 3), float(i)) for i in range(DEPTH + 4)]
     futures: list[Future[torch.Tensor]] = []
 
     def send() -> None:
@@ -197,7 +198,7 @@ def test_a_full_queue_blocks_callers_and_close_fails_what_is_pending(tmp_path: P
     sender.start()
     started(gate, 1)
     time.sleep(0.5)
-    assert len(futures) == 3 and sender.is_alive()  # one in flight, two waiting: the fourth blocks its caller
+    assert len(futures) == DEPTH + 2 and sender.is_alive()  # DEPTH held by the worker, two waiting: the next one blocks its caller
     gate.unlink()
     sender.join(timeout=WAIT_S)
     for t, f in zip(x, futures):  # back-pressure drops nothing
@@ -208,12 +209,12 @@ def test_a_full_queue_blocks_callers_and_close_fails_what_is_pending(tmp_path: P
         f.unlink()
     running = served.submit(x[0])
     started(gate, 1)
-    waiting = [served.submit(t) for t in x[1:3]]
+    waiting = [served.submit(t) for t in x[1:4]]  # the first in the worker's pipe, the others in the queue
     segments = served._engine.pool.segment_names  # type: ignore[union-attr]
     served.close(timeout=0.5)
     with pytest.raises(InferenceError, match="closed with this request waiting for a worker: it got no answer"):
-        waiting[0].result(timeout=0)
-    with pytest.raises(InferenceError, match="closed with this request running on inference worker 0"):
+        waiting[-1].result(timeout=0)
+    with pytest.raises(InferenceError, match="closed with this request held by inference worker 0"):
         running.result(timeout=0)
     nothing_left(served, segments)
     gate.unlink()

@@ -26,7 +26,7 @@ import torch
 
 from ..env import Placement
 from .config import InferenceConfig, InferenceMode
-from .pool import Pool, Worker
+from .pool import Flight, Pool, Worker
 from .requests import InferenceError, Request, answer, model_failed
 
 _RECEIVE_POLL_S = 0.2
@@ -46,6 +46,7 @@ class Dispatcher:
         self._room = threading.Condition(self._lock)  # callers wait here while the queue is full
         self._queue: deque[Request] = deque()
         self._closing = False
+        self._seq = 0  # batches sent so far
         self._deadline = float("inf")  # once closing: when the batches in flight are given up
         self.pool = Pool(model, placement)
         try:
@@ -83,25 +84,26 @@ class Dispatcher:
         while (taken := self._next()) is not None:
             self.pool.send(*taken)
 
-    def _next(self) -> tuple[Worker, Any, list[Request], Any] | None:
+    def _next(self) -> tuple[Worker, Any, Flight, Any] | None:
         """The next idle worker, its pipe, its batch and the state it must load first (None: it
         holds the latest), taken together under the lock; None once closing."""
         with self._lock:
             while True:
                 if self._closing:
                     return None
-                w = next((w for w in self.pool.workers if w.idle), None)
+                w = min((w for w in self.pool.workers if w.idle), key=lambda w: len(w.flights), default=None)
                 if self._queue and all(w.lost for w in self.pool.workers):
                     self._fail_queue(InferenceError(f"no inference worker is left: {self.pool.workers[0].lost}; build a new ParallelInference"))
                 elif w is not None and self._queue:
                     batch, full = self._take()
+                    # Wait for more only while another worker is busy: with every worker idle, a
+                    # lone caller would wait max_wait_ms for nobody.
+                    busy = any(other.flights for other in self.pool.workers)
                     wait = self._queue[0].at + self._wait_s - time.monotonic()
-                    if full or self._one_each or wait <= 0:
-                        self._start(w, batch)
-                        if w.batch:
-                            load = self.pool.state if w.version != self.pool.version else None
-                            w.version = self.pool.version
-                            return w, w.conn, w.batch, load
+                    if full or self._one_each or not busy or wait <= 0:
+                        taken = self._start(w, batch)
+                        if taken is not None:
+                            return taken
                         continue  # every one of them was cancelled
                     self._work.wait(wait)
                     continue
@@ -120,12 +122,22 @@ class Dispatcher:
                         break
         return batch, rows >= self._limit
 
-    def _start(self, w: Worker, batch: list[Request]) -> None:
-        """Take `batch` out of the queue and give it to `w` (the requests cancelled meanwhile go)."""
+    def _start(self, w: Worker, batch: list[Request]) -> tuple[Worker, Any, Flight, Any] | None:
+        """Take `batch` out of the queue and give it to `w` (the requests cancelled meanwhile go);
+        what `pool.send` sends: `w`, its pipe, the flight, and the state it must load first (None:
+        it holds the latest). None when every request was cancelled."""
         taken = {id(r) for r in batch}
         self._queue = deque(r for r in self._queue if id(r) not in taken)
         self._room.notify_all()
-        w.batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
+        # A request queued again after its worker died is running already.
+        running = [r for r in batch if r.future.running() or r.future.set_running_or_notify_cancel()]
+        if not running:
+            return None
+        self._seq += 1
+        flight = w.take(running, self._seq)
+        load = self.pool.state if w.version != self.pool.version else None
+        w.version = self.pool.version
+        return w, w.conn, flight, load
 
     def _fail_queue(self, error: BaseException) -> None:
         while self._queue:
@@ -142,14 +154,14 @@ class Dispatcher:
             for w, message in self.pool.receive(_RECEIVE_POLL_S):
                 self._heard(w, message)
             with self._lock:
-                if self._closing and (not any(w.batch for w in self.pool.workers) or time.monotonic() > self._deadline):
+                if self._closing and (not any(w.flights for w in self.pool.workers) or time.monotonic() > self._deadline):
                     return
 
     def _heard(self, w: Worker, message: Any) -> None:
         if message is None:
             self._died(w)
             return
-        kind, payload = message
+        kind, seq, payload = message
         if kind == "ready":
             with self._lock:
                 w.ready = True
@@ -160,28 +172,43 @@ class Dispatcher:
                 w.lost = payload
                 self._work.notify()
             return
+        flight = w.flight(seq)
+        if flight is None:
+            return  # given up already (close)
         if kind == "grow":
-            self.pool.grow(w, payload)
+            self.pool.grow(w, flight, payload)
             return
-        requests, where = w.batch or [], str(w)
-        if kind == "done":
-            outputs = self.pool.outputs(w, *payload).clone()  # before the next batch's outputs overwrite them
-            self._release(w)
-            answer(requests, outputs, where)
+        # The outputs are copied out before the slot takes the next batch.
+        outputs = self.pool.outputs(w, flight, *payload).clone() if kind == "done" else None
+        taken = self._release(w, flight)
+        if taken is not None:
+            self.pool.send(*taken)
+        if outputs is not None:
+            answer(flight.requests, outputs, str(w))
         else:
-            self._release(w)
-            for r in requests:
-                r.future.set_exception(model_failed(r, where, payload))
+            for r in flight.requests:
+                r.future.set_exception(model_failed(r, str(w), payload))
 
-    def _release(self, w: Worker) -> None:
+    def _release(self, w: Worker, flight: Flight) -> tuple[Worker, Any, Flight, Any] | None:
+        """`w` is done with `flight`: the requests that waited while it was busy go to it at once,
+        from this thread (a wake-up of the batching thread would cost the time of a thread
+        switch); with none waiting, the batching thread is told."""
         with self._lock:
-            w.batch, w.sent = None, None
+            w.flights.remove(flight)
+            if self._queue and not self._closing:
+                taken = self._start(w, self._take()[0])
+                if taken is not None:
+                    return taken
             self._work.notify()
+            return None
 
     def _died(self, w: Worker) -> None:
-        """Fail what `w` held, and start it again (unless it never started, or we are closing)."""
+        """Fail the batch `w` was running, queue again the ones it held but had not begun (it runs
+        them in order), and start it again (unless it never started, or we are closing)."""
         with self._lock:
-            requests, w.batch, w.sent = w.batch or [], None, None
+            requests = w.flights[0].requests if w.flights else []
+            self._queue.extendleft(reversed([r for f in w.flights[1:] for r in f.requests]))
+            w.flights = []
             why = self.pool.died(w, "running a batch" if requests else "waiting for a batch")
             restart = w.lost is None and not self._closing
             if restart:
@@ -212,9 +239,9 @@ class Dispatcher:
         self.pool.close()
         with self._lock:
             for w in self.pool.workers:
-                for r in w.batch or []:
-                    r.future.set_exception(_closed(f"running on {w}"))
-                w.batch = None
+                for r in w.requests:
+                    r.future.set_exception(_closed(f"held by {w}"))
+                w.flights = []
 
     @property
     def pids(self) -> list[int | None]:

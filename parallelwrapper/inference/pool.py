@@ -4,6 +4,9 @@ worker that this process owns (slots.Segments): one its batches' inputs are writ
 the worker writes their outputs into. A tensor never travels as a pickle: the pipe carries the
 segments' names, dtypes and shapes.
 
+A worker holds up to DEPTH batches: while it runs one, the next is written into its other pair
+of segments and waits in its pipe, so it never waits for this process between two batches.
+
 The process discipline is the training's (hosts/spawned.py): a `spawn` context, a module-level
 entry, daemons that give up when their parent is gone, a timeout on every wait, close by message,
 join with a timeout, then kill. A worker that dies is started again under the same rank (its
@@ -12,9 +15,11 @@ segments are this process's and stay); one that fails while starting is not: it 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -27,27 +32,52 @@ from ..slots import Segments
 from .process import Batch, serve, view
 from .requests import Request
 
+DEPTH = 2  # batches a worker holds at once: the one it runs and the next
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 
 
+@dataclass(eq=False)
+class Flight:
+    """A batch given to a worker: its requests, the pair of segments it uses, and where it lies once written."""
+
+    requests: list[Request]
+    seq: int
+    slot: int
+    sent: Batch | None = None
+
+
 class Worker:
-    """One worker as the main process sees it: its process and pipe, the batch it runs, and the
+    """One worker as the main process sees it: its process and pipe, the batches it holds, and the
     model version it holds."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.process: Any = None
         self.conn: Any = None
-        self.ready = False  # built, and not running a batch of ours when `batch` is None
-        self.batch: list[Request] | None = None  # the requests of the batch in flight
-        self.sent: Batch | None = None  # where that batch lies
+        self.ready = False  # built (and not started again since)
+        self.flights: list[Flight] = []  # the batches it holds, oldest first
         self.version = 0  # the update_model version it holds or has been sent
         self.lost: str | None = None  # why it could not start: it is not started again
 
     @property
     def idle(self) -> bool:
-        return self.ready and self.batch is None
+        """It can take another batch."""
+        return self.ready and len(self.flights) < DEPTH
+
+    @property
+    def requests(self) -> list[Request]:
+        return [r for f in self.flights for r in f.requests]
+
+    def flight(self, seq: int) -> Flight | None:
+        return next((f for f in self.flights if f.seq == seq), None)
+
+    def take(self, requests: list[Request], seq: int) -> Flight:
+        """A new batch for this worker, in the pair of segments its other batch does not use."""
+        used = {f.slot for f in self.flights}
+        flight = Flight(requests, seq, next(s for s in range(DEPTH) if s not in used))
+        self.flights.append(flight)
+        return flight
 
     def __str__(self) -> str:
         return f"inference worker {self.rank}"
@@ -65,7 +95,8 @@ class Pool:
         self._payload.numpy().data[:] = data
         self.state: dict[str, torch.Tensor] | None = None  # update_model's last state, in shared memory
         self.version = 0
-        self._segments = Segments(2 * len(placement.devices))  # worker r's inputs at 2r, its outputs at 2r + 1
+        # Worker r's inputs of slot s at 2 (DEPTH r + s), their outputs right after.
+        self._segments = Segments(2 * DEPTH * len(placement.devices))
         self.workers = [Worker(rank) for rank in range(len(placement.devices))]
         try:
             for w in self.workers:
@@ -80,14 +111,14 @@ class Pool:
         return self._segments.names
 
     def start(self, w: Worker) -> None:
-        """Start `w`'s process; it answers ("ready", None) once its replica is built."""
+        """Start `w`'s process; it answers ("ready", None, None) once its replica is built."""
         ours, theirs = self._ctx.Pipe()
         w.process = self._ctx.Process(
             target=serve, args=(w.rank, self._placement, theirs, os.getpid()), name=f"parallelwrapper-inference-{w.rank}", daemon=True
         )
         w.process.start()
         theirs.close()
-        w.conn, w.ready, w.batch, w.sent, w.version = ours, False, None, None, self.version
+        w.conn, w.ready, w.flights, w.version = ours, False, [], self.version
         ours.send(("model", self._payload, self.state))
 
     def await_ready(self) -> None:
@@ -103,7 +134,7 @@ class Pool:
                 elif message[0] == "ready":
                     w.ready = True
                 elif message[0] == "failed":
-                    w.lost = message[1]
+                    w.lost = message[2]
         lost = next((w for w in self.workers if w.lost), None)
         if lost is not None:
             raise ValueError(f"{lost} could not start: {lost.lost}")
@@ -140,34 +171,36 @@ class Pool:
             w.conn = None
         return got
 
-    def send(self, w: Worker, conn: Any, requests: list[Request], load: dict[str, torch.Tensor] | None) -> None:
-        """Write the requests' inputs into `w`'s input segment, one batch, and have `w` run it, on
-        its pipe `conn` (a worker started again has another); first `load` that state, if any."""
+    def send(self, w: Worker, conn: Any, flight: Flight, load: dict[str, torch.Tensor] | None) -> None:
+        """Write the flight's inputs into its segment, one batch, and have `w` run it, on its pipe
+        `conn` (a worker started again has another); first `load` that state, if any."""
+        requests = flight.requests
         dtype, sample = requests[0].key
         shape = (sum(r.rows for r in requests), *sample)
-        segment = self._segments.get(2 * w.rank, torch.Size(shape).numel() * dtype.itemsize)
+        index = 2 * (DEPTH * w.rank + flight.slot)
+        segment = self._segments.get(index, torch.Size(shape).numel() * dtype.itemsize)
         place = view(segment, dtype, shape)
         if len(requests) > 1:
             torch.cat([r.x.cpu() for r in requests], out=place)
         else:
             place.copy_(requests[0].x)
         del place  # no view of a segment may outlive its replacement by a larger one
-        out = self._segments.get(2 * w.rank + 1, segment.size)  # the outputs' size is the model's: a guess, grown on demand
-        w.sent = Batch(segment.name, dtype, shape, out.name, out.size)
+        out = self._segments.get(index + 1, segment.size)  # the outputs' size is the model's: a guess, grown on demand
+        flight.sent = Batch(flight.seq, flight.slot, segment.name, dtype, shape, out.name, out.size)
         if load is not None:
             self._post(conn, ("load", load))
-        self._post(conn, ("run", w.sent))
+        self._post(conn, ("run", flight.sent))
 
-    def grow(self, w: Worker, nbytes: int) -> None:
-        """`w`'s outputs need `nbytes`: a larger output segment, and the same batch run again."""
-        assert w.sent is not None
-        out = self._segments.get(2 * w.rank + 1, nbytes)
-        w.sent = Batch(w.sent.inputs, w.sent.dtype, w.sent.shape, out.name, out.size)
-        self._post(w.conn, ("run", w.sent))
+    def grow(self, w: Worker, flight: Flight, nbytes: int) -> None:
+        """The flight's outputs need `nbytes`: a larger output segment, and the same batch run again."""
+        assert flight.sent is not None
+        out = self._segments.get(2 * (DEPTH * w.rank + flight.slot) + 1, nbytes)
+        flight.sent = dataclasses.replace(flight.sent, outputs=out.name, capacity=out.size)
+        self._post(w.conn, ("run", flight.sent))
 
-    def outputs(self, w: Worker, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A view of the outputs `w` wrote: let it go before `w` runs another batch."""
-        return view(self._segments.get(2 * w.rank + 1, 0), dtype, shape)
+    def outputs(self, w: Worker, flight: Flight, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of the outputs `w` wrote for `flight`: let it go before its slot takes another batch."""
+        return view(self._segments.get(2 * (DEPTH * w.rank + flight.slot) + 1, 0), dtype, shape)
 
     @staticmethod
     def _post(conn: Any, message: Any) -> None:
@@ -182,7 +215,7 @@ class Pool:
         """Tell every worker to stop, join them, kill the ones that do not stop (one still running
         a batch at once: close() gave it its time); free the segments."""
         for w in self.workers:
-            if w.batch is not None and w.process is not None and w.process.pid is not None:
+            if w.flights and w.process is not None and w.process.pid is not None:
                 w.process.kill()
             if w.conn is not None:
                 self._post(w.conn, None)
@@ -202,4 +235,4 @@ class Pool:
         self._segments.close()
 
 
-__all__ = ["Pool", "Worker"]
+__all__ = ["DEPTH", "Flight", "Pool", "Worker"]

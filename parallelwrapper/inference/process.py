@@ -8,12 +8,12 @@ Messages on its pipe, from the main process:
     ("run", batch)            a Batch: inputs in segment `batch.inputs`, outputs to `batch.outputs`
     ("load", state)           update_model: the new state dict, its tensors in shared memory
     None                      close
-and back:
-    ("ready", None)           the replica is built
-    ("done", (dtype, shape))  the outputs are in the output segment
-    ("grow", nbytes)          they need a larger output segment: run the batch again with one
-    ("error", summary)        the model raised on this batch (the process goes on)
-    ("failed", summary)       the replica could not be built (the process exits)
+and back, in the order of the batches (a worker may have two: one runs while the next is written):
+    ("ready", None, None)            the replica is built
+    ("done", seq, (dtype, shape))    batch `seq`'s outputs are in its output segment
+    ("grow", seq, nbytes)            they need a larger output segment: run the batch again with one
+    ("error", seq, summary)          the model raised on this batch (the process goes on)
+    ("failed", None, summary)        the replica could not be built (the process exits)
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ _POLL_S = 1.0  # how often a worker waiting for a message looks whether its pare
 class Batch:
     """Where a batch's inputs lie and where its outputs go: named segments the main process owns."""
 
+    seq: int  # the batch, as the replies name it
+    slot: int  # which of the worker's pairs of segments it uses
     inputs: str  # segment name
     dtype: torch.dtype
     shape: tuple[int, ...]  # (rows, *sample shape)
@@ -54,7 +56,7 @@ def view(segment: shared_memory.SharedMemory, dtype: torch.dtype, shape: tuple[i
 
 
 def serve(rank: int, placement: Placement, conn: Any, parent_pid: int) -> None:
-    """The worker of `rank`: build the replica, answer ("ready", None), then run what comes."""
+    """The worker of `rank`: build the replica, answer ("ready", None, None), then run what comes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
     mapped = Mappings()
     try:
@@ -63,15 +65,16 @@ def serve(rank: int, placement: Placement, conn: Any, parent_pid: int) -> None:
             torch.set_num_threads(placement.threads)
             model = _replica(_receive(conn, parent_pid), device)
         except Exception as e:  # noqa: BLE001 - every failure to start goes back to the main process
-            conn.send(("failed", f"{summary(e)}\n\n{traceback.format_exc()}"))
+            conn.send(("failed", None, f"{summary(e)}\n\n{traceback.format_exc()}"))
             return
-        conn.send(("ready", None))
+        conn.send(("ready", None, None))
         with torch.inference_mode():
             while (message := _receive(conn, parent_pid)) is not None:
                 if message[0] == "load":
                     model.load_state_dict(message[1])
                 else:
-                    conn.send(_run(model, message[1], mapped, device))
+                    kind, value = _run(model, message[1], mapped, device)
+                    conn.send((kind, message[1].seq, value))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the main process is gone, or closed the pipe: nobody is left to answer
     finally:
@@ -90,7 +93,7 @@ def _replica(message: tuple[str, torch.Tensor, dict[str, torch.Tensor] | None], 
 
 def _run(model: torch.nn.Module, batch: Batch, mapped: Mappings, device: torch.device) -> tuple[str, Any]:
     """One forward pass: the inputs read where they lie, the outputs written into the output segment."""
-    inputs = view(mapped.get("inputs", batch.inputs), batch.dtype, batch.shape)
+    inputs = view(mapped.get(("inputs", batch.slot), batch.inputs), batch.dtype, batch.shape)
     try:
         outputs = model(inputs.to(device))
     except Exception as e:  # noqa: BLE001 - the model's failure is this batch's answer
@@ -102,7 +105,7 @@ def _run(model: torch.nn.Module, batch: Batch, mapped: Mappings, device: torch.d
     nbytes = outputs.numel() * outputs.element_size()
     if nbytes > batch.capacity:
         return "grow", nbytes
-    place = view(mapped.get("outputs", batch.outputs), outputs.dtype, tuple(outputs.shape))
+    place = view(mapped.get(("outputs", batch.slot), batch.outputs), outputs.dtype, tuple(outputs.shape))
     place.copy_(outputs)
     del place
     return "done", (outputs.dtype, tuple(outputs.shape))

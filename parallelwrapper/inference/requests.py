@@ -26,21 +26,15 @@ class Request:
     """A caller's input as a batch (rows, *sample shape), its future, and whether the caller gave
     one sample (the answer is then that row's output, without the batch dimension)."""
 
-    __slots__ = ("at", "future", "single", "x")
+    __slots__ = ("at", "future", "key", "rows", "single", "x")
 
     def __init__(self, x: torch.Tensor, single: bool) -> None:
         self.x, self.single = x, single
         self.future: Future[torch.Tensor] = Future()
         self.at = time.monotonic()  # when it was submitted: BATCHED waits at most max_wait_ms from here
-
-    @property
-    def key(self) -> tuple[torch.dtype, tuple[int, ...]]:
-        """Requests of the same key go together in one forward pass."""
-        return self.x.dtype, tuple(self.x.shape[1:])
-
-    @property
-    def rows(self) -> int:
-        return int(self.x.shape[0])
+        shape = tuple(x.shape)
+        self.rows = shape[0] if shape else 0
+        self.key = (x.dtype, shape[1:])  # requests of the same key go together in one forward pass
 
     def shape(self) -> str:
         """The input as the caller gave it, for error messages."""
