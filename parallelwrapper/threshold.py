@@ -29,7 +29,6 @@ from .config import GradientEncoding
 FACTOR = 0.5 ** (1 / 20)  # the most τ changes in a step (DL4J's decay rate)
 CLIP_EVERY = 5  # steps between two clippings of the residual
 MAX_ENTRIES = 2**31 - 2  # an index + 1 must fit an int32
-_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # four 2-bit codes to a byte
 
 
 def bitmap_words(n: int) -> int:
@@ -48,15 +47,19 @@ def scratch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(n, device=device), torch.zeros(-(-n // 8) * 8, dtype=torch.bool, device=device)
 
 
-def _above(residual: torch.Tensor, tau: float, magnitude: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """The indices (int64, ascending) of the entries with |r| >= τ, flagged in flags[:n]. The
-    flags are scanned 8 to an int64 word first: nonzero() over n / 8 words and then over the 8
-    flags of each word hit takes a quarter of the time of nonzero() over n flags at low density."""
+def _above(residual: torch.Tensor, tau: float, magnitude: torch.Tensor, flags: torch.Tensor) -> torch.Tensor | None:
+    """Flags in flags[:n] the entries with |r| >= τ and returns their indices (int64, ascending),
+    or None when a bitmap is no longer (bitmap_words(n) entries or more). The flags are scanned 8 to
+    an int64 word first: nonzero() over n / 8 words and then over the 8 flags of each word hit
+    takes a quarter of the time of nonzero() over n flags at low density."""
     n = residual.numel()
     torch.ge(torch.abs(residual, out=magnitude), tau, out=flags[:n])
     hit = (flags.view(torch.int64) != 0).nonzero().squeeze(1)  # (words hit,)
+    if hit.numel() >= bitmap_words(n):  # as many entries at least
+        return None
     candidates = (hit.unsqueeze(1) * 8 + torch.arange(8, device=residual.device)).view(-1)  # (8 · words hit,)
-    return candidates[flags[candidates]]
+    index = candidates[flags[candidates]]
+    return index if index.numel() < bitmap_words(n) else None
 
 
 @torch.no_grad()
@@ -65,18 +68,20 @@ def encode_(residual: torch.Tensor, tau: float, buffers: tuple[torch.Tensor, tor
     they are; ±τ leaves each of them. `buffers`: `scratch(n)`'s, or made here."""
     n = residual.numel()
     magnitude, flags = buffers or scratch(n, residual.device)
-    index = _above(residual, tau, magnitude, flags)  # (count,)
-    count = index.numel()
-    if count < bitmap_words(n):  # sparse: ±(index + 1)
+    index = _above(residual, tau, magnitude, flags)
+    if index is not None:  # sparse: ±(index + 1)
         positive = residual[index] > 0
         residual.index_add_(0, index, torch.where(positive, -tau, tau).to(residual.dtype))
-        return torch.where(positive, index + 1, -(index + 1)).to(torch.int32), count
-    sign = torch.where(flags[:n], torch.sign(residual), 0.0)  # (n,) in {-1, 0, 1}
-    residual.sub_(sign, alpha=tau)
+        return torch.where(positive, index + 1, -(index + 1)).to(torch.int32), index.numel()
+    positive = torch.logical_and(flags[:n], residual > 0)  # (n,) bool
+    negative = torch.logical_xor(flags[:n], positive)
+    sign = torch.sub(positive.view(torch.int8), negative.view(torch.int8))  # (n,) in {-1, 0, 1}
+    residual.sub_(magnitude.copy_(sign), alpha=tau)  # a same-dtype sub: a mixed one is 8 times slower
     codes = torch.zeros(bitmap_words(n) * 16, dtype=torch.uint8, device=residual.device)
-    codes[:n] = (sign > 0).to(torch.uint8) + (sign < 0).to(torch.uint8) * 2
-    packed = (codes.view(-1, 4) << _SHIFTS.to(codes.device)).sum(1, dtype=torch.uint8)  # (n/4,) bytes
-    return packed.view(torch.int32), count
+    codes[:n].copy_(positive).add_(negative.view(torch.uint8), alpha=2)
+    four = codes.view(-1, 4)  # four codes to a byte, the first in the low bits
+    packed = four[:, 0] | (four[:, 1] << 2) | (four[:, 2] << 4) | (four[:, 3] << 6)  # (n/4,) bytes
+    return packed.view(torch.int32), int(torch.count_nonzero(flags))  # 20 times faster than flags.sum()
 
 
 def sparse_entries(message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,22 +89,19 @@ def sparse_entries(message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return message.abs().long() - 1, message.sign().float()
 
 
-def _codes(bitmap: torch.Tensor, n: int) -> torch.Tensor:
-    """A bitmap's 2-bit codes, (n,) uint8."""
-    packed = bitmap.view(torch.uint8)  # (words · 4,)
-    return ((packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 3).view(-1)[:n]
-
-
 @torch.no_grad()
-def decode_add_(message: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
-    """out += alpha · (±1 at each entry of the message)."""
+def decode_add_(message: torch.Tensor, out: torch.Tensor, alpha: float, buffer: torch.Tensor | None = None) -> None:
+    """out += alpha · (±1 at each entry of the message). `buffer`: float scratch of out's size,
+    for a bitmap's signs (made here when None)."""
     n = out.numel()
     if not is_bitmap(message, n):
         index, sign = sparse_entries(message)
         out.index_add_(0, index, sign.to(out.dtype), alpha=alpha)
         return
-    codes = _codes(message, n)
-    out.add_((codes == 1).to(out.dtype) - (codes == 2).to(out.dtype), alpha=alpha)
+    packed = message.view(torch.uint8)  # (words · 4,)
+    codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)[:n]  # (n,) uint8
+    sign = torch.sub((codes & 1).view(torch.int8), (codes >> 1).view(torch.int8))  # 01: +1, 10: −1
+    out.add_((torch.empty_like(out) if buffer is None else buffer).copy_(sign), alpha=alpha)
 
 
 def next_threshold(tau: float, density: float, settings: GradientEncoding) -> float:

@@ -160,7 +160,7 @@ class EncodedGradients:
             self._update = torch.empty(self.numel, device=self.device)
         update = self._update.zero_()
         for message in messages:
-            decode_add_(message, update, alpha)
+            decode_add_(message, update, alpha, self._scratch[0])  # the magnitudes' buffer is free after encode_
         for grad, lr, (lo, hi) in zip(self.grads, self._lrs(), self._slices):
             torch.mul(update[lo:hi].view_as(grad), 1 / lr if lr > 0 else 0.0, out=grad)
 
