@@ -216,9 +216,11 @@ class JsonlWriter:
 
 
 class CsvWriter:
-    """Writes the scores as CSV, one row per averaging."""
+    """Writes the scores as CSV, one row per averaging; with gradient encoding, its τ, density and
+    bytes sent in columns of their own (empty without)."""
 
-    FIELDS = [f.name for f in dataclasses.fields(Score)]
+    ENCODING = ["threshold", "density", "bytes_sent"]
+    FIELDS = [f.name for f in dataclasses.fields(Score) if f.name != "encoding"] + ENCODING
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -231,7 +233,9 @@ class CsvWriter:
 
     def on_score(self, score: Score) -> None:
         """A row, flushed."""
-        self._writer.writerow(dataclasses.asdict(score))
+        row = dataclasses.asdict(score)
+        encoding = row.pop("encoding") or {}
+        self._writer.writerow({**row, **{k: encoding.get(k, "") for k in self.ENCODING}})
         self._file.flush()
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ the density into its band on the real MNIST files, and a resumed run bitwise the
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -22,6 +23,7 @@ from parallelwrapper import ParallelWrapper, TrainingMode, cli
 from parallelwrapper.communication import estimated_communication
 from parallelwrapper.compare import CompareOptions, run_specs
 from parallelwrapper.config import GradientEncoding
+from parallelwrapper.listeners import CsvWriter, Score
 from parallelwrapper.options import (
     RunOptions,
     builder,
@@ -38,6 +40,7 @@ from parallelwrapper.threshold import (
     encode_,
     next_threshold,
 )
+from parallelwrapper.types import EncodingStats
 from tiny import make_batches, mlp
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,6 +128,17 @@ def test_tau_moves_by_at_most_the_factor_and_the_residual_is_clipped_every_5_ste
 def test_bad_options_are_refused_at_build_with_the_fix(configure: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         configure(ParallelWrapper.builder(nn.Linear(4, 2))).build()
+
+
+@pytest.mark.fast
+def test_the_csv_writer_gives_tau_density_and_bytes_columns_of_their_own(tmp_path: Path) -> None:
+    writer = CsvWriter(tmp_path / "scores.csv")
+    writer.on_score(Score(1, 2, 32, 0, 0.5, 1.0))
+    writer.on_score(Score(2, 4, 64, 0, 0.4, 2.0, encoding=EncodingStats(1e-3, 0.01, 100.0, 1)))
+    writer.close()
+    rows = list(csv.DictReader((tmp_path / "scores.csv").open()))
+    assert [(r["threshold"], r["density"], r["bytes_sent"]) for r in rows] == [("", "", ""), ("0.001", "0.01", "100.0")]
+    assert "encoding" not in rows[0]
 
 
 # -- real processes ------------------------------------------------------------------------------
