@@ -12,7 +12,7 @@ from typing import Any
 from ..types import Phase, Where, WorkerError
 
 _POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment
-_ERROR_GRACE_S = 0.5  # after a first error, how long to wait for the one that caused it
+_ERROR_GRACE_S = 2.0  # after a first error, the most to wait for the one that caused it (a killed worker's exit is seen late on a loaded machine)
 
 
 class ProgressBoard:
