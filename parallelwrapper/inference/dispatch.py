@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,8 +56,8 @@ class Dispatcher:
             self.pool.close()
             raise
         self._threads = [
-            threading.Thread(target=self._batching, name="parallelwrapper-inference-batching", daemon=True),
-            threading.Thread(target=self._receiving, name="parallelwrapper-inference-receiving", daemon=True),
+            threading.Thread(target=self._guarded, args=(self._batching,), name="parallelwrapper-inference-batching", daemon=True),
+            threading.Thread(target=self._guarded, args=(self._receiving,), name="parallelwrapper-inference-receiving", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -77,6 +78,19 @@ class Dispatcher:
         shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in state.items()}  # type: ignore[no-untyped-call]
         with self._lock:
             self.pool.state, self.pool.version = shared, self.pool.version + 1
+
+    def _guarded(self, loop: Any) -> None:
+        """Run one of the two threads' loops; should it fail, no caller may wait for ever: every
+        request queued or held fails, saying why, and no more are taken."""
+        try:
+            loop()
+        except Exception as e:  # noqa: BLE001 - the error goes to every caller instead
+            error = InferenceError(f"the ParallelInference stopped serving ({type(e).__name__}: {e}); close it and build a new one")
+            with self._lock:
+                self._closing = True
+                self._fail_queue(error)
+                self._fail_held(lambda w: error)
+                self._work.notify_all()
 
     # -- the batching thread ---------------------------------------------------------------------
 
@@ -138,6 +152,13 @@ class Dispatcher:
         load = self.pool.state if w.version != self.pool.version else None
         w.version = self.pool.version
         return w, w.conn, flight, load
+
+    def _fail_held(self, error: Callable[[Worker], BaseException]) -> None:
+        """Fail the requests each worker holds with `error(worker)`."""
+        for w in self.pool.workers:
+            for r in w.requests:
+                r.future.set_exception(error(w))
+            w.flights = []
 
     def _fail_queue(self, error: BaseException) -> None:
         while self._queue:
@@ -238,10 +259,7 @@ class Dispatcher:
             t.join(timeout=timeout + _JOIN_MARGIN_S)
         self.pool.close()
         with self._lock:
-            for w in self.pool.workers:
-                for r in w.requests:
-                    r.future.set_exception(_closed(f"held by {w}"))
-                w.flights = []
+            self._fail_held(lambda w: _closed(f"held by {w}"))
 
     @property
     def pids(self) -> list[int | None]:
