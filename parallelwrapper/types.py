@@ -220,10 +220,11 @@ class WorkerError(RuntimeError):
     `rank` names it; `where` says the epoch, batch and local step when known. The first line of
     the message says who failed where, and what happened; the worker's traceback follows it."""
 
-    def __init__(self, rank: int, summary: str, details: str = "", where: Where | None = None, at: float | None = None) -> None:
+    def __init__(self, rank: int, summary: str, details: str = "", where: Where | None = None, at: float | None = None, stage: int | None = None) -> None:
         place = f" {where}" if where is not None else ""
-        super().__init__(f"worker {rank} failed{place}: {summary}" + (f"\n\n{details.rstrip()}" if details else ""))
-        self.rank, self.summary, self.details, self.where = rank, summary, details, where
+        who = f"worker {rank}" + ("" if stage is None else f" stage {stage}")  # `stage`: of a pipeline (pipeline/)
+        super().__init__(f"{who} failed{place}: {summary}" + (f"\n\n{details.rstrip()}" if details else ""))
+        self.rank, self.summary, self.details, self.where, self.stage = rank, summary, details, where, stage
         self.at = time.monotonic() if at is None else at  # when it failed (system-wide clock): the first is the cause
 
     @property
@@ -242,13 +243,20 @@ class WorkerError(RuntimeError):
         return None if self.where is None else self.where.local_step
 
     def __reduce__(self) -> tuple[Any, ...]:  # travels from a spawned worker as a value
-        return (WorkerError, (self.rank, self.summary, self.details, self.where, self.at))
+        return (WorkerError, (self.rank, self.summary, self.details, self.where, self.at, self.stage))
 
-    def with_echoes(self, echoes: dict[int, str]) -> WorkerError:
+    def with_echoes(self, echoes: dict[int, str], stages: int = 1) -> WorkerError:
         """This error, and one short line each for the peers that failed because of it (a lost
-        connection, mostly: the collective library's source locations are left out)."""
-        lines = "".join(f"\n(also worker {r}: {_echo(line)})" for r, line in sorted(echoes.items()) if r != self.rank)
-        return WorkerError(self.rank, self.summary, self.details + ("\n" + lines if lines else ""), self.where, self.at)
+        connection, mostly: the collective library's source locations are left out). `echoes` is
+        by process: rank·stages + stage, with pipelines of `stages` processes."""
+        me = self.rank * stages + (self.stage or 0)
+        lines = "".join(f"\n(also {_who(p, stages)}: {_echo(line)})" for p, line in sorted(echoes.items()) if p != me)
+        return WorkerError(self.rank, self.summary, self.details + ("\n" + lines if lines else ""), self.where, self.at, self.stage)
+
+
+def _who(process: int, stages: int) -> str:
+    """A process named as its worker, and its stage in a pipeline."""
+    return f"worker {process}" if stages == 1 else f"worker {process // stages} stage {process % stages}"
 
 
 def _echo(line: str, limit: int = 160) -> str:

@@ -121,16 +121,20 @@ class Replica:
         self.hooks.progress(Phase.TRAINING, epoch, index, self.local_steps)
         try:
             n = batch_size(batch)
-            batch = move_to(batch, self.device)
-            with self._autocast():
-                loss = self.loss(batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TrainingError(f"the loss must be a scalar tensor, got {describe(loss)}")
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+            loss = self.forward_backward(move_to(batch, self.device))
         except Exception as e:
             cause = str(e) if isinstance(e, TrainingError) else f"{type(e).__name__}: {e}"
             raise TrainingError(cause, Where(epoch, index, self.local_steps, describe(batch))) from e
         return loss.detach().float().reshape(()) * n, n
+
+    def forward_backward(self, batch: Any) -> torch.Tensor:
+        """The batch's loss (on the device), its gradients added to .grad."""
+        with self._autocast():
+            loss = self.loss(batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TrainingError(f"the loss must be a scalar tensor, got {describe(loss)}")
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+        return loss
 
     @property
     def validates(self) -> bool:

@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -80,13 +80,16 @@ class Worker:
         hooks: Hooks | None = None,
         node: Node | None = None,
         own_model: bool = False,
+        make_replica: Callable[..., Replica] = Replica,
+        stage: int | None = None,
     ) -> None:
         """`own_model`: `job.model` is this worker's alone (a spawned worker unpickled it), so it
-        trains that one instead of a copy; elsewhere it is the user's, which the wrapper holds."""
-        self.rank, self._threads = rank, placement.threads
+        trains that one instead of a copy; elsewhere it is the user's, which the wrapper holds.
+        `make_replica` and `stage`: a pipeline's stage (pipeline.StageReplica), named in errors."""
+        self.rank, self.stage, self._threads = rank, stage, placement.threads
         device = placement.device(local_rank)
         model = (job.model if own_model else copy.deepcopy(job.model)).to(device)
-        self.replica = Replica(
+        self.replica = make_replica(
             model, job, config, device, rank, placement.world_size,
             group=group, hooks=hooks, node=node,
         )  # fmt: skip
@@ -162,7 +165,7 @@ class Worker:
     def failure(self, error: BaseException) -> WorkerError:
         """A WorkerError for `error`, raised in this worker: call it while handling the error."""
         where = error.where if isinstance(error, TrainingError) and error.where else self.replica.hooks.where
-        return WorkerError(self.rank, summary(error), traceback.format_exc(), where)
+        return WorkerError(self.rank, summary(error), traceback.format_exc(), where, stage=self.stage)
 
     @contextlib.contextmanager
     def _own_threads_and_rng(self) -> Iterator[None]:

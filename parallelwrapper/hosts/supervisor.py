@@ -37,8 +37,11 @@ class ProgressBoard:
 class Supervisor:
     """Reads the workers' result queue; raises a WorkerError for an error, a death or a stall."""
 
-    def __init__(self, processes: list[Any], results: Any, board: ProgressBoard, stall_timeout_s: float) -> None:
+    def __init__(self, processes: list[Any], results: Any, board: ProgressBoard, stall_timeout_s: float, stages: int = 1) -> None:
+        """`stages`: each worker is a pipeline of that many processes, process p being stage
+        p % stages of worker p // stages (pipeline/); messages and the board are by process."""
         self._processes, self._results, self._board, self._stall_s = processes, results, board, stall_timeout_s
+        self._stages = stages
         self._held: list[tuple[str, int, Any]] = []  # read while waiting for errors, not yet returned
 
     def next(self, stage: str) -> tuple[str, int, Any] | None:
@@ -69,8 +72,16 @@ class Supervisor:
         phase, where, _ = self._board.read(rank)
         exitcode = self._processes[rank].exitcode or 0
         if phase is Phase.TRAINING:
-            return WorkerError(rank, _exit_message(exitcode, ""), where=where)
-        return WorkerError(rank, _exit_message(exitcode, stage))
+            return self._error(rank, _exit_message(exitcode, ""), where)
+        return self._error(rank, _exit_message(exitcode, stage))
+
+    def _error(self, process: int, summary: str, where: Where | None = None) -> WorkerError:
+        """A WorkerError naming process `process`'s worker, and its stage in a pipeline."""
+        stage = None if self._stages == 1 else process % self._stages
+        return WorkerError(process // self._stages, summary, where=where, stage=stage)
+
+    def _process(self, error: WorkerError) -> int:
+        return error.rank * self._stages + (error.stage or 0)
 
     def _raise_if_stalled(self) -> None:
         """The worker that has been longest in one place, if that is longer than the stall
@@ -87,8 +98,8 @@ class Supervisor:
         _, since, rank, phase, where = min(stuck)
         limit = f"the stall timeout is {self._stall_s:.0f} s (.stall_timeout(seconds) to change it)"
         if phase is Phase.TRAINING:
-            raise WorkerError(rank, f"stalled: no progress for {now - since:.0f} s; {limit}", where=where)
-        raise WorkerError(
+            raise self._error(rank, f"stalled: no progress for {now - since:.0f} s; {limit}", where)
+        raise self._error(
             rank,
             f"stalled: no progress for {now - since:.0f} s while waiting for a batch in epoch {where.epoch}: "
             f"the training data produced none; {limit}",
@@ -98,7 +109,7 @@ class Supervisor:
         """Wait briefly for the error that caused this one (a worker killed by a signal sends
         nothing, and its peers then report broken connections), then raise the root cause, with
         one line for each peer's echo of it."""
-        errors = {error.rank: error}
+        errors = {self._process(error): error}
         deadline = time.monotonic() + _ERROR_GRACE_S
         while time.monotonic() < deadline:
             heard = errors.keys() | {r for r, p in enumerate(self._processes) if p.exitcode is not None}
@@ -109,7 +120,7 @@ class Supervisor:
             except queue.Empty:
                 continue
             if message[0] == "error":
-                errors.setdefault(message[2].rank, message[2])
+                errors.setdefault(self._process(message[2]), message[2])
             else:
                 self._held.append(message)
         killed = [r for r, p in enumerate(self._processes) if p.exitcode is not None and p.exitcode < 0]
@@ -117,8 +128,8 @@ class Supervisor:
         if root is not None:
             errors[root] = self._death(root, "training")
         else:  # the first to fail; the others failed because it was gone
-            root = min(errors.values(), key=lambda e: e.at).rank
-        raise errors[root].with_echoes({r: e.summary for r, e in errors.items()})
+            root = self._process(min(errors.values(), key=lambda e: e.at))
+        raise errors[root].with_echoes({r: e.summary for r, e in errors.items()}, self._stages)
 
     def gather(self, kind: str, ranks: set[int], timeout_s: float, on_other: Any, stage: str, echoes: bool = False) -> dict[int, Any]:
         """The payloads of a `kind` message from each of `ranks`, within `timeout_s`, while `stage`;
@@ -135,7 +146,7 @@ class Supervisor:
                         self._raise_root_cause(self._death(rank, stage))
                 if time.monotonic() > deadline:
                     missing = sorted(ranks - got.keys())
-                    raise WorkerError(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}") from None  # the silence is the error, not the empty queue
+                    raise self._error(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}") from None  # the silence is the error, not the empty queue
                 continue
             if message[0] == kind and message[1] in ranks:
                 got[message[1]] = message[2]
