@@ -69,6 +69,22 @@ class GradientEncoding:
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """`.pipeline(...)`: each worker as `stages` processes, each holding a part of the model (pipeline/)."""
+
+    stages: int = 2
+    split: tuple[str, ...] | None = None  # the submodules at which stages 1.. begin; None: about equal parameter counts
+    microbatches: int = 1  # each batch cut into these, fed through the stages by the schedule
+    schedule: str = "1f1b"  # or "gpipe"
+
+    def __post_init__(self) -> None:
+        check_int("stages", self.stages, 2, "a pipeline has 2 stages or more, e.g. .pipeline(stages=2)")
+        check_int("microbatches", self.microbatches, 1, "e.g. .pipeline(stages=2, microbatches=4)")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"pipeline: schedule must be '1f1b' or 'gpipe', got {self.schedule!r}; e.g. .pipeline(stages=2, schedule='gpipe')")
+
+
+@dataclass(frozen=True)
 class Config:
     """Every option of a ParallelWrapper, with its default. Validated on construction."""
 
@@ -101,6 +117,7 @@ class Config:
     auto_resume: bool = True  # under torchrun with checkpoints: a restarted group resumes from the last checkpoint
     peer_timeout_s: float = 30.0  # under torchrun: a rank that hears nothing from a peer this long exits, naming it
     gradient_encoding: GradientEncoding | None = None  # SHARED_GRADIENTS: updates sent threshold-encoded (None: dense)
+    pipeline: Pipeline | None = None  # .pipeline(...): each worker a pipeline of stage processes (pipeline/)
 
     @property
     def wire_dtype(self) -> str | None:
@@ -112,15 +129,10 @@ class Config:
         check_int("prefetch_buffer", self.prefetch_buffer, 1, "a few batches per worker, e.g. .prefetch_buffer(24)")
         check_int("averaging_frequency", self.averaging_frequency, 1, "1 averages after every iteration, e.g. .averaging_frequency(3)")
         if not isinstance(self.training_mode, TrainingMode):
-            raise ValueError(
-                f"training_mode must be a TrainingMode, got {self.training_mode!r}; "
-                f"use one of {[m.name for m in TrainingMode]}, e.g. .training_mode(TrainingMode.AVERAGING)"
-            )
+            raise ValueError(f"training_mode must be a TrainingMode, got {self.training_mode!r}; use one of {[m.name for m in TrainingMode]}, e.g. .training_mode(TrainingMode.AVERAGING)")
         if self.overlap_averaging and self.training_mode is TrainingMode.SHARED_GRADIENTS:
-            raise ValueError(
-                "overlap_averaging applies to TrainingMode.AVERAGING only: with SHARED_GRADIENTS every step "
-                "needs the averaged gradients before it can be taken; drop .overlap_averaging(True)"
-            )
+            raise ValueError("overlap_averaging applies to TrainingMode.AVERAGING only: with SHARED_GRADIENTS every step "
+                             "needs the averaged gradients before it can be taken; drop .overlap_averaging(True)")
         if not isinstance(self.nan_policy, NanPolicy):
             raise ValueError(f"nan_policy must be one of {[p.value for p in NanPolicy]}, got {self.nan_policy!r}")
         if self.backend not in BACKENDS:
@@ -143,16 +155,11 @@ class Config:
             check_int("validation_every", self.validation_every, 1, "e.g. .validation(data, every=50), or every=None for epoch ends only")
         check_int("warmup_sync_steps", self.warmup_sync_steps, 0, "the synchronous steps before averaging, e.g. .warmup_sync_steps(200)")
         if self.warmup_sync_steps and self.training_mode is not TrainingMode.AVERAGING:
-            raise ValueError(
-                "warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING; "
-                "drop .warmup_sync_steps() or .training_mode(TrainingMode.SHARED_GRADIENTS)"
-            )
+            raise ValueError("warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING; "
+                             "drop .warmup_sync_steps() or .training_mode(TrainingMode.SHARED_GRADIENTS)")
         check_int("fragments", self.fragments, 1, "a few, e.g. .fragments(4); 1 averages the state whole")
         if self.fragments > 1 and not self.overlap_averaging:
-            raise ValueError(
-                f"fragments({self.fragments}) spreads each round's averaging through the next round's steps, "
-                "fragment by fragment: it needs .overlap_averaging(True)"
-            )
+            raise ValueError(f"fragments({self.fragments}) spreads each round's averaging through the next round's steps, fragment by fragment: it needs .overlap_averaging(True)")
         if self.fragments > 1 and self.on_worker_failure == "replace":
             raise ValueError(
                 f'on_worker_failure("replace") restarts every worker from one landed average, which fragments({self.fragments}) '
@@ -163,10 +170,8 @@ class Config:
         if self.hierarchy not in ("none", "node"):
             raise ValueError(f"hierarchy must be 'none' or 'node', got {self.hierarchy!r}")
         if self.hierarchy == "node" and self.training_mode is not TrainingMode.AVERAGING:
-            raise ValueError(
-                "hierarchy('node') averages gradients within a node and the state across nodes: it needs "
-                "TrainingMode.AVERAGING (SHARED_GRADIENTS averages gradients over every rank already); drop one"
-            )
+            raise ValueError("hierarchy('node') averages gradients within a node and the state across nodes: it needs "
+                             "TrainingMode.AVERAGING (SHARED_GRADIENTS averages gradients over every rank already); drop one")
         if self.feed not in FEEDS:
             raise ValueError(f"feed must be one of {list(FEEDS)}, got {self.feed!r}")
         if self.on_worker_failure not in FAILURE_POLICIES:
@@ -392,4 +397,4 @@ def describe_config(config: Config) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in out.items()}
 
 
-__all__ = ["Config", "GradientEncoding", "Job", "NanPolicy", "OuterSpec", "SchedulerSpec", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]
+__all__ = ["Config", "GradientEncoding", "Job", "NanPolicy", "OuterSpec", "Pipeline", "SchedulerSpec", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]

@@ -82,14 +82,20 @@ class Placement:
     threads: int  # torch intra-op threads for each worker process
     torchrun: TorchrunEnv | None
     notes: tuple[str, ...] = ()  # warnings for the caller to show once
+    stages: int = 1  # processes per worker: a pipeline's stages (pipeline/); devices are then by process, stage by stage
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device(self.devices[local_rank])
 
     @property
+    def processes(self) -> int:
+        """Processes in the whole group: one per stage of each worker."""
+        return self.world_size * self.stages
+
+    @property
     def in_process(self) -> bool:
         """One CPU worker trains in the caller's process: nothing to spawn, no batch to copy."""
-        return self.torchrun is None and self.world_size == 1 and self.device(0).type == "cpu"
+        return self.torchrun is None and self.world_size == 1 and self.stages == 1 and self.device(0).type == "cpu"
 
     def __str__(self) -> str:
         on = self.devices[0] if len(set(self.devices)) == 1 else ", ".join(self.devices)
@@ -99,7 +105,17 @@ class Placement:
             return f"{self.world_size} workers under torchrun, {len(self.devices)} on this node on {on} {each}"
         if self.in_process:
             return f"1 worker in this process on cpu, {threads}"
+        if self.stages > 1:
+            return f"{self.world_size} worker{'s' if self.world_size != 1 else ''} x {self.stages} stages on {_span(self.devices)} {each}"
         return f"{self.world_size} workers on {on} {each}"
+
+
+def _span(devices: tuple[str, ...]) -> str:
+    """cuda:0..3 for consecutive GPUs, else the devices as they are."""
+    first = torch.device(devices[0]).index or 0
+    if len(devices) > 1 and list(devices) == [f"cuda:{i}" for i in range(first, first + len(devices))]:
+        return f"cuda:{first}..{first + len(devices) - 1}"
+    return devices[0] if len(set(devices)) == 1 else ", ".join(devices)
 
 
 def _gpu_index(device: torch.device) -> int:
@@ -126,16 +142,15 @@ def resolve(
     if torchrun is not None:
         return _resolve_torchrun(config, torchrun, gpus, cores, explicit)
 
-    workers = config.workers
+    workers, stages = config.workers, config.pipeline.stages if config.pipeline is not None else 1
+    processes = workers * stages  # a pipeline's stages each have a device, worker by worker
     if config.devices is not None:
-        if len(config.devices) != workers:
-            raise ValueError(
-                f"devices names {len(config.devices)} devices for {workers} workers; "
-                f"give one device per worker, e.g. .devices({['cpu'] * workers})"
-            )
+        if len(config.devices) != processes:
+            who, per = (f"{workers} workers", "worker") if stages == 1 else (f"{processes} processes ({workers} workers x {stages} stages)", "stage")
+            raise ValueError(f"devices names {len(config.devices)} devices for {who}; give one device per {per}, e.g. .devices({['cpu'] * processes})")
         devices = config.devices
     else:
-        devices = gpu_devices(workers, gpus) if gpus > 0 else ("cpu",) * workers
+        devices = gpu_devices(processes, gpus) if gpus > 0 else ("cpu",) * processes
     for name in devices:
         d = torch.device(name)
         if d.type == "cuda" and _gpu_index(d) >= gpus:
@@ -144,16 +159,16 @@ def resolve(
         f"backend 'nccl' needs one CUDA device per worker: {workers} workers, devices {list(devices)}, "
         f"{gpus} GPUs here. Use .workers({max(gpus, 1)}) or .backend('gloo')"
     )
-    backend, threads, notes = _backend_and_threads(config, devices, cores, refusal, ".workers(n)")
+    backend, threads, notes = _backend_and_threads(config, devices, cores, refusal, ".workers(n)", stages)
     if config.hierarchy != "none":
         notes.append("hierarchy('node') applies under torchrun with several processes per node; these workers average as one group")
     if config.on_worker_failure == "replace" and workers == 1:
         notes.append('on_worker_failure("replace") restores a lost worker from a peer, and one worker has none: a failure raises')
-    return Placement(workers, devices, backend, threads, None, tuple(notes))
+    return Placement(workers, devices, backend, threads, None, tuple(notes), stages)
 
 
 def _backend_and_threads(
-    config: Config, devices: tuple[str, ...], cores: int, refusal: str, fix: str
+    config: Config, devices: tuple[str, ...], cores: int, refusal: str, fix: str, stages: int = 1
 ) -> tuple[str, int, list[str]]:
     """For the workers of this machine, one per device: NCCL when each has a GPU of its own (asked
     for without, the `refusal`), else gloo; and the cores shared out among them, with a note when the
@@ -171,12 +186,17 @@ def _backend_and_threads(
     # Oversubscribed cores cost more than they give: each worker's threads would fight the others'.
     threads = config.threads_per_worker if config.threads_per_worker is not None else max(1, cores // len(devices))
     if len(devices) > cores:
-        notes.append(_cores_note(len(devices), cores, fix))
+        notes.append(_cores_note(len(devices), cores, fix, stages))
     return backend, threads, notes
 
 
-def _cores_note(n: int, cores: int, fix: str) -> str:
+def _cores_note(n: int, cores: int, fix: str, stages: int = 1) -> str:
     # Every round waits for its slowest worker, and a worker that shares its core is the slowest.
+    if stages > 1:
+        return (
+            f"{n} processes ({n // stages} workers x {stages} stages) on {cores} CPU cores: they take turns on the cores "
+            f"and every step waits for the slowest stage; use {fix} with n x {stages} <= {cores}"
+        )
     return (
         f"{n} workers on {cores} CPU cores: they take turns on the cores and every averaging waits for the "
         f"slowest, so training is slower than with fewer workers; use {fix} with n <= {cores}"

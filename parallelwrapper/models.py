@@ -51,6 +51,14 @@ class LeNet(nn.Module):
         logits: torch.Tensor = self.fc2(x)  # (B, 10)
         return logits
 
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """`forward` as (name, layer) pairs in order, for `.pipeline(...)` to cut into stages; the
+        names keep the parameters' own (conv1.weight, ...)."""
+        return [
+            ("conv1", self.conv1), ("pool1", self.pool), ("conv2", self.conv2), ("pool2", self.pool),
+            ("flatten", nn.Flatten()), ("fc1", self.fc1), ("relu", nn.ReLU()), ("fc2", self.fc2),
+        ]  # fmt: skip
+
 
 class MLP(nn.Module):
     """784 -> hidden (ReLU) -> 10; a cheap model for fast tests."""

@@ -16,7 +16,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: typing_extensions comes with torch
     from typing_extensions import Self
 
-from .config import BeforeStep, GradientEncoding, LossFn, NanPolicy, OptimizerFn, OuterSpec, SchedulerSpec, TrainingMode, TrainingStep, ValidationStep, parse_enum
+from .config import BeforeStep, GradientEncoding, LossFn, NanPolicy, OptimizerFn, OuterSpec, Pipeline, SchedulerSpec, TrainingMode, TrainingStep, ValidationStep, parse_enum
 from .feed import Batches, compact
 
 
@@ -192,6 +192,15 @@ class Settings:
     def training_mode(self, mode: TrainingMode | str) -> Self:
         """TrainingMode.AVERAGING (default) or TrainingMode.SHARED_GRADIENTS."""
         return self._set("training_mode", parse_enum(TrainingMode, mode, "training_mode"))
+
+    def pipeline(self, stages: int = 2, split: Sequence[str] | None = None, microbatches: int = 1, schedule: str = "1f1b") -> Self:
+        """Model parallelism inside each worker: every worker becomes a pipeline of `stages`
+        processes, each holding only its layers and their optimizer state; batches go through in
+        `microbatches` by the "1f1b" or "gpipe" schedule, and stage s averages with the other
+        workers' stage s (docs/guides/pipeline.md). `split`: the layers at which stages 1.. begin,
+        or None for about equal parameter counts. Default: no pipeline."""
+        names = None if split is None else tuple(split)
+        return self._set("pipeline", Pipeline(stages, names, microbatches, schedule))
 
     def deterministic(self, flag: bool = True) -> Self:
         """Deal batch i to worker i mod N instead of first-come, so two runs give the same model.

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, pipeline
 from .config import Config, Job, check_job
 from .env import Placement, resolve, torchrun_env
 from .evaluation import check_validation, classification_metrics, metric_sums
@@ -228,6 +228,7 @@ class Builder(Settings):
         )  # fmt: skip
         torchrun = torchrun_env()
         notes = check_job(job, config)
+        pipeline.check(config, job, torchrun is not None)
         if torchrun is None:  # under torchrun nothing travels
             check_sendable(job)
         check_listeners(self._listeners)

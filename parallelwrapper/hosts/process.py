@@ -5,6 +5,8 @@ queue, the board and the shared events. A standby (a process spawned ahead, for
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import pickle
 import queue
@@ -12,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +26,10 @@ from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
 from ..feed import QueueSource, ShardSource
+from ..pipeline import Position, RelaySource, StageReplica, join_groups, stage_module
+from ..pipeline.split import optimizer_names
 from ..slots import SlotReader
-from ..types import EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
+from ..types import BatchSource, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger
 from .recovery import Keeper, Regroup
 from .runtime import Worker, claim_device, summary
@@ -112,16 +117,19 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
 
         def join(generation: int) -> None:  # a replacement starts a new group under a new prefix
             prefixed = PrefixStore(f"generation-{generation}", store)
-            dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=world, timeout=collective_timeout(config))
+            dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=placement.processes, timeout=collective_timeout(config))
 
         join(generation)
         job = _unpickle_job(_get(c.commands, parent_pid))
         hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
-        worker = Worker(job, config, placement, rank, rank, hooks=hooks, own_model=True)
+        worker, relay = _worker(job, config, placement, rank, hooks)
+        del job  # a stage's process holds its own layers only
+        me = worker.rank  # the worker this process is (one of its stages, with a pipeline)
         ledger = None if c.ledgers is None else c.ledgers[rank]
-        source = QueueSource(c.data[rank % len(c.data)], SlotReader(c.free_slots), parent_pid, c.abort, ledger)
+        source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), parent_pid, c.abort, ledger)
         keeper = hooks.keeper = None if ledger is None else Keeper(worker, source, ledger)
-        report = _Reports(c.results, rank) if rank == 0 else _ignore
+        # Worker 0 reports, from its last stage: the one that knows the loss.
+        report = _Reports(c.results, rank) if rank == placement.stages - 1 else _ignore
         c.results.put(("ready", rank, None))
         while True:
             command: FitCommand | Regroup | None = _get(c.commands, parent_pid)
@@ -133,7 +141,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
                     assert keeper is not None
                     command = keeper.regroup(command, rank, join)
                 counters = command.counters
-                fed = source if command.shards is None else ShardSource(command.shards, rank, world, counters.epoch, counters.position)
+                fed = relay(source if command.shards is None else ShardSource(command.shards, me, world, counters.epoch, counters.position))
                 until_epoch = worker.start(command)
                 command = None  # loaded: its shared memory goes back now, not at the fit's end
                 worker.train(until_epoch, fed, report)
@@ -149,12 +157,13 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
                     report.flush()
             if keeper is not None:
                 keeper.fit_ended()
-            # Rank 0's state is made in shared memory, where sending it would move it (a copy).
-            done = None if stopped or rank != 0 else worker.replica.state_dicts(shared=True)
+            # Worker 0's state (each of its stages') is made in shared memory, where sending it would move it (a copy).
+            done = None if stopped or me != 0 else worker.replica.state_dicts(shared=True)
             c.results.put(("stopped" if stopped else "done", rank, done))
             done = None  # the queue holds it until it is sent; the main process owns it then
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
-        error = e if isinstance(e, WorkerError) else WorkerError(rank, summary(e) + " (while starting)", traceback.format_exc())
+        stage = rank % placement.stages if placement.stages > 1 else None
+        error = e if isinstance(e, WorkerError) else WorkerError(rank // placement.stages, summary(e) + " (while starting)", traceback.format_exc(), stage=stage)
         c.results.put(("error", rank, error))
         # Flush before the process group goes down: the peers' "connection closed" errors must
         # reach the main process after this worker's own.
@@ -163,6 +172,20 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _worker(job: Job, config: Config, placement: Placement, process: int, hooks: Hooks) -> tuple[Worker, Callable[[BatchSource], BatchSource]]:
+    """This process's worker, and what makes the batches it trains on of the source it reads:
+    the source itself, or with a pipeline, the batches its first stage takes and relays."""
+    if config.pipeline is None:
+        return Worker(job, config, placement, process, process, hooks=hooks, own_model=True), lambda source: source
+    spec, position = config.pipeline, Position.of(process, placement.stages)
+    group, pipe = join_groups(position, placement.world_size)
+    whole_names = optimizer_names(job.make_optimizer(job.model), job.model)
+    job = dataclasses.replace(job, model=stage_module(job.model, spec.stages, spec.split, position.stage))
+    make = functools.partial(StageReplica, position=position, pipe=pipe, whole_names=whole_names)
+    worker = Worker(job, config, placement, position.worker, process, group=group, hooks=hooks, own_model=True, make_replica=make, stage=position.stage)
+    return worker, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe)
 
 
 def _unpickle_job(payload: torch.Tensor) -> Job:

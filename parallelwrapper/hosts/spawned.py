@@ -10,6 +10,7 @@ Workers are daemons, and each gives up when its parent is gone, so none outlives
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import pickle
@@ -23,6 +24,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, Feeder, drain, shardable
+from ..pipeline import joined_state
 from ..slots import SlotWriter
 from ..types import FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
 from .ledger import Ledger
@@ -124,18 +126,22 @@ class WorkerPool:
         self._results = ctx.Queue()
         self._stop = ctx.Event()
         self._abort = ctx.Event()
-        self._board = ProgressBoard(ctx, n)
-        self._processes: list[Any] = [None] * n
-        self._commands: list[Any] = [None] * n
+        # With a pipeline each worker is `stages` processes (pipeline/): process p is stage
+        # p % stages of worker p // stages; the board, commands and results are by process.
+        processes = placement.processes
+        self._board = ProgressBoard(ctx, processes)
+        self._processes: list[Any] = [None] * processes
+        self._commands: list[Any] = [None] * processes
         # A replacement takes a standby process, spawned ahead: importing torch takes seconds.
         self._standby: tuple[Any, Any] | None = None
-        self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout_s)
+        self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout_s, placement.stages)
+        self._join = None if config.pipeline is None else functools.partial(joined_state, job=job, spec=config.pipeline)
         try:
-            for rank in range(n):
+            for rank in range(processes):
                 self._spawn(rank)
             if self._recovery is not None and self._recovery.left > 0:
                 self._standby = self._spawn(None)
-            self._supervisor.gather("ready", set(range(n)), _START_TIMEOUT_S, lambda message: None, "starting")
+            self._supervisor.gather("ready", set(range(processes)), _START_TIMEOUT_S, lambda message: None, "starting")
             if self._recovery is None:
                 self._job = None  # every worker has unpickled it
         except BaseException:
@@ -185,7 +191,7 @@ class WorkerPool:
         if shardable(data, self.config.feed, self._recovery is not None):
             command = dataclasses.replace(command, shards=data)  # its tensors go to shared memory once
         else:
-            feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, len(self._processes), self.slots)
+            feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, self._placement.world_size, self.slots)
         for q in self._commands:
             q.put(command)
         # The queues hold the command until they have sent it, and the state's shared memory is
@@ -194,7 +200,7 @@ class WorkerPool:
         if feeder is not None:
             feeder.start()
         done: set[int] = set()
-        final: TrainingState | None = None
+        finals: dict[int, TrainingState] = {}  # worker 0's: its stages', with a pipeline
         try:
             while len(done) < len(self._processes):
                 if feeder is not None and feeder.error is not None:
@@ -213,13 +219,15 @@ class WorkerPool:
                     continue
                 if message is not None and message[0] == "done":
                     done.add(message[1])
-                    final = message[2] if message[1] == 0 else final
+                    if message[2] is not None:
+                        finals[message[1]] = message[2]
         finally:
             if feeder is not None:
                 feeder.stop()
         self._drain()
-        assert final is not None
-        return final
+        if self._join is not None:
+            return self._join([finals[s] for s in range(self._placement.stages)])
+        return finals[0]
 
     def _replace(self, error: WorkerError, feeder: Feeder, until_epoch: int, on_report: Reporter) -> None:
         """Replace the worker that failed first, and have every worker redo the round (recovery.py)."""

@@ -1,0 +1,136 @@
+"""A model cut into pipeline stages, and a fit's state cut and joined along the same lines.
+
+A model can be cut when its forward is its layers applied in order: an `nn.Sequential`, or a
+module that lists such layers in `pipeline_layers()` (models.LeNet does). Stage s is an
+`nn.Sequential` of its layers under their own names, so its state-dict keys are the whole model's:
+a stage's state is the whole model's restricted to its keys, and rank 0's stages together are
+the whole model's state again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..config import Job, Pipeline
+from ..types import TrainingState
+
+_HINT = "give an nn.Sequential, or a module whose pipeline_layers() returns its (name, layer) pairs in forward order"
+
+
+def layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's (name, layer) pairs in forward order; a ValueError when it has none, or holds
+    parameters outside them (they would be on no stage)."""
+    listed = getattr(model, "pipeline_layers", None)
+    if callable(listed):
+        pairs = list(listed())
+    elif isinstance(model, torch.nn.Sequential):
+        pairs = list(model.named_children())
+    else:
+        raise ValueError(f"pipeline: {type(model).__name__} cannot be cut into stages: its forward is not a list of layers; {_HINT}")
+    held = {id(p) for _, layer in pairs for p in layer.parameters()}
+    outside = [name for name, p in model.named_parameters() if id(p) not in held]
+    if outside:
+        raise ValueError(f"pipeline: parameters {outside[:3]} of {type(model).__name__} are in none of its layers, so no stage would hold them; {_HINT}")
+    return pairs
+
+
+def boundaries(model: torch.nn.Module, stages: int, split: Sequence[str] | None) -> list[int]:
+    """The index of each stage's first layer (stage 0's is 0): at the layers `split` names, or,
+    with None, where the parameter count passes each s/S of the whole. A ValueError when a stage
+    would be empty or a name is not a layer of the model, in order."""
+    pairs = layers(model)
+    names = [name for name, _ in pairs]
+    if split is not None:
+        if len(split) != stages - 1:
+            raise ValueError(f"pipeline: split names the layers where stages 1..{stages - 1} begin, {stages - 1} names, got {len(split)}: {list(split)}")
+        unknown = [name for name in split if name not in names]
+        if unknown:
+            raise ValueError(f"pipeline: split names {unknown}, which are not layers of {type(model).__name__}; its layers are {names}")
+        starts = [0, *(names.index(name) for name in split)]
+    else:
+        counts = [sum(p.numel() for p in layer.parameters()) for _, layer in pairs]
+        prefix = [sum(counts[:i]) for i in range(len(pairs) + 1)]  # parameters before layer i
+        starts = [0]
+        for j in range(1, stages):  # stage j begins at the cut nearest to j/S of the parameters
+            cuts = range(starts[-1] + 1, len(pairs) - (stages - j) + 1)
+            if cuts:
+                starts.append(min(cuts, key=lambda i: abs(prefix[i] - prefix[-1] * j / stages)))
+    ends = [*starts[1:], len(pairs)]
+    empty = [s for s, (a, b) in enumerate(zip(starts, ends)) if b <= a or not any(p.requires_grad for _, layer in pairs[a:b] for p in layer.parameters())]
+    if len(starts) < stages or empty:
+        where = f"split={list(split)}" if split is not None else "an equal parameter count"
+        raise ValueError(
+            f"pipeline: {where} leaves stage {empty[0] if empty else len(starts)} of {stages} with no trained layer "
+            f"({len(pairs)} layers: {names}); use fewer stages, or name split points in order, each after the last"
+        )
+    return starts
+
+
+def stage_module(model: torch.nn.Module, stages: int, split: Sequence[str] | None, stage: int) -> torch.nn.Sequential:
+    """Stage `stage` of the model: its layers, under their own names."""
+    pairs, starts = layers(model), boundaries(model, stages, split)
+    end = starts[stage + 1] if stage + 1 < stages else len(pairs)
+    return torch.nn.Sequential(OrderedDict(pairs[starts[stage] : end]))
+
+
+def optimizer_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[str]:
+    """The names of the optimizer's parameters, in the order its state dict numbers them."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def stage_state(whole: TrainingState, stage: torch.nn.Module, optimizer: torch.optim.Optimizer, whole_names: list[str]) -> TrainingState:
+    """The part of the whole model's state that `stage` (trained by `optimizer`) holds. The
+    optimizer's per-parameter state goes by name; its groups' settings are the whole's (a stage's
+    groups are the whole's groups, each restricted to the stage's parameters)."""
+    keys = stage.state_dict().keys()
+    model = {k: v for k, v in whole.model.items() if k in keys}
+    by_name = {whole_names[i]: s for i, s in whole.optimizer["state"].items()}
+    mine = optimizer_names(optimizer, stage)
+    index = {name: i for i, name in enumerate(mine)}
+    groups, start = [], 0
+    for group, settings in zip(optimizer.param_groups, _settings_of(whole.optimizer, whole_names, mine)):
+        groups.append({**settings, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    state = {index[name]: s for name, s in by_name.items() if name in index}
+    return TrainingState(model, {"state": state, "param_groups": groups}, whole.lr_scheduler, whole.outer_optimizer)
+
+
+def _settings_of(whole: dict[str, Any], whole_names: list[str], mine: list[str]) -> list[dict[str, Any]]:
+    """The whole optimizer's group settings for each group of a stage's, found by its first parameter."""
+    group_of: dict[str, dict[str, Any]] = {}
+    for group in whole["param_groups"]:
+        for i in group["params"]:
+            group_of[whole_names[i]] = {k: v for k, v in group.items() if k != "params"}
+    # A stage's groups hold its parameters in the whole's group order, so each group's first
+    # parameter says which of the whole's groups it is.
+    firsts, seen = [], set()
+    for name in mine:
+        settings = group_of[name]
+        if id(settings) not in seen:
+            seen.add(id(settings))
+            firsts.append(settings)
+    return firsts
+
+
+def joined_state(parts: list[TrainingState], job: Job, spec: Pipeline) -> TrainingState:
+    """The whole model's state from its stages' (a worker's, in stage order), laid out as the
+    optimizer that `job` makes for the whole model lays its state out."""
+    whole_optimizer = job.make_optimizer(job.model)  # no state yet: a few lists of the user's parameters
+    whole_names = optimizer_names(whole_optimizer, job.model)
+    names = []
+    for s in range(spec.stages):
+        stage = stage_module(job.model, spec.stages, spec.split, s)
+        names.append(optimizer_names(job.make_optimizer(stage), stage))
+    model = {k: v for part in parts for k, v in part.model.items()}
+    by_name = {stage_names[i]: s for part, stage_names in zip(parts, names) for i, s in part.optimizer["state"].items()}
+    state = {i: by_name[name] for i, name in enumerate(whole_names) if name in by_name}
+    # Each group's settings as the stages left them (a schedule moves the learning rate), found by
+    # the group's first parameter, which is the first of a stage's group too.
+    settings = {stage_names[g["params"][0]]: g for part, stage_names in zip(parts, names) for g in part.optimizer["param_groups"] if g["params"]}
+    groups = [{**settings.get(whole_names[g["params"][0]], g), "params": g["params"]} if g["params"] else g for g in whole_optimizer.state_dict()["param_groups"]]
+    return TrainingState(model, {"state": state, "param_groups": groups}, parts[0].lr_scheduler, None)

@@ -1,0 +1,117 @@
+"""One stage of a worker's pipeline, in a process of its own: its process groups, the batches it
+takes (from its pipeline's first stage), and its step, which is its part of the pipeline schedule.
+
+Process p is stage p % S of worker p // S. Two kinds of groups, made by every process in the same
+order (`new_group` is collective over the world):
+- stage s of every worker: the round protocol averages each stage's own state in it, as the
+  workers' whole state is averaged without a pipeline;
+- the S stages of one worker: activations forward and gradients backward between neighbours, by
+  `torch.distributed.pipelining` (GPipe or 1F1B, Huang et al. 2019; Narayanan et al. 2019).
+Each batch is cut into M microbatches; the schedule scales the gradients by 1/M, so that a step
+on M microbatches of the mean loss is the step on the whole batch (equal microbatches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ..config import Config, Job
+from ..types import END, BatchSource, EndOfEpoch, TrainingError, TrainingState
+from ..worker import Replica
+from .split import optimizer_names, stage_state
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a process sits: stage `stage` of worker `worker`'s pipeline of `stages`."""
+
+    worker: int
+    stage: int
+    stages: int
+
+    @staticmethod
+    def of(process: int, stages: int) -> Position:
+        return Position(process // stages, process % stages, stages)
+
+    @property
+    def first(self) -> int:
+        """The process of this pipeline's first stage."""
+        return self.worker * self.stages
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+def join_groups(position: Position, workers: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this stage's averaging group, this worker's pipeline group)."""
+    s = position.stages
+    by_stage = [dist.new_group([w * s + stage for w in range(workers)]) for stage in range(s)]
+    by_worker = [dist.new_group([w * s + stage for stage in range(s)]) for w in range(workers)]
+    return by_stage[position.stage], by_worker[position.worker]
+
+
+class RelaySource:
+    """The batches a pipeline's stages take, the same in the same order: the first stage takes
+    each from `source` (the worker's queue or shard) and sends on its index and targets (the last
+    stage computes the loss on them; the others count the samples), or the end of the epoch."""
+
+    def __init__(self, source: BatchSource | None, position: Position, group: dist.ProcessGroup) -> None:
+        self._source, self._position, self._group = source, position, group
+
+    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+        item = self._source.next_batch() if self._source is not None else END
+        message: list[Any] = [None if isinstance(item, EndOfEpoch) else (item[0], item[1][1])]
+        dist.broadcast_object_list(message, src=self._position.first, group=self._group)
+        if self._source is not None:
+            return item
+        return END if message[0] is None else (message[0][0], (None, message[0][1]))
+
+
+class StageReplica(Replica):
+    """A worker's replica that holds one stage of the model (`model`, from split.stage_module) and
+    its optimizer, and steps by the pipeline schedule. It loads and gives its part of the whole
+    model's state, so hosts and checkpoints see whole states (`whole_names`: the whole
+    optimizer's parameter names, by index)."""
+
+    def __init__(self, model: torch.nn.Module, job: Job, config: Config, device: torch.device, rank: int, world_size: int, *,
+                 position: Position, pipe: dist.ProcessGroup, whole_names: list[str], **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(model, job, config, device, rank, world_size, **kwargs)
+        assert config.pipeline is not None and job.loss_fn is not None  # pipeline.check, at build()
+        self.position, self.pipe, self.whole_names, self.spec = position, pipe, whole_names, config.pipeline
+        self.names = optimizer_names(self.optimizer, model)
+        self._schedules: dict[int, Any] = {}  # by batch size: a stage's buffers are shaped at its first step
+
+    def load_state(self, state: TrainingState) -> None:
+        super().load_state(stage_state(state, self.model, self.optimizer, self.whole_names))
+
+    def forward_backward(self, batch: Any) -> torch.Tensor:
+        """This stage's part of the schedule on the batch's microbatches: the batch's mean loss on
+        the last stage, 0 on the others (the round's score is the last stage's)."""
+        inputs, targets = batch
+        schedule = self._schedule(int(targets.shape[0]))
+        losses: list[torch.Tensor] = []
+        if self.position.stage == 0:
+            schedule.step(inputs)
+        elif self.position.last:
+            schedule.step(target=targets, losses=losses)
+        else:
+            schedule.step()
+        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+
+    def _schedule(self, n: int) -> Any:
+        if n not in self._schedules:
+            if n < self.spec.microbatches:
+                raise TrainingError(f"a batch of {n} samples cannot be cut into {self.spec.microbatches} microbatches; use batches of at least that many, or fewer microbatches")
+            stage = PipelineStage(self.model, self.position.stage, self.position.stages, self.device, group=self.pipe)
+            # With fewer microbatches than stages, 1F1B's warm-up takes them all: it is GPipe, which
+            # torch's Schedule1F1B refuses to run, so GPipe runs it.
+            one_f_one_b = self.spec.schedule == "1f1b" and self.spec.microbatches >= self.position.stages
+            kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
+            self._schedules[n] = kind(stage, self.spec.microbatches, loss_fn=self.job.loss_fn)
+        return self._schedules[n]

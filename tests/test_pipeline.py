@@ -1,0 +1,196 @@
+"""Pipelines inside workers (`.pipeline(...)`, issue 24): the split and its errors, the placement,
+a fit's state cut into stages and joined again, the memory a stage holds (fast tier); and with
+real spawned processes over gloo, parity with unsplit workers and a stage that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallelwrapper import ParallelWrapper, WorkerError
+from parallelwrapper.config import Config, Job, Pipeline
+from parallelwrapper.env import resolve
+from parallelwrapper.models import LeNet
+from parallelwrapper.pipeline import joined_state, stage_module
+from parallelwrapper.pipeline.split import boundaries, optimizer_names, stage_state
+from parallelwrapper.types import TrainingState
+
+
+def eight_layers(width: int = 16) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(8)))
+
+
+def lenet_batches(n: int, size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 1, 28, 28, generator=g), torch.randint(0, 10, (size,), generator=g)) for _ in range(n)]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("stages", "starts"), [(2, [0, 4]), (4, [0, 2, 4, 6]), (8, list(range(8)))])
+def test_no_split_cuts_equal_parameter_counts(stages: int, starts: list[int]) -> None:
+    assert boundaries(eight_layers(), stages, None) == starts
+
+
+@pytest.mark.fast
+def test_a_split_begins_stages_at_the_named_layers() -> None:
+    model = LeNet()
+    assert boundaries(model, 3, ("conv2", "fc2")) == [0, 2, 7]
+    stage = stage_module(model, 2, None, 1)
+    assert list(stage.state_dict()) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]  # fc1 is most of LeNet: the nearest cut is before it
+
+
+@pytest.mark.fast
+def test_lenets_layers_are_its_forward() -> None:
+    model, x = LeNet(), torch.randn(3, 1, 28, 28)
+    cut = [stage_module(model, 2, ("fc1",), s) for s in range(2)]
+    assert torch.equal(cut[1](cut[0](x)), model(x))
+
+
+class _Shortcut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(self.a(x))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    ("model", "stages", "split", "message"),
+    [
+        (eight_layers(), 2, ("9",), r"split names \['9'\], which are not layers of Sequential"),
+        (eight_layers(), 3, ("4", "2"), "leaves stage 1 of 3 with no trained layer"),
+        (eight_layers(), 3, ("4",), "split names the layers where stages 1..2 begin, 2 names, got 1"),
+        (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), 2, None, "leaves stage 1 of 2 with no trained layer"),
+        (_Shortcut(), 2, None, "_Shortcut cannot be cut into stages"),
+    ],
+)
+def test_a_split_that_does_not_fit_the_model_is_refused_at_build(model: nn.Module, stages: int, split: tuple[str, ...] | None, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelWrapper.builder(model).pipeline(stages=stages, split=split).build()
+
+
+@pytest.mark.fast
+def test_options_a_pipeline_does_not_run_with_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match=r"pipeline\(stages=2\) does not go with overlap_averaging"):
+        ParallelWrapper.builder(LeNet()).pipeline(stages=2).overlap_averaging(True).build()
+    with pytest.raises(ValueError, match="does not go with validation"):
+        ParallelWrapper.builder(LeNet()).pipeline(stages=2).validation(lenet_batches(1)).build()
+    with pytest.raises(ValueError, match="schedule must be '1f1b' or 'gpipe'"):
+        Pipeline(2, schedule="interleaved")
+
+
+@pytest.mark.fast
+def test_stages_are_placed_worker_by_worker() -> None:
+    spec = Pipeline(2)
+    gpus = resolve(Config(workers=2, pipeline=spec), gpus=4, cores=16)
+    assert (gpus.devices, gpus.backend, gpus.processes) == (("cuda:0", "cuda:1", "cuda:2", "cuda:3"), "nccl", 4)
+    assert str(gpus) == "2 workers x 2 stages on cuda:0..3 with nccl, 4 threads each"
+    cpu = resolve(Config(workers=1, pipeline=spec), gpus=0, cores=2)
+    assert not cpu.in_process and str(cpu) == "1 worker x 2 stages on cpu with gloo, 1 thread each"
+    shared = resolve(Config(workers=2, pipeline=spec), gpus=0, cores=2)
+    assert shared.notes == ("4 processes (2 workers x 2 stages) on 2 CPU cores: they take turns on the cores and every step waits for the slowest stage; use .workers(n) with n x 2 <= 2",)
+    with pytest.raises(ValueError, match=r"devices names 2 devices for 4 processes \(2 workers x 2 stages\); give one device per stage"):
+        resolve(Config(workers=2, pipeline=spec, devices=("cpu", "cpu")), gpus=0, cores=2)
+
+
+def _trained(model: nn.Module) -> TrainingState:
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    return TrainingState(model.state_dict(), optimizer.state_dict(), None, None)
+
+
+@pytest.mark.fast
+def test_a_state_cut_into_stages_joins_back_whole() -> None:
+    model = eight_layers()
+    whole = _trained(model)
+    job = Job(model, torch.optim.Adam, {"lr": 0.1}, None, None)
+    names = optimizer_names(job.make_optimizer(model), model)
+    parts = []
+    for s in range(2):
+        stage = stage_module(model, 2, None, s)
+        parts.append(stage_state(whole, stage, job.make_optimizer(stage), names))
+        assert len(parts[s].optimizer["state"]) == 8  # four layers' weights and biases
+    joined = joined_state(parts, job, Pipeline(2))
+    assert joined.model.keys() == whole.model.keys()
+    assert joined.optimizer["param_groups"] == whole.optimizer["param_groups"]
+    for i, state in whole.optimizer["state"].items():
+        assert all(torch.equal(state[k], joined.optimizer["state"][i][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.fast
+def test_each_stage_holds_its_share_of_parameters_and_optimizer_state() -> None:
+    """What a stage's process keeps (its layers, its Adam state after a step) is 1/S of the
+    whole's, within 10%."""
+    model = eight_layers(64)
+
+    def held(module: nn.Module) -> int:
+        optimizer = torch.optim.Adam(module.parameters())
+        module(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+        state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in [*module.parameters(), *state])
+
+    whole = held(model)
+    for stages in (2, 4):
+        for s in range(stages):
+            assert abs(held(stage_module(model, stages, None, s)) / (whole / stages) - 1) < 0.1
+
+
+def _lenet_fit(microbatches: int | None, schedule: str = "1f1b") -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = LeNet()
+    builder = ParallelWrapper.builder(model).workers(2).deterministic(True).averaging_frequency(2)
+    builder = builder.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9).threads_per_worker(1).stall_timeout(60)
+    if microbatches is not None:
+        builder = builder.pipeline(stages=2, microbatches=microbatches, schedule=schedule)
+    with builder.build() as wrapper:
+        wrapper.fit(lenet_batches(6), epochs=1)
+    return model.state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:4 processes")
+@pytest.mark.timeout(90)
+def test_two_workers_of_two_stages_train_lenet_as_two_unsplit_workers() -> None:
+    """Parity (issue 24): with M microbatches a step is gradient accumulation over them, so the
+    weights match to float rounding, whatever M and the schedule."""
+    reference = _lenet_fit(None)
+    for microbatches, schedule in ((1, "1f1b"), (2, "1f1b"), (2, "gpipe")):
+        got = _lenet_fit(microbatches, schedule)
+        worst = max(float((reference[k] - got[k]).abs().max()) for k in reference)
+        assert worst < 1e-5, (microbatches, schedule, worst)
+
+
+class _DiesOnProcess(nn.Module):
+    """Kills its process (as the OOM killer would), in the process of global rank `rank` only."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+@pytest.mark.filterwarnings("ignore:4 processes")
+@pytest.mark.timeout(60)
+def test_a_stage_that_dies_names_its_worker_and_stage() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), nn.Linear(8, 3), _DiesOnProcess(3))  # worker 1's stage 1
+    batches = [(torch.randn(4, 10), torch.randint(0, 3, (4,))) for _ in range(4)]
+    with ParallelWrapper.builder(model).workers(2).pipeline(stages=2).stall_timeout(30).build() as wrapper:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="^worker 1 stage 1 failed.*killed by SIGKILL"):
+            wrapper.fit(batches)
+        assert time.monotonic() - start < 15
