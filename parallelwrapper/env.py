@@ -102,7 +102,8 @@ class Placement:
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         each = f"with {self.backend}, {threads} each"
         if self.torchrun is not None:
-            return f"{self.world_size} workers under torchrun, {len(self.devices)} on this node on {on} {each}"
+            workers = f"{self.world_size} workers" + (f" x {self.stages} stages" if self.stages > 1 else "")
+            return f"{workers} under torchrun, {len(self.devices)} on this node on {on} {each}"
         if self.in_process:
             return f"1 worker in this process on cpu, {threads}"
         if self.stages > 1:
@@ -214,7 +215,12 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
             f"under torchrun, {' and '.join(ignored)} {verb} ignored: torchrun's --nnodes and --nproc-per-node "
             f"decide how many workers run, and each uses GPU LOCAL_RANK when there are GPUs"
         )
-    local = env.local_world_size
+    local, stages = env.local_world_size, config.pipeline.stages if config.pipeline is not None else 1
+    if env.world_size % stages or local % stages:
+        raise ValueError(
+            f"pipeline(stages={stages}) under torchrun runs each pipeline's stages on one node, as consecutive ranks: "
+            f"{env.world_size} ranks, {local} on this node, are not a multiple of {stages}; use --nproc-per-node a multiple of {stages}"
+        )
     devices = gpu_devices(local, gpus) if gpus > 0 else ("cpu",) * local
     refusal = (
         f"backend 'nccl' needs one CUDA device per process: torchrun started {local} processes on this node "
@@ -226,7 +232,7 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
             "(--max-restarts) and with .checkpoint(dir) it resumes from the last checkpoint"
         )
     backend, threads, more = _backend_and_threads(config, devices, cores, refusal, "--nproc-per-node n")
-    return Placement(env.world_size, devices, backend, threads, env, tuple(notes + more))
+    return Placement(env.world_size // stages, devices, backend, threads, env, tuple(notes + more), stages)
 
 
 def collective_timeout(config: Config) -> datetime.timedelta:

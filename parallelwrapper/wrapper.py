@@ -228,7 +228,7 @@ class Builder(Settings):
         )  # fmt: skip
         torchrun = torchrun_env()
         notes = check_job(job, config)
-        pipeline.check(config, job, torchrun is not None)
+        pipeline.check(config, job)
         if torchrun is None:  # under torchrun nothing travels
             check_sendable(job)
         check_listeners(self._listeners)

@@ -1,18 +1,24 @@
 """Pipelines inside workers (`.pipeline(...)`, issue 24): the split and its errors, the placement,
-a fit's state cut into stages and joined again, the memory a stage holds (fast tier); and with
-real spawned processes over gloo, parity with unsplit workers and a stage that dies."""
+a fit's state cut into stages and joined again (fast tier); and with real processes over gloo,
+parity with unsplit workers (spawned, and under two torchrun agents), the memory a stage's
+process holds, and a stage that dies."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import torchrun_pipeline
 from parallelwrapper import ParallelWrapper, WorkerError
 from parallelwrapper.config import Config, Job, Pipeline
 from parallelwrapper.env import resolve
@@ -20,6 +26,7 @@ from parallelwrapper.models import LeNet
 from parallelwrapper.pipeline import joined_state, stage_module
 from parallelwrapper.pipeline.split import boundaries, optimizer_names, stage_state
 from parallelwrapper.types import TrainingState
+from test_torchrun import two_agents
 
 
 def eight_layers(width: int = 16) -> nn.Sequential:
@@ -146,28 +153,44 @@ def test_each_stage_holds_its_share_of_parameters_and_optimizer_state() -> None:
             assert abs(held(stage_module(model, stages, None, s)) / (whole / stages) - 1) < 0.1
 
 
-def _lenet_fit(microbatches: int | None, schedule: str = "1f1b") -> dict[str, torch.Tensor]:
+def _lenet_fit(microbatches: int | None) -> dict[str, torch.Tensor]:
+    """LeNet trained by 2 workers, unsplit (None) or of 2 stages, as tests/scripts/torchrun_pipeline.py does."""
     torch.manual_seed(0)
     model = LeNet()
-    builder = ParallelWrapper.builder(model).workers(2).deterministic(True).averaging_frequency(2)
-    builder = builder.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9).threads_per_worker(1).stall_timeout(60)
+    builder = torchrun_pipeline.builder(model).workers(2)
     if microbatches is not None:
-        builder = builder.pipeline(stages=2, microbatches=microbatches, schedule=schedule)
+        builder = builder.pipeline(stages=2, microbatches=microbatches)
     with builder.build() as wrapper:
-        wrapper.fit(lenet_batches(6), epochs=1)
+        wrapper.fit(torchrun_pipeline.data(), epochs=1)
     return model.state_dict()
+
+
+def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.mark.filterwarnings("ignore:4 processes")
 @pytest.mark.timeout(90)
 def test_two_workers_of_two_stages_train_lenet_as_two_unsplit_workers() -> None:
     """Parity (issue 24): with M microbatches a step is gradient accumulation over them, so the
-    weights match to float rounding, whatever M and the schedule."""
+    weights match to float rounding. M = 1 runs GPipe (1F1B with fewer microbatches than
+    stages is GPipe), M = 2 runs 1F1B."""
     reference = _lenet_fit(None)
-    for microbatches, schedule in ((1, "1f1b"), (2, "1f1b"), (2, "gpipe")):
-        got = _lenet_fit(microbatches, schedule)
-        worst = max(float((reference[k] - got[k]).abs().max()) for k in reference)
-        assert worst < 1e-5, (microbatches, schedule, worst)
+    for microbatches in (1, 2):
+        assert _worst(reference, _lenet_fit(microbatches)) < 1e-5, microbatches
+
+
+@pytest.mark.timeout(150)
+def test_under_torchrun_two_nodes_of_one_pipeline_each_train_as_two_unsplit_workers(tmp_path: Path) -> None:
+    """Two torchrun agents as two nodes on loopback, two processes each: worker w's two stages
+    are ranks 2w and 2w + 1, on node w. Every rank ends with the whole model, the unsplit one."""
+    two_agents(Path(torchrun_pipeline.__file__), tmp_path, 2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert {r["placement"].split(" on ")[0] for r in ranks} == {"2 workers x 2 stages under torchrun, 2"}
+    assert {r["world_size"] for r in ranks} == {2}
+    reference = _lenet_fit(None)
+    for r in ranks:
+        assert _worst(reference, r["model"]) < 1e-5
 
 
 class _DiesOnProcess(nn.Module):
@@ -194,3 +217,40 @@ def test_a_stage_that_dies_names_its_worker_and_stage() -> None:
         with pytest.raises(WorkerError, match="^worker 1 stage 1 failed.*killed by SIGKILL"):
             wrapper.fit(batches)
         assert time.monotonic() - start < 15
+
+
+WIDTH = 24  # the layers' weights are (WIDTH, WIDTH): no other tensor of a stage's has that shape
+
+
+class _CountsHeld(nn.Module):
+    """At its third forward (Adam has stepped twice), writes how many (WIDTH, WIDTH) tensors its
+    process holds (distinct memory), to a file named for the process's global rank in `folder`."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder, self.calls = folder, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            gc.collect()
+            # By address: the averaging's flat buffers hold the parameters and the optimizer's
+            # state, and more than one view of a tensor may be alive.
+            held = len({o.data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.shape == (WIDTH, WIDTH)})
+            Path(self.folder, str(dist.get_rank())).write_text(str(held))
+        return x
+
+
+@pytest.mark.filterwarnings("ignore:2 processes")
+@pytest.mark.timeout(60)
+def test_a_stage_process_holds_its_layers_and_their_optimizer_state_only(tmp_path: Path) -> None:
+    """Memory (issue 24): each stage's process holds its 4 weights and their 2 Adam moments, 12
+    tensors of the weights' shape: half the whole's 24, and no copy of the model it unpickled
+    nor of the state its fit started from."""
+    torch.manual_seed(0)
+    half = [nn.Linear(WIDTH, WIDTH) for _ in range(4)]
+    model = nn.Sequential(_CountsHeld(str(tmp_path)), *half, _CountsHeld(str(tmp_path)), *(nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+    batches = [(torch.randn(8, WIDTH), torch.randint(0, WIDTH, (8,))) for _ in range(4)]
+    with ParallelWrapper.builder(model).workers(1).optimizer(torch.optim.Adam, lr=0.01).pipeline(stages=2, split=["5"]).build() as wrapper:
+        wrapper.fit(batches)
+    assert {p.name: int(p.read_text()) for p in tmp_path.iterdir()} == {"0": 12, "1": 12}

@@ -5,8 +5,6 @@ queue, the board and the shared events. A standby (a process spawned ahead, for
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import pickle
 import queue
@@ -14,7 +12,6 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,13 +23,11 @@ from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
 from ..feed import QueueSource, ShardSource
-from ..pipeline import Position, RelaySource, StageReplica, join_groups, stage_module
-from ..pipeline.split import optimizer_names
 from ..slots import SlotReader
 from ..types import BatchSource, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger
 from .recovery import Keeper, Regroup
-from .runtime import Worker, claim_device, summary
+from .runtime import Worker, claim_device, stage_worker, summary
 from .supervisor import ProgressBoard
 
 _REPORT_S = 0.25  # how long rank 0 may hold scores back to send them together
@@ -122,14 +117,13 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
         join(generation)
         job = _unpickle_job(_get(c.commands, parent_pid))
         hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
-        worker, relay = _worker(job, config, placement, rank, hooks)
+        worker, relay = (Worker(job, config, placement, rank, rank, hooks=hooks, own_model=True), _as_is) if config.pipeline is None else stage_worker(job, config, placement, rank, rank, hooks, True)
         del job  # a stage's process holds its own layers only
         me = worker.rank  # the worker this process is (one of its stages, with a pipeline)
         ledger = None if c.ledgers is None else c.ledgers[rank]
         source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), parent_pid, c.abort, ledger)
         keeper = hooks.keeper = None if ledger is None else Keeper(worker, source, ledger)
-        # Worker 0 reports, from its last stage: the one that knows the loss.
-        report = _Reports(c.results, rank) if rank == placement.stages - 1 else _ignore
+        report = _Reports(c.results, rank) if rank == 0 else _ignore
         c.results.put(("ready", rank, None))
         while True:
             command: FitCommand | Regroup | None = _get(c.commands, parent_pid)
@@ -174,18 +168,8 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
             dist.destroy_process_group()
 
 
-def _worker(job: Job, config: Config, placement: Placement, process: int, hooks: Hooks) -> tuple[Worker, Callable[[BatchSource], BatchSource]]:
-    """This process's worker, and what makes the batches it trains on of the source it reads:
-    the source itself, or with a pipeline, the batches its first stage takes and relays."""
-    if config.pipeline is None:
-        return Worker(job, config, placement, process, process, hooks=hooks, own_model=True), lambda source: source
-    spec, position = config.pipeline, Position.of(process, placement.stages)
-    group, pipe = join_groups(position, placement.world_size)
-    whole_names = optimizer_names(job.make_optimizer(job.model), job.model)
-    job = dataclasses.replace(job, model=stage_module(job.model, spec.stages, spec.split, position.stage))
-    make = functools.partial(StageReplica, position=position, pipe=pipe, whole_names=whole_names)
-    worker = Worker(job, config, placement, position.worker, process, group=group, hooks=hooks, own_model=True, make_replica=make, stage=position.stage)
-    return worker, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe)
+def _as_is(source: BatchSource) -> BatchSource:
+    return source
 
 
 def _unpickle_job(payload: torch.Tensor) -> Job:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import signal
 import threading
 import time
@@ -36,6 +37,8 @@ from ..checkpoint import rng_state, set_rng_state
 from ..config import Config, Job
 from ..env import Placement
 from ..feed import FeedError
+from ..pipeline import Position, RelaySource, StageReplica, join_groups, stage_module
+from ..pipeline.split import optimizer_names
 from ..rounds import Node
 from ..types import BatchSource, Counters, FitCommand, Hooks, Reporter, Stopped, TrainingError, TrainingState, WorkerError
 from ..worker import Replica
@@ -178,6 +181,20 @@ class Worker:
             self._rng = rng_state()
             set_rng_state(caller_rng)
             torch.set_num_threads(threads)
+
+
+def stage_worker(job: Job, config: Config, placement: Placement, process: int, local_rank: int, hooks: Hooks, own_model: bool) -> tuple[Worker, Callable[[BatchSource], BatchSource]]:
+    """The worker of a pipeline's stage (pipeline/) in process `process` of the group: its
+    layers, their optimizer, its groups; and what makes the batches it trains on of the source
+    its worker reads: the batches its pipeline's first stage takes from it and relays."""
+    assert config.pipeline is not None
+    spec, position = config.pipeline, Position.of(process, placement.stages)
+    group, pipe = join_groups(position, placement.world_size)
+    whole_names = optimizer_names(job.make_optimizer(job.model), job.model)
+    job = dataclasses.replace(job, model=stage_module(job.model, spec.stages, spec.split, position.stage))
+    make = functools.partial(StageReplica, position=position, pipe=pipe, whole_names=whole_names)
+    worker = Worker(job, config, placement, position.worker, local_rank, group=group, hooks=hooks, own_model=own_model, make_replica=make, stage=position.stage)
+    return worker, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe)
 
 
 def summary(error: BaseException) -> str:

@@ -19,6 +19,7 @@ import re
 import signal
 import time
 import uuid
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[attr-defined]
@@ -27,10 +28,11 @@ from ..checkpoint import make_checkpointer, path_of
 from ..config import Config, Job
 from ..env import Placement, TorchrunEnv, collective_timeout
 from ..feed import Batches, ShardSource
+from ..pipeline import StageReplica, gathered_state
 from ..rounds import Node
-from ..types import FitCommand, Reporter, TrainingState, WorkerError
+from ..types import BatchSource, FitCommand, Reporter, TrainingState, WorkerError
 from .heartbeat import Heartbeat
-from .runtime import SignalHooks, Worker, claim_device, stop_on_signals
+from .runtime import SignalHooks, Worker, claim_device, stage_worker, stop_on_signals
 
 _KEYS = "parallelwrapper"
 _PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")  # gloo's words for a peer's closed sockets
@@ -124,8 +126,13 @@ class TorchrunWorker:
             if env.world_size > 1:  # alone, there is no peer to lose
                 self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout_s)
         self._hooks = SignalHooks(make_checkpointer(config, job, env.world_size))
-        group, node = _hierarchy(config, env.rank, env.world_size, env.local_world_size)
-        self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, node=node)
+        self._job, self._workers = job, placement.world_size
+        if config.pipeline is None:
+            group, node = _hierarchy(config, env.rank, env.world_size, env.local_world_size)
+            self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, node=node)
+            self._relay: Callable[[BatchSource], BatchSource] | None = None
+        else:  # this rank is stage rank % S of worker rank // S: a pipeline's ranks are on one node
+            self._worker, self._relay = stage_worker(job, config, placement, env.rank, env.local_rank, self._hooks, False)
         self._started = False  # whether a fit() has made every rank's state rank 0's
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
@@ -134,7 +141,9 @@ class TorchrunWorker:
             command = dataclasses.replace(command, state=_from_rank_0(command.state))
             self._started = True
         counters = command.counters
-        source = ShardSource(data, self._rank, self._world, counters.epoch, counters.position)
+        source: BatchSource = ShardSource(data, self._worker.rank, self._workers, counters.epoch, counters.position)
+        if self._relay is not None:
+            source = self._relay(source)
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):
             try:
                 until_epoch = self._worker.start(command)
@@ -147,8 +156,9 @@ class TorchrunWorker:
                     "; a peer rank's process is gone (killed, or failed: its own error is in its log): torchrun's "
                     "--max-restarts with .checkpoint(dir) restarts the group and resumes from the last checkpoint"
                 )
-                raise WorkerError(e.rank, e.summary + hint, e.details, e.where, e.at) from e
-        return self._worker.replica.state_dicts()
+                raise WorkerError(e.rank, e.summary + hint, e.details, e.where, e.at, e.stage) from e
+        replica = self._worker.replica
+        return gathered_state(replica, self._job) if isinstance(replica, StageReplica) else replica.state_dicts()
 
     def close(self) -> None:
         """Leave the group, if this host joined it."""

@@ -11,12 +11,12 @@ stage s, in a group of its own, every k steps (hosts/process.py wires a stage's 
 
 from __future__ import annotations
 
-from ..config import Config, Job, NanPolicy, TrainingMode
+from ..config import Config, Job, TrainingMode
 from .split import boundaries, joined_state, layers, stage_module
-from .stage import Position, RelaySource, StageReplica, join_groups
+from .stage import Position, RelaySource, StageReplica, gathered_state, join_groups
 
 
-def check(config: Config, job: Job, torchrun: bool) -> None:
+def check(config: Config, job: Job) -> None:
     """A ValueError for a pipeline that cannot be cut as asked, or an option that does not run
     with one in this version, with the reason and the fix."""
     spec = config.pipeline
@@ -24,14 +24,12 @@ def check(config: Config, job: Job, torchrun: bool) -> None:
         return
     boundaries(job.model, spec.stages, spec.split)
     refused = (
-        (torchrun, "torchrun: this version runs pipelines in spawned workers only; launch the script with python"),
         (config.training_mode is not TrainingMode.AVERAGING, "TrainingMode.SHARED_GRADIENTS: stages average their state in rounds; use TrainingMode.AVERAGING"),
         (config.overlap_averaging, "overlap_averaging: a stage's next round needs its neighbours' landed state in this version; drop .overlap_averaging(True)"),
         (config.on_worker_failure == "replace", 'on_worker_failure("replace"): a lost stage would take its whole pipeline with it; drop it'),
         (config.hierarchy != "none", "hierarchy: its node groups are not stage groups; drop .hierarchy()"),
         (config.precision != "32", "precision other than '32': the schedule's activations travel in float32; drop .precision()"),
         (config.gradient_clip_norm is not None, "gradient_clipping: each stage sees only its gradients' norm, not the whole's; drop .gradient_clipping()"),
-        (config.nan_policy is NanPolicy.SKIP, "nan_policy('skip'): only the last stage sees the loss, so the stages would drop different rounds; use 'raise'"),
         (config.checkpoint_dir is not None, "checkpoint: a checkpoint of a pipeline's stages is not written in this version; drop .checkpoint(dir)"),
         (job.validation_data is not None, "validation: scoring needs a forward through every stage, which this version has not; use wrapper.evaluate(data) after fit()"),
         (job.training_step is not None or job.loss_fn is None, "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss(fn)"),
@@ -43,4 +41,4 @@ def check(config: Config, job: Job, torchrun: bool) -> None:
             raise ValueError(f"pipeline(stages={spec.stages}) does not go with {reason}")
 
 
-__all__ = ["Position", "RelaySource", "StageReplica", "check", "join_groups", "joined_state", "layers", "stage_module"]
+__all__ = ["Position", "RelaySource", "StageReplica", "check", "gathered_state", "join_groups", "joined_state", "layers", "stage_module"]

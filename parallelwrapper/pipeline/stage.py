@@ -23,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..config import Config, Job
 from ..types import END, BatchSource, EndOfEpoch, TrainingError, TrainingState
 from ..worker import Replica
-from .split import optimizer_names, stage_state
+from .split import joined_state, optimizer_names, stage_state
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class StageReplica(Replica):
         super().load_state(stage_state(state, self.model, self.optimizer, self.whole_names))
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
-        """This stage's part of the schedule on the batch's microbatches: the batch's mean loss on
-        the last stage, 0 on the others (the round's score is the last stage's)."""
+        """This stage's part of the schedule on the batch's microbatches, and the batch's mean
+        loss, which the last stage computes and sends to the others: every stage then reports the
+        same scores and takes the same NaN decisions."""
         inputs, targets = batch
         schedule = self._schedule(int(targets.shape[0]))
         losses: list[torch.Tensor] = []
@@ -102,7 +103,9 @@ class StageReplica(Replica):
             schedule.step(target=targets, losses=losses)
         else:
             schedule.step()
-        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.position.first + self.position.stages - 1, group=self.pipe)
+        return loss
 
     def _schedule(self, n: int) -> Any:
         if n not in self._schedules:
@@ -115,3 +118,11 @@ class StageReplica(Replica):
             kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
             self._schedules[n] = kind(stage, self.spec.microbatches, loss_fn=self.job.loss_fn)
         return self._schedules[n]
+
+
+def gathered_state(replica: StageReplica, job: Job) -> TrainingState:
+    """The whole model's state (`job`'s, the one the stages were cut from), on every stage of
+    the replica's pipeline: each stage's part, gathered over the pipeline's group and joined."""
+    parts: list[Any] = [None] * replica.position.stages
+    dist.all_gather_object(parts, replica.state_dicts(), group=replica.pipe)
+    return joined_state(parts, job, replica.spec)

@@ -1,0 +1,103 @@
+"""A pipeline's speed (issue 24): 1 worker x 2 stages (`.pipeline(stages=2)`, one thread per
+stage) against one process with one thread, on an MLP of 8 equal layers, for 1, 4 and 8
+microbatches, as the ratio to the ideal 2x; and 2 workers x 2 stages against 4 unsplit workers.
+
+    python benchmarks/pipeline.py                      # width 1024, batch 256, 24 batches a fit
+    python benchmarks/pipeline.py --width 256 --batches 8 --repeats 1   # a smoke run
+
+Each contender trains the same batches; the wrapper's first fit() starts its processes and shapes
+the schedule's buffers, and is not timed: the median of the next `repeats` fits is. A fit's time
+includes sending the state to the stages and joining it back, once per fit. With M microbatches
+GPipe's and 1F1B's bubble is (S - 1) / (M + S - 1), so the best ratio two stages can reach is
+M / (M + 1) (0.89 at M = 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from common import table, write_results
+from parallelwrapper import ParallelWrapper
+
+
+def mlp(width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def data(width: int, batch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, width, generator=g), torch.randint(0, width, (batch,), generator=g)) for _ in range(n)]
+
+
+def plain(batches: list[tuple[torch.Tensor, torch.Tensor]], width: int, repeats: int) -> float:
+    """Seconds per fit of one process, one thread, over `batches`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = mlp(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for x, y in batches:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times[1:])
+
+
+def wrapped(batches: list[tuple[torch.Tensor, torch.Tensor]], width: int, repeats: int, workers: int, stages: int, microbatches: int) -> float:
+    """Seconds per fit of `workers` workers (of `stages` stages each) over `batches`, one thread a process."""
+    builder = ParallelWrapper.builder(mlp(width)).workers(workers).threads_per_worker(1).deterministic(True)
+    builder = builder.optimizer(torch.optim.SGD, lr=0.01).averaging_frequency(len(batches))
+    if stages > 1:
+        builder = builder.pipeline(stages=stages, microbatches=microbatches)
+    with builder.build() as wrapper:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            wrapper.fit(batches)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/pipeline.json")
+    args = parser.parse_args()
+    batches = data(args.width, args.batch, args.batches)
+    one = plain(batches, args.width, args.repeats)
+    rows: list[list[Any]] = [["1 process, 1 thread", "-", one, 1.0, "-"]]
+    for m in (1, 4, 8):
+        t = wrapped(batches, args.width, args.repeats, 1, 2, m)
+        rows.append(["1 worker x 2 stages", m, t, one / t, one / t / 2])
+    # Two workers of two stages each against four unsplit workers: the same four processes, each
+    # deal of the batches trained by half as many, at twice the speed at best.
+    four = wrapped(batches, args.width, args.repeats, 4, 1, 1)
+    two_by_two = wrapped(batches, args.width, args.repeats, 2, 2, 8)
+    rows += [["4 workers", "-", four, one / four, "-"], ["2 workers x 2 stages", 8, two_by_two, one / two_by_two, "-"]]
+    headers = ["contender", "microbatches", "s per fit", "speedup", "ratio to ideal 2x"]
+    print(table(headers, rows))
+    print(f"2 workers x 2 stages take {two_by_two / four:.2f}x the time of 4 unsplit workers")
+    write_results(args.out, {"args": vars(args), "headers": headers, "rows": rows, "two_by_two_over_four": two_by_two / four})
+
+
+if __name__ == "__main__":
+    main()
