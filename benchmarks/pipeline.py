@@ -1,6 +1,7 @@
 """A pipeline's speed (issue 24): 1 worker x 2 stages (`.pipeline(stages=2)`, one thread per
 stage) against one process with one thread, on an MLP of 8 equal layers, for 1, 4 and 8
-microbatches, as the ratio to the ideal 2x; and 2 workers x 2 stages against 4 unsplit workers.
+microbatches, as the ratio to the ideal 2x, beside torch.distributed.pipelining's own schedule
+in two bare processes (what the wrapper adds); and 2 workers x 2 stages against 4 unsplit workers.
 
     python benchmarks/pipeline.py                      # width 1024, batch 256, 24 batches a fit
     python benchmarks/pipeline.py --width 256 --batches 8 --repeats 1   # a smoke run
@@ -20,9 +21,11 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from common import table, write_results
+from common import run_processes, table, write_results
 from parallelwrapper import ParallelWrapper
 
 
@@ -59,6 +62,32 @@ def plain(batches: list[tuple[torch.Tensor, torch.Tensor]], width: int, repeats:
     return statistics.median(times[1:])
 
 
+def _bare_stage(rank: int, world: int, width: int, batches: list[tuple[torch.Tensor, torch.Tensor]], repeats: int, microbatches: int) -> float:
+    """One stage of torch.distributed.pipelining's own schedule, no wrapper: seconds per pass over `batches`."""
+    stage = PipelineStage(_half(width, rank), rank, world, torch.device("cpu"))
+    kind = Schedule1F1B if microbatches >= world else ScheduleGPipe
+    schedule = kind(stage, microbatches, loss_fn=nn.functional.cross_entropy)
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        for x, y in batches:
+            optimizer.zero_grad()
+            schedule.step(x) if rank == 0 else schedule.step(target=y)
+            optimizer.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _half(width: int, rank: int) -> nn.Module:
+    """The stage of `mlp(width)` that `.pipeline(stages=2)` makes: 4 layers each, the cut at the first
+    place where half the parameters are before it (the ReLU after it goes to stage 1)."""
+    layers = list(mlp(width))
+    return nn.Sequential(*(layers[:7] if rank == 0 else layers[7:]))
+
+
 def wrapped(batches: list[tuple[torch.Tensor, torch.Tensor]], width: int, repeats: int, workers: int, stages: int, microbatches: int) -> float:
     """Seconds per fit of `workers` workers (of `stages` stages each) over `batches`, one thread a process."""
     builder = ParallelWrapper.builder(mlp(width)).workers(workers).threads_per_worker(1).deterministic(True)
@@ -88,6 +117,9 @@ def main() -> None:
     for m in (1, 4, 8):
         t = wrapped(batches, args.width, args.repeats, 1, 2, m)
         rows.append(["1 worker x 2 stages", m, t, one / t, one / t / 2])
+        # torch.distributed.pipelining's schedule alone, in 2 processes: what the wrapper adds to it.
+        bare = run_processes(_bare_stage, 2, args.width, batches, args.repeats, m)[0]
+        rows.append(["bare torch pipelining, 2 processes", m, bare, one / bare, one / bare / 2])
     # Two workers of two stages each against four unsplit workers: the same four processes, each
     # deal of the batches trained by half as many, at twice the speed at best.
     four = wrapped(batches, args.width, args.repeats, 4, 1, 1)
