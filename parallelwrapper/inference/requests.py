@@ -58,7 +58,7 @@ def make_request(x: Any, input_shape: tuple[int, ...] | None) -> Request:
         return Request(x.detach(), single=False)
     return failed(
         f"an input of shape {list(x.shape)} is neither one sample {list(input_shape)} nor a batch "
-        f"[B, {', '.join(map(str, input_shape))}] (.input_shape); reshape it, e.g. x.view({', '.join(map(str, input_shape))})"
+        f"[B, {', '.join(map(str, input_shape))}] (.input_shape); send it in one of those shapes, or build with the .input_shape(...) of its samples"
     )
 
 
