@@ -18,6 +18,7 @@ reads its shard in the dealt order; the main process copies nothing per batch.
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import os
 import queue
 import threading
@@ -218,20 +219,35 @@ class Aborted(RuntimeError):
     """The main process called the worker away from its wait for a batch: a peer failed."""
 
 
+def adopt_environment(environ: dict[str, str]) -> None:
+    """In a worker process: take the environment the main process had when it started this
+    worker, as a spawned process would (a forkserver's child inherits the server's, from the
+    first pool)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def main_process_gone() -> bool:
+    """In a worker process: whether the process that started it has ended. (Not its parent's pid:
+    a worker started through the forkserver is the forkserver's child.)"""
+    parent = multiprocessing.parent_process()
+    return parent is not None and not parent.is_alive()
+
+
 class QueueSource:
     """A worker's view of its queue. Gives up if the parent process is gone, so that a worker
     never outlives the trainer that spawned it, and when `abort` is set. With a `ledger`
     (hosts/ledger.py) each take is recorded, and its slot kept until its round lands."""
 
-    def __init__(self, q: Any, slots: SlotReader, parent_pid: int, abort: Any = None, ledger: Any = None) -> None:
-        self._queue, self._slots, self._parent_pid, self._abort, self.ledger = q, slots, parent_pid, abort, ledger
+    def __init__(self, q: Any, slots: SlotReader, abort: Any = None, ledger: Any = None) -> None:
+        self._queue, self._slots, self._abort, self.ledger = q, slots, abort, ledger
 
     def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
         while True:
             try:
                 item = self._queue.get(timeout=_POLL_S * 10)
             except queue.Empty:
-                if os.getppid() != self._parent_pid:
+                if main_process_gone():
                     raise SystemExit("parallelwrapper worker: the main process is gone") from None
                 if self._abort is not None and self._abort.is_set():
                     raise Aborted("called away from its wait for a batch: another worker failed") from None

@@ -537,11 +537,15 @@ def test_short_compare_run_with_an_outer_optimizer_and_bfloat16(mnist_dir: Path,
 
 
 def spawned_workers(pid: int) -> tuple[list[int], list[int]]:
-    """The pids of the processes a pw-fit process spawned (not its resource tracker): the workers,
-    which hold sockets (the store, gloo), and the standby for replacements, which has joined
-    nothing yet. (Not by pid order: pids wrap around on a busy machine.)"""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    ours = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    """The pids of the processes a pw-fit process started (children of its forkserver): the
+    workers, which hold sockets (the store, gloo), and the standby for replacements, which has
+    joined nothing yet. (Not by pid order: pids wrap around on a busy machine.)"""
+
+    def children(parent: int) -> list[int]:
+        return [int(c) for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+
+    servers = [c for c in children(pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    ours = [c for server in servers for c in children(server)]
 
     def sockets(child: int) -> int:
         return sum(1 for fd in Path(f"/proc/{child}/fd").iterdir() if os.readlink(fd).startswith("socket:"))

@@ -22,7 +22,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
-from ..feed import QueueSource, ShardSource
+from ..feed import QueueSource, ShardSource, adopt_environment, main_process_gone
 from ..slots import SlotReader
 from ..types import BatchSource, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger
@@ -80,15 +80,17 @@ class Channels:
     ledgers: list[Ledger] | None  # with on_worker_failure("replace"): rank r's is ledgers[r]
 
 
-def worker_entry(rank: int | None, config: Config, placement: Placement, store_port: int, channels: Channels, parent_pid: int, generation: int) -> None:
+def worker_entry(rank: int | None, config: Config, placement: Placement, store_port: int, channels: Channels, generation: int, environ: dict[str, str]) -> None:
     """A spawned worker: join the group, then run fit commands until told to close. A standby
     (rank None) has its imports done and waits to be told the rank it takes and its generation.
+    `environ`: the main process's environment when it started this worker, which it takes.
 
     Once its work is done and what it sent is flushed, the process ends at once (os._exit), as a
     forked child does: the interpreter's own teardown of torch takes a third of a second, at
     every close() of every worker, and nothing of a worker's is left for it to save. So
     `atexit` handlers do not run in a worker."""
-    _serve(rank, config, placement, store_port, channels, parent_pid, generation)
+    adopt_environment(environ)
+    _serve(rank, config, placement, store_port, channels, generation)
     for q in (channels.results, channels.free_slots):  # what this worker put in them reaches the pipe
         q.close()
         q.join_thread()
@@ -97,12 +99,12 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
     os._exit(0)
 
 
-def _serve(rank: int | None, config: Config, placement: Placement, store_port: int, c: Channels, parent_pid: int, generation: int) -> None:
+def _serve(rank: int | None, config: Config, placement: Placement, store_port: int, c: Channels, generation: int) -> None:
     world = placement.world_size
     # Ctrl-C in a terminal reaches every process of the group: the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if rank is None:
-        called = _get(c.commands, parent_pid)
+        called = _get(c.commands)
         if called is None:
             return
         rank, generation = called
@@ -115,18 +117,18 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
             dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=placement.processes, timeout=collective_timeout(config))
 
         join(generation)
-        job = _unpickle_job(_get(c.commands, parent_pid))
+        job = _unpickle_job(_get(c.commands))
         hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
         worker, relay = (Worker(job, config, placement, rank, rank, hooks=hooks, own_model=True), _as_is) if config.pipeline is None else stage_worker(job, config, placement, rank, rank, hooks, True)
         del job  # a stage's process holds its own layers only
         me = worker.rank  # the worker this process is (one of its stages, with a pipeline)
         ledger = None if c.ledgers is None else c.ledgers[rank]
-        source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), parent_pid, c.abort, ledger)
+        source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), c.abort, ledger)
         keeper = hooks.keeper = None if ledger is None else Keeper(worker, source, ledger)
         report = _Reports(c.results, rank) if rank == 0 else _ignore
         c.results.put(("ready", rank, None))
         while True:
-            command: FitCommand | Regroup | None = _get(c.commands, parent_pid)
+            command: FitCommand | Regroup | None = _get(c.commands)
             if command is None:
                 break
             stopped = False
@@ -205,10 +207,10 @@ class _Reports:
         self._last = time.monotonic()
 
 
-def _get(q: Any, parent_pid: int) -> Any:
+def _get(q: Any) -> Any:
     while True:
         try:
             return q.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:
+            if main_process_gone():
                 return None

@@ -7,7 +7,7 @@ segments' names, dtypes and shapes.
 A worker holds up to DEPTH batches: while it runs one, the next is written into its other pair
 of segments and waits in its pipe, so it never waits for this process between two batches.
 
-The process discipline is the training's (hosts/spawned.py): a `spawn` context, a module-level
+The process discipline is the training's (hosts/spawned.py): a `forkserver` context, a module-level
 entry, daemons that give up when their parent is gone, a timeout on every wait, close by message,
 join with a timeout, then kill. A worker that dies is started again under the same rank (its
 segments are this process's and stay); one that fails while starting is not: it is `lost`.
@@ -88,7 +88,8 @@ class Pool:
 
     def __init__(self, model: torch.nn.Module, placement: Placement) -> None:
         self._placement = placement
-        self._ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context("forkserver")  # as training's: a worker (re)starts without importing torch
+        self._ctx.set_forkserver_preload(["parallelwrapper.inference.process", "torch._dynamo"])
         # The model goes as its pickle's bytes in shared memory, kept to start a worker again.
         data = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)  # build() checked that it pickles
         self._payload: torch.Tensor = torch.empty(len(data), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
@@ -114,7 +115,7 @@ class Pool:
         """Start `w`'s process; it answers ("ready", None, None) once its replica is built."""
         ours, theirs = self._ctx.Pipe()
         w.process = self._ctx.Process(
-            target=serve, args=(w.rank, self._placement, theirs, os.getpid()), name=f"parallelwrapper-inference-{w.rank}", daemon=True
+            target=serve, args=(w.rank, self._placement, theirs, dict(os.environ)), name=f"parallelwrapper-inference-{w.rank}", daemon=True
         )
         w.process.start()
         theirs.close()

@@ -18,7 +18,6 @@ and back, in the order of the batches (a worker may have two: one runs while the
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import traceback
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from ..env import Placement
+from ..feed import adopt_environment, main_process_gone
 from ..hosts.runtime import claim_device, summary
 from ..slots import Mappings
 from .requests import NOT_A_TENSOR
@@ -55,21 +55,23 @@ def view(segment: shared_memory.SharedMemory, dtype: torch.dtype, shape: tuple[i
     return torch.frombuffer(segment.buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
-def serve(rank: int, placement: Placement, conn: Any, parent_pid: int) -> None:
-    """The worker of `rank`: build the replica, answer ("ready", None, None), then run what comes."""
+def serve(rank: int, placement: Placement, conn: Any, environ: dict[str, str]) -> None:
+    """The worker of `rank`: build the replica, answer ("ready", None, None), then run what comes
+    (in the environment the main process had when it started this worker)."""
+    adopt_environment(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
     mapped = Mappings()
     try:
         try:
             device = claim_device(placement, rank)
             torch.set_num_threads(placement.threads)
-            model = _replica(_receive(conn, parent_pid), device)
+            model = _replica(_receive(conn), device)
         except Exception as e:  # noqa: BLE001 - every failure to start goes back to the main process
             conn.send(("failed", None, f"{summary(e)}\n\n{traceback.format_exc()}"))
             return
         conn.send(("ready", None, None))
         with torch.inference_mode():
-            while (message := _receive(conn, parent_pid)) is not None:
+            while (message := _receive(conn)) is not None:
                 if message[0] == "load":
                     model.load_state_dict(message[1])
                 else:
@@ -111,10 +113,10 @@ def _run(model: torch.nn.Module, batch: Batch, mapped: Mappings, device: torch.d
     return "done", (outputs.dtype, tuple(outputs.shape))
 
 
-def _receive(conn: Any, parent_pid: int) -> Any:
-    """The next message; None (close) when the parent process is gone."""
+def _receive(conn: Any) -> Any:
+    """The next message; None (close) when the main process is gone."""
     while not conn.poll(_POLL_S):
-        if os.getppid() != parent_pid:
+        if main_process_gone():
             return None
     return conn.recv()
 
