@@ -32,6 +32,7 @@ from parallelwrapper.data.mnist import FILES
 from parallelwrapper.models import LeNet
 from parallelwrapper.options import RunOptions, builder, with_lr_schedule
 from parallelwrapper.run import Summary
+from test_faults import interruptible
 
 SUMMARY_TYPES: dict[str, type | tuple[type, ...]] = {
     "test_accuracy": float,
@@ -425,7 +426,7 @@ def test_ctrl_c_says_where_the_checkpoint_is_and_the_command_that_resumes(mnist_
         "--lr", "0.01", "--data-dir", str(mnist_dir), "--train-samples", "30000", "--test-samples", "200",
         "--out", str(tmp_path / "out"), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
     ]  # fmt: skip
-    proc = subprocess.Popen([pw_fit(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([pw_fit(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     try:
         deadline = time.monotonic() + 90
         while not (ckpt / checkpoint.FILENAME).is_file() and time.monotonic() < deadline:

@@ -146,11 +146,18 @@ def running(pid: int) -> bool:
         return False
 
 
+def interruptible() -> None:
+    """In a child about to start: Ctrl-C as a terminal gives it (a shell's background job, as a
+    suite may run, ignores SIGINT, and a process inherits that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("workers", [2, 1], ids=["spawned", "in-process"])
 def test_ctrl_c_stops_every_worker_and_saves_the_last_round(tmp_path: Path, workers: int) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPTS / "interrupt_train.py"), str(tmp_path), str(workers)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=interruptible,  # a suite run as a background job ignores SIGINT, and so would the script
     )
     try:
         assert proc.stdout is not None
