@@ -181,7 +181,9 @@ class Feeder:
                         count += 1
                         if index < skip:
                             continue
-                        packed = self._slots.pack(batch, self._stop)
+                        # Waiting for a slot, put what waits in front: a replacement's lost round
+                        # may hold every slot there is (recovery.refeed).
+                        packed = self._slots.pack(batch, lambda: self._put(None, _NOTHING))
                         if packed is None:
                             return
                         self.sent[packed[0]] = (index, packed)
@@ -194,9 +196,8 @@ class Feeder:
                 for rank in range(self._workers):
                     if not self._put(self._queues[rank % len(self._queues)], _SENTINEL):
                         return
-            while not self._stop.is_set():  # a replacement may yet put a lost round in front
-                if self._put_one(None, _NOTHING):
-                    time.sleep(_POLL_S)
+            while self._put(None, _NOTHING):  # a replacement may yet put a lost round in front
+                time.sleep(_POLL_S)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
             self.error = e
 

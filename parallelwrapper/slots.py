@@ -15,7 +15,7 @@ segments and unlinks them when the pool closes.
 from __future__ import annotations
 
 import queue
-import threading
+from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -131,7 +131,8 @@ class Mappings:
 
 
 class SlotWriter:
-    """The feeder's side: owns the segments; `pack` blocks until a slot is free (or `stop`)."""
+    """The feeder's side: owns the segments; `pack` blocks until a slot is free, or until
+    `keep_waiting` says to give up."""
 
     def __init__(self, free: Any, slots: int) -> None:
         self._free = free  # slot numbers the workers have handed back (a multiprocessing queue)
@@ -139,11 +140,13 @@ class SlotWriter:
         for slot in range(slots):
             free.put(slot)
 
-    def pack(self, batch: Any, stop: threading.Event) -> tuple[int, str, Any] | None:
+    def pack(self, batch: Any, keep_waiting: Callable[[], bool]) -> tuple[int, str, Any] | None:
         """(slot, segment name, skeleton): the batch with each tensor replaced by its place in
-        the slot, where it has been copied."""
+        the slot, where it has been copied; None when `keep_waiting`, called whenever no slot came
+        for a while, returned False. (It is where the waiting caller does its other work: the
+        feeder puts a replacement's batches back meanwhile, whose slots are all the free ones.)"""
         skeleton, tensors, size = _hollow(batch)
-        slot = self._take(stop)
+        slot = self._take(keep_waiting)
         if slot is None:
             return None
         segment = self._segments.get(slot, size)
@@ -160,14 +163,14 @@ class SlotWriter:
             offset += _aligned(nbytes)
         return slot, segment.name, skeleton
 
-    def _take(self, stop: threading.Event) -> int | None:
-        while not stop.is_set():
+    def _take(self, keep_waiting: Callable[[], bool]) -> int | None:
+        while True:
             try:
                 slot: int = self._free.get(timeout=_POLL_S)
                 return slot
             except queue.Empty:
-                continue
-        return None
+                if not keep_waiting():
+                    return None
 
     def close(self) -> None:
         self._segments.close()

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from parallelwrapper import ParallelWrapper, WorkerError
-from parallelwrapper.feed import END_SLOT
+from parallelwrapper.feed import END_SLOT, Feeder
 from parallelwrapper.hosts.ledger import Entry, Ledger, split
+from parallelwrapper.slots import SlotReader, SlotWriter
 from tiny import mlp
 
 pytestmark = pytest.mark.timeout(120)
@@ -211,3 +212,29 @@ def test_a_redo_feeds_again_what_was_taken_for_its_round_or_later() -> None:
     again, free = split(entries, 4, 0)
     assert again == [Entry(4, 5, 0), Entry(3, END_SLOT, 0)] and free == [1, 2]
     assert split(entries, 3, 0) == ([Entry(3, 1, 0), Entry(3, 2, 0), Entry(4, 5, 0), Entry(3, END_SLOT, 0)], [])
+
+
+@pytest.mark.fast
+def test_a_feeder_waiting_for_a_slot_puts_back_a_lost_round_that_holds_every_slot() -> None:
+    """pw-fit --replace-workers once hung here: the feeder waited for a free slot before putting
+    anything, and the lost round it was to put back in front held every slot there was."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    free, q = ctx.Queue(), ctx.Queue(maxsize=4)
+    writer, reader = SlotWriter(free, slots=2), SlotReader(free)
+    feeder = Feeder([torch.full((2,), float(i)) for i in range(4)], 0, 1, 0, [q], 1, writer).start()
+    try:
+        lost = [q.get(timeout=10) for _ in range(2)]  # a worker took both slots' batches, then died
+        time.sleep(0.3)  # the feeder is waiting for a slot
+        feeder.pause()
+        feeder.resume(front=[(q, item) for item in lost])
+        again = [q.get(timeout=10) for _ in range(2)]
+        assert [index for index, _ in again] == [0, 1]
+        assert [float(reader.unpack(*packed)[0]) for _, packed in again] == [0.0, 1.0]  # and hands the slots back
+        rest = [q.get(timeout=10) for _ in range(3)]
+        assert [item and item[0] for item in rest] == [2, 3, None]  # None: the end of the epoch
+    finally:
+        feeder.stop()
+        reader.close()
+        writer.close()
