@@ -18,8 +18,6 @@ reads its shard in the dealt order; the main process copies nothing per batch.
 from __future__ import annotations
 
 import collections
-import multiprocessing
-import os
 import queue
 import threading
 import time
@@ -30,6 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .batches import to_cpu
 from .config import check_int
+from .processes import main_process_gone
 from .slots import SlotReader, SlotWriter
 from .types import END, EndOfEpoch
 
@@ -218,21 +217,6 @@ def drain(q: Any, settle: bool) -> list[Any]:
 
 class Aborted(RuntimeError):
     """The main process called the worker away from its wait for a batch: a peer failed."""
-
-
-def adopt_environment(environ: dict[str, str]) -> None:
-    """In a worker process: take the environment the main process had when it started this
-    worker, as a spawned process would (a forkserver's child inherits the server's, from the
-    first pool)."""
-    os.environ.clear()
-    os.environ.update(environ)
-
-
-def main_process_gone() -> bool:
-    """In a worker process: whether the process that started it has ended. (Not its parent's pid:
-    a worker started through the forkserver is the forkserver's child.)"""
-    parent = multiprocessing.parent_process()
-    return parent is not None and not parent.is_alive()
 
 
 class QueueSource:

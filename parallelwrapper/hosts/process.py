@@ -22,7 +22,8 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from ..checkpoint import make_checkpointer
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
-from ..feed import QueueSource, ShardSource, adopt_environment, main_process_gone
+from ..feed import QueueSource, ShardSource
+from ..processes import adopt_environment, main_process_gone
 from ..slots import SlotReader
 from ..types import BatchSource, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger

@@ -1,7 +1,7 @@
 """Spawned workers: N local processes that live as long as the wrapper, fed from one shared queue,
 and supervised, so that an error, a death or a stall becomes a `WorkerError` naming the worker.
 
-Process discipline (after Lightning Fabric and torchft): a `forkserver` context, never a global
+Process discipline (after Lightning Fabric and torchft): a `forkserver` context (processes.py), never a global
 start method; a module-level worker entry; a timeout on every wait; worker errors sent back as values
 and re-raised with the rank; shutdown by a close message, join with a timeout, then kill.
 Workers are daemons, and each gives up when its parent is gone, so none outlives the trainer.
@@ -18,13 +18,13 @@ import time
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, Feeder, drain, shardable
 from ..pipeline import joined_state
+from ..processes import worker_context
 from ..slots import SlotWriter
 from ..types import FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
 from .ledger import Ledger
@@ -32,9 +32,6 @@ from .process import Channels, worker_entry
 from .recovery import Recovery, Regroup, newest, refeed
 from .supervisor import ProgressBoard, Supervisor
 
-# What the forkserver imports before it forks workers: the worker's code (torch with it), and
-# torch._dynamo, which making any torch optimizer imports (a second, in every worker).
-_PRELOAD = ["parallelwrapper.hosts.process", "torch._dynamo"]
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
@@ -98,13 +95,9 @@ class WorkerPool:
         self.config = config
         self._placement = placement = placement or resolve(config)
         n = placement.world_size
-        # A forkserver, not spawn: every worker is a fresh process that imports your main module,
-        # as with spawn, but forked from a server that imported torch once (once per main
-        # process), so a pool starts in a fraction of a second instead of a second or more per
-        # worker. The server holds no thread and no CUDA context, and each worker takes the main
-        # process's environment of the moment it starts, as a spawned one would.
-        ctx = self._ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        # A forkserver's worker (processes.py) takes the main process's environment of the moment
+        # it starts, as a spawned one would.
+        ctx = self._ctx = worker_context()
         # Plain pickle copies tensors by value. Handed to Process() as objects, they would go
         # through torch's reducers instead, which move the user's model into shared memory that
         # every worker then trains in place, all at once. And the job goes through the command

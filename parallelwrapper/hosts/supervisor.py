@@ -5,10 +5,10 @@ only because that worker was gone (a collective whose connection closed) adds on
 from __future__ import annotations
 
 import queue
-import signal
 import time
 from typing import Any
 
+from ..processes import exit_message
 from ..types import Phase, Where, WorkerError
 
 _POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment
@@ -72,8 +72,8 @@ class Supervisor:
         phase, where, _ = self._board.read(rank)
         exitcode = self._processes[rank].exitcode or 0
         if phase is Phase.TRAINING:
-            return self._error(rank, _exit_message(exitcode, ""), where)
-        return self._error(rank, _exit_message(exitcode, stage))
+            return self._error(rank, exit_message(exitcode, ""), where)
+        return self._error(rank, exit_message(exitcode, stage))
 
     def _error(self, process: int, summary: str, where: Where | None = None) -> WorkerError:
         """A WorkerError naming process `process`'s worker, and its stage in a pipeline."""
@@ -155,20 +155,3 @@ class Supervisor:
             elif message[0] != "error":
                 on_other(message)
         return got
-
-
-def _exit_message(exitcode: int, stage: str) -> str:
-    during = f" while {stage}" if stage else ""
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"the process was killed by {name}{during} (out of memory?)"
-    hint = (
-        "; its own error is on stderr above. A script that trains must guard its entry point with "
-        "`if __name__ == '__main__':`, because each worker imports the main module"
-        if stage == "starting"
-        else ""
-    )
-    return f"the process exited with code {exitcode}{during}{hint}"

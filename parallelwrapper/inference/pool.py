@@ -24,10 +24,9 @@ from multiprocessing.connection import wait
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp  # its reducers send the model's pickle and new states in shared memory
 
 from ..env import Placement
-from ..hosts.supervisor import _exit_message
+from ..processes import exit_message, worker_context
 from ..slots import Segments
 from .process import Batch, serve, view
 from .requests import Request
@@ -88,8 +87,7 @@ class Pool:
 
     def __init__(self, model: torch.nn.Module, placement: Placement) -> None:
         self._placement = placement
-        self._ctx = mp.get_context("forkserver")  # as training's: a worker (re)starts without importing torch
-        self._ctx.set_forkserver_preload(["parallelwrapper.inference.process", "torch._dynamo"])
+        self._ctx = worker_context()  # as training's: a worker (re)starts without importing torch
         # The model goes as its pickle's bytes in shared memory, kept to start a worker again.
         data = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)  # build() checked that it pickles
         self._payload: torch.Tensor = torch.empty(len(data), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
@@ -143,7 +141,7 @@ class Pool:
     def died(self, w: Worker, stage: str) -> str:
         """`w`'s process has ended: what to tell the requests it held. One that never got ready is lost."""
         w.process.join(timeout=_JOIN_TIMEOUT_S)
-        why = _exit_message(w.process.exitcode or 0, stage)
+        why = exit_message(w.process.exitcode or 0, stage)
         if not w.ready:
             w.lost = w.lost or why
         w.ready = False

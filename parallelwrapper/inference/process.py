@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..env import Placement
-from ..feed import adopt_environment, main_process_gone
 from ..hosts.runtime import claim_device, summary
+from ..processes import adopt_environment, main_process_gone
 from ..slots import Mappings
 from .requests import NOT_A_TENSOR
 

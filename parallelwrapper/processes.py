@@ -1,0 +1,63 @@
+"""Worker processes, for training (hosts/spawned.py) and for inference (inference/pool.py): how
+they start, what they take from the main process, and how they learn that it is gone.
+
+Both pools start their workers from one `forkserver`, never a global start method: every worker
+is a fresh process that imports your main module, as with spawn, but forked from a server that
+imported torch once per main process, so a pool starts in a fraction of a second instead of a
+second or more per worker. The server holds no thread and no CUDA context. It is started once,
+by the first pool, and imports what either kind of worker needs (`_PRELOAD`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from typing import Any
+
+import torch.multiprocessing as mp
+
+# What the forkserver imports before it forks a worker: both workers' code (torch with it), and
+# torch._dynamo, which making any torch optimizer imports (a second, in every worker).
+_PRELOAD = ["parallelwrapper.hosts.process", "parallelwrapper.inference.process", "torch._dynamo"]
+
+
+def worker_context() -> Any:
+    """The multiprocessing context every worker starts from. (torch's, whose reducers send
+    tensors through shared memory.)"""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def adopt_environment(environ: dict[str, str]) -> None:
+    """In a worker process: take the environment the main process had when it started this
+    worker, as a spawned process would (a forkserver's child inherits the server's, from the
+    first pool)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def main_process_gone() -> bool:
+    """In a worker process: whether the process that started it has ended. (Not its parent's pid:
+    a worker started through the forkserver is the forkserver's child.)"""
+    parent = multiprocessing.parent_process()
+    return parent is not None and not parent.is_alive()
+
+
+def exit_message(exitcode: int, stage: str) -> str:
+    """Why a worker process ended, said from its exit code, and while doing what (`stage`)."""
+    during = f" while {stage}" if stage else ""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"the process was killed by {name}{during} (out of memory?)"
+    hint = (
+        "; its own error is on stderr above. A script that trains must guard its entry point with "
+        "`if __name__ == '__main__':`, because each worker imports the main module"
+        if stage == "starting"
+        else ""
+    )
+    return f"the process exited with code {exitcode}{during}{hint}"
