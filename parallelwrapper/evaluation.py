@@ -25,7 +25,12 @@ def classification_metrics(model: torch.nn.Module, batch: Any, loss_fn: Callable
     (batch, ...), as cross_entropy takes them. Other outputs are a ValueError that says to pass a
     validation step of one's own."""
     inputs, targets = batch
-    outputs = model(inputs)
+    return scored_outputs(model(inputs), targets, loss_fn)
+
+
+def scored_outputs(outputs: Any, targets: Any, loss_fn: Callable[..., torch.Tensor] | None) -> dict[str, Any]:
+    """classification_metrics of a batch's outputs, however they were computed (a pipeline's
+    last stage has them, not the model)."""
     classifier = (
         isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() >= 2
         and outputs.shape[0] == targets.shape[0] and outputs.shape[2:] == targets.shape[1:]
@@ -75,7 +80,12 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 
 def _default_validation(model: torch.nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None) -> dict[str, Any]:
-    return {f"val_{name}": value for name, value in classification_metrics(model, batch, loss_fn).items()}
+    return validation_of(classification_metrics(model, batch, loss_fn))
+
+
+def validation_of(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The default validation's names for classification_metrics: val_loss, val_accuracy."""
+    return {f"val_{name}": value for name, value in metrics.items()}
 
 
 def validation_metrics(job: Job) -> Metrics:
@@ -103,4 +113,4 @@ def check_validation(job: Job, model: torch.nn.Module, precision: str) -> None:
         ) from e
 
 
-__all__ = ["autocast", "check_validation", "classification_metrics", "metric_sums", "validation_metrics"]
+__all__ = ["autocast", "check_validation", "classification_metrics", "metric_sums", "scored_outputs", "validation_metrics", "validation_of"]

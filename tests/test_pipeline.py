@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import torchrun_pipeline
 from parallelwrapper import ParallelWrapper, WorkerError
-from parallelwrapper.config import Config, Job, Pipeline
+from parallelwrapper.config import Config, Job, OuterSpec, Pipeline
 from parallelwrapper.env import resolve
 from parallelwrapper.models import LeNet
 from parallelwrapper.pipeline import joined_state, stage_module
-from parallelwrapper.pipeline.split import boundaries, optimizer_names, stage_state
+from parallelwrapper.pipeline.split import Names, boundaries, stage_state
+from parallelwrapper.pipeline.stage import microbatches
 from parallelwrapper.types import TrainingState
+from parallelwrapper.wrapper import Builder
 from test_torchrun import two_agents
 
 
@@ -87,12 +90,18 @@ def test_a_split_that_does_not_fit_the_model_is_refused_at_build(model: nn.Modul
 
 @pytest.mark.fast
 def test_options_a_pipeline_does_not_run_with_are_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match=r"pipeline\(stages=2\) does not go with overlap_averaging"):
-        ParallelWrapper.builder(LeNet()).pipeline(stages=2).overlap_averaging(True).build()
-    with pytest.raises(ValueError, match="does not go with validation"):
-        ParallelWrapper.builder(LeNet()).pipeline(stages=2).validation(lenet_batches(1)).build()
+    with pytest.raises(ValueError, match=r"pipeline\(stages=2\) does not go with gradient_clipping"):
+        ParallelWrapper.builder(LeNet()).pipeline(stages=2).gradient_clipping(1.0).build()
+    with pytest.raises(ValueError, match=r"does not go with validation\(step=fn\): fn\(model, batch\) takes the whole model"):
+        ParallelWrapper.builder(LeNet()).pipeline(stages=2).validation(lenet_batches(1), step=lambda model, batch: {}).build()
     with pytest.raises(ValueError, match="schedule must be '1f1b' or 'gpipe'"):
         Pipeline(2, schedule="interleaved")
+
+
+@pytest.mark.fast
+def test_a_batch_is_cut_into_the_most_equal_microbatches_up_to_m() -> None:
+    assert [microbatches(n, 4) for n in (8, 10, 3, 1, 113)] == [4, 2, 3, 1, 1]
+    assert microbatches(12, 8) == 6 and microbatches(3, 2) == 1
 
 
 @pytest.mark.fast
@@ -110,28 +119,35 @@ def test_stages_are_placed_worker_by_worker() -> None:
 
 
 def _trained(model: nn.Module) -> TrainingState:
+    """The model's state after a step of Adam, and of an outer SGD with momentum (outer.OuterStep
+    numbers its state by the trained parameters, in the model's order)."""
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(4, 16)).sum().backward()
     optimizer.step()
-    return TrainingState(model.state_dict(), optimizer.state_dict(), None, None)
+    outer = torch.optim.SGD([p.detach().clone().requires_grad_() for p in model.parameters()], lr=0.7, momentum=0.9)
+    for p in outer.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    outer.step()
+    return TrainingState(model.state_dict(), optimizer.state_dict(), None, outer.state_dict())
 
 
 @pytest.mark.fast
 def test_a_state_cut_into_stages_joins_back_whole() -> None:
     model = eight_layers()
     whole = _trained(model)
-    job = Job(model, torch.optim.Adam, {"lr": 0.1}, None, None)
-    names = optimizer_names(job.make_optimizer(model), model)
+    job = Job(model, torch.optim.Adam, {"lr": 0.1}, None, None, outer_optimizer=OuterSpec(torch.optim.SGD, {"lr": 0.7, "momentum": 0.9}))
+    names = Names.of(model, job.make_optimizer(model))
     parts = []
     for s in range(2):
         stage = stage_module(model, 2, None, s)
-        parts.append(stage_state(whole, stage, job.make_optimizer(stage), names))
-        assert len(parts[s].optimizer["state"]) == 8  # four layers' weights and biases
+        parts.append(stage_state(whole, names, stage, job.make_optimizer(stage)))
+        assert len(parts[s].optimizer["state"]) == len(parts[s].outer_optimizer["state"]) == 8  # four layers' weights and biases
     joined = joined_state(parts, job, Pipeline(2))
     assert joined.model.keys() == whole.model.keys()
-    assert joined.optimizer["param_groups"] == whole.optimizer["param_groups"]
-    for i, state in whole.optimizer["state"].items():
-        assert all(torch.equal(state[k], joined.optimizer["state"][i][k]) for k in ("exp_avg", "exp_avg_sq"))
+    for mine, theirs, keys in ((joined.optimizer, whole.optimizer, ("exp_avg", "exp_avg_sq")), (joined.outer_optimizer, whole.outer_optimizer, ("momentum_buffer",))):
+        assert mine["param_groups"] == theirs["param_groups"]
+        for i, state in theirs["state"].items():
+            assert all(torch.equal(state[k], mine["state"][i][k]) for k in keys)
 
 
 @pytest.mark.fast
@@ -153,16 +169,18 @@ def test_each_stage_holds_its_share_of_parameters_and_optimizer_state() -> None:
             assert abs(held(stage_module(model, stages, None, s)) / (whole / stages) - 1) < 0.1
 
 
-def _lenet_fit(microbatches: int | None) -> dict[str, torch.Tensor]:
-    """LeNet trained by 2 workers, unsplit (None) or of 2 stages, as tests/scripts/torchrun_pipeline.py does."""
+def _lenet_fit(microbatches: int | None, fits: int = 1, options: Callable[[Builder], Builder] = lambda b: b) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    """LeNet trained by 2 workers, unsplit (None) or of 2 stages, as tests/scripts/torchrun_pipeline.py
+    does (validated after every round), with `options`, in `fits` calls of fit(): the final state
+    and the validations' metrics."""
     torch.manual_seed(0)
     model = LeNet()
-    builder = torchrun_pipeline.builder(model).workers(2)
+    builder = options(torchrun_pipeline.builder(model).workers(2))
     if microbatches is not None:
         builder = builder.pipeline(stages=2, microbatches=microbatches)
     with builder.build() as wrapper:
-        wrapper.fit(torchrun_pipeline.data(), epochs=1)
-    return model.state_dict()
+        histories = [wrapper.fit(torchrun_pipeline.data(), epochs=1) for _ in range(fits)]
+    return model.state_dict(), [v.metrics for history in histories for v in history.validations]
 
 
 def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -174,23 +192,49 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_two_workers_of_two_stages_train_lenet_as_two_unsplit_workers() -> None:
     """Parity (issue 24): with M microbatches a step is gradient accumulation over them, so the
     weights match to float rounding. M = 1 runs GPipe (1F1B with fewer microbatches than
-    stages is GPipe), M = 2 runs 1F1B."""
-    reference = _lenet_fit(None)
-    for microbatches in (1, 2):
-        assert _worst(reference, _lenet_fit(microbatches)) < 1e-5, microbatches
+    stages is GPipe), M = 4 runs 1F1B. Validation runs forward through the stages and scores
+    as the unsplit workers do."""
+    reference, validations = _lenet_fit(None)
+    assert len(validations) == 2 and validations[0].keys() == {"val_loss", "val_accuracy"}
+    for m in (1, 4):
+        state, scored = _lenet_fit(m)
+        assert _worst(reference, state) < 1e-5, m
+        for mine, theirs in zip(scored, validations, strict=True):  # the stages score as one model does
+            assert mine == pytest.approx(theirs, abs=1e-5), m
+
+
+@pytest.mark.filterwarnings("ignore:4 processes")
+@pytest.mark.timeout(90)
+def test_overlap_and_an_outer_optimizer_per_stage_train_as_unsplit_workers() -> None:
+    """Each stage's round lands during the next (Streaming DiLoCo's outer step) and its outer
+    optimizer steps its own parameters: the stages end as the unsplit workers do, over two fit()
+    calls (the outer optimizer's state is cut into stages and joined back in between)."""
+
+    def streaming(b: Builder) -> Builder:
+        return b.overlap_averaging(True).outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+    reference, validations = _lenet_fit(None, fits=2, options=streaming)
+    state, scored = _lenet_fit(4, fits=2, options=streaming)
+    assert _worst(reference, state) < 1e-5
+    assert len(scored) == len(validations) >= 2  # an epoch end's, in each fit
+    for mine, theirs in zip(scored, validations):
+        assert mine == pytest.approx(theirs, abs=1e-5)
 
 
 @pytest.mark.timeout(150)
 def test_under_torchrun_two_nodes_of_one_pipeline_each_train_as_two_unsplit_workers(tmp_path: Path) -> None:
     """Two torchrun agents as two nodes on loopback, two processes each: worker w's two stages
-    are ranks 2w and 2w + 1, on node w. Every rank ends with the whole model, the unsplit one."""
+    are ranks 2w and 2w + 1, on node w. Every rank ends with the whole model, the unsplit one, and
+reports the unsplit workers' validations."""
     two_agents(Path(torchrun_pipeline.__file__), tmp_path, 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert {r["placement"].split(" on ")[0] for r in ranks} == {"2 workers x 2 stages under torchrun, 2"}
     assert {r["world_size"] for r in ranks} == {2}
-    reference = _lenet_fit(None)
+    reference, validations = _lenet_fit(None)
     for r in ranks:
         assert _worst(reference, r["model"]) < 1e-5
+        for mine, theirs in zip(r["validations"], validations, strict=True):
+            assert mine == pytest.approx(theirs, abs=1e-5)
 
 
 class _DiesOnProcess(nn.Module):

@@ -38,7 +38,7 @@ from ..config import Config, Job
 from ..env import Placement
 from ..feed import FeedError
 from ..pipeline import Position, RelaySource, StageReplica, join_groups, stage_module
-from ..pipeline.split import optimizer_names
+from ..pipeline.split import Names
 from ..rounds import Node
 from ..types import BatchSource, Counters, FitCommand, Hooks, Reporter, Stopped, TrainingError, TrainingState, WorkerError
 from ..worker import Replica
@@ -190,7 +190,7 @@ def stage_worker(job: Job, config: Config, placement: Placement, process: int, l
     assert config.pipeline is not None
     spec, position = config.pipeline, Position.of(process, placement.stages)
     group, pipe = join_groups(position, placement.world_size)
-    whole_names = optimizer_names(job.make_optimizer(job.model), job.model)
+    whole_names = Names.of(job.model, job.make_optimizer(job.model))
     job = dataclasses.replace(job, model=stage_module(job.model, spec.stages, spec.split, position.stage))
     make = functools.partial(StageReplica, position=position, pipe=pipe, whole_names=whole_names)
     worker = Worker(job, config, placement, position.worker, local_rank, group=group, hooks=hooks, own_model=own_model, make_replica=make, stage=position.stage)

@@ -5,7 +5,8 @@ a pipeline of S stage processes, stage s holding only its layers and their optim
 - stage.py is a stage's process-side: its groups, the batches it takes, its schedule step.
 
 The round protocol is unchanged: stage s of every worker averages its own state with the others'
-stage s, in a group of its own, every k steps (hosts/process.py wires a stage's worker).
+stage s, in a group of its own, every k steps (hosts/process.py wires a stage's worker), with
+overlap and an outer optimizer over the stage's parameters as without a pipeline.
 `check` refuses, at build(), the options this version does not run with a pipeline.
 """
 
@@ -25,16 +26,14 @@ def check(config: Config, job: Job) -> None:
     boundaries(job.model, spec.stages, spec.split)
     refused = (
         (config.training_mode is not TrainingMode.AVERAGING, "TrainingMode.SHARED_GRADIENTS: stages average their state in rounds; use TrainingMode.AVERAGING"),
-        (config.overlap_averaging, "overlap_averaging: a stage's next round needs its neighbours' landed state in this version; drop .overlap_averaging(True)"),
         (config.on_worker_failure == "replace", 'on_worker_failure("replace"): a lost stage would take its whole pipeline with it; drop it'),
         (config.hierarchy != "none", "hierarchy: its node groups are not stage groups; drop .hierarchy()"),
         (config.precision != "32", "precision other than '32': the schedule's activations travel in float32; drop .precision()"),
         (config.gradient_clip_norm is not None, "gradient_clipping: each stage sees only its gradients' norm, not the whole's; drop .gradient_clipping()"),
         (config.checkpoint_dir is not None, "checkpoint: a checkpoint of a pipeline's stages is not written in this version; drop .checkpoint(dir)"),
-        (job.validation_data is not None, "validation: scoring needs a forward through every stage, which this version has not; use wrapper.evaluate(data) after fit()"),
+        (job.validation_step is not None, "validation(step=fn): fn(model, batch) takes the whole model, which no stage holds; drop step= for val_loss and val_accuracy"),
         (job.training_step is not None or job.loss_fn is None, "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss(fn)"),
         (job.before_step is not None, "before_step: each stage holds only a part of the model; drop .before_step(fn)"),
-        (job.outer_optimizer is not None, "outer_optimizer: its state is not cut into stages in this version; drop .outer_optimizer(...)"),
     )
     for bad, reason in refused:
         if bad:

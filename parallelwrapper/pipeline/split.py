@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..config import Job, Pipeline
+from ..rounds.state import trained_parameters
 from ..types import TrainingState
 
 _HINT = "give an nn.Sequential, or a module whose pipeline_layers() returns its (name, layer) pairs in forward order"
@@ -77,60 +79,72 @@ def stage_module(model: torch.nn.Module, stages: int, split: Sequence[str] | Non
     return torch.nn.Sequential(OrderedDict(pairs[starts[stage] : end]))
 
 
-def optimizer_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[str]:
-    """The names of the optimizer's parameters, in the order its state dict numbers them."""
-    name_of = {id(p): name for name, p in model.named_parameters()}
-    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+@dataclass(frozen=True)
+class Names:
+    """A model's parameter names by the index its optimizers' state dicts number them: the
+    optimizer's (in its groups' order) and the outer optimizer's (the trained parameters, in the
+    model's order: rounds.state.trained_parameters)."""
+
+    optimizer: list[str]
+    trained: list[str]
+
+    @staticmethod
+    def of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Names:
+        name_of = {id(p): name for name, p in model.named_parameters()}
+        return Names(
+            [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]],
+            [name_of[id(p)] for p in trained_parameters(model, optimizer)],
+        )
 
 
-def stage_state(whole: TrainingState, stage: torch.nn.Module, optimizer: torch.optim.Optimizer, whole_names: list[str]) -> TrainingState:
+def stage_state(whole: TrainingState, whole_names: Names, stage: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingState:
     """The part of the whole model's state that `stage` (trained by `optimizer`) holds. The
-    optimizer's per-parameter state goes by name; its groups' settings are the whole's (a stage's
-    groups are the whole's groups, each restricted to the stage's parameters)."""
+    optimizers' per-parameter state goes by name; their groups' settings are the whole's (a
+    stage's groups are the whole's groups, each restricted to the stage's parameters)."""
     keys = stage.state_dict().keys()
-    model = {k: v for k, v in whole.model.items() if k in keys}
-    by_name = {whole_names[i]: s for i, s in whole.optimizer["state"].items()}
-    mine = optimizer_names(optimizer, stage)
-    index = {name: i for i, name in enumerate(mine)}
+    mine = Names.of(stage, optimizer)
+    groups = [len(g["params"]) for g in optimizer.param_groups]
+    inner = _cut(whole.optimizer, whole_names.optimizer, mine.optimizer, groups)
+    outer = None if whole.outer_optimizer is None else _cut(whole.outer_optimizer, whole_names.trained, mine.trained, [len(mine.trained)])
+    return TrainingState({k: v for k, v in whole.model.items() if k in keys}, inner, whole.lr_scheduler, outer)
+
+
+def _cut(whole: dict[str, Any], whole_names: list[str], names: list[str], sizes: list[int]) -> dict[str, Any]:
+    """An optimizer's state dict restricted to the parameters `names` (numbered as the stage's
+    optimizer numbers them, in groups of `sizes`), from the whole's (numbered by `whole_names`).
+    Each group's settings are those of the whole's group that holds its first parameter."""
+    by_name = {whole_names[i]: s for i, s in whole["state"].items()}
+    settings = {whole_names[i]: {k: v for k, v in g.items() if k != "params"} for g in whole["param_groups"] for i in g["params"]}
     groups, start = [], 0
-    for group, settings in zip(optimizer.param_groups, _settings_of(whole.optimizer, whole_names, mine)):
-        groups.append({**settings, "params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
-    state = {index[name]: s for name, s in by_name.items() if name in index}
-    return TrainingState(model, {"state": state, "param_groups": groups}, whole.lr_scheduler, whole.outer_optimizer)
+    for size in sizes:
+        groups.append({**settings[names[start]], "params": list(range(start, start + size))})
+        start += size
+    return {"state": {i: by_name[name] for i, name in enumerate(names) if name in by_name}, "param_groups": groups}
 
 
-def _settings_of(whole: dict[str, Any], whole_names: list[str], mine: list[str]) -> list[dict[str, Any]]:
-    """The whole optimizer's group settings for each group of a stage's, found by its first parameter."""
-    group_of: dict[str, dict[str, Any]] = {}
-    for group in whole["param_groups"]:
-        for i in group["params"]:
-            group_of[whole_names[i]] = {k: v for k, v in group.items() if k != "params"}
-    # A stage's groups hold its parameters in the whole's group order, so each group's first
-    # parameter says which of the whole's groups it is.
-    firsts, seen = [], set()
-    for name in mine:
-        settings = group_of[name]
-        if id(settings) not in seen:
-            seen.add(id(settings))
-            firsts.append(settings)
-    return firsts
+def _join(parts: list[dict[str, Any]], names: list[list[str]], whole_names: list[str], whole_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole optimizer's state dict (numbered by `whole_names`, in `whole_groups`) from its
+    stages' (each numbered by its `names`). Each group's settings are as the stages left them (a
+    schedule moves the learning rate), found by the group's first parameter, which is the first
+    of a stage's group too."""
+    by_name = {n[i]: s for part, n in zip(parts, names) for i, s in part["state"].items()}
+    settings = {n[g["params"][0]]: g for part, n in zip(parts, names) for g in part["param_groups"] if g["params"]}
+    groups = [{**settings.get(whole_names[g["params"][0]], g), "params": g["params"]} if g["params"] else g for g in whole_groups]
+    return {"state": {i: by_name[name] for i, name in enumerate(whole_names) if name in by_name}, "param_groups": groups}
 
 
 def joined_state(parts: list[TrainingState], job: Job, spec: Pipeline) -> TrainingState:
     """The whole model's state from its stages' (a worker's, in stage order), laid out as the
-    optimizer that `job` makes for the whole model lays its state out."""
+    optimizers that `job` makes for the whole model lay their states out. (The outer optimizer
+    has one group, over every trained parameter: outer.OuterStep.)"""
     whole_optimizer = job.make_optimizer(job.model)  # no state yet: a few lists of the user's parameters
-    whole_names = optimizer_names(whole_optimizer, job.model)
-    names = []
-    for s in range(spec.stages):
-        stage = stage_module(job.model, spec.stages, spec.split, s)
-        names.append(optimizer_names(job.make_optimizer(stage), stage))
+    whole = Names.of(job.model, whole_optimizer)
+    stages = [stage_module(job.model, spec.stages, spec.split, s) for s in range(spec.stages)]
+    names = [Names.of(stage, job.make_optimizer(stage)) for stage in stages]
     model = {k: v for part in parts for k, v in part.model.items()}
-    by_name = {stage_names[i]: s for part, stage_names in zip(parts, names) for i, s in part.optimizer["state"].items()}
-    state = {i: by_name[name] for i, name in enumerate(whole_names) if name in by_name}
-    # Each group's settings as the stages left them (a schedule moves the learning rate), found by
-    # the group's first parameter, which is the first of a stage's group too.
-    settings = {stage_names[g["params"][0]]: g for part, stage_names in zip(parts, names) for g in part.optimizer["param_groups"] if g["params"]}
-    groups = [{**settings.get(whole_names[g["params"][0]], g), "params": g["params"]} if g["params"] else g for g in whole_optimizer.state_dict()["param_groups"]]
-    return TrainingState(model, {"state": state, "param_groups": groups}, parts[0].lr_scheduler, None)
+    inner = _join([p.optimizer for p in parts], [n.optimizer for n in names], whole.optimizer, whole_optimizer.state_dict()["param_groups"])
+    outer = None
+    if parts[0].outer_optimizer is not None:
+        one_group = [{"params": list(range(len(whole.trained)))}]
+        outer = _join([p.outer_optimizer for p in parts if p.outer_optimizer is not None], [n.trained for n in names], whole.trained, one_group)
+    return TrainingState(model, inner, parts[0].lr_scheduler, outer)

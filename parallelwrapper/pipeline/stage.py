@@ -7,8 +7,9 @@ order (`new_group` is collective over the world):
   workers' whole state is averaged without a pipeline;
 - the S stages of one worker: activations forward and gradients backward between neighbours, by
   `torch.distributed.pipelining` (GPipe or 1F1B, Huang et al. 2019; Narayanan et al. 2019).
-Each batch is cut into M microbatches; the schedule scales the gradients by 1/M, so that a step
-on M microbatches of the mean loss is the step on the whole batch (equal microbatches).
+Each batch is cut into M equal microbatches (fewer, for a batch size that M does not divide:
+`microbatches`); the schedule scales the gradients by 1/M, so that a step on M microbatches of
+the mean loss is the step on the whole batch.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from ..batches import move_to
 from ..config import Config, Job
-from ..types import END, BatchSource, EndOfEpoch, TrainingError, TrainingState
+from ..evaluation import scored_outputs, validation_of
+from ..feed import rank_share
+from ..types import END, BatchSource, EndOfEpoch, TrainingState
 from ..worker import Replica
-from .split import joined_state, optimizer_names, stage_state
+from .split import Names, joined_state, stage_state
 
 
 @dataclass(frozen=True)
@@ -77,18 +81,17 @@ class StageReplica(Replica):
     """A worker's replica that holds one stage of the model (`model`, from split.stage_module) and
     its optimizer, and steps by the pipeline schedule. It loads and gives its part of the whole
     model's state, so hosts and checkpoints see whole states (`whole_names`: the whole
-    optimizer's parameter names, by index)."""
+    model's, by the index its optimizers number them)."""
 
     def __init__(self, model: torch.nn.Module, job: Job, config: Config, device: torch.device, rank: int, world_size: int, *,
-                 position: Position, pipe: dist.ProcessGroup, whole_names: list[str], **kwargs: Any) -> None:  # fmt: skip
+                 position: Position, pipe: dist.ProcessGroup, whole_names: Names, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(model, job, config, device, rank, world_size, **kwargs)
         assert config.pipeline is not None and job.loss_fn is not None  # pipeline.check, at build()
         self.position, self.pipe, self.whole_names, self.spec = position, pipe, whole_names, config.pipeline
-        self.names = optimizer_names(self.optimizer, model)
-        self._schedules: dict[int, Any] = {}  # by batch size: a stage's buffers are shaped at its first step
+        self._schedules: dict[Any, Any] = {}  # by batch size: a stage's buffers are shaped at its first step
 
     def load_state(self, state: TrainingState) -> None:
-        super().load_state(stage_state(state, self.model, self.optimizer, self.whole_names))
+        super().load_state(stage_state(state, self.whole_names, self.model, self.optimizer))
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """This stage's part of the schedule on the batch's microbatches, and the batch's mean
@@ -107,17 +110,57 @@ class StageReplica(Replica):
         dist.broadcast(loss, src=self.position.first + self.position.stages - 1, group=self.pipe)
         return loss
 
+    @torch.no_grad()
+    def validation_sums(self, rank: int, world_size: int) -> tuple[dict[str, float], int] | None:
+        """The default validation (val_loss, val_accuracy) of this worker's share, in eval mode, by
+        a forward-only pass of the pipeline: the last stage scores the outputs and sends the sums
+        to the others, so that every stage reports the same metrics."""
+        if self.job.validation_data is None:
+            return None
+        sums: dict[str, float] = {}
+        count = 0
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for batch in rank_share(self.job.validation_data, rank, world_size):
+                inputs, targets = move_to(batch, self.device)
+                n = int(targets.shape[0])
+                forward = self._forward_only(n)
+                outputs = forward.step(inputs) if self.position.stage == 0 else forward.step()
+                if self.position.last:
+                    for name, value in validation_of(scored_outputs(outputs, targets, self.job.loss_fn)).items():
+                        sums[name] = sums.get(name, 0.0) + float(value) * n
+                count += n
+        finally:
+            self.model.train(was_training)
+        message = [sums]
+        dist.broadcast_object_list(message, src=self.position.first + self.position.stages - 1, group=self.pipe)
+        return message[0], count
+
+    def _forward_only(self, n: int) -> Any:
+        """A GPipe schedule without a loss, which runs forwards only, for batches of `n`."""
+        key = ("forward", n)
+        if key not in self._schedules:
+            stage = PipelineStage(self.model, self.position.stage, self.position.stages, self.device, group=self.pipe)
+            self._schedules[key] = ScheduleGPipe(stage, microbatches(n, self.spec.microbatches))
+        return self._schedules[key]
+
     def _schedule(self, n: int) -> Any:
         if n not in self._schedules:
-            if n < self.spec.microbatches:
-                raise TrainingError(f"a batch of {n} samples cannot be cut into {self.spec.microbatches} microbatches; use batches of at least that many, or fewer microbatches")
+            m = microbatches(n, self.spec.microbatches)
             stage = PipelineStage(self.model, self.position.stage, self.position.stages, self.device, group=self.pipe)
             # With fewer microbatches than stages, 1F1B's warm-up takes them all: it is GPipe, which
             # torch's Schedule1F1B refuses to run, so GPipe runs it.
-            one_f_one_b = self.spec.schedule == "1f1b" and self.spec.microbatches >= self.position.stages
-            kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
-            self._schedules[n] = kind(stage, self.spec.microbatches, loss_fn=self.job.loss_fn)
+            kind = Schedule1F1B if self.spec.schedule == "1f1b" and m >= self.position.stages else ScheduleGPipe
+            self._schedules[n] = kind(stage, m, loss_fn=self.job.loss_fn)
         return self._schedules[n]
+
+
+def microbatches(n: int, most: int) -> int:
+    """How many microbatches a batch of `n` samples is cut into: the most, up to `most`, that cut
+    it into equal parts. A stage shapes its buffers at its first microbatch, so a smaller last one
+    would not fit them; and the mean of equal parts' mean losses is the batch's mean loss."""
+    return max(m for m in range(1, min(n, most) + 1) if n % m == 0)
 
 
 def gathered_state(replica: StageReplica, job: Job) -> TrainingState:
