@@ -88,6 +88,8 @@ class RunOptions:
     fragments: int = 1  # with overlap_averaging: the state averaged in n fragments through the round (Builder.fragments)
     replace_workers: int = 0  # replace a failed worker up to N times (Builder.on_worker_failure); 0: a failure ends the run
     gradient_threshold: float | None = None  # shared gradients threshold-encoded, τ starting here (Builder.gradient_encoding); None: dense
+    stages: int = 1  # each worker a pipeline of this many stage processes (Builder.pipeline); 1: none
+    microbatches: int = 1  # with stages > 1: each batch cut into this many for the pipeline's schedule
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
@@ -97,6 +99,10 @@ class RunOptions:
         check_int("checkpoint_every", self.checkpoint_every)
         check_int("val_every", self.val_every, 0)
         check_int("replace_workers", self.replace_workers, 0)
+        check_int("stages", self.stages)
+        check_int("microbatches", self.microbatches)
+        if self.microbatches > 1 and self.stages == 1:
+            raise ValueError(f"microbatches {self.microbatches} cut a pipeline's batches, which --stages N (stages=N) of 2 or more makes: add it")
         if self.early_stopping_patience is not None:
             check_int("early_stopping_patience", self.early_stopping_patience)
             if self.val_every == 0:
@@ -210,6 +216,8 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         b = b.on_worker_failure("replace", max_replacements=options.replace_workers)
     if options.gradient_threshold is not None:
         b = b.gradient_encoding(options.gradient_threshold)
+    if options.stages > 1:
+        b = b.pipeline(stages=options.stages, microbatches=options.microbatches)
     checkpoints = options.checkpoint_dir or options.resume
     if checkpoints is not None:
         b = b.checkpoint(checkpoints, every=options.checkpoint_every)

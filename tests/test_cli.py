@@ -28,6 +28,7 @@ from click.testing import CliRunner, Result
 from parallelwrapper import TrainingMode, checkpoint, cli
 from parallelwrapper.communication import estimated_communication
 from parallelwrapper.compare import CSV_FIELDS, CompareOptions
+from parallelwrapper.config import Pipeline
 from parallelwrapper.data.mnist import FILES
 from parallelwrapper.models import LeNet
 from parallelwrapper.options import RunOptions, builder, with_lr_schedule
@@ -174,6 +175,9 @@ def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, A
         assert (w.config.fragments, w.config.overlap_averaging) == (3, True)
     with pytest.raises(ValueError, match=r"fragments\(3\) spreads each round's averaging"):
         builder(LeNet(), RunOptions(fragments=3)).build()
+    assert invoke("--stages", "2", "--microbatches", "4").exit_code == 0
+    with builder(LeNet(), captured["train"]).build() as w:
+        assert w.config.pipeline == Pipeline(2, None, 4, "1f1b") and str(w.placement).startswith("2 workers x 2 stages")
 
 
 @pytest.mark.parametrize(
@@ -257,6 +261,8 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["--payload-dtype", "int16"], ["--payload-dtype", "'int16' is not one of 'float32', 'bfloat16', 'float16', 'int8', 'int4'"]),
         (["compare", "--warmup-sync-steps", "5"], ["drop --warmup-sync-steps"]),
         (["compare", "--outer-lr", "1", "--frequencies", ""], ["give averaging frequencies with --outer-lr"]),
+        (["--microbatches", "4"], ["microbatches 4 cut a pipeline's batches", "--stages N"]),
+        (["--stages", "0"], ["--stages"]),
     ],
 )
 def test_bad_input_is_a_usage_error(captured: dict[str, Any], args: list[str], fragments: list[str]) -> None:
@@ -514,6 +520,23 @@ def test_outer_optimizer_warmup_and_bfloat16_payload_train(mnist_dir: Path, tmp_
     }  # fmt: skip
     assert (summary["samples"], summary["iterations"]) == (1024, 8)
     assert summary["test_accuracy"] > 0.5 and math.isfinite(summary["final_epoch_loss"])
+
+
+@pytest.mark.filterwarnings("ignore:4 processes")
+@pytest.mark.timeout(120)
+def test_stages_train_lenet_as_pipelines_to_the_unsplit_workers_scores(mnist_dir: Path, tmp_path: Path) -> None:
+    """pw-fit --stages 2 (issue 24): 2 workers x 2 stages of LeNet, 4 microbatches, deterministic,
+    end with the test accuracy and loss of 2 unsplit workers."""
+    common = ["--deterministic", "--data-dir", str(mnist_dir), "--train-samples", "1024", "--test-samples", "300"]
+    summaries = []
+    for name, extra in (("unsplit", []), ("stages", ["--stages", "2", "--microbatches", "4"])):
+        result = invoke(*common, "--out", str(tmp_path / name), *extra)
+        assert result.exit_code == 0, result.output
+        summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
+    unsplit, stages = summaries
+    assert (stages["options"]["stages"], stages["options"]["microbatches"], stages["samples"]) == (2, 4, 1024)
+    assert stages["test_accuracy"] == pytest.approx(unsplit["test_accuracy"], abs=1e-4) and stages["test_accuracy"] > 0.5
+    assert stages["test_loss"] == pytest.approx(unsplit["test_loss"], abs=1e-4)
 
 
 @pytest.mark.timeout(120)
