@@ -18,7 +18,8 @@ The file is a `torch.save`d dict:
     lr_scheduler the schedule's state (schedule.Schedule), or None without .lr_scheduler(...)
     outer_optimizer  the outer optimizer's state_dict, or None without .outer_optimizer(...)
     counters     rounds, iterations, samples, epoch, position (batches of `epoch` already trained)
-    rng          each worker's own state, by rank: its torch RNG state (and CUDA's), with
+    rng          each worker's own state, by rank (by process with a pipeline: stage s of worker
+                 w is w·S + s): its torch RNG state (and CUDA's), with
                  precision 16-mixed its GradScaler's, with gradient encoding its residual, τ
                  and the encoded steps (threshold.Residual)
 
@@ -62,7 +63,9 @@ def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
         del options["warmup_sync_steps"]  # as checkpoints from before warm-ups have it
     if options["gradient_encoding"] is None:
         del options["gradient_encoding"]  # as checkpoints from before gradient encoding have it
-    options["workers"] = world_size  # under torchrun the world size is the worker count
+    options["workers"] = world_size
+    if config.pipeline is not None:  # its own states are by process (absent without a pipeline, as before pipelines)
+        options["stages"] = config.pipeline.stages
     return {
         **options,
         "optimizer": job.optimizer_name,

@@ -75,6 +75,10 @@ class Replica:
         """Every part's state on the CPU, to send to the main process (`shared`: in shared memory)."""
         return self.parts.state(shared)
 
+    def saved_state(self, writes: bool) -> TrainingState | None:
+        """What a checkpoint holds, on the process that `writes` it: this worker's state."""
+        return self.state_dicts() if writes else None
+
     def own_state(self) -> dict[str, Any]:
         """What is this worker's alone, for a checkpoint: its RNG state, its loss scale and its
         gradient encoding's residual."""

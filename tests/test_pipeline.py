@@ -298,3 +298,43 @@ def test_a_stage_process_holds_its_layers_and_their_optimizer_state_only(tmp_pat
     with ParallelWrapper.builder(model).workers(1).optimizer(torch.optim.Adam, lr=0.01).pipeline(stages=2, split=["5"]).build() as wrapper:
         wrapper.fit(batches)
     assert {p.name: int(p.read_text()) for p in tmp_path.iterdir()} == {"0": 12, "1": 12}
+
+
+def _dropout_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.ReLU(), nn.Linear(32, 32), nn.Dropout(0.3), nn.ReLU(), nn.Linear(32, 4))
+
+
+@pytest.mark.filterwarnings("ignore:4 processes")
+@pytest.mark.timeout(120)
+def test_a_pipeline_checkpoints_the_whole_state_and_resumes_bitwise(tmp_path: Path) -> None:
+    """2 workers x 2 stages with dropout in both stages and an outer optimizer: the checkpoint
+    holds the whole model's state and every stage process's RNG, and a run resumed from it ends
+    bitwise where an uninterrupted one does."""
+
+    def builder(directory: Path) -> Builder:
+        return (
+            ParallelWrapper.builder(_dropout_mlp()).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9).workers(2)
+            .threads_per_worker(1).averaging_frequency(2).deterministic(True).checkpoint(directory, every=100)
+            .outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).pipeline(stages=2, microbatches=2)
+        )  # fmt: skip
+
+    def final(w: ParallelWrapper) -> list[torch.Tensor]:
+        assert w.outer_optimizer is not None
+        momenta = [s["momentum_buffer"] for s in w.outer_optimizer.state_dict()["state"].values()]
+        return [p.detach().clone() for p in w.model.parameters()] + momenta
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(6)]
+    with builder(tmp_path / "a").build() as w:
+        w.fit(data, epochs=3)
+        straight = final(w)
+        assert len(straight) == 12  # 6 parameters, 6 momentum buffers of the outer step
+    with builder(tmp_path / "b").build() as w:
+        w.fit(data, epochs=2)
+    saved = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)
+    assert saved["model"].keys() == _dropout_mlp().state_dict().keys() and len(saved["rng"]) == 4  # by process
+    assert len(saved["optimizer"]["state"]) == len(saved["outer_optimizer"]["state"]) == 6
+    with builder(tmp_path / "b").build() as w:
+        w.fit(data, epochs=3, resume=tmp_path / "b")
+        assert all(torch.equal(a, b) for a, b in zip(straight, final(w), strict=True))

@@ -38,7 +38,7 @@ from ..config import Config, Job
 from ..env import Placement
 from ..feed import FeedError
 from ..pipeline import Position, RelaySource, StageReplica, join_groups, stage_module
-from ..pipeline.split import Names
+from ..pipeline.split import Layout
 from ..rounds import Node
 from ..types import BatchSource, Counters, FitCommand, Hooks, Reporter, Stopped, TrainingError, TrainingState, WorkerError
 from ..worker import Replica
@@ -85,11 +85,14 @@ class Worker:
         own_model: bool = False,
         make_replica: Callable[..., Replica] = Replica,
         stage: int | None = None,
+        process: int | None = None,
     ) -> None:
         """`own_model`: `job.model` is this worker's alone (a spawned worker unpickled it), so it
         trains that one instead of a copy; elsewhere it is the user's, which the wrapper holds.
-        `make_replica` and `stage`: a pipeline's stage (pipeline.StageReplica), named in errors."""
+        `make_replica`, `stage` and `process`: a pipeline's stage (pipeline.StageReplica), named in
+        errors, and the process of the group it is (a checkpoint's own states go by process)."""
         self.rank, self.stage, self._threads = rank, stage, placement.threads
+        self.process = rank if process is None else process
         device = placement.device(local_rank)
         model = (job.model if own_model else copy.deepcopy(job.model)).to(device)
         self.replica = make_replica(
@@ -143,8 +146,8 @@ class Worker:
         replica = self.replica
         self.kept = None
         if command.rng is not None:
-            self._rng = command.rng[self.rank]
-            replica.load_own_state(command.rng[self.rank])
+            self._rng = command.rng[self.process]
+            replica.load_own_state(command.rng[self.process])
         with self._own_threads_and_rng():
             try:
                 replica.load_state(command.state)
@@ -190,10 +193,10 @@ def stage_worker(job: Job, config: Config, placement: Placement, process: int, l
     assert config.pipeline is not None
     spec, position = config.pipeline, Position.of(process, placement.stages)
     group, pipe = join_groups(position, placement.world_size)
-    whole_names = Names.of(job.model, job.make_optimizer(job.model))
+    whole = Layout.of(job.model, job.make_optimizer(job.model))
     job = dataclasses.replace(job, model=stage_module(job.model, spec.stages, spec.split, position.stage))
-    make = functools.partial(StageReplica, position=position, pipe=pipe, whole_names=whole_names)
-    worker = Worker(job, config, placement, position.worker, local_rank, group=group, hooks=hooks, own_model=own_model, make_replica=make, stage=position.stage)
+    make = functools.partial(StageReplica, position=position, pipe=pipe, whole=whole)
+    worker = Worker(job, config, placement, position.worker, local_rank, group=group, hooks=hooks, own_model=own_model, make_replica=make, stage=position.stage, process=process)
     return worker, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe)
 
 

@@ -125,7 +125,7 @@ class TorchrunWorker:
             self.resume_point = config.checkpoint_dir if resume else None
             if env.world_size > 1:  # alone, there is no peer to lose
                 self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout_s)
-        self._hooks = SignalHooks(make_checkpointer(config, job, env.world_size))
+        self._hooks = SignalHooks(make_checkpointer(config, job, placement.world_size))
         self._job, self._workers = job, placement.world_size
         if config.pipeline is None:
             group, node = _hierarchy(config, env.rank, env.world_size, env.local_world_size)
@@ -158,7 +158,7 @@ class TorchrunWorker:
                 )
                 raise WorkerError(e.rank, e.summary + hint, e.details, e.where, e.at, e.stage) from e
         replica = self._worker.replica
-        return gathered_state(replica, self._job) if isinstance(replica, StageReplica) else replica.state_dicts()
+        return gathered_state(replica) if isinstance(replica, StageReplica) else replica.state_dicts()
 
     def close(self) -> None:
         """Leave the group, if this host joined it."""

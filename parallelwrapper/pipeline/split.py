@@ -133,18 +133,35 @@ def _join(parts: list[dict[str, Any]], names: list[list[str]], whole_names: list
     return {"state": {i: by_name[name] for i, name in enumerate(whole_names) if name in by_name}, "param_groups": groups}
 
 
-def joined_state(parts: list[TrainingState], job: Job, spec: Pipeline) -> TrainingState:
-    """The whole model's state from its stages' (a worker's, in stage order), laid out as the
-    optimizers that `job` makes for the whole model lay their states out. (The outer optimizer
-    has one group, over every trained parameter: outer.OuterStep.)"""
-    whole_optimizer = job.make_optimizer(job.model)  # no state yet: a few lists of the user's parameters
-    whole = Names.of(job.model, whole_optimizer)
-    stages = [stage_module(job.model, spec.stages, spec.split, s) for s in range(spec.stages)]
-    names = [Names.of(stage, job.make_optimizer(stage)) for stage in stages]
+@dataclass(frozen=True)
+class Layout:
+    """How the whole model's optimizers lay out their state: its parameters' names, and the
+    optimizer's groups (settings and indices, no state). A stage's process keeps it to join its
+    pipeline's parts without the whole model."""
+
+    names: Names
+    groups: list[dict[str, Any]]
+
+    @staticmethod
+    def of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
+        return Layout(Names.of(model, optimizer), optimizer.state_dict()["param_groups"])
+
+
+def joined(parts: list[TrainingState], names: list[Names], whole: Layout) -> TrainingState:
+    """The whole model's state from its stages' (a worker's, in stage order, each numbered by
+    its `names`). (The outer optimizer has one group, over every trained parameter: outer.OuterStep.)"""
     model = {k: v for part in parts for k, v in part.model.items()}
-    inner = _join([p.optimizer for p in parts], [n.optimizer for n in names], whole.optimizer, whole_optimizer.state_dict()["param_groups"])
+    inner = _join([p.optimizer for p in parts], [n.optimizer for n in names], whole.names.optimizer, whole.groups)
     outer = None
     if parts[0].outer_optimizer is not None:
-        one_group = [{"params": list(range(len(whole.trained)))}]
-        outer = _join([p.outer_optimizer for p in parts if p.outer_optimizer is not None], [n.trained for n in names], whole.trained, one_group)
+        one_group = [{"params": list(range(len(whole.names.trained)))}]
+        outer = _join([p.outer_optimizer for p in parts if p.outer_optimizer is not None], [n.trained for n in names], whole.names.trained, one_group)
     return TrainingState(model, inner, parts[0].lr_scheduler, outer)
+
+
+def joined_state(parts: list[TrainingState], job: Job, spec: Pipeline) -> TrainingState:
+    """`joined`, for stages cut from `job`'s model as `spec` says, laid out as the optimizers that
+    `job` makes for the whole model lay their states out."""
+    stages = [stage_module(job.model, spec.stages, spec.split, s) for s in range(spec.stages)]
+    names = [Names.of(stage, job.make_optimizer(stage)) for stage in stages]
+    return joined(parts, names, Layout.of(job.model, job.make_optimizer(job.model)))  # no state yet: a few lists of parameters

@@ -27,7 +27,7 @@ from ..evaluation import scored_outputs, validation_of
 from ..feed import rank_share
 from ..types import END, BatchSource, EndOfEpoch, TrainingState
 from ..worker import Replica
-from .split import Names, joined_state, stage_state
+from .split import Layout, Names, joined, stage_state
 
 
 @dataclass(frozen=True)
@@ -80,18 +80,26 @@ class RelaySource:
 class StageReplica(Replica):
     """A worker's replica that holds one stage of the model (`model`, from split.stage_module) and
     its optimizer, and steps by the pipeline schedule. It loads and gives its part of the whole
-    model's state, so hosts and checkpoints see whole states (`whole_names`: the whole
-    model's, by the index its optimizers number them)."""
+    model's state, so hosts and checkpoints see whole states (`whole`: how the whole model's
+    optimizers lay theirs out)."""
 
     def __init__(self, model: torch.nn.Module, job: Job, config: Config, device: torch.device, rank: int, world_size: int, *,
-                 position: Position, pipe: dist.ProcessGroup, whole_names: Names, **kwargs: Any) -> None:  # fmt: skip
+                 position: Position, pipe: dist.ProcessGroup, whole: Layout, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(model, job, config, device, rank, world_size, **kwargs)
         assert config.pipeline is not None and job.loss_fn is not None  # pipeline.check, at build()
-        self.position, self.pipe, self.whole_names, self.spec = position, pipe, whole_names, config.pipeline
+        self.position, self.pipe, self.whole, self.spec = position, pipe, whole, config.pipeline
         self._schedules: dict[Any, Any] = {}  # by batch size: a stage's buffers are shaped at its first step
 
     def load_state(self, state: TrainingState) -> None:
-        super().load_state(stage_state(state, self.whole_names, self.model, self.optimizer))
+        super().load_state(stage_state(state, self.whole.names, self.model, self.optimizer))
+
+    def saved_state(self, writes: bool) -> TrainingState | None:
+        """What a checkpoint holds: worker 0's whole state, its stages' parts joined on the
+        process that `writes` (its first stage). Every stage of worker 0 takes part."""
+        if self.position.worker != 0:
+            return None
+        state = gathered_state(self)
+        return state if writes else None
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """This stage's part of the schedule on the batch's microbatches, and the batch's mean
@@ -163,9 +171,9 @@ def microbatches(n: int, most: int) -> int:
     return max(m for m in range(1, min(n, most) + 1) if n % m == 0)
 
 
-def gathered_state(replica: StageReplica, job: Job) -> TrainingState:
-    """The whole model's state (`job`'s, the one the stages were cut from), on every stage of
-    the replica's pipeline: each stage's part, gathered over the pipeline's group and joined."""
+def gathered_state(replica: StageReplica) -> TrainingState:
+    """The whole model's state, on every stage of the replica's pipeline: each stage's part,
+    gathered over the pipeline's group and joined."""
     parts: list[Any] = [None] * replica.position.stages
-    dist.all_gather_object(parts, replica.state_dicts(), group=replica.pipe)
-    return joined_state(parts, job, replica.spec)
+    dist.all_gather_object(parts, (replica.state_dicts(), Names.of(replica.model, replica.optimizer)), group=replica.pipe)
+    return joined([state for state, _ in parts], [names for _, names in parts], replica.whole)

@@ -242,14 +242,15 @@ class Rounds:
             epoch = self.counters.epoch - 1 if epoch_done else self.counters.epoch
             book.report(EpochReport(dataclasses.replace(self.counters), epoch, book.whole.score, complete=epoch_done))
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
-            if self._node is None:
+            if self._node is None and self.config.pipeline is None:
                 everyone, size, writes = self.group, self.world_size, self.rank == 0
-            else:  # with a hierarchy, every rank of every node: the default group
+            else:  # with a hierarchy or a pipeline, every process: the default group
                 everyone, size, writes = None, dist.get_world_size(), dist.get_rank() == 0
             own: list[Any] = [None] * size
             dist.all_gather_object(own, self.trainer.own_state(), group=everyone)
-            if writes:
-                self.hooks.checkpointer.save(self.trainer.state_dicts(), dataclasses.replace(self.counters), own)
+            state = self.trainer.saved_state(writes)
+            if state is not None:
+                self.hooks.checkpointer.save(state, dataclasses.replace(self.counters), own)
         if totals.stop:
             raise Stopped(f"stopped at round {self.counters.rounds}, as the host asked")
         if early:

@@ -37,6 +37,10 @@ class Trainer(Protocol):
 
     def state_dicts(self) -> TrainingState: ...
 
+    def saved_state(self, writes: bool) -> TrainingState | None:
+        """What a checkpoint holds, on the process that `writes` it (None elsewhere); every
+        process of the group calls it (a pipeline's stages gather their parts)."""
+
     def own_state(self) -> dict[str, Any]:
         """This worker's own state for a checkpoint (its RNG's, its loss scale's)."""
 
