@@ -187,6 +187,10 @@ class Replica:
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         return autocast(self.config.precision, self.device)
 
+    def clip(self, max_norm: float) -> None:
+        """Scale the gradients so that their total norm is at most `max_norm`."""
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
     def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
         """AVERAGING's local step: forward, backward and the optimizer's step."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -205,7 +209,7 @@ class Replica:
         if self.job.before_step is not None:
             self.job.before_step(self.model, self.optimizer)
         if self.config.gradient_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.gradient_clip_norm)
+            self.clip(self.config.gradient_clip_norm)
         if self.scaler is None:
             self.optimizer.step()
         else:

@@ -90,8 +90,8 @@ def test_a_split_that_does_not_fit_the_model_is_refused_at_build(model: nn.Modul
 
 @pytest.mark.fast
 def test_options_a_pipeline_does_not_run_with_are_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match=r"pipeline\(stages=2\) does not go with gradient_clipping"):
-        ParallelWrapper.builder(LeNet()).pipeline(stages=2).gradient_clipping(1.0).build()
+    with pytest.raises(ValueError, match=r"pipeline\(stages=2\) does not go with hierarchy"):
+        ParallelWrapper.builder(LeNet()).pipeline(stages=2).hierarchy("node").build()
     with pytest.raises(ValueError, match=r"does not go with validation\(step=fn\): fn\(model, batch\) takes the whole model"):
         ParallelWrapper.builder(LeNet()).pipeline(stages=2).validation(lenet_batches(1), step=lambda model, batch: {}).build()
     with pytest.raises(ValueError, match="schedule must be '1f1b' or 'gpipe'"):
@@ -205,13 +205,14 @@ def test_two_workers_of_two_stages_train_lenet_as_two_unsplit_workers() -> None:
 
 @pytest.mark.filterwarnings("ignore:4 processes")
 @pytest.mark.timeout(90)
-def test_overlap_and_an_outer_optimizer_per_stage_train_as_unsplit_workers() -> None:
-    """Each stage's round lands during the next (Streaming DiLoCo's outer step) and its outer
-    optimizer steps its own parameters: the stages end as the unsplit workers do, over two fit()
-    calls (the outer optimizer's state is cut into stages and joined back in between)."""
+def test_overlap_an_outer_optimizer_and_clipping_per_stage_train_as_unsplit_workers() -> None:
+    """Each stage's round lands during the next (Streaming DiLoCo's outer step), its outer
+    optimizer steps its own parameters, and its gradients are clipped by the whole model's norm
+    (0.5: every step clips): the stages end as the unsplit workers do, over two fit() calls (the
+    outer optimizer's state is cut into stages and joined back in between)."""
 
     def streaming(b: Builder) -> Builder:
-        return b.overlap_averaging(True).outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        return b.overlap_averaging(True).outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).gradient_clipping(0.5)
 
     reference, validations = _lenet_fit(None, fits=2, options=streaming)
     state, scored = _lenet_fit(4, fits=2, options=streaming)

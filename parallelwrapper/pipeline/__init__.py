@@ -29,7 +29,6 @@ def check(config: Config, job: Job) -> None:
         (config.on_worker_failure == "replace", 'on_worker_failure("replace"): a lost stage would take its whole pipeline with it; drop it'),
         (config.hierarchy != "none", "hierarchy: its node groups are not stage groups; drop .hierarchy()"),
         (config.precision != "32", "precision other than '32': the schedule's activations travel in float32; drop .precision()"),
-        (config.gradient_clip_norm is not None, "gradient_clipping: each stage sees only its gradients' norm, not the whole's; drop .gradient_clipping()"),
         (job.validation_step is not None, "validation(step=fn): fn(model, batch) takes the whole model, which no stage holds; drop step= for val_loss and val_accuracy"),
         (job.training_step is not None or job.loss_fn is None, "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss(fn)"),
         (job.before_step is not None, "before_step: each stage holds only a part of the model; drop .before_step(fn)"),

@@ -93,6 +93,18 @@ class StageReplica(Replica):
     def load_state(self, state: TrainingState) -> None:
         super().load_state(stage_state(state, self.whole.names, self.model, self.optimizer))
 
+    def clip(self, max_norm: float) -> None:
+        """Clip by the whole model's gradient norm, as one process would: each stage's squared
+        norm, summed over the pipeline, then the same scale on every stage
+        (torch.nn.utils.clip_grad_norm_'s, with its 1e-6)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norms = [torch.linalg.vector_norm(g.detach()) for g in grads]
+        squared = torch.stack(norms).square().sum() if norms else torch.zeros((), device=self.device)
+        dist.all_reduce(squared, group=self.pipe)
+        scale = torch.clamp(max_norm / (squared.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(scale.to(g.dtype))
+
     def saved_state(self, writes: bool) -> TrainingState | None:
         """What a checkpoint holds: worker 0's whole state, its stages' parts joined on the
         process that `writes` (its first stage). Every stage of worker 0 takes part."""
