@@ -20,7 +20,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import torchrun_pipeline
-from parallelwrapper import ParallelWrapper, WorkerError
+from parallelwrapper import ParallelWrapper, TrainingMode, WorkerError
 from parallelwrapper.config import Config, Job, OuterSpec, Pipeline
 from parallelwrapper.env import resolve
 from parallelwrapper.models import LeNet
@@ -218,6 +218,30 @@ def test_overlap_an_outer_optimizer_and_clipping_per_stage_train_as_unsplit_work
     state, scored = _lenet_fit(4, fits=2, options=streaming)
     assert _worst(reference, state) < 1e-5
     assert len(scored) == len(validations) >= 2  # an epoch end's, in each fit
+    for mine, theirs in zip(scored, validations):
+        assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:4 processes")
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("microbatches", "options"),
+    [
+        (4, lambda b: b.training_mode(TrainingMode.SHARED_GRADIENTS).optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)),
+        (1, lambda b: b.precision("bf16-mixed")),
+    ],
+    ids=["shared-gradients", "bf16-mixed"],
+)
+def test_shared_gradients_and_mixed_precision_per_stage_train_as_unsplit_workers(microbatches: int, options: Callable[[Builder], Builder]) -> None:
+    """Stage s of every worker averages its gradients every step; and each stage runs its
+    forward (the activations it sends too) under bfloat16 autocast, validation included. With
+    microbatches, bfloat16 rounds otherwise than on whole batches, so that case runs M = 1;
+    shared gradients run at lr 0.01, since at 0.05 this model's training is chaotic and float
+    rounding grows, split or not."""
+    reference, validations = _lenet_fit(None, options=options)
+    state, scored = _lenet_fit(microbatches, options=options)
+    assert _worst(reference, state) < 1e-5
+    assert len(scored) == len(validations) >= 1
     for mine, theirs in zip(scored, validations):
         assert mine == pytest.approx(theirs, abs=1e-5)
 

@@ -12,7 +12,7 @@ overlap and an outer optimizer over the stage's parameters as without a pipeline
 
 from __future__ import annotations
 
-from ..config import Config, Job, TrainingMode
+from ..config import Config, Job
 from .split import boundaries, joined_state, layers, stage_module
 from .stage import Position, RelaySource, StageReplica, gathered_state, join_groups
 
@@ -25,10 +25,9 @@ def check(config: Config, job: Job) -> None:
         return
     boundaries(job.model, spec.stages, spec.split)
     refused = (
-        (config.training_mode is not TrainingMode.AVERAGING, "TrainingMode.SHARED_GRADIENTS: stages average their state in rounds; use TrainingMode.AVERAGING"),
         (config.on_worker_failure == "replace", 'on_worker_failure("replace"): a lost stage would take its whole pipeline with it; drop it'),
+        (config.precision == "16-mixed", "precision('16-mixed'): its loss scaling needs the loss before the backward, which the pipeline's schedule runs itself; use .precision('bf16-mixed')"),
         (config.hierarchy != "none", "hierarchy: its node groups are not stage groups; drop .hierarchy()"),
-        (config.precision != "32", "precision other than '32': the schedule's activations travel in float32; drop .precision()"),
         (job.validation_step is not None, "validation(step=fn): fn(model, batch) takes the whole model, which no stage holds; drop step= for val_loss and val_accuracy"),
         (job.training_step is not None or job.loss_fn is None, "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss(fn)"),
         (job.before_step is not None, "before_step: each stage holds only a part of the model; drop .before_step(fn)"),

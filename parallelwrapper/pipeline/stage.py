@@ -120,12 +120,13 @@ class StageReplica(Replica):
         inputs, targets = batch
         schedule = self._schedule(int(targets.shape[0]))
         losses: list[torch.Tensor] = []
-        if self.position.stage == 0:
-            schedule.step(inputs)
-        elif self.position.last:
-            schedule.step(target=targets, losses=losses)
-        else:
-            schedule.step()
+        with self._autocast():
+            if self.position.stage == 0:
+                schedule.step(inputs)
+            elif self.position.last:
+                schedule.step(target=targets, losses=losses)
+            else:
+                schedule.step()
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.position.first + self.position.stages - 1, group=self.pipe)
         return loss
@@ -146,10 +147,11 @@ class StageReplica(Replica):
                 inputs, targets = move_to(batch, self.device)
                 n = int(targets.shape[0])
                 forward = self._forward_only(n)
-                outputs = forward.step(inputs) if self.position.stage == 0 else forward.step()
-                if self.position.last:
-                    for name, value in validation_of(scored_outputs(outputs, targets, self.job.loss_fn)).items():
-                        sums[name] = sums.get(name, 0.0) + float(value) * n
+                with self._autocast():  # as the unsplit validation scores, precision and all
+                    outputs = forward.step(inputs) if self.position.stage == 0 else forward.step()
+                    metrics = validation_of(scored_outputs(outputs, targets, self.job.loss_fn)) if self.position.last else {}
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * n
                 count += n
         finally:
             self.model.train(was_training)
