@@ -163,6 +163,28 @@ def run_processes(fn: Callable[..., Any], world: int, *args: Any, group: bool = 
     return [out[r] for r in range(world)]
 
 
+def vm(field: str, pid: int | str = "self") -> float:
+    """A /proc/<pid>/status size (VmHWM: the peak resident size over the process's life; VmRSS)
+    in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def worker_pids(pid: int) -> tuple[int, list[int]]:
+    """(the forkserver, the worker processes it started for `pid`'s wrappers, by pid). Workers are
+    the forkserver's children (processes.py), not the main process's."""
+
+    def children(parent: int) -> list[int]:
+        return [int(c) for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+
+    servers = [c for c in children(pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    if len(servers) != 1:
+        raise RuntimeError(f"process {pid} has {len(servers)} forkservers, not 1: start a wrapper's workers first")
+    return servers[0], sorted(children(servers[0]))
+
+
 def write_results(path: str | Path, payload: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

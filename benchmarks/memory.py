@@ -32,19 +32,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from common import run_processes, table, write_results
+from common import run_processes, table, vm, worker_pids, write_results
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
 IN, OUT, BATCH, K, LR, MOMENTUM = 128, 10, 16, 4, 0.01, 0.9
-
-
-def vm(field: str, pid: int | str = "self") -> float:
-    """A /proc/<pid>/status size (VmHWM, VmRSS) in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
 
 
 def width(params: int) -> int:
@@ -99,20 +91,6 @@ class _DevicePeak:
             Path(self.folder, f"{os.getpid()}.json").write_text(json.dumps(peak))
 
 
-def _children(pid: int) -> list[int]:
-    """Worker processes of `pid` (multiprocessing's resource tracker left out), in start order."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = Path(stat.parent, "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"spawn_main" in cmdline:
-            out.append(int(stat.parent.name))
-    return sorted(out)
-
-
 def _wrapper_main(params: int, n: int) -> dict[str, Any]:
     """One fit as a user's script runs it; the figures of this process and of its workers."""
     from parallelwrapper import ParallelWrapper
@@ -141,7 +119,7 @@ def _wrapper_main(params: int, n: int) -> dict[str, Any]:
         )
         with w:
             w.fit(data)
-            workers: list[dict[str, Any]] = [{"pid": pid, "rss_peak_mib": vm("VmHWM", pid)} for pid in _children(os.getpid())]
+            workers: list[dict[str, Any]] = [{"pid": pid, "rss_peak_mib": vm("VmHWM", pid)} for pid in worker_pids(os.getpid())[1]]
             for worker in workers:
                 peak = Path(folder, f"{worker['pid']}.json")
                 worker["device_peak_mib"] = json.loads(peak.read_text()) if peak.exists() else None

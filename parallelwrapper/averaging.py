@@ -14,6 +14,9 @@ This module knows nothing of queues, processes or the protocol: it takes a proce
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -70,6 +73,22 @@ def _flat(members: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.dev
     buffer = torch.empty(-(-(data + trailer) // parts) * parts, dtype=dtype, device=device)
     buffer[data:].zero_()
     return buffer
+
+
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+_PAGE = os.sysconf("SC_PAGE_SIZE") if _LIBC is not None else 0
+_MADV_DONTNEED = 4
+
+
+def _let_go(view: torch.Tensor) -> None:
+    """Hand the pages under `view` (a CPU buffer's part nobody reads again; zeros after) back to
+    Linux now: a buffer's pages otherwise stay resident until all of it is freed."""
+    if _LIBC is None or view.device.type != "cpu" or not view.numel():
+        return
+    start = -(-view.data_ptr() // _PAGE) * _PAGE
+    end = (view.data_ptr() + view.numel() * view.element_size()) // _PAGE * _PAGE
+    if end > start:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 def _trailer(buffer: torch.Tensor, data_numel: int, length: int) -> torch.Tensor:
@@ -251,11 +270,13 @@ class FlatAverager:
 
     @torch.no_grad()
     def release(self) -> None:
-        """Give every tensor in the buffers a storage of its own again."""
+        """Give every tensor in the buffers a storage of its own again, letting each one's part of
+        the buffer go as it leaves (the buffer and the copies are never held whole at once)."""
         for g in self._groups:
             for t, view in g.resident:
                 if t.data_ptr() == view.data_ptr():
                     t.data = view.clone()
+                    _let_go(view)
 
 
 @dataclass

@@ -31,11 +31,14 @@ class Parts:
         trained = trained_parameters(model, self.optimizer)
         self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trained)
 
-    def state(self, shared: bool = False) -> TrainingState:
+    def state(self, shared: bool = False, move: bool = False) -> TrainingState:
         """Every part's state, on the CPU: a copy, which training the parts does not change. With
         `shared`, its tensors are made in shared memory, where a queue would move them (a second
-        copy, for a moment) on the way to another process."""
-        cpu = _to_shared if shared else to_cpu
+        copy, for a moment) on the way to another process. With `move` too (a worker handing its
+        state back at a fit's end, which it trains on again only after loading the next fit's),
+        the CPU tensors themselves move into shared memory, one at a time: the state is never
+        held twice. The receiver may keep them; the next `load` leaves them to it."""
+        cpu = _moved_to_shared if move else _to_shared if shared else to_cpu
         return TrainingState(
             cpu(self.model.state_dict()),
             cpu(self.optimizer.state_dict()),
@@ -70,6 +73,18 @@ def _to_shared(state: Any) -> Any:
         return shared.copy_(leaf.detach())
 
     return map_leaves(state, copy)
+
+
+def _moved_to_shared(state: Any) -> Any:
+    """The state with each CPU tensor's storage moved into shared memory in place (torch frees
+    the old one as it goes), and any other tensor copied there."""
+
+    def move(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type != "cpu":
+            return _to_shared(leaf)
+        return leaf.detach().share_memory_()  # type: ignore[no-untyped-call]
+
+    return map_leaves(state, move)
 
 
 __all__ = ["Parts"]

@@ -151,6 +151,7 @@ def test_recipe_options_reach_the_run_and_the_builder(captured: dict[str, Any]) 
     assert invoke("--precision", "fp8").exit_code != 0 and invoke("--clip-grad-norm", "0").exit_code != 0
 
 
+@pytest.mark.filterwarnings("ignore:4 processes")
 def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, Any]) -> None:
     """Off by default (DL4J's behaviour); --outer-lr turns on an outer SGD, Nesterov where it has momentum."""
     assert invoke().exit_code == 0

@@ -40,7 +40,7 @@ _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round a
 def _shared_pickle(job: Job) -> torch.Tensor:
     """The job's pickle, as bytes in shared memory (process.py unpickles it): the model's
     structure, not its weights. Every worker loads the fit's starting state (or a kept round's)
-    into the model before it trains, so the tensors of its state dict go as zeros of their shape;
+    into the model before it trains, so the tensors of its state dict go as blanks of their shape;
     a copy of the weights here would be one more model's size in the main process, twice over
     while pickle builds its bytes."""
     buffer = io.BytesIO()
@@ -53,7 +53,7 @@ def _shared_pickle(job: Job) -> torch.Tensor:
 
 class _StructurePickler(pickle.Pickler):
     """Pickles the tensors of `model`'s state dict (the objects themselves: a view kept
-    elsewhere goes by value, as plain pickle sends it) as zeros of the same shape, strides,
+    elsewhere goes by value, as plain pickle sends it) as uninitialised tensors of the same shape, strides,
     dtype and device; a Parameter keeps its class, requires_grad and attributes."""
 
     def __init__(self, file: io.BytesIO, model: torch.nn.Module) -> None:
@@ -66,26 +66,29 @@ class _StructurePickler(pickle.Pickler):
         spec = (tuple(obj.size()), obj.stride(), obj.dtype, str(obj.device), obj.requires_grad)
         if type(obj) is torch.nn.Parameter:
             rebuild, args = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[no-untyped-call]
-            return rebuild, (_Zeros(spec), *args[1:])  # (data, requires_grad, hooks[, state])
-        return _zeros, spec
+            return rebuild, (_Blank(spec), *args[1:])  # (data, requires_grad, hooks[, state])
+        return _blank_tensor, spec
 
 
 def _blankable(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided and not t.is_quantized
 
 
-def _zeros(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: str, requires_grad: bool) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=dtype, device=device).zero_().requires_grad_(requires_grad)
+def _blank_tensor(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: str, requires_grad: bool) -> torch.Tensor:
+    """Uninitialised, not zeros: the worker loads a state into every one of these before it reads
+    any, and the pages of a layer it never keeps (a pipeline stage's process drops the others'
+    layers) are never touched, so they take no memory."""
+    return torch.empty_strided(size, stride, dtype=dtype, device=device).requires_grad_(requires_grad)
 
 
-class _Zeros:
-    """A Parameter's data, pickled as `_zeros(*spec)`."""
+class _Blank:
+    """A Parameter's data, pickled as `_blank_tensor(*spec)`."""
 
     def __init__(self, spec: tuple[Any, ...]) -> None:
         self.spec = spec
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _zeros, self.spec
+        return _blank_tensor, self.spec
 
 
 class WorkerPool:
