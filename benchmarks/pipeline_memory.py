@@ -20,20 +20,12 @@ import os
 from typing import Any
 
 import torch
-from torch import nn
 
 from common import table, vm, worker_pids, write_results
 from parallelwrapper import ParallelWrapper
+from pipeline import mlp  # benchmarks/pipeline.py
 
 MIB = 2**20
-
-
-def mlp(width: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(8):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
 
 
 def fit(width: int, batches: list[tuple[torch.Tensor, torch.Tensor]], stages: int) -> dict[str, Any]:
