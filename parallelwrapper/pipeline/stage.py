@@ -106,12 +106,13 @@ class StageReplica(Replica):
             g.detach().mul_(scale.to(g.dtype))
 
     def saved_state(self, writes: bool) -> TrainingState | None:
-        """What a checkpoint holds: worker 0's whole state, its stages' parts joined on the
-        process that `writes` (its first stage). Every stage of worker 0 takes part."""
+        """What a checkpoint holds: worker 0's whole state, its stages' parts gathered and joined
+        on the process that `writes` (its first stage) only. Every stage of worker 0 takes part."""
         if self.position.worker != 0:
             return None
-        state = gathered_state(self)
-        return state if writes else None
+        parts: list[Any] | None = [None] * self.position.stages if writes else None
+        dist.gather_object((self.state_dicts(), Names.of(self.model, self.optimizer)), parts, dst=self.position.first, group=self.pipe)
+        return None if parts is None else joined([state for state, _ in parts], [names for _, names in parts], self.whole)
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """This stage's part of the schedule on the batch's microbatches, and the batch's mean
