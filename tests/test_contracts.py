@@ -130,6 +130,22 @@ def test_release_gives_the_tensors_their_own_storage_without_holding_the_state_t
     assert grown < 40, f"release grew the process by {grown:.0f} MiB: the buffer's 128 MiB stayed resident beside the copies"
 
 
+def test_a_states_digest_changes_with_any_bit_or_key_and_nothing_else() -> None:
+    """Under torchrun the first fit() compares digests before it sends rank 0's state (hosts/torchrun.py)."""
+    from parallelwrapper.hosts.torchrun import _digest
+
+    def state(weight: torch.Tensor, key: str = "w") -> TrainingState:
+        return TrainingState({key: weight}, {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}, None, None)
+
+    weight = torch.randn(4, 3).to(torch.bfloat16)
+    assert _digest(state(weight)) == _digest(state(weight.clone()))
+    flipped = weight.clone()
+    flipped.view(torch.int16)[2, 1] ^= 1  # one bit
+    assert _digest(state(flipped)) != _digest(state(weight))
+    assert _digest(state(weight, key="v")) != _digest(state(weight))
+    assert _digest(state(weight.t().contiguous().t())) == _digest(state(weight))  # the bits, not the layout
+
+
 def test_delta_averager_keeps_the_steps_taken_since_the_snapshot(fake: FakeAllReduce) -> None:
     tensors = [[torch.full((2,), 1.0)], [torch.full((2,), 3.0)]]
     deltas = [DeltaAverager(t, CPU, trailer=1) for t in tensors]

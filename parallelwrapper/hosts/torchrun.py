@@ -15,15 +15,19 @@ workers; then the signal takes effect.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 import signal
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[attr-defined]
 
+from ..batches import map_leaves
 from ..checkpoint import make_checkpointer, path_of
 from ..config import Config, Job
 from ..env import Placement, TorchrunEnv, collective_timeout
@@ -94,13 +98,36 @@ def _from_rank_0(state: TrainingState) -> TrainingState:
     unseeded, or loaded differently), so the ranks would start apart: a first round averaging
     unrelated models (a NaN loss, at times), and params at lr 0, which no round averages, apart
     for good. So, as DDP does at construction, the first fit() starts every rank from rank 0's
-    model, optimizer and schedule. The state is on the CPU (Parts.state), and pickling keeps its
-    bits: a resumed run, which every rank loaded alike, is unchanged. Under NCCL,
+    model, optimizer and schedule, unless every rank's digest of its state is rank 0's already
+    (ranks seeded alike), which costs 32 bytes a rank instead of the state (22 MB is some 3.7 s at
+    48 Mbit/s). The state is on the CPU (Parts.state), and pickling keeps its bits: a
+    resumed run, which every rank loaded alike, is unchanged. Under NCCL,
     broadcast_object_list carries the bytes on the current CUDA device, which claim_device set."""
+    digests: list[bytes | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, _digest(state))
+    if all(d == digests[0] for d in digests):
+        return state  # every rank holds rank 0's state already (seeded alike): the broadcast would send it again
     box: list[TrainingState | None] = [state if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None
     return box[0]
+
+
+def _digest(state: TrainingState) -> bytes:
+    """A SHA-256 of the state's structure and every tensor's bits (states equal bit for bit have
+    equal digests), so that ranks compare 32 bytes instead of sending the state."""
+    tensors: list[torch.Tensor] = []
+
+    def meta(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf)
+        return (str(leaf.dtype), tuple(leaf.shape))
+
+    h = hashlib.sha256(repr(map_leaves(dataclasses.astuple(state), meta)).encode())
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.digest()
 
 
 class TorchrunWorker:
