@@ -20,7 +20,7 @@ from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.config import Config, Job, OuterSpec
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource, batches, bn_model, one_thread
-from tiny import make_batches, mlp
+from tiny import make_batches, mlp, weights_and_outer_momenta
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,24 +143,20 @@ def test_outer_state_survives_fits_and_resume_bitwise(tmp_path: Path) -> None:
             .outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
         )  # fmt: skip
 
-    def final(w: Any) -> list[torch.Tensor]:
-        momenta = [s["momentum_buffer"] for s in w.outer_optimizer.state_dict()["state"].values()]
-        return [p.detach().clone() for p in w.model.parameters()] + momenta
-
     data = make_batches(6)
     with builder(tmp_path / "a").build() as w:
         w.fit(data, epochs=3)
-        straight = final(w)
+        straight = weights_and_outer_momenta(w)
         assert len(straight) == 8  # 4 parameters, 4 momentum buffers of the outer step
     with builder(tmp_path / "b").build() as w:
         w.fit(data, epochs=2)
         w.fit(data)
-        assert all(torch.equal(a, b) for a, b in zip(straight, final(w), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(straight, weights_and_outer_momenta(w), strict=True))
     with builder(tmp_path / "c").build() as w:
         w.fit(data, epochs=2)
     with builder(tmp_path / "c").build() as w:
         w.fit(data, epochs=3, resume=tmp_path / "c")
-        assert all(torch.equal(a, b) for a, b in zip(straight, final(w), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(straight, weights_and_outer_momenta(w), strict=True))
 
 
 def test_outer_optimizer_refuses_what_has_no_round_average() -> None:

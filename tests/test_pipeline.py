@@ -30,6 +30,7 @@ from parallelwrapper.pipeline.stage import microbatches
 from parallelwrapper.types import TrainingState
 from parallelwrapper.wrapper import Builder
 from test_torchrun import two_agents
+from tiny import weights_and_outer_momenta
 
 
 def eight_layers(width: int = 16) -> nn.Sequential:
@@ -344,16 +345,11 @@ def test_a_pipeline_checkpoints_the_whole_state_and_resumes_bitwise(tmp_path: Pa
             .outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).pipeline(stages=2, microbatches=2)
         )  # fmt: skip
 
-    def final(w: ParallelWrapper) -> list[torch.Tensor]:
-        assert w.outer_optimizer is not None
-        momenta = [s["momentum_buffer"] for s in w.outer_optimizer.state_dict()["state"].values()]
-        return [p.detach().clone() for p in w.model.parameters()] + momenta
-
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(6)]
     with builder(tmp_path / "a").build() as w:
         w.fit(data, epochs=3)
-        straight = final(w)
+        straight = weights_and_outer_momenta(w)
         assert len(straight) == 12  # 6 parameters, 6 momentum buffers of the outer step
     with builder(tmp_path / "b").build() as w:
         w.fit(data, epochs=2)
@@ -362,4 +358,4 @@ def test_a_pipeline_checkpoints_the_whole_state_and_resumes_bitwise(tmp_path: Pa
     assert len(saved["optimizer"]["state"]) == len(saved["outer_optimizer"]["state"]) == 6
     with builder(tmp_path / "b").build() as w:
         w.fit(data, epochs=3, resume=tmp_path / "b")
-        assert all(torch.equal(a, b) for a, b in zip(straight, final(w), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(straight, weights_and_outer_momenta(w), strict=True))

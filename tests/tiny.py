@@ -1,6 +1,9 @@
-"""The small model and random batches that several test modules train: 10 features, 3 classes."""
+"""The small model and random batches that several test modules train (10 features, 3 classes),
+and what their resume tests compare."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,3 +17,10 @@ def mlp() -> nn.Module:
 def make_batches(n: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(size, 10, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
+
+
+def weights_and_outer_momenta(wrapper: Any) -> list[torch.Tensor]:
+    """A wrapper's parameters after fit(), then its outer optimizer's momentum buffers."""
+    assert wrapper.outer_optimizer is not None
+    momenta = [s["momentum_buffer"] for s in wrapper.outer_optimizer.state_dict()["state"].values()]
+    return [p.detach().clone() for p in wrapper.model.parameters()] + momenta

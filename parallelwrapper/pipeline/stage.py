@@ -51,6 +51,11 @@ class Position:
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
+    @property
+    def last_process(self) -> int:
+        """The process of this pipeline's last stage, which computes the loss."""
+        return self.first + self.stages - 1
+
 
 def join_groups(position: Position, workers: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(this stage's averaging group, this worker's pipeline group)."""
@@ -111,8 +116,16 @@ class StageReplica(Replica):
         if self.position.worker != 0:
             return None
         parts: list[Any] | None = [None] * self.position.stages if writes else None
-        dist.gather_object((self.state_dicts(), Names.of(self.model, self.optimizer)), parts, dst=self.position.first, group=self.pipe)
-        return None if parts is None else joined([state for state, _ in parts], [names for _, names in parts], self.whole)
+        dist.gather_object(self.part(), parts, dst=self.position.first, group=self.pipe)
+        return None if parts is None else self.joined(parts)
+
+    def part(self) -> tuple[TrainingState, Names]:
+        """This stage's state and its parameters' names, for `joined` on another stage."""
+        return self.state_dicts(), Names.of(self.model, self.optimizer)
+
+    def joined(self, parts: list[tuple[TrainingState, Names]]) -> TrainingState:
+        """The whole model's state from every stage's `part`, in stage order."""
+        return joined([state for state, _ in parts], [names for _, names in parts], self.whole)
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """This stage's part of the schedule on the batch's microbatches, and the batch's mean
@@ -129,7 +142,7 @@ class StageReplica(Replica):
             else:
                 schedule.step()
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
-        dist.broadcast(loss, src=self.position.first + self.position.stages - 1, group=self.pipe)
+        dist.broadcast(loss, src=self.position.last_process, group=self.pipe)
         return loss
 
     @torch.no_grad()
@@ -157,7 +170,7 @@ class StageReplica(Replica):
         finally:
             self.model.train(was_training)
         message = [sums]
-        dist.broadcast_object_list(message, src=self.position.first + self.position.stages - 1, group=self.pipe)
+        dist.broadcast_object_list(message, src=self.position.last_process, group=self.pipe)
         return message[0], count
 
     def _forward_only(self, n: int) -> Any:
@@ -190,5 +203,5 @@ def gathered_state(replica: StageReplica) -> TrainingState:
     """The whole model's state, on every stage of the replica's pipeline: each stage's part,
     gathered over the pipeline's group and joined."""
     parts: list[Any] = [None] * replica.position.stages
-    dist.all_gather_object(parts, (replica.state_dicts(), Names.of(replica.model, replica.optimizer)), group=replica.pipe)
-    return joined([state for state, _ in parts], [names for _, names in parts], replica.whole)
+    dist.all_gather_object(parts, replica.part(), group=replica.pipe)
+    return replica.joined(parts)
