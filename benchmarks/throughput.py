@@ -8,6 +8,7 @@ Contenders, one after another in this run, each worker training `steps` batches 
   pma k        PyTorch's PeriodicModelAverager (local SGD, parameters only), period k
   wrapper k    this project, AVERAGING every k iterations (parameters and optimizer state)
   overlap k    the same with .overlap_averaging(True): each averaging runs during the next k steps
+  params k     the wrapper with .average_updaters(False): parameters only, PMA's bytes
   threads      one process with N threads on the same batches
 Steady state counts the samples after each worker's first `warmup` steps; end to end is the wall
 time from launch to the last process's exit, start-up included.
@@ -74,10 +75,10 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, data_dir: str)
     return {"samples_per_s": rate, "wall_s": wall}
 
 
-def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap: bool = False) -> dict[str, float]:
+def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap: bool = False, updaters: bool = True) -> dict[str, float]:
     """Timed by each worker's clock after every backward (common.timed_fit): with overlap a
     round's Score arrives a round late, and a window of Scores would count a round more."""
-    timed = timed_fit(world, k, steps, warmup, data_dir, lambda b: b.overlap_averaging(overlap))
+    timed = timed_fit(world, k, steps, warmup, data_dir, lambda b: b.overlap_averaging(overlap).average_updaters(updaters))
     return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"]}
 
 
@@ -103,6 +104,7 @@ def main() -> None:
         contenders[f"pma k={k}"] = functools.partial(peers, "pma", n, k, steps, warmup, args.data_dir)
         contenders[f"wrapper k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir)
         contenders[f"overlap k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir, overlap=True)
+        contenders[f"params k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir, updaters=False)
     # Interleaved rounds: the machine's drift over minutes touches every contender alike.
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     for r in range(args.repeats):
