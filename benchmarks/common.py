@@ -84,7 +84,8 @@ def read_stamps(folder: str | Path, world: int, steps: int) -> list[list[float]]
 def timed_fit(world: int, k: int, steps: int, warmup: int, data_dir: str, configure: Callable[[Any], Any], lr: float = LR) -> dict[str, Any]:
     """LeNet on `steps` batches per worker through a ParallelWrapper (Nesterov SGD at `lr`, one
     thread a worker, averaging every k, then `configure(builder)`), timed by `stamp` over whole
-    rounds after `warmup`: ms per step, the wall seconds, the last round's loss."""
+    rounds after `warmup`: ms per step, the wall seconds, the last round's loss, and the share of
+    rank 0's time after `warmup` in exchanges (its Scores' exchange_s over training_s + exchange_s)."""
     batches = mnist_batches(data_dir)[: world * steps]
     scores: list[Score] = []
     with tempfile.TemporaryDirectory(prefix="pw_bench_") as folder:
@@ -103,7 +104,9 @@ def timed_fit(world: int, k: int, steps: int, warmup: int, data_dir: str, config
             w.fit(batches)
         wall = time.monotonic() - wall
         stamps = read_stamps(folder, world, steps)
-    return {"ms_per_step": ms_per_step("wrapper", stamps, *window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score}
+    timed = [s for s in scores if s.iteration > world * warmup]
+    exchange = sum(s.exchange_s for s in timed) / sum(s.training_s + s.exchange_s for s in timed)
+    return {"ms_per_step": ms_per_step("wrapper", stamps, *window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score, "exchange_share": exchange}
 
 
 def machine() -> dict[str, Any]:

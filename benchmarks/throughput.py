@@ -11,7 +11,8 @@ Contenders, one after another in this run, each worker training `steps` batches 
   params k     the wrapper with .average_updaters(False): parameters only, PMA's bytes
   threads      one process with N threads on the same batches
 Steady state counts the samples after each worker's first `warmup` steps; end to end is the wall
-time from launch to the last process's exit, start-up included.
+time from launch to the last process's exit, start-up included. For the wrapper's contenders, the
+share of rank 0's time after the warm-up spent in exchanges (its Scores' exchange_s), not in steps.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap:
     """Timed by each worker's clock after every backward (common.timed_fit): with overlap a
     round's Score arrives a round late, and a window of Scores would count a round more."""
     timed = timed_fit(world, k, steps, warmup, data_dir, lambda b: b.overlap_averaging(overlap).average_updaters(updaters))
-    return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"]}
+    return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"], "exchange_share": timed["exchange_share"]}
 
 
 def main() -> None:
@@ -116,6 +117,7 @@ def main() -> None:
             "samples_per_s": statistics.median(x["samples_per_s"] for x in xs),
             "wall_s": statistics.median(x["wall_s"] for x in xs),
             "all_samples_per_s": [x["samples_per_s"] for x in xs],
+            "exchange_share": statistics.median(x["exchange_share"] for x in xs) if "exchange_share" in xs[0] else None,
         }
         for name, xs in samples.items()
     }
@@ -123,9 +125,9 @@ def main() -> None:
     for r in runs.values():
         r["vs_ceiling"] = r["samples_per_s"] / ceiling
         r["vs_ddp"] = r["samples_per_s"] / ddp
-    rows = [(name, r["samples_per_s"], r["vs_ceiling"], r["vs_ddp"], r["wall_s"]) for name, r in runs.items()]
+    rows = [(name, r["samples_per_s"], r["vs_ceiling"], r["vs_ddp"], r["wall_s"], "-" if r["exchange_share"] is None else r["exchange_share"]) for name, r in runs.items()]
     print(f"LeNet, MNIST, batch 128, {n} workers, {steps} batches each ({warmup} warm-up), median of {args.repeats}")
-    print(table(["run", "steady samples/s", "/ ceiling", "/ DDP", "end to end s"], rows))
+    print(table(["run", "steady samples/s", "/ ceiling", "/ DDP", "end to end s", "rank 0's time in exchanges"], rows))
     write_results(args.out, {"workers": n, "steps": steps, "warmup": warmup, "repeats": args.repeats, "runs": runs})
 
 

@@ -38,6 +38,10 @@ class Score:
     position: int = 0  # batches of `epoch` trained so far (a resumed fit() starts past 0)
     encoding: EncodingStats | None = None  # with gradient encoding: τ after these steps, their density and bytes sent
     lr: float = math.nan  # the learning rate of the round's last local step (the first parameter group's, on rank 0)
+    # Where the reporting worker's time went since the last score: its local steps, and the
+    # exchanges (sending, waiting for the others and the network, applying the average).
+    training_s: float = math.nan
+    exchange_s: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,7 @@ class Recorder:
     def __call__(self, report: Report) -> None:
         c, seconds = report.counters, report.at - self.start
         if isinstance(report, RoundReport):
-            score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped, c.position, report.encoding, report.lr)
+            score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped, c.position, report.encoding, report.lr, report.training_s, report.exchange_s)
             self.history.scores.append(score)
             notify(self.listeners, "on_score", score)
         elif isinstance(report, ValidationReport):

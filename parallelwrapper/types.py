@@ -57,6 +57,8 @@ class RoundReport:
     at: float = dataclasses.field(default_factory=time.monotonic)  # when (system-wide clock)
     encoding: EncodingStats | None = None  # with gradient encoding: its rounds' τ, density and bytes
     lr: float = math.nan  # the first parameter group's learning rate at the reporting worker's last local step
+    training_s: float = math.nan  # the reporting worker's seconds in local work over the reported rounds
+    exchange_s: float = math.nan  # ... and in their exchanges: sending, waiting for and applying the averages
 
 
 @dataclass(frozen=True)

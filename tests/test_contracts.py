@@ -207,9 +207,11 @@ def test_score_windows_report_every_k_rounds_and_at_the_epochs_end() -> None:
     counters = Counters()
     for i, (n, loss) in enumerate([(10, 10.0), (30, 0.0), (20, 4.0)]):
         counters.rounds += 1
-        book.add(totals(n, loss, skipped=i == 2), counters, end_of_epoch=i == 2)
+        book.add(totals(n, loss, skipped=i == 2), counters, end_of_epoch=i == 2, seconds=(1.0 + i, 0.25 * i))
     assert [r.counters.rounds for r in reports] == [2, 3]
     assert [r.score for r in reports] == [10.0 / 40, 4.0 / 20] and [r.skipped for r in reports] == [0, 1]  # type: ignore[union-attr]
+    # each report: this worker's seconds in local work and in exchanges over its rounds
+    assert [(r.training_s, r.exchange_s) for r in reports] == [(3.0, 0.25), (3.0, 0.5)]  # type: ignore[union-attr]
     assert book.whole.score == 14.0 / 60  # the epoch's: sample-weighted over every round
     assert reports[0].counters is not counters  # a snapshot, not the live counters
 

@@ -110,6 +110,12 @@ def test_every_batch_once_in_an_uneven_epoch(mode: TrainingMode, overlap: bool, 
     assert [e.iteration for e in history.epochs] == [23, 46]
     assert scores == history.scores and scores[-1].samples == 2 * samples
     assert all(s.score > 0 for s in scores)
+    # Rank 0 reports where its time went: its own steps, and the exchanges, where it waits for the
+    # slow rank 1 (20 ms a step; rank 1 trains some 23 batches in the 2 epochs).
+    assert all(s.training_s > 0 and s.exchange_s > 0 for s in scores)
+    assert sum(s.training_s + s.exchange_s for s in scores) <= scores[-1].seconds
+    if not overlap:
+        assert sum(s.exchange_s for s in scores) > 0.2
     rounds = [s.round for s in scores]
     if mode is TrainingMode.AVERAGING:  # a score per averaging
         assert rounds == list(range(1, len(scores) + 1))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +59,7 @@ class Rounds:
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self.seq = 0  # rounds started over this worker's life, the same on every worker: Hooks' tags
         self._cut = RoundCut(world_size * (1 if node is None else node.size))  # which batches each round trains, and their steps
+        self._seconds = [0.0, 0.0]  # in local work, in exchanges, since the last round settled: its Score's
 
     @property
     def _averaging(self) -> bool:
@@ -109,23 +112,31 @@ class Rounds:
         self._cut.epoch_starts(self.counters)
         in_flight: Any = None  # a round launched and not landed (overlap_averaging)
         while True:
-            work = self._local_work(in_flight is not None)
+            work = self._timed(False, self._local_work, in_flight is not None)
             land_now = not (self._stream is not None and self._averaging)
             if in_flight is not None:
-                totals = self._land(in_flight, work)
+                totals = self._timed(True, self._land, in_flight, work)
                 if self._settle(totals, book):
                     self._after_landing(totals, True, book)
                     return
                 upcoming = self.counters.rounds + 1
                 land_now = totals.stop > 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
-            in_flight = self._launch(work)
+            in_flight = self._timed(True, self._launch, work)
             if land_now:
-                totals = self._land(in_flight, work, at_once=True)
+                totals = self._timed(True, self._land, in_flight, work, True)
                 in_flight = None
                 epoch_done = self._settle(totals, book)
                 self._after_landing(totals, epoch_done, book)
                 if epoch_done:
                     return
+
+    def _timed(self, exchange: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), its seconds counted as local work or as exchange for the next Score."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._seconds[exchange] += time.perf_counter() - start
 
     # -- local work ------------------------------------------------------------------------------
 
@@ -219,7 +230,8 @@ class Rounds:
         if totals.samples > 0:
             c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
             c.position += totals.batches
-            book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]))
+            seconds, self._seconds = (self._seconds[0], self._seconds[1]), [0.0, 0.0]
+            book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds)
         if epoch_done:
             c.epoch, c.position = c.epoch + 1, 0
         self.trainer.landed(c, book.whole.score if epoch_done else totals.score, epoch_done)

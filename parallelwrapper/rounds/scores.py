@@ -25,9 +25,13 @@ class _Window:
     samples: int = 0
     skipped: int = 0
     encoding: EncodingStats | None = None
+    training_s: float = 0.0  # this worker's, in local work
+    exchange_s: float = 0.0  # this worker's, in the exchanges
 
-    def add(self, totals: RoundTotals, encoding: EncodingStats | None) -> None:
+    def add(self, totals: RoundTotals, encoding: EncodingStats | None, seconds: tuple[float, float]) -> None:
         self.rounds += 1
+        self.training_s += seconds[0]
+        self.exchange_s += seconds[1]
         self.loss_sum += totals.loss_sum
         self.samples += int(totals.samples)
         self.skipped += totals.skipped
@@ -46,13 +50,15 @@ class ScoreBook:
         self.report, self._every, self._rounds = report, every, rounds
         self.window, self.whole = _Window(), _Window()  # since the last report; the whole epoch
 
-    def add(self, totals: RoundTotals, counters: Counters, end_of_epoch: bool, encoding: EncodingStats | None = None, lr: float = math.nan) -> None:
-        """A landed round's totals (and, with gradient encoding, its τ, density and bytes), and the
-        learning rate of this worker's last step."""
-        self.window.add(totals, encoding)
-        self.whole.add(totals, encoding)
+    def add(self, totals: RoundTotals, counters: Counters, end_of_epoch: bool, encoding: EncodingStats | None = None, lr: float = math.nan, seconds: tuple[float, float] = (0.0, 0.0)) -> None:
+        """A landed round's totals (and, with gradient encoding, its τ, density and bytes), the
+        learning rate of this worker's last step, and this worker's seconds in local work and in
+        exchanges since the last round it added."""
+        self.window.add(totals, encoding, seconds)
+        self.whole.add(totals, encoding, seconds)
         if self._rounds and (self.window.rounds == self._every or end_of_epoch):
-            self.report(RoundReport(dataclasses.replace(counters), self.window.score, self.window.skipped, encoding=self.window.encoding, lr=lr))
+            w = self.window
+            self.report(RoundReport(dataclasses.replace(counters), w.score, w.skipped, encoding=w.encoding, lr=lr, training_s=w.training_s, exchange_s=w.exchange_s))
             self.window = _Window()
 
 
