@@ -58,6 +58,7 @@ class Summary:
     replacements: int = 0  # workers replaced after a failure (--replace-workers)
     encoded_bytes_per_worker: float | None = None  # --gradient-threshold: the bytes each worker sent, on average, as the scores say
     final_threshold: float | None = None  # --gradient-threshold: τ at the end
+    exchange_share: float | None = None  # of rank 0's time in the scores' rounds, the share in exchanges (Score.exchange_s)
     epoch_accuracies: list[float] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -72,8 +73,9 @@ class Summary:
             f"encoded shared gradients: {self.encoded_bytes_per_worker / 1e6:,.2f} MB sent per worker, τ now {self.final_threshold:.3g}\n"
             if self.encoded_bytes_per_worker is not None and self.final_threshold is not None else ""
         )  # fmt: skip
+        exchange = f"{self.exchange_share:.1%} of worker 0's training time went to exchanges, waiting for the others included\n" if self.exchange_share is not None else ""
         return (
-            f"{stopped}{replaced}{encoded}test accuracy {self.test_accuracy:.4f}, test loss {self.test_loss:.4f}\n"
+            f"{stopped}{replaced}{encoded}{exchange}test accuracy {self.test_accuracy:.4f}, test loss {self.test_loss:.4f}\n"
             f"{train} samples/s while training (start-up and validation excluded), "
             f"{self.wall_samples_per_second:,.0f} samples/s over the wall time of {self.wall_seconds:.1f} s (all included)"
         )
@@ -87,7 +89,8 @@ class RunLog:
     loss and the epoch-end validation's test metrics), `metrics.jsonl` when given a path, and the
     training clock.
 
-    `metrics.jsonl` has a "score" record per averaged score (the round's mean loss; encoded: τ, density, bytes_sent), a "validation"
+    `metrics.jsonl` has a "score" record per averaged score (the round's mean loss, worker 0's
+    training_s and exchange_s since the last; encoded: τ, density, bytes_sent), a "validation"
     record per validation (val_loss, val_accuracy) and an "epoch" record per epoch (epoch_loss,
     test_loss, test_accuracy), each with step, iteration, samples, epoch and seconds since `start`;
     with --replace-workers, a "replacement" record (rank, lost_round, reason) per replaced worker.
@@ -128,7 +131,7 @@ class RunLog:
         self._tick(score.seconds, score.samples)
         self._step = score.round
         encoding = {} if score.encoding is None else {"threshold": score.encoding.threshold, "density": score.encoding.density, "bytes_sent": score.encoding.bytes_sent}
-        self._write("score", score, score=score.score, **encoding)
+        self._write("score", score, score=score.score, training_s=score.training_s, exchange_s=score.exchange_s, **encoding)
 
     def on_validation(self, validation: Validation) -> None:
         self._tick(validation.seconds, validation.samples)
@@ -201,6 +204,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
     wall = time.perf_counter() - start
     session_samples = wrapper.samples - restored["samples"]
     encodings = [s.encoding for s in history.scores if s.encoding is not None]
+    busy = sum(s.training_s + s.exchange_s for s in history.scores)
     summary = Summary(
         test_accuracy=final["val_accuracy"],
         test_loss=final["val_loss"],
@@ -223,6 +227,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
         replacements=log.replacements,
         encoded_bytes_per_worker=sum(e.bytes_sent for e in encodings) if encodings else None,
         final_threshold=encodings[-1].threshold if encodings else None,
+        exchange_share=sum(s.exchange_s for s in history.scores) / busy if busy > 0 else None,
         epoch_accuracies=log.epoch_accuracies,
         options=options_json(options),
     )

@@ -52,6 +52,7 @@ SUMMARY_TYPES: dict[str, type | tuple[type, ...]] = {
     "rounds": int,
     "final_epoch_loss": float,
     "last_round_score": float,
+    "exchange_share": float,
     "epoch_accuracies": list,
     "options": dict,
 }
@@ -63,7 +64,11 @@ RECORD_TYPES: dict[str, type | tuple[type, ...]] = {
     "epoch": int,
     "seconds": float,
 }
-FIELDS = {"score": {"score": float}, "validation": {"val_loss": float, "val_accuracy": float}, "epoch": {"epoch_loss": float, "test_loss": float, "test_accuracy": float}}
+FIELDS = {
+    "score": {"score": float, "training_s": float, "exchange_s": float},
+    "validation": {"val_loss": float, "val_accuracy": float},
+    "epoch": {"epoch_loss": float, "test_loss": float, "test_accuracy": float},
+}
 
 
 def invoke(*args: str) -> Result:
@@ -340,6 +345,7 @@ def test_fit_writes_metrics_summary_and_model(mnist_dir: Path, tmp_path: Path) -
     assert summary["test_accuracy"] == epochs[-1]["test_accuracy"] == summary["epoch_accuracies"][-1]
     assert (summary["final_epoch_loss"], summary["last_round_score"]) == (epochs[-1]["epoch_loss"], scores[-1]["score"])
     assert summary["stopped_early_at_round"] is None
+    assert 0 < summary["exchange_share"] < 1 and all(r["training_s"] > 0 and r["exchange_s"] > 0 for r in scores)
     assert summary["final_lr"] == pytest.approx(0.0, abs=1e-12), "cosine over the run's 2 x 4 steps ends at 0"
     assert summary["wall_seconds"] > summary["train_seconds"] > 0
     # Training only: between reports, after the first (start-up) and without validations.
