@@ -121,6 +121,7 @@ class Point:
     rounds: int  # averagings (SHARED_GRADIENTS: steps) so far
     collectives: int
     bytes_per_worker: float
+    exchange_share: float  # of worker 0's time in the fits' rounds so far, the share in exchanges (Score.exchange_s; NaN at the start)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ def run_one(
     wrapper = builder(model, run_options).build()
 
     sent = 0.0  # encoded: the bytes the fits' rounds sent, as their scores say
+    exchanged, busy = 0.0, 0.0  # worker 0's seconds in exchanges, and in exchanges and steps, as the scores say
 
     def point(samples: int, seconds: float, score: float, rounds: int, fits: int) -> Point:
         ev = wrapper.evaluate(test)
@@ -177,7 +179,8 @@ def run_one(
             collectives, sent_bytes = fits + 2 * rounds, sent + cost.ring_bytes(HEADER_BYTES) * fits
         else:
             collectives, sent_bytes = cost.collectives(rounds, fits), cost.bytes_per_worker(rounds, fits)
-        return Point(samples, seconds, ev["accuracy"], ev["loss"], score, rounds, collectives, sent_bytes)
+        share = exchanged / busy if busy > 0 else math.nan
+        return Point(samples, seconds, ev["accuracy"], ev["loss"], score, rounds, collectives, sent_bytes, share)
 
     with wrapper:
         _start_workers(wrapper, pieces[0])
@@ -189,6 +192,8 @@ def run_one(
             history = wrapper.fit(piece)
             seconds += time.perf_counter() - start
             sent += sum(s.encoding.bytes_sent for s in history.scores if s.encoding is not None)
+            exchanged += sum(s.exchange_s for s in history.scores)
+            busy += sum(s.training_s + s.exchange_s for s in history.scores)
             points.append(point(wrapper.samples - samples0, seconds, history.final_score, wrapper.rounds - rounds0, fits))
             if echo is not None:
                 p = points[-1]
@@ -268,8 +273,8 @@ def markdown(results: Sequence[RunResult], options: CompareOptions, wall_seconds
         f"encoded shared gradients count the bytes their messages had ((N-1) each), with the ring's share of the header; "
         f"an outer step sends nothing. \"To {target:.0%}\" is the first of the evaluations at or above it.\n",
         f"| run | final test accuracy | final test loss | training seconds | training samples/s "
-        f"| samples to {target:.0%} | seconds to {target:.0%} | collectives | MB sent per worker |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| samples to {target:.0%} | seconds to {target:.0%} | collectives | MB sent per worker | worker 0's time in exchanges |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         f, hit = r.final, r.first_reaching(target)
@@ -277,7 +282,7 @@ def markdown(results: Sequence[RunResult], options: CompareOptions, wall_seconds
         reached = (f"{hit.samples:,}", f"{hit.seconds:.1f}") if hit else ("not reached", "not reached")
         lines.append(
             f"| {r.spec.label} | {f.test_accuracy:.4f} | {f.test_loss:.4f} | {f.seconds:.1f} | {rate:,.0f} "
-            f"| {reached[0]} | {reached[1]} | {f.collectives:,} | {f.bytes_per_worker / 1e6:,.1f} |"
+            f"| {reached[0]} | {reached[1]} | {f.collectives:,} | {f.bytes_per_worker / 1e6:,.1f} | {f.exchange_share:.1%} |"
         )
     training = sum(r.final.seconds for r in results)
     evaluations = sum(len(r.points) for r in results)

@@ -501,6 +501,8 @@ def test_short_compare_run(mnist_dir: Path, tmp_path: Path) -> None:
     assert int(sg["collectives"]) == int(k1["collectives"])
     assert float(k1["bytes_per_worker"]) == pytest.approx(2 * float(sg["bytes_per_worker"]), rel=1e-3)
     assert float(k2["bytes_per_worker"]) < float(k1["bytes_per_worker"])
+    # worker 0's share of time in exchanges, as its scores say: none before training
+    assert all(math.isnan(float(r["exchange_share"])) for r in rows[::3]) and all(0 < float(r["exchange_share"]) < 1 for r in rows if int(r["samples"]))
 
     table = (tmp_path / "compare.md").read_text()
     assert "| run | final test accuracy |" in table and "samples to 30%" in table and "MB sent per worker" in table

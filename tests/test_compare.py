@@ -139,7 +139,7 @@ def test_options_are_validated(kwargs: dict[str, Any], message: str) -> None:
 
 
 def point(samples: int, seconds: float, accuracy: float) -> Point:
-    return Point(samples, seconds, accuracy, 0.1, math.nan, samples // 256, samples // 128, samples * 1000.0)
+    return Point(samples, seconds, accuracy, 0.1, math.nan, samples // 256, samples // 128, samples * 1000.0, 0.05)
 
 
 def test_table_reports_the_first_evaluation_at_the_target() -> None:
@@ -148,7 +148,7 @@ def test_table_reports_the_first_evaluation_at_the_target() -> None:
     assert fast.first_reaching(0.97) == fast.points[2] and slow.first_reaching(0.97) is None
     table = markdown([fast, slow], CompareOptions(target_accuracy=0.97, out=Path("x")), wall_seconds=10.0)
     rows = [line for line in table.splitlines() if line.startswith("| averaging") or line.startswith("| shared")]
-    assert rows[0].startswith("| averaging k=4 | 0.9750 | 0.1000 | 2.0 | 1,000 | 2,000 | 2.0 | 15 | 2.0 |")
+    assert rows[0] == "| averaging k=4 | 0.9750 | 0.1000 | 2.0 | 1,000 | 2,000 | 2.0 | 15 | 2.0 | 5.0% |"
     assert rows[1].count("not reached") == 2
     assert "| training seconds | training samples/s |" in table
     assert "Wall time 10.0 s, of which 5.0 s (50%) training; the rest is reading MNIST, starting the workers" in table
