@@ -1,0 +1,95 @@
+"""Minor page faults and ms per step of the wrapper's workers against a bare loop's (issue 21,
+item 4: where the default round's time goes). LeNet, MNIST, batch 128, 2 workers of one thread,
+k = 3; the bare loop averages the parameters every k steps as PeriodicModelAverager does. Each
+process counts its own faults (getrusage) and time over the steps after `--warmup`.
+
+    python benchmarks/page_faults.py
+    MALLOC_TOP_PAD_=268435456 python benchmarks/page_faults.py   # glibc keeping 256 MiB at the heap's top
+
+A fault maps a page the process touches for the first time since the allocator gave memory back
+to the kernel: many faults a step mean the allocator returns memory each step and takes it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, nesterov, run_processes, table, write_results
+from parallelwrapper import ParallelWrapper
+
+FOLDER_ENV = "PW_BENCH_FAULTS"
+
+
+def _mark(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """`.before_step` in the wrapper's workers: the clock and the fault count, a line a step."""
+    with open(Path(os.environ[FOLDER_ENV]) / str(os.getpid()), "a") as f:
+        f.write(f"{time.monotonic()} {resource.getrusage(resource.RUSAGE_SELF).ru_minflt}\n")
+
+
+def _per_step(marks: list[tuple[float, int]], warmup: int) -> tuple[float, float]:
+    (t0, f0), (t1, f1) = marks[warmup], marks[-1]
+    steps = len(marks) - 1 - warmup
+    return (f1 - f0) / steps, (t1 - t0) / steps * 1000
+
+
+def _bare(rank: int, world: int, steps: int, k: int, warmup: int, data_dir: str) -> tuple[float, float]:
+    batches = mnist_batches(data_dir)[rank::world][:steps]
+    model = lenet()
+    optimizer = nesterov(model)
+    marks = []
+    for i, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        marks.append((time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
+        optimizer.step()
+        if (i + 1) % k == 0:
+            with torch.no_grad():
+                params = list(model.parameters())
+                flat = torch.cat([p.reshape(-1) for p in params]) / world
+                dist.all_reduce(flat)
+                torch._foreach_copy_(params, [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params)])
+    return _per_step(marks, warmup)
+
+
+def _wrapped(steps: int, k: int, warmup: int, data_dir: str) -> list[tuple[float, float]]:
+    batches = mnist_batches(data_dir)[: 2 * steps]
+    with tempfile.TemporaryDirectory(prefix="pw_faults_") as folder:
+        os.environ[FOLDER_ENV] = folder  # the workers inherit it
+        builder = ParallelWrapper.builder(lenet()).optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM, nesterov=True)
+        with builder.workers(2).threads_per_worker(1).averaging_frequency(k).before_step(_mark).build() as wrapper:
+            wrapper.fit(batches)
+        runs = [[(float(t), int(f)) for t, f in (line.split() for line in p.read_text().splitlines())] for p in sorted(Path(folder).iterdir())]
+    return [_per_step(marks, warmup) for marks in runs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="batches per worker")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("-k", type=int, default=3)
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--out", default="benchmarks/results/page_faults.json")
+    args = parser.parse_args()
+    rows = []
+    for name, results in (
+        ("bare loop, PMA's averaging", run_processes(_bare, 2, args.steps, args.k, args.warmup, args.data_dir)),
+        ("parallelwrapper, defaults", _wrapped(args.steps, args.k, args.warmup, args.data_dir)),
+    ):
+        rows += [[name, rank, faults, ms] for rank, (faults, ms) in enumerate(results)]
+    headers = ["run", "rank", "minor faults a step", "ms a step"]
+    print(f"LeNet, batch {BATCH}, 2 workers, k = {args.k}; MALLOC_TOP_PAD_={os.environ.get('MALLOC_TOP_PAD_', 'unset')}")
+    print(table(headers, rows))
+    write_results(args.out, {"args": vars(args), "malloc_top_pad": os.environ.get("MALLOC_TOP_PAD_"), "headers": headers, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
