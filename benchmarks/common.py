@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from parallelwrapper import ParallelWrapper, Score
 from parallelwrapper.data import load_mnist
+from parallelwrapper.listeners import exchange_share
 from parallelwrapper.models import LeNet
 
 BATCH = 128
@@ -104,8 +105,7 @@ def timed_fit(world: int, k: int, steps: int, warmup: int, data_dir: str, config
             w.fit(batches)
         wall = time.monotonic() - wall
         stamps = read_stamps(folder, world, steps)
-    timed = [s for s in scores if s.iteration > world * warmup]
-    exchange = sum(s.exchange_s for s in timed) / sum(s.training_s + s.exchange_s for s in timed)
+    exchange = exchange_share([s for s in scores if s.iteration > world * warmup])
     return {"ms_per_step": ms_per_step("wrapper", stamps, *window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score, "exchange_share": exchange}
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .communication import HEADER_BYTES, Communication, estimated_communication
 from .config import TrainingMode
+from .listeners import Score, exchange_share
 from .options import Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
 from .wrapper import ParallelWrapper
 
@@ -171,7 +172,7 @@ def run_one(
     wrapper = builder(model, run_options).build()
 
     sent = 0.0  # encoded: the bytes the fits' rounds sent, as their scores say
-    exchanged, busy = 0.0, 0.0  # worker 0's seconds in exchanges, and in exchanges and steps, as the scores say
+    scores: list[Score] = []  # every fit's, for worker 0's share of time in exchanges
 
     def point(samples: int, seconds: float, score: float, rounds: int, fits: int) -> Point:
         ev = wrapper.evaluate(test)
@@ -179,8 +180,7 @@ def run_one(
             collectives, sent_bytes = fits + 2 * rounds, sent + cost.ring_bytes(HEADER_BYTES) * fits
         else:
             collectives, sent_bytes = cost.collectives(rounds, fits), cost.bytes_per_worker(rounds, fits)
-        share = exchanged / busy if busy > 0 else math.nan
-        return Point(samples, seconds, ev["accuracy"], ev["loss"], score, rounds, collectives, sent_bytes, share)
+        return Point(samples, seconds, ev["accuracy"], ev["loss"], score, rounds, collectives, sent_bytes, exchange_share(scores))
 
     with wrapper:
         _start_workers(wrapper, pieces[0])
@@ -192,8 +192,7 @@ def run_one(
             history = wrapper.fit(piece)
             seconds += time.perf_counter() - start
             sent += sum(s.encoding.bytes_sent for s in history.scores if s.encoding is not None)
-            exchanged += sum(s.exchange_s for s in history.scores)
-            busy += sum(s.training_s + s.exchange_s for s in history.scores)
+            scores += history.scores
             points.append(point(wrapper.samples - samples0, seconds, history.final_score, wrapper.rounds - rounds0, fits))
             if echo is not None:
                 p = points[-1]

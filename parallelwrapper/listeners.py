@@ -44,6 +44,13 @@ class Score:
     exchange_s: float = math.nan
 
 
+def exchange_share(scores: Sequence[Score]) -> float:
+    """Of the reporting worker's time over `scores`, the share spent in exchanges rather than in
+    its steps: Σ exchange_s / Σ (training_s + exchange_s); NaN when they count no time."""
+    busy = sum(s.training_s + s.exchange_s for s in scores)
+    return sum(s.exchange_s for s in scores) / busy if busy > 0 else math.nan
+
+
 @dataclass(frozen=True)
 class EpochEnd:
     """The end of an epoch, or of the part of it a fit trained when early stopping ended it there."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation
+from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation, exchange_share
 from .options import RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits, options_json, with_lr_schedule
 from .tensorboard_logger import TensorBoardLogger
 from .types import WorkerError
@@ -204,7 +204,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
     wall = time.perf_counter() - start
     session_samples = wrapper.samples - restored["samples"]
     encodings = [s.encoding for s in history.scores if s.encoding is not None]
-    busy = sum(s.training_s + s.exchange_s for s in history.scores)
+    share = exchange_share(history.scores)
     summary = Summary(
         test_accuracy=final["val_accuracy"],
         test_loss=final["val_loss"],
@@ -227,7 +227,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
         replacements=log.replacements,
         encoded_bytes_per_worker=sum(e.bytes_sent for e in encodings) if encodings else None,
         final_threshold=encodings[-1].threshold if encodings else None,
-        exchange_share=sum(s.exchange_s for s in history.scores) / busy if busy > 0 else None,
+        exchange_share=share if math.isfinite(share) else None,
         epoch_accuracies=log.epoch_accuracies,
         options=options_json(options),
     )
