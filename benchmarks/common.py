@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import queue
+import resource
 import tempfile
 import time
 import traceback
@@ -57,14 +58,26 @@ def window(warmup: int, steps: int, k: int) -> tuple[int, int]:
     return warmup, warmup + rounds * k
 
 
+def mark() -> tuple[float, int]:
+    """The clock and this process's minor page faults so far."""
+    return time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def stamp(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """`.before_step` in the wrapper's workers: the clock after each backward, one file a process
+    """`.before_step` in the wrapper's workers: the `mark` after each backward, one file a process
     in the folder $STAMPS_ENV (the spawned workers inherit it). A Score listener would not do: with
     overlap_averaging a round's Score arrives when it lands, a round late."""
     global _stamps
     if _stamps is None:
         _stamps = open(Path(os.environ[STAMPS_ENV]) / str(os.getpid()), "a", buffering=1)
-    _stamps.write(f"{time.monotonic():.9f}\n")
+    clock, faults = mark()
+    _stamps.write(f"{clock:.9f} {faults}\n")
+
+
+def per_step(marks: Sequence[tuple[float, int]], a: int, b: int) -> tuple[float, float]:
+    """One process's minor page faults and ms a step from its mark at step a to step b."""
+    (t0, f0), (t1, f1) = marks[a], marks[b]
+    return (f1 - f0) / (b - a), (t1 - t0) / (b - a) * 1000
 
 
 def ms_per_step(kind: str, stamps: list[list[float]], a: int, b: int) -> float:
@@ -74,9 +87,9 @@ def ms_per_step(kind: str, stamps: list[list[float]], a: int, b: int) -> float:
     return 1000.0 * (max(s[b] for s in stamps) - min(s[a] for s in stamps)) / (b - a)
 
 
-def read_stamps(folder: str | Path, world: int, steps: int) -> list[list[float]]:
-    """Each worker's stamps, as `stamp` wrote them; every worker must have stamped every step."""
-    stamps = [[float(line) for line in f.read_text().split()] for f in sorted(Path(folder).iterdir())]
+def read_stamps(folder: str | Path, world: int, steps: int) -> list[list[tuple[float, int]]]:
+    """Each worker's marks, as `stamp` wrote them; every worker must have stamped every step."""
+    stamps = [[(float(t), int(f)) for t, f in (line.split() for line in p.read_text().splitlines())] for p in sorted(Path(folder).iterdir())]
     if len(stamps) != world or any(len(s) != steps for s in stamps):
         raise RuntimeError(f"expected {world} workers of {steps} steps, stamped {[len(s) for s in stamps]}")
     return stamps
@@ -85,8 +98,9 @@ def read_stamps(folder: str | Path, world: int, steps: int) -> list[list[float]]
 def timed_fit(world: int, k: int, steps: int, warmup: int, data_dir: str, configure: Callable[[Any], Any], lr: float = LR) -> dict[str, Any]:
     """LeNet on `steps` batches per worker through a ParallelWrapper (Nesterov SGD at `lr`, one
     thread a worker, averaging every k, then `configure(builder)`), timed by `stamp` over whole
-    rounds after `warmup`: ms per step, the wall seconds, the last round's loss, and the share of
-    rank 0's time after `warmup` in exchanges (its Scores' exchange_s over training_s + exchange_s)."""
+    rounds after `warmup`: ms per step, the wall seconds, the last round's loss, the share of rank
+    0's time after `warmup` in exchanges (its Scores' exchange_s over training_s + exchange_s), and
+    each worker's (minor page faults, ms) a step by its own marks over the same window."""
     batches = mnist_batches(data_dir)[: world * steps]
     scores: list[Score] = []
     with tempfile.TemporaryDirectory(prefix="pw_bench_") as folder:
@@ -104,9 +118,17 @@ def timed_fit(world: int, k: int, steps: int, warmup: int, data_dir: str, config
         with configure(b).build() as w:
             w.fit(batches)
         wall = time.monotonic() - wall
-        stamps = read_stamps(folder, world, steps)
+        marks = read_stamps(folder, world, steps)
+    a, b = window(warmup, steps, k)
     exchange = exchange_share([s for s in scores if s.iteration > world * warmup])
-    return {"ms_per_step": ms_per_step("wrapper", stamps, *window(warmup, steps, k)), "wall_s": wall, "last_loss": scores[-1].score, "exchange_share": exchange}
+    stamps = [[t for t, _ in m] for m in marks]
+    return {
+        "ms_per_step": ms_per_step("wrapper", stamps, a, b),
+        "wall_s": wall,
+        "last_loss": scores[-1].score,
+        "exchange_share": exchange,
+        "per_worker": [per_step(m, a, b) for m in marks],
+    }
 
 
 def machine() -> dict[str, Any]:

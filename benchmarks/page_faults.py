@@ -1,7 +1,8 @@
 """Minor page faults and ms per step of the wrapper's workers against a bare loop's (issue 21,
 item 4: where the default round's time goes). LeNet, MNIST, batch 128, 2 workers of one thread,
 k = 3; the bare loop averages the parameters every k steps as PeriodicModelAverager does. Each
-process counts its own faults (getrusage) and time over the steps after `--warmup`.
+process counts its own faults (getrusage) and time after each backward (common.mark; the
+wrapper's workers through common.stamp), over whole rounds after `--warmup` (common.window).
 
     python benchmarks/page_faults.py
     MALLOC_TOP_PAD_=268435456 python benchmarks/page_faults.py   # glibc keeping 256 MiB at the heap's top
@@ -14,31 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, nesterov, run_processes, table, write_results
-from parallelwrapper import ParallelWrapper
-
-FOLDER_ENV = "PW_BENCH_FAULTS"
-
-
-def _mark(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """`.before_step` in the wrapper's workers: the clock and the fault count, a line a step."""
-    with open(Path(os.environ[FOLDER_ENV]) / str(os.getpid()), "a") as f:
-        f.write(f"{time.monotonic()} {resource.getrusage(resource.RUSAGE_SELF).ru_minflt}\n")
-
-
-def _per_step(marks: list[tuple[float, int]], warmup: int) -> tuple[float, float]:
-    (t0, f0), (t1, f1) = marks[warmup], marks[-1]
-    steps = len(marks) - 1 - warmup
-    return (f1 - f0) / steps, (t1 - t0) / steps * 1000
+from common import BATCH, DEFAULT_DATA_DIR, lenet, mark, mnist_batches, nesterov, per_step, run_processes, table, timed_fit, window, write_results
 
 
 def _bare(rank: int, world: int, steps: int, k: int, warmup: int, data_dir: str) -> tuple[float, float]:
@@ -49,7 +31,7 @@ def _bare(rank: int, world: int, steps: int, k: int, warmup: int, data_dir: str)
     for i, (x, y) in enumerate(batches):
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        marks.append((time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
+        marks.append(mark())  # where the wrapper's workers `stamp`: after the backward
         optimizer.step()
         if (i + 1) % k == 0:
             with torch.no_grad():
@@ -57,18 +39,7 @@ def _bare(rank: int, world: int, steps: int, k: int, warmup: int, data_dir: str)
                 flat = torch.cat([p.reshape(-1) for p in params]) / world
                 dist.all_reduce(flat)
                 torch._foreach_copy_(params, [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params)])
-    return _per_step(marks, warmup)
-
-
-def _wrapped(steps: int, k: int, warmup: int, data_dir: str) -> list[tuple[float, float]]:
-    batches = mnist_batches(data_dir)[: 2 * steps]
-    with tempfile.TemporaryDirectory(prefix="pw_faults_") as folder:
-        os.environ[FOLDER_ENV] = folder  # the workers inherit it
-        builder = ParallelWrapper.builder(lenet()).optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM, nesterov=True)
-        with builder.workers(2).threads_per_worker(1).averaging_frequency(k).before_step(_mark).build() as wrapper:
-            wrapper.fit(batches)
-        runs = [[(float(t), int(f)) for t, f in (line.split() for line in p.read_text().splitlines())] for p in sorted(Path(folder).iterdir())]
-    return [_per_step(marks, warmup) for marks in runs]
+    return per_step(marks, *window(warmup, steps, k))
 
 
 def main() -> None:
@@ -82,7 +53,7 @@ def main() -> None:
     rows = []
     for name, results in (
         ("bare loop, PMA's averaging", run_processes(_bare, 2, args.steps, args.k, args.warmup, args.data_dir)),
-        ("parallelwrapper, defaults", _wrapped(args.steps, args.k, args.warmup, args.data_dir)),
+        ("parallelwrapper, defaults", timed_fit(2, args.k, args.steps, args.warmup, args.data_dir, lambda b: b)["per_worker"]),
     ):
         rows += [[name, rank, faults, ms] for rank, (faults, ms) in enumerate(results)]
     headers = ["run", "rank", "minor faults a step", "ms a step"]
