@@ -5,16 +5,19 @@ process counts its own faults (getrusage) and time after each backward (common.m
 wrapper's workers through common.stamp), over whole rounds after `--warmup` (common.window).
 
     python benchmarks/page_faults.py
-    MALLOC_TOP_PAD_=268435456 python benchmarks/page_faults.py   # glibc keeping 256 MiB at the heap's top
 
-A fault maps a page the process touches for the first time since the allocator gave memory back
-to the kernel: many faults a step mean the allocator returns memory each step and takes it back.
+The wrapper runs twice: as it is, its workers keeping their heap (processes.keep_heap), and with
+PW_KEEP_HEAP=0, glibc left to its own thresholds. A fault maps a page the process touches for the first time since the
+allocator gave memory back to the kernel: many faults a step mean the allocator returns memory
+each step and takes it back.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,13 +56,24 @@ def main() -> None:
     rows = []
     for name, results in (
         ("bare loop, PMA's averaging", run_processes(_bare, 2, args.steps, args.k, args.warmup, args.data_dir)),
+        ("parallelwrapper, glibc's own heap", _glibcs_own(lambda: timed_fit(2, args.k, args.steps, args.warmup, args.data_dir, lambda b: b))["per_worker"]),
         ("parallelwrapper, defaults", timed_fit(2, args.k, args.steps, args.warmup, args.data_dir, lambda b: b)["per_worker"]),
     ):
         rows += [[name, rank, faults, ms] for rank, (faults, ms) in enumerate(results)]
     headers = ["run", "rank", "minor faults a step", "ms a step"]
-    print(f"LeNet, batch {BATCH}, 2 workers, k = {args.k}; MALLOC_TOP_PAD_={os.environ.get('MALLOC_TOP_PAD_', 'unset')}")
+    print(f"LeNet, batch {BATCH}, 2 workers, k = {args.k}")
     print(table(headers, rows))
-    write_results(args.out, {"args": vars(args), "malloc_top_pad": os.environ.get("MALLOC_TOP_PAD_"), "headers": headers, "rows": rows})
+    write_results(args.out, {"args": vars(args), "headers": headers, "rows": rows})
+
+
+def _glibcs_own(fit: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`fit()` with PW_KEEP_HEAP=0 in the environment the workers take: they leave glibc's heap as
+    it is."""
+    os.environ["PW_KEEP_HEAP"] = "0"
+    try:
+        return fit()
+    finally:
+        del os.environ["PW_KEEP_HEAP"]
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ by the first pool, and imports what either kind of worker needs (`_PRELOAD`).
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -20,6 +21,14 @@ import torch.multiprocessing as mp
 # What the forkserver imports before it forks a worker: both workers' code (torch with it), and
 # torch._dynamo, which making any torch optimizer imports (a second, in every worker).
 _PRELOAD = ["parallelwrapper.hosts.process", "parallelwrapper.inference.process", "torch._dynamo"]
+
+# glibc's heap in a worker: blocks under 32 MiB come from the heap (glibc's own ceiling for the
+# threshold it adapts), and up to 256 MiB freed at the heap's top stay mapped. Otherwise glibc
+# gives a step's freed tensors back to the kernel and faults them in again at the next step:
+# hundreds of page faults a step and ~5% of a LeNet step (benchmarks/page_faults.py). Peak memory
+# is unchanged: what stays mapped was in use at the peak. PW_KEEP_HEAP=0, or glibc's own MALLOC_
+# variables for these, leave glibc as it is (setting any of them stops glibc adapting the two).
+_HEAP = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20), "MALLOC_TRIM_THRESHOLD_": (-1, 256 << 20)}  # mallopt's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 
 
 def worker_context() -> Any:
@@ -33,9 +42,20 @@ def worker_context() -> Any:
 def adopt_environment(environ: dict[str, str]) -> None:
     """In a worker process: take the environment the main process had when it started this
     worker, as a spawned process would (a forkserver's child inherits the server's, from the
-    first pool)."""
+    first pool); and keep glibc's heap from giving memory back every step (`keep_heap`)."""
     os.environ.clear()
     os.environ.update(environ)
+    keep_heap(environ)
+
+
+def keep_heap(environ: dict[str, str]) -> bool:
+    """Set glibc's mmap and trim thresholds (`_HEAP`) in this process, unless `environ` has
+    PW_KEEP_HEAP=0 or sets glibc's MALLOC_ variables for them (or MALLOC_TOP_PAD_). Whether it set
+    them: not on a libc without mallopt (macOS; musl's is a no-op)."""
+    if environ.get("PW_KEEP_HEAP") == "0" or any(name in environ for name in (*_HEAP, "MALLOC_TOP_PAD_")):
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    return mallopt is not None and all([mallopt(option, value) == 1 for option, value in _HEAP.values()])
 
 
 def main_process_gone() -> bool:
