@@ -7,9 +7,9 @@ wrapper's workers through common.stamp), over whole rounds after `--warmup` (com
     python benchmarks/page_faults.py
 
 The wrapper runs twice: as it is, its workers keeping their heap (processes.keep_heap), and with
-PW_KEEP_HEAP=0, glibc left to its own thresholds. A fault maps a page the process touches for the first time since the
-allocator gave memory back to the kernel: many faults a step mean the allocator returns memory
-each step and takes it back.
+PW_KEEP_HEAP=0, glibc left to its own thresholds. A fault maps a page the process touches for the
+first time since the allocator gave memory back to the kernel: many faults a step mean the
+allocator returns memory each step and takes it back.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,11 +52,15 @@ def main() -> None:
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/page_faults.json")
     args = parser.parse_args()
+
+    def wrapper() -> list[tuple[float, float]]:
+        return timed_fit(2, args.k, args.steps, args.warmup, args.data_dir, lambda b: b)["per_worker"]
+
     rows = []
     for name, results in (
         ("bare loop, PMA's averaging", run_processes(_bare, 2, args.steps, args.k, args.warmup, args.data_dir)),
-        ("parallelwrapper, glibc's own heap", _glibcs_own(lambda: timed_fit(2, args.k, args.steps, args.warmup, args.data_dir, lambda b: b))["per_worker"]),
-        ("parallelwrapper, defaults", timed_fit(2, args.k, args.steps, args.warmup, args.data_dir, lambda b: b)["per_worker"]),
+        ("parallelwrapper, glibc's own heap", _glibcs_own(wrapper)),
+        ("parallelwrapper, defaults", wrapper()),
     ):
         rows += [[name, rank, faults, ms] for rank, (faults, ms) in enumerate(results)]
     headers = ["run", "rank", "minor faults a step", "ms a step"]
@@ -66,7 +69,7 @@ def main() -> None:
     write_results(args.out, {"args": vars(args), "headers": headers, "rows": rows})
 
 
-def _glibcs_own(fit: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def _glibcs_own(fit: Callable[[], list[tuple[float, float]]]) -> list[tuple[float, float]]:
     """`fit()` with PW_KEEP_HEAP=0 in the environment the workers take: they leave glibc's heap as
     it is."""
     os.environ["PW_KEEP_HEAP"] = "0"
