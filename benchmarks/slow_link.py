@@ -1,5 +1,6 @@
-"""Two machines on a slow link: time to a test accuracy for DDP (plain and with PowerSGD),
-PeriodicModelAverager and this project (plain, with an outer optimizer, with a bfloat16 payload).
+"""Two machines on a slow link: time to a test accuracy (or, `--arena gpt`, a validation loss) for
+DDP (plain and with PowerSGD), PeriodicModelAverager, torchft's DiLoCo and LocalSGD, and this
+project (plain, with an outer optimizer, with a 16-bit or quantized payload).
 
     sudo python benchmarks/slow_link.py --repeats 3          # the default contenders, 100 Mbit/s, 98%
     sudo python benchmarks/slow_link.py --contenders ddp,wrapper:16 --target 0.90 --max-epochs 1
@@ -12,7 +13,7 @@ contender (see slow_link_worker.py) rank 0 scores the model every few steps off 
 table gives, per contender, the training seconds until the first score >= `--target` (median
 of `--repeats`, every contender run once per repeat, in a rotated order) and each repeat's, the
 steps per rank it took, the pace in ms/step, the speed-up over the best peer (DDP, PowerSGD,
-PeriodicModelAverager) and the ratio to the no-communication limit: the same steps at the pace
+PeriodicModelAverager, torchft) and the ratio to the no-communication limit: the same steps at the pace
 of `none`, which trains with no collective at all. The namespaces are removed at the end, on
 error and on Ctrl-C. Needs root and `ip netns` (iproute2).
 """
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torchft_peer
 from common import DEFAULT_DATA_DIR, table, write_results
 from slow_link_worker import WRAPPERS
 
@@ -120,7 +122,8 @@ def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, 
                 str(WORKER), *worker_args,
             ]  # fmt: skip
             # Gloo would otherwise pick the address of the host name, which the namespace lacks.
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": link.devices[r], "OMP_NUM_THREADS": "1"}
+            # BENCH_ADDRESS: where the other namespace reaches this one (torchft's store and manager).
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": link.devices[r], "OMP_NUM_THREADS": "1", "BENCH_ADDRESS": link.addresses[r]}
             with logs[r].open("wb") as log:
                 # A session of its own: a Ctrl-C here reaches the driver, which stops them in order.
                 procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -157,7 +160,7 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join((own or text)[-lines:])
 
 
-PEERS = ("ddp", "powersgd", "pma")  # the contenders that are not this project (nor the limit)
+PEERS = ("ddp", "powersgd", "pma", *torchft_peer.KINDS)  # the contenders that are not this project (nor the limit)
 
 
 def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
@@ -253,7 +256,7 @@ def main() -> None:
     parser.add_argument(
         "--contenders",
         default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
-        help="ddp, powersgd:RANK, pma:K, wrapper[-params|-overlap|-outer|-bf16|-node]:K, none",
+        help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4]:K, none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
     parser.add_argument("--procs-per-node", type=int, default=1, help="ranks per namespace (2: a node's ranks share its loopback; for wrapper-node)")
@@ -269,6 +272,8 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="wrapper-outer's outer Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per contender")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="training seconds after which a contender stops at its next score, reached or not (for DDP on a slow link)")
     parser.add_argument("--out", default="benchmarks/results/slow_link.json")
     parser.add_argument("--analyse", metavar="JSON", help="no runs: re-read a results file, print its table and rewrite its summary")
     args = parser.parse_args()
@@ -283,11 +288,12 @@ def main() -> None:
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in contenders:
         kind, _, k = c.partition(":")
-        periodic = ("pma", *WRAPPERS)
+        periodic = ("pma", *WRAPPERS, *torchft_peer.KINDS)
         if kind not in ("ddp", "none", "powersgd", *periodic) or (kind in (*periodic, "powersgd")) != k.isdigit():
-            parser.error(f"unknown contender {c!r}: use ddp, none, powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in WRAPPERS)}")
+            parser.error(f"unknown contender {c!r}: use ddp, none, powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in (*torchft_peer.KINDS, *WRAPPERS))}")
         if kind in periodic and args.eval_every % int(k):
             parser.error(f"--eval-every {args.eval_every} is not a multiple of k = {k}: the model would be scored between averagings")
+    torchft_version = torchft_peer.version() if any(c.startswith("torchft") for c in contenders) else None
     problem = check_privileges()
     if problem is not None:
         sys.exit(f"slow_link: cannot set up the two namespaces: {problem}")
@@ -299,7 +305,7 @@ def main() -> None:
     shared = ["--data-dir", args.data_dir, "--max-epochs", str(args.max_epochs), "--target", str(args.target),
               "--eval-every", str(args.eval_every), "--lr", str(args.lr),
               "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
-              "--arena", args.arena, "--batch", str(args.batch), "--max-steps", str(args.max_steps),
+              "--arena", args.arena, "--batch", str(args.batch), "--max-steps", str(args.max_steps), "--budget", str(args.budget),
               "--optimizer", "adamw" if args.arena == "gpt" else "sgd"]  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
     started = time.monotonic()
@@ -339,7 +345,8 @@ def main() -> None:
     settings = {"rate": args.rate, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
                 "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs, "arena": args.arena,
-                "batch": args.batch, "max_steps": args.max_steps, "python": sys.version.split()[0]}  # fmt: skip
+                "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "python": sys.version.split()[0],
+                "torchft": torchft_version}  # fmt: skip
     verdict = report(settings, runs)
     print(f"total wall time {time.monotonic() - started:.0f} s")
     write_results(args.out, {**settings, "link": measured, **verdict, "runs": runs})

@@ -10,11 +10,16 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-overlap K  wrapper K with .overlap_averaging(True): the averaging runs during the next K steps
   wrapper-outer K    wrapper K with an outer Nesterov SGD (--outer-lr, --outer-momentum; DiLoCo, SlowMo)
   wrapper-bf16 K     wrapper K with .payload_dtype(torch.bfloat16): deltas sent in bfloat16, error fed back
+  wrapper-params-int8 K, wrapper-params-int4 K   wrapper-params K with .payload_dtype("int8"/"int4"):
+                     block-quantized deltas, error fed back (1/4 and 1/8 of PMA's bytes, plus scales)
   wrapper-encoded 1  this project with SHARED_GRADIENTS and .gradient_encoding(): threshold-encoded updates every step
   wrapper-node K     wrapper K with .hierarchy("node"): a node's ranks average gradients every step,
                      the nodes average every K (run with several ranks per node)
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
+  torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
+  torchft-localsgd K  torchft's LocalSGD: parameters averaged every K steps
+               (each rank its own replica group; rank 0 runs the lighthouse; torchft_peer.py)
   none         no communication: each rank trains alone on its shard (rank 0's model is scored)
   link         no training: times a one-way 10 MB send and a 10 MB all_reduce over the link
 
@@ -22,7 +27,8 @@ The training batches are one stream over `--max-epochs` epochs (batch 128, each 
 seed + epoch, the short last batch dropped so both ranks always have the same count); batch i goes
 to rank i mod N (N ranks), which is the wrapper's own torchrun shard. Every `--eval-every` steps per rank
 both ranks stop; rank 0 scores its replica on the 10k test images while rank 1 waits, and that
-pause is kept off the training clock. The eval period is a multiple of K, so the averaging
+pause is kept off the training clock. After `--budget` seconds of training a run stops at its next
+score, reached or not. The eval period is a multiple of K, so the averaging
 contenders are scored right after an averaging. Rank 0 writes the (seconds, samples, accuracy)
 points as JSON to `--out`.
 """
@@ -34,6 +40,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,6 +55,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel
 
 import gpt_arena
+import torchft_peer
 from common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
 from parallelwrapper import ParallelWrapper, TrainingMode
 from parallelwrapper.data import load_mnist
@@ -57,6 +65,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labe
 Trainer = Callable[[list[Batch]], None]  # trains this rank on its share of a chunk of batches
 SEED = 123  # pw-fit's: model init and shuffling
 LINK_BYTES = 10 * 2**20
+LIGHTHOUSE_PORT_OFFSET = 1000  # torchft's lighthouse listens at torchrun's master port + this
 
 
 # What each wrapper contender changes in the builder.
@@ -66,6 +75,8 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-overlap": {"overlap_averaging": True},
     "wrapper-outer": {"outer": True},
     "wrapper-bf16": {"payload_dtype": torch.bfloat16},
+    "wrapper-params-int8": {"average_updaters": False, "payload_dtype": "int8"},
+    "wrapper-params-int4": {"average_updaters": False, "payload_dtype": "int4"},
     "wrapper-encoded": {"gradient_encoding": True},  # SHARED_GRADIENTS, threshold-encoded, the defaults: run as wrapper-encoded:1
     "wrapper-node": {"hierarchy": "node"},  # needs several ranks per node (slow_link.py --procs-per-node 2)
 }
@@ -135,6 +146,23 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         return fit
     cls, kwargs = inner_optimizer(args)
     optimizer = cls(model.parameters(), **kwargs)
+    if kind in torchft_peer.KINDS:
+        # Each rank is a replica group of its own; rank 0 runs the lighthouse, at MASTER_ADDR.
+        port = int(os.environ["MASTER_PORT"]) + LIGHTHOUSE_PORT_OFFSET
+        if rank == 0:
+            from torchft.coordination import LighthouseServer
+
+            server = LighthouseServer(bind=f"[::]:{port}", min_replicas=world)
+            stack.callback(server.shutdown)
+        dist.barrier()  # the lighthouse is up before any manager asks it for a quorum
+        outer = {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": args.outer_momentum > 0}
+        stack.enter_context(
+            torchft_peer.torchft_sync(
+                kind, model, optimizer, k, lighthouse=f"http://{os.environ['MASTER_ADDR']}:{port}", replica_id=f"rank{rank}",
+                replicas=world, outer=outer, host=os.environ.get("BENCH_ADDRESS", "localhost"), timeout=args.timeout,
+            )
+        )  # fmt: skip
+        return local_sgd(model, optimizer, lambda: None, rank, world)
     if kind == "ddp":
         return local_sgd(DistributedDataParallel(model), optimizer, lambda: None, rank, world)
     if kind == "powersgd":
@@ -209,14 +237,15 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
             steps += len(chunk[rank::world])
             # Off the clock: rank 0 scores its replica while rank 1 waits for the verdict.
             start = time.perf_counter()
-            verdict = torch.tensor([score(model) if rank == 0 else 0.0], dtype=torch.float64)
+            # Rank 0's clock decides the budget too, so that both ranks stop after the same chunk.
+            verdict = torch.tensor([score(model) if rank == 0 else 0.0, float(seconds >= args.budget)], dtype=torch.float64)
             dist.broadcast(verdict, src=0)
             eval_seconds += time.perf_counter() - start
-            acc = float(verdict.item())
+            acc, spent = float(verdict[0]), bool(verdict[1])
             points.append({"seconds": seconds, "samples": samples, "steps": steps, ("val_loss" if gpt else "accuracy"): acc})
             if rank == 0:
                 print(f"{args.contender} {args.k}: {steps} steps, {seconds:.1f} s, {'val loss' if gpt else 'accuracy'} {acc:.4f}", flush=True)
-            if reached(acc):
+            if reached(acc) or spent:
                 break
         wall = time.perf_counter() - wall
     return {"points": points, "train_seconds": seconds, "eval_seconds": eval_seconds, "wall_seconds": wall}
@@ -242,7 +271,7 @@ def measure_link() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("contender", choices=["ddp", "powersgd", "pma", *WRAPPERS, "none", "link"])
+    parser.add_argument("contender", choices=["ddp", "powersgd", "pma", *WRAPPERS, *torchft_peer.KINDS, "none", "link"])
     parser.add_argument("k", type=int, nargs="?", default=1, help="averaging period (pma, wrapper); PowerSGD's rank")
     parser.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     parser.add_argument("--target", type=float, default=0.98)
@@ -250,16 +279,17 @@ def main() -> None:
     parser.add_argument("--arena", choices=["lenet", "gpt"], default="lenet", help="gpt: gpt_arena.py's CharGPT; --target is then a validation loss (nats/byte)")
     parser.add_argument("--batch", type=int, default=16, help="gpt arena: windows of 128 bytes per step")
     parser.add_argument("--max-steps", type=int, default=2000, help="gpt arena: steps per rank at most")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="training seconds after which the run stops at its next score")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="inner optimizer (gpt arena: adamw)")
     parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between evaluations")
     parser.add_argument("--lr", type=float, default=0.04)
     parser.add_argument("--powersgd-start", type=int, default=16, help="powersgd's uncompressed steps first")
-    parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's outer SGD")
+    parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's and torchft-diloco's outer SGD")
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="its Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may take")
     args = parser.parse_args()
-    if args.contender in ("pma", *WRAPPERS) and args.eval_every % args.k:
+    if args.contender in ("pma", *WRAPPERS, *torchft_peer.KINDS) and args.eval_every % args.k:
         parser.error(f"--eval-every {args.eval_every} must be a multiple of k = {args.k}, to score right after an averaging")
 
     torch.set_num_threads(1)  # both "machines" share this machine's cores

@@ -13,10 +13,8 @@ lr --lr, default common.py's 0.02), one thread per process, gloo on loopback:
   wrapper           ParallelWrapper, .averaging_frequency(k), averaging in step (overlap off)
   wrapper-overlap   the same with .overlap_averaging(True)
   wrapper-outer     overlap and .outer_optimizer(SGD, lr 0.7, momentum 0.9, Nesterov): Streaming DiLoCo
-torchft runs as its examples and integration tests do: a LighthouseServer (here in this process,
-min_replicas=N, a fresh one per run) and in each replica group a TCPStore, a Manager
-(use_async_quorum=False, which DiLoCo requires; min_replica_size=N; init_sync=False, the models
-being seeded alike) on a torchft ProcessGroupGloo.
+torchft runs as torchft_peer.py sets it up, with a LighthouseServer in this process
+(min_replicas=N, a fresh one per run).
 
 Steady state, timed alike for all: every process stamps the clock after each step's backward,
 before the optimizer's step (the wrapper's workers through `.before_step`, writing to a file per
@@ -33,9 +31,7 @@ median over rounds is reported.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import importlib.metadata
 import os
 import statistics
 import subprocess
@@ -45,19 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, ms_per_step, run_processes, table, timed_fit, window, write_results
+from torchft_peer import torchft_sync, version
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD (torchft's train_diloco.py)
 CONTENDERS = ("none", "torchft-diloco", "torchft-localsgd", "wrapper", "wrapper-overlap", "wrapper-outer")
-MISSING = (
-    "torchft is not importable ({error}). It is a benchmark-only peer, not a dependency: "
-    "pip install --no-deps torchft==0.2.0 (--no-deps keeps this torch), then its pure-python needs "
-    "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http; "
-    "or leave the torchft contenders out with --contenders"
-)
 
 
 def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], k: int) -> dict[str, Any]:
@@ -81,43 +71,11 @@ def _peer(rank: int, world: int, kind: str, lighthouse: str | None, k: int, step
     if kind == "none":
         return _steps(model, inner, batches, k)
 
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo, LocalSGD
-
-    outer = torch.optim.SGD(model.parameters(), **OUTER) if kind == "torchft-diloco" else None
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "inner": inner.state_dict()}
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["inner"])
-
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # this replica group's
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=datetime.timedelta(seconds=60)),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=world,
-        use_async_quorum=False,
-        replica_id=f"lenet_{rank}",
-        store_addr="localhost",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=lighthouse,
-        timeout=datetime.timedelta(seconds=60),
-        init_sync=False,  # every replica starts from the same seeded model, as Manager's docs advise then
-    )
-    try:
-        algo = DiLoCo(manager, [model], inner, outer, sync_every=k) if outer is not None else LocalSGD(manager, model, inner, sync_every=k)
-        with algo:
-            out = _steps(model, inner, batches, k)
+    with torchft_sync(kind, model, inner, k, lighthouse=lighthouse, replica_id=f"lenet_{rank}", replicas=world, outer=OUTER) as manager:
+        out = _steps(model, inner, batches, k)
         out["syncs_committed"] = manager.current_step()  # the manager's step counts committed syncs
         out["participants"] = manager.num_participants()
-        return out
-    finally:
-        manager.shutdown(wait=False)
+    return out
 
 
 def peers(kind: str, world: int, k: int, steps: int, warmup: int, lr: float, data_dir: str) -> dict[str, Any]:
@@ -128,7 +86,7 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, lr: float, dat
         server = LighthouseServer(bind="[::]:0", min_replicas=world)  # fresh: no quorum left from the last run
     wall = time.monotonic()
     try:
-        parts = run_processes(_peer, world, kind, server and server.address(), k, steps, lr, data_dir, group=False)
+        parts = run_processes(_peer, world, kind, server.address() if server else None, k, steps, lr, data_dir, group=False)
     finally:
         if server is not None:
             server.shutdown()
@@ -183,12 +141,7 @@ def main() -> None:
     torchft_version = None
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
     if any(c.startswith("torchft") for c in names):
-        try:
-            import torchft  # noqa: F401  (its import needs opentelemetry too)
-
-            torchft_version = importlib.metadata.version("torchft")
-        except ImportError as error:
-            raise SystemExit(MISSING.format(error=error)) from None
+        torchft_version = version()
 
     make: dict[str, Callable[[], dict[str, Any]]] = {
         "none": functools.partial(peers, "none", n, k, steps, warmup, args.lr, args.data_dir),
