@@ -65,10 +65,9 @@ def _views(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> list[torch.Te
 
 
 def _flat(members: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, trailer: int = 0, parts: int = 1) -> torch.Tensor:
-    """A buffer for the members, end to end, then room for `trailer` numbers, padded with zeros to
-    a multiple of `parts` numbers. The members' part is left unwritten (whoever builds the buffer
-    copies them in), so that its pages are only touched as each member moves in and lets its own
-    storage go: the state is not held twice at once."""
+    """A buffer for the members end to end, then room for `trailer` numbers, padded with zeros to a
+    multiple of `parts`. The members' part is left unwritten: its pages are touched only as each
+    member moves in (its builder copies them) and lets its own storage go, never held twice at once."""
     data = sum(t.numel() for t in members)
     buffer = torch.empty(-(-(data + trailer) // parts) * parts, dtype=dtype, device=device)
     buffer[data:].zero_()
@@ -146,10 +145,9 @@ class FlatAverager:
     With a `wire` codec (codec.CODECS) the floating-point tensors travel as their change since the
     last average, encoded with error feedback (codec.DeltaCoder), so nothing is lost in total. Each
     payload goes to every other rank in pieces, by sends and receives (on gloo, twice as fast as an
-    all_gather of the same bytes), and every rank's is decoded and summed in rank order in float32,
-    the same on every worker, piece by piece as they arrive. The trailer goes in float64 beside them.
-    `average()` (a fit's first round, when nobody's state is the last average yet) always goes in
-    full precision, and sets the start.
+    all_gather), and every rank's is decoded and summed in rank order in float32, the same on every
+    worker, as they arrive; the trailer goes in float64 beside them. `average()` goes in full
+    precision and sets the start; `start_coding()` sets it where the tensors are equal already.
     """
 
     def __init__(
@@ -263,10 +261,16 @@ class FlatAverager:
         self.send(share, group=group, exact=True)
         self.wait()
         self.apply(1.0)
-        if self._wire is not None:
-            for g in self._groups:
-                if g.data.is_floating_point() and g.coder is None:
-                    g.coder = DeltaCoder(self._wire, g.data, dist.get_world_size(group), dist.get_rank(group))
+        self.start_coding(group)
+
+    def start_coding(self, group: ProcessGroup = None) -> None:
+        """With a wire codec: the next deltas are taken from the tensors as they are now, which must
+        be bitwise equal on every rank of the group (an average just landed, or a fit()'s start)."""
+        if self._wire is None:
+            return
+        for g in self._groups:
+            if g.data.is_floating_point() and g.coder is None:
+                g.coder = DeltaCoder(self._wire, g.data, dist.get_world_size(group), dist.get_rank(group))
 
     @torch.no_grad()
     def release(self) -> None:
@@ -302,9 +306,8 @@ class DeltaAverager:
     are kept on top of the average. A worker that took no step since the snapshot therefore lands
     exactly on the average.
 
-    With a `wire` codec, as in FlatAverager, the floating-point snapshots travel as their change
-    since the last landed average, encoded with error feedback, once a first round (in full
-    precision) has landed: every worker knows that average, so it is the common start.
+    With a `wire` codec, as in FlatAverager, the floating-point snapshots travel as their change since
+    the last landed average, encoded, once a first round (in full precision) has landed.
 
     Every launch sends the tensors it was built with, whatever an optimizer has created since.
     """
@@ -313,8 +316,7 @@ class DeltaAverager:
         self._wire, self._trailer_len = wire, trailer
         self._groups: list[_Snapshots] = []
         for dtype, members in _by_dtype(tensors):
-            extra = 0 if self._groups else trailer
-            snapshot, total = _flat(members, dtype, device), _flat(members, dtype, device, extra)
+            snapshot, total = _flat(members, dtype, device), _flat(members, dtype, device, 0 if self._groups else trailer)
             self._groups.append(_Snapshots(snapshot, total, list(zip(members, _views(snapshot, members), _views(total, members)))))
         self._in_flight: list[Flight] = []
         self._coded_trailer: tuple[dist.Work, torch.Tensor] | None = None
@@ -353,17 +355,15 @@ class DeltaAverager:
         if self._coded_trailer is not None:
             values, self._coded_trailer = wait_trailer(self._coded_trailer), None
             return values
-        first = self._groups[0]
-        return _trailer(first.total, first.snapshot.numel(), first.total.numel() - first.snapshot.numel()).tolist()
+        return self._groups[0].total[self._groups[0].data.numel() :].tolist()  # the trailer: all after the data
 
     @torch.no_grad()
     def land(
         self, total_weight: float, adopt: bool = False, transform: Callable[[dict[int, torch.Tensor]], None] | None = None, at_average: Callable[[], None] | None = None
     ) -> None:
-        """After wait(): move each tensor by (average − snapshot), or, with `adopt` (its own
-        progress since is worthless or nil), replace it by the average. Σw = 0: no change.
-        `transform` may first change the averages in place, given by id(tensor) (an outer
-        optimizer's step from the average: it moves the tensors by (its result − snapshot)).
+        """After wait(): move each tensor by (average − snapshot), or, with `adopt` (its own progress
+        since is worthless or nil), replace it by the average. Σw = 0: no change. `transform` may
+        first change the averages in place, by id(tensor) (an outer step from the average).
         `at_average` is called while the tensors hold the (transformed) average, their progress
         since the snapshot kept aside in the snapshots and added back after it."""
         flights, self._in_flight = self._in_flight, []

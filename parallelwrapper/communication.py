@@ -6,8 +6,10 @@ optimizer's state with average_updaters), one all-reduce per dtype, the first ca
 header. An outer optimizer (DiLoCo, SlowMo) sends nothing more: every worker steps it on the same
 average. With a payload dtype other than float32 a round's floats go to every other worker as
 their change since the last average, encoded (codec.py: cast to 16 bits, or block-quantized to
-int8 or int4 with a scale per 256 numbers), beside the header in float64; a fit()'s first round,
-which sets that last average, goes in float32.
+int8 or int4 with a scale per 256 numbers), beside the header in float64. A fit()'s first round
+goes in float32 where the state it averages does not exist at the fit's start (an optimizer
+creates its state at the first step: the first fit()'s, and every fit()'s with plain SGD);
+otherwise every worker starts from the same state, and it goes encoded too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Communication:
     workers: int
     wire_bytes: int | None = None  # one worker's encoded payload in a coded round, without the header (None: float32)
     fragments: int = 1  # Builder.fragments: n collectives a round, and a full average at each fit()'s end
+    full_fits: int | None = None  # coded: the fit() calls whose first round goes in float32, at most (None: every one)
 
     def ring_bytes(self, size: int) -> float:
         """Bytes each worker sends in a ring all-reduce of `size` bytes: 2(N-1)/N · size."""
@@ -48,7 +51,7 @@ class Communication:
         sends alone before the buffers exist (counted for every fit(): an overcount of at most
         one per call). A coded round adds the header's own all-reduce; fragments, a collective
         each (and, coded, its trailer's) and the full average at each fit()'s end."""
-        wired = 0 if self.wire_bytes is None else max(rounds - fits, 0)
+        wired = 0 if self.wire_bytes is None else self._wired(rounds, fits)
         pieces = (self.fragments - 1) * (rounds + wired) + (fits if self.fragments > 1 else 0)
         return fits + rounds * self.payload_collectives + wired + pieces
 
@@ -58,7 +61,7 @@ class Communication:
         closing = self.ring_bytes(self.payload_bytes) * fits if self.fragments > 1 else 0.0
         if self.wire_bytes is None:
             return self.ring_bytes(HEADER_BYTES) * fits + self.ring_bytes(self.payload_bytes) * rounds + closing
-        wired = max(rounds - fits, 0)  # every fit()'s first round goes in float32
+        wired = self._wired(rounds, fits)
         return closing + (
             self.ring_bytes(HEADER_BYTES) * (fits + wired)
             + self.ring_bytes(self.payload_bytes) * (rounds - wired)
@@ -66,12 +69,19 @@ class Communication:
         )
 
 
+    def _wired(self, rounds: int, fits: int) -> int:
+        """Coded rounds among `rounds` in `fits` fit() calls: all but the float32 first rounds."""
+        return max(rounds - (fits if self.full_fits is None else min(fits, self.full_fits)), 0)
+
+
 def estimated_communication(options: RunOptions) -> Communication:
     """The payload of one round of `options` (its mode, optimizer, average_updaters and
     payload_dtype). A rank-local throwaway optimizer takes one step on zero gradients to create
-    its lazily built state (SGD momentum: one buffer per parameter; Adam: two, and a step count)."""
+    its lazily built state (SGD momentum: one buffer per parameter; Adam: two, and a step count;
+    plain SGD: none)."""
     model = initial_model(options)
     params = [p for p in model.parameters() if p.requires_grad]
+    full_fits: int | None = None if options.overlap_averaging else 0  # streamed rounds start coding after a first one
     if options.mode is TrainingMode.SHARED_GRADIENTS:
         tensors = [torch.zeros_like(p) for p in params] + list(model.buffers())
     else:
@@ -82,13 +92,17 @@ def estimated_communication(options: RunOptions) -> Communication:
                 p.grad = torch.zeros_like(p)
             optimizer.step()
             tensors += optimizer_state_tensors(optimizer)
+            if not all(optimizer.state.get(p) for p in params):  # plain SGD: a state that never exists
+                full_fits = None
+            elif full_fits is not None:  # the state exists once the first fit() has stepped
+                full_fits = 1
     flat = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN)
     wired = options.mode is TrainingMode.AVERAGING and options.payload_dtype != "float32"
     fragments = options.fragments if options.mode is TrainingMode.AVERAGING else 1
     if not wired:
         return Communication(flat.nbytes, flat.collectives, options.workers, fragments=fragments)
     cast = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN, options.payload_dtype)
-    return Communication(flat.nbytes, flat.collectives, options.workers, cast.nbytes - HEADER_BYTES, fragments)
+    return Communication(flat.nbytes, flat.collectives, options.workers, cast.nbytes - HEADER_BYTES, fragments, full_fits)
 
 
 __all__ = ["HEADER_BYTES", "Communication", "estimated_communication"]

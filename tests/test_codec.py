@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from groups import run_group
+from parallelwrapper import ParallelWrapper
 from parallelwrapper import codec as codec_module
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.codec import BLOCK, CODECS, TINY, DeltaCoder, codec
@@ -234,3 +235,35 @@ def test_an_mlp_trained_with_each_payload_ends_close_to_float32() -> None:
         apart = (reference[-1] - reference[-1 - (2 if name == "int4" else 1)]).norm()
         gap = (results[0][name][-1] - reference[-1]).norm()
         assert gap < apart, (name, gap.item(), apart.item())
+
+
+# -- a fit()'s first round, through the wrapper ------------------------------------------------------
+
+
+def _fits(payload: str, average_updaters: bool) -> list[torch.Tensor]:
+    """Two fit() calls of one round each (2 workers, 2 dealt steps each): the weights after each."""
+    builder = (
+        ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9).workers(2).threads_per_worker(1)
+        .averaging_frequency(2).deterministic(True).payload_dtype(payload).average_updaters(average_updaters)
+    )  # fmt: skip
+    with builder.build() as w:
+        out = []
+        for _ in range(2):
+            w.fit(make_batches(4), epochs=1)
+            out.append(torch.cat([p.detach().flatten().clone() for p in w.model.parameters()]))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_fits_first_round_goes_coded_where_every_worker_starts_from_the_same_state() -> None:
+    """Every worker starts a fit() from the same state, so its first round's deltas can be taken
+    from there: with parameters only, and once the optimizer's state exists (a second fit()),
+    that round goes int8 and a fit of one round ends near, not at, float32's average. The first
+    fit() that averages momentum, which the first step creates, goes in float32: bitwise float32's."""
+    start = torch.cat([p.detach().flatten() for p in mlp().parameters()])
+    full, coded = _fits("float32", True), _fits("int8", True)
+    assert torch.equal(coded[0], full[0])
+    params_full, params_coded = _fits("float32", False), _fits("int8", False)
+    for mine, exact, before in ((coded[1], full[1], full[0]), (params_coded[0], params_full[0], start)):
+        gap, progress = (mine - exact).norm(), (exact - before).norm()
+        assert 0 < gap < progress / 20, (gap.item(), progress.item())

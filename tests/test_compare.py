@@ -59,8 +59,9 @@ def test_payload_follows_the_optimizer_state(spec: RunSpec, optimizer: str, aver
 @pytest.mark.parametrize(("workers", "ratio"), [(2, 0.5), (4, 1.0)])
 def test_a_16_bit_payload_is_gathered_after_each_fits_first_round(workers: int, ratio: float) -> None:
     """bfloat16 deltas of params and momentum, all-gathered: (N-1) casts per worker, half a float32
-    ring all-reduce's bytes for 2 workers and as many for 4; a fit()'s first round goes in float32,
-    and the header travels beside the casts in a float64 all-reduce of its own."""
+    ring all-reduce's bytes for 2 workers and as many for 4; the first fit()'s first round goes in
+    float32 (the momentum does not exist before it), and the header travels beside the casts in a
+    float64 all-reduce of its own."""
     base = RunOptions(workers=workers)
     full = estimated_communication(AVG.options(base))
     cast = estimated_communication(AVG.options(RunOptions(workers=workers, payload_dtype="bfloat16")))
@@ -72,10 +73,29 @@ def test_a_16_bit_payload_is_gathered_after_each_fits_first_round(workers: int, 
     header = cast.ring_bytes(HEADER_BYTES)
     wired_round = cast.bytes_per_worker(11, 1) - cast.bytes_per_worker(10, 1)
     assert wired_round - header == pytest.approx(ratio * (full.bytes_per_worker(11, 1) - full.bytes_per_worker(10, 1) - header), rel=1e-4)
-    assert cast.bytes_per_worker(3, 3) == full.bytes_per_worker(3, 3)  # every round a fit()'s first
-    assert cast.collectives(10, 2) == full.collectives(10, 2) + 8
+    assert cast.bytes_per_worker(1, 1) == full.bytes_per_worker(1, 1)  # the first fit()'s one round
+    assert cast.bytes_per_worker(3, 3) == full.bytes_per_worker(1, 1) + 2 * wired_round + 2 * header  # later fits: coded, the header alone first
+    assert cast.collectives(10, 2) == full.collectives(10, 2) + 9
     # Shared gradients never send a 16-bit payload.
     assert estimated_communication(SG.options(RunOptions(payload_dtype="bfloat16"))).wire_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "average_updaters", "overlap", "full_fits"),
+    [
+        ("nesterov", False, False, 0),  # parameters only: every worker starts each fit() from the same ones
+        ("nesterov", True, False, 1),  # the momentum exists once the first fit() has stepped
+        ("sgd", True, False, None),  # plain SGD keeps no state: nothing to average it into
+        ("nesterov", False, True, None),  # overlap's rounds start coding from a landed average
+    ],
+)
+def test_which_fits_first_round_goes_in_float32(optimizer: str, average_updaters: bool, overlap: bool, full_fits: int | None) -> None:
+    options = AVG.options(RunOptions(optimizer=optimizer, average_updaters=average_updaters, overlap_averaging=overlap, payload_dtype="int8"))
+    cost = estimated_communication(options)
+    assert cost.full_fits == full_fits
+    full, coded = cost.ring_bytes(cost.payload_bytes), cost.gather_bytes(cost.wire_bytes or 0) + cost.ring_bytes(HEADER_BYTES)
+    float32_rounds = 3 if full_fits is None else min(3, full_fits)
+    assert cost.bytes_per_worker(6, 3) == pytest.approx(3 * cost.ring_bytes(HEADER_BYTES) + float32_rounds * full + (6 - float32_rounds) * coded)
 
 
 def test_an_outer_optimizer_sends_nothing_more() -> None:

@@ -6,7 +6,9 @@ Pre-scaling: each worker sends w_i / ref · x_i, where ref is the last round's �
 worker knows. When this round's Σw is the same (every round but an epoch's last), the sum is the
 average: one collective, one pass over memory. Otherwise one more pass scales it by ref / Σw. The
 first round of a fit() sends the header alone (ref is unknown) and builds the buffers; so does a
-round after which the layouts disagreed (some optimizer created state the buffers lack).
+round after which the layouts disagreed (some optimizer created state the buffers lack). With a
+coded payload the buffers are built before the first round when the state they average is all
+there (every worker's is the fit's starting state): the first round's deltas go encoded too.
 """
 
 from __future__ import annotations
@@ -93,9 +95,27 @@ class SyncExchange:
         before the first backward; the first averaging round after a warm-up lets them go."""
         if averaging and self._gradients:
             self.release()
+        if averaging and self._payload is None and self._codes_from_start():
+            # Every worker starts a fit() (and leaves a warm-up) from the same state: the first
+            # round's deltas are taken from it, and go encoded too.
+            group = self._groups[True][0]
+            tensors = averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters)
+            self._payload = FlatAverager(tensors, self.device, HEADER_LEN, self.config.wire_dtype, self._shards)
+            self._payload.start_coding(group)
+            self._layout = self.state_layout(True)
         if not averaging:
             self._gradient_payload()
             self.trainer.optimizer.zero_grad(set_to_none=False)
+
+    def _codes_from_start(self) -> bool:
+        """Whether a fit's first averaging round can go encoded: the payload is coded, its rounds
+        land here (with overlap they stream), and the state it averages exists already. An
+        optimizer creates its state at a parameter's first step, so a first fit() that averages
+        it builds its buffers after the first round, in full precision, as does plain SGD."""
+        trainer, config = self.trainer, self.config
+        if config.wire_dtype is None or config.overlap_averaging:
+            return False
+        return not config.average_updaters or all(trainer.optimizer.state.get(p) for p in trained_parameters(trainer.model, trainer.optimizer))
 
     def state_layout(self, averaging: bool) -> int:
         return state_layout(self.trainer.optimizer, self.config.average_updaters) if averaging else 0
