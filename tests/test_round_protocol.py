@@ -401,3 +401,24 @@ def test_frozen_parameters_are_not_averaged_and_stay_bitwise_unchanged() -> None
         assert torch.equal(results[r]["state"]["2.weight"], results[0]["state"]["2.weight"])
     # Trainable 3·8 + 3 = 27 numbers, AdamW's two moments of them and a step per tensor: 83, not 139.
     assert set(results[0]["sent"][1:]) == {27 + 2 * 27 + 2 + rounds.HEADER_LEN}
+
+
+def _uneven_start(rank: int, world: int, payload: str) -> dict[str, torch.Tensor]:
+    model = bn_model()
+    job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None)
+    replica = Replica(model, job, Config(workers=world, averaging_frequency=2, payload_dtype=payload), CPU, rank, world)
+    if rank == 0:  # only this worker's optimizer holds its state at the start: zeros, so the same steps follow
+        for p in replica.model.parameters():
+            p.grad = torch.zeros_like(p)
+        replica.optimizer.step()
+    replica.fit(1, ListSource(batches(rank, [8, 8]), rank, world), lambda r: None)
+    return flat_state(replica.model, replica.optimizer)
+
+
+def test_workers_that_start_a_fit_with_different_layouts_average_the_first_round_in_full() -> None:
+    """A coded payload's first round goes encoded only where every worker starts from the same
+    state layout: here rank 0 builds its buffers before the round and rank 1 cannot, the header
+    says the layouts differ, and both average in full precision, as float32 does, bitwise."""
+    coded, full = run_group(_uneven_start, 2, "int8"), run_group(_uneven_start, 2, "float32")
+    for key, value in full[0].items():
+        assert torch.equal(coded[0][key], value) and torch.equal(coded[1][key], value), key

@@ -35,6 +35,7 @@ from .state import (
     agree_on_optimizer_layout,
     averaged_tensors,
     gradient_tensors,
+    signature_hash,
     state_layout,
     trained_parameters,
 )
@@ -79,16 +80,17 @@ class SyncExchange:
         self._layout: int | None = None  # the state layout the payload was built for
         self._gradients = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
         self._reference = 0.0  # Σw of the last round that trained, the same on every worker
+        self._early = False  # the payload was built before the round it has not sent yet (coded from the start)
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
-        self._payload, self._gradients, self._reference = None, False, 0.0
+        self._payload, self._gradients, self._reference, self._early = None, False, 0.0, False
 
     def release(self) -> None:
         """Between fits, the model's tensors own their storage."""
         if self._payload is not None:
             self._payload.release()
-        self._payload, self._gradients = None, False
+        self._payload, self._gradients, self._early = None, False, False
 
     def prepare(self, averaging: bool) -> None:
         """Before a round's local work: a gradient round allocates zero gradients in its buffers
@@ -102,7 +104,7 @@ class SyncExchange:
             tensors = averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters)
             self._payload = FlatAverager(tensors, self.device, HEADER_LEN, self.config.wire_dtype, self._shards)
             self._payload.start_coding(group)
-            self._layout = self.state_layout(True)
+            self._layout, self._early = self.state_layout(True), True
         if not averaging:
             self._gradient_payload()
             self.trainer.optimizer.zero_grad(set_to_none=False)
@@ -125,12 +127,20 @@ class SyncExchange:
         the header rides in the payload's trailer, pre-scaled by w / reference; else the header
         goes alone (and is waited for), then the payload when anyone trained."""
         payload = self._payload if averaging else self._gradient_payload()
-        header, layout = round_header(work, self.state_layout(averaging), None if payload is None else self._layout, stop)
+        current, built = self.state_layout(averaging), None if payload is None else self._layout
+        if averaging and (payload is None or self._early):  # the header goes alone, and says whether
+            # this worker built its buffers before the round: every worker must have, or none
+            current, built = signature_hash((current, self._early)), None if built is None else signature_hash((built, self._early))
+        header, layout = round_header(work, current, built, stop)
         group, size = self._groups[averaging]
-        if payload is not None and self._reference > 0:
+        if payload is not None and self._reference > 0 and not self._early:
             payload.send(work.weight / self._reference, header, group)
             return Sent(averaging, layout, work.weight, self._reference, None)
         totals = read_header(all_reduce_values(header, self.device, group), layout, size)
+        self._early = False
+        if payload is not None and averaging and not totals.layouts_agree:
+            self.release()  # built before the round, where some worker could not: averaged anew in land()
+            payload = None
         if payload is not None and totals.samples > 0:
             payload.send(work.weight / totals.samples, group=group)
         return Sent(averaging, layout, work.weight, totals.samples, totals)

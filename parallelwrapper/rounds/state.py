@@ -119,6 +119,7 @@ __all__ = [
     "gradient_tensors",
     "optimizer_signature",
     "optimizer_state_tensors",
+    "signature_hash",
     "state_layout",
     "trained_parameters",
 ]
