@@ -12,7 +12,10 @@ gives the same model on every run.
 Under torchrun, and for one worker in the caller's process, there is no queue: each process
 reads its own rank-strided shard (`ShardSource`). So do spawned workers given a list or tuple
 of batches (`shardable`): they receive it once per fit(), its tensors in shared memory, and each
-reads its shard in the dealt order; the main process copies nothing per batch.
+reads its shard in the dealt order; the main process copies nothing per batch. A DataLoader over a
+map-style dataset, loading in the main process (num_workers=0), is read the same way
+(`DatasetEpochs`): the main process draws each epoch's batches of sample indices from the
+loader's batch sampler, shuffling included, and each worker loads and collates only its own.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from .batches import to_cpu
 from .config import check_int
+from .dataset_shards import DatasetEpochs, map_style_loader
 from .processes import main_process_gone
 from .slots import SlotReader, SlotWriter
 from .types import END, EndOfEpoch
@@ -48,9 +53,15 @@ def compact(data: Batches) -> Batches:
 
 
 def shardable(data: Batches, feed: str, replaces: bool) -> bool:
-    """Whether spawned workers read `data` in shards (Builder.feed): a list or tuple of batches,
-    with feed "auto", when no replacement needs the queue's ledger to feed a round again."""
-    return feed == "auto" and isinstance(data, (list, tuple)) and not replaces
+    """Whether spawned workers read `data` in shards (Builder.feed): with feed "auto", when no
+    replacement needs the queue's ledger to feed a round again, a list or tuple of batches, or a
+    DataLoader over a map-style dataset that loads in the main process (`DatasetEpochs`)."""
+    return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or map_style_loader(data))
+
+
+def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Any:
+    """What spawned workers get to read their shards of `data` (shardable) from, once per fit()."""
+    return DatasetEpochs.of(data, first_epoch, until_epoch) if isinstance(data, DataLoader) else data
 
 
 def epoch_iterable(data: Batches) -> Callable[[], Iterable[Any]]:
@@ -271,17 +282,24 @@ class ShardSource:
     Every rank iterates the same data (same order: seed any shuffling the same on every rank)
     and keeps its own shard, so no data is sent between machines. A DataLoader whose sampler is
     a DistributedSampler is sharded already: all its batches are this rank's, and its sampler
-    is told the epoch (`set_epoch`) so that shuffling differs between epochs.
+    is told the epoch (`set_epoch`) so that shuffling differs between epochs. Of `DatasetEpochs`
+    (spawned workers), only this rank's batches are loaded.
     """
 
-    def __init__(self, data: Batches, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
-        self._make_epoch = epoch_iterable(data)
+    def __init__(self, data: Batches | DatasetEpochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
+        self._dataset = data if isinstance(data, DatasetEpochs) else None
+        self._make_epoch = self._indices if isinstance(data, DatasetEpochs) else epoch_iterable(data)
         self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
-        self._sampler = distributed_sampler(data)
+        self._sampler = None if isinstance(data, DatasetEpochs) else distributed_sampler(data)
         self._it: Iterator[tuple[int, Any]] | None = None
 
     def _mine(self, index: int) -> bool:
         return self._sampler is not None or index % self._world == self._rank
+
+    def _indices(self) -> Iterator[Any]:
+        """Of DatasetEpochs: this epoch's batches, as the indices of their samples."""
+        assert self._dataset is not None
+        return self._dataset.indices(self._epoch)
 
     def _shard(self, skip: int) -> Iterator[tuple[int, Any]]:
         """This rank's batches of an epoch, each with its index in the epoch of all ranks: a
@@ -292,7 +310,7 @@ class ShardSource:
                 count += 1
                 index = local if self._sampler is None else local * self._world + self._rank
                 if index >= skip and self._mine(index):
-                    yield index, batch
+                    yield index, batch if self._dataset is None else self._dataset.batch(batch)
         except Exception as e:
             raise data_raised(e, self._epoch, count) from e
         if self._sampler is None:  # else `count` is this rank's share, which may be empty

@@ -211,10 +211,13 @@ class Settings:
         """How spawned workers get their batches. "auto": each reads its own shard of a list or
         tuple of batches, batch i to worker i mod N (the deal of .deterministic(True)), which
         they receive once per fit() in shared memory, so the main process copies nothing per
-        batch; any other data (a DataLoader, a generator, a function), and any data with
-        on_worker_failure("replace"), goes through the main process's queue. "queue": every
-        batch through the queue, first-come unless .deterministic(True), which balances workers
-        of unequal speed. Default: "auto"."""
+        batch; so with a DataLoader over a map-style dataset with num_workers=0: the main process
+        draws each epoch's sample indices from its batch sampler, and each worker loads and
+        collates its own batches (the dataset goes to each worker once per fit(), so it must
+        pickle). Any other data (an IterableDataset, a loader with workers of its own, a
+        generator, a function), and any data with on_worker_failure("replace"), goes through the
+        main process's queue. "queue": every batch through the queue, first-come unless
+        .deterministic(True), which balances workers of unequal speed. Default: "auto"."""
         return self._set("feed", mode)
 
     def seed(self, n: int) -> Self:

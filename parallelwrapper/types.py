@@ -131,7 +131,7 @@ class FitCommand:
     counters: Counters
     state: TrainingState
     rng: list[dict[str, Any]] | None  # per rank, when resuming from a checkpoint
-    shards: Any = None  # spawned workers: the list of batches each reads its shard of (feed.shardable)
+    shards: Any = None  # spawned workers: the list of batches, or feed.DatasetEpochs, each reads its shard of (feed.shardable)
 
 
 @dataclass(frozen=True)

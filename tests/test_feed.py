@@ -1,17 +1,19 @@
-"""The shard a worker reads (torchrun, one worker, spawned workers given a list): rank-strided
-batches, resumed positions, and DataLoaders that a DistributedSampler shards already."""
+"""The shard a worker reads (torchrun, one worker, spawned workers given a list or a map-style
+DataLoader): rank-strided batches, resumed positions, DataLoaders that a DistributedSampler
+shards already, and a map-style loader's batches loaded only by the worker they are dealt to."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from parallelwrapper.config import Config
-from parallelwrapper.feed import ShardSource, shardable
+from parallelwrapper.feed import ShardSource, shardable, shards_of
 from parallelwrapper.types import EndOfEpoch
 
 pytestmark = pytest.mark.fast
@@ -55,3 +57,62 @@ def test_spawned_workers_read_a_list_or_tuple_in_shards_unless_told_or_replacing
     assert not shardable(lambda: batches, "auto", replaces=False) and not shardable(iter(batches), "auto", replaces=False)
     with pytest.raises(ValueError, match=r"feed must be one of \['auto', 'queue'\], got 'shards'"):
         Config(feed="shards")
+
+
+class Counted(TensorDataset):
+    """A TensorDataset that counts the samples read from it (in this process)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.read = 0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        self.read += 1
+        return super().__getitem__(index)
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Any:
+        return iter(torch.arange(4))
+
+
+def test_a_map_style_loader_is_read_in_shards_of_sample_indices_drawn_once() -> None:
+    dataset = Counted(torch.arange(20), torch.arange(20) % 3)
+    loader = DataLoader(dataset, batch_size=3, shuffle=True)  # 7 batches, the last of 2
+    assert shardable(loader, "auto", replaces=False) and not shardable(loader, "queue", replaces=False)
+    assert not shardable(DataLoader(dataset, batch_size=3, num_workers=1), "auto", replaces=False)  # its own workers load
+    assert not shardable(DataLoader(Stream(), batch_size=2), "auto", replaces=False)  # no indices to deal
+    # What cannot go to the workers goes through the queue: a collate function or a dataset that does not pickle.
+    assert not shardable(DataLoader(dataset, batch_size=3, collate_fn=lambda samples: samples), "auto", replaces=False)
+    unpicklable = Counted(torch.arange(4))
+    unpicklable.lock = threading.Lock()  # type: ignore[attr-defined]
+    assert not shardable(DataLoader(unpicklable, batch_size=2), "auto", replaces=False)
+    torch.manual_seed(0)
+    shards = shards_of(loader, 2, 4)  # epochs 2 and 3, drawn here: one shuffle each, as the loader would
+    torch.manual_seed(0)
+    expected = [[b for b, _ in loader] for _ in range(2)]
+    assert dataset.read == 40  # the loader's own two epochs, just now; drawing the shards read nothing
+    source = ShardSource(shards, 1, 2, epoch=2, skip=2)
+    for epoch, skip in ((0, 2), (1, 0)):  # the first epoch resumes after batch 1
+        taken = drain(source)
+        assert [i for i, _ in taken] == [i for i in range(7) if i % 2 == 1 and i >= skip]
+        assert all(torch.equal(x, expected[epoch][i]) for i, (x, _) in taken)
+    assert dataset.read == 40 + 3 * 2 + 3 * 3  # this worker loaded batches 3 and 5, then 1, 3 and 5
+
+
+class Keyed(torch.utils.data.Dataset[torch.Tensor]):
+    """A map-style dataset indexed by names."""
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return torch.tensor(float(ord(key)))
+
+    def __len__(self) -> int:
+        return 3
+
+
+def test_a_loader_whose_sampler_yields_keys_is_dealt_by_its_keys() -> None:
+    loader = DataLoader(Keyed(), batch_size=2, sampler=["b", "a", "c"])
+    assert shardable(loader, "auto", replaces=False)
+    shards = shards_of(loader, 0, 1)
+    assert [(i, b.tolist()) for i, b in drain(ShardSource(shards, 0, 2))] == [(0, [98.0, 97.0])]
+    assert [(i, b.tolist()) for i, b in drain(ShardSource(shards, 1, 2))] == [(1, [99.0])]

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from parallelwrapper import ParallelWrapper, Score, TrainingMode, WorkerError
 
@@ -153,6 +154,38 @@ def test_a_list_is_read_in_shards_and_trains_as_the_dealt_queue() -> None:
             finals.append(copy.deepcopy(w.model.state_dict()))
     for k in finals[0]:
         assert torch.equal(finals[0][k], finals[1][k]), k
+
+
+class CountedSamples(TensorDataset):
+    """A TensorDataset that counts the samples read from it, in the process that holds it."""
+
+    read = 0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        self.read += 1
+        return super().__getitem__(index)
+
+
+def test_a_map_style_loader_is_read_in_shards_and_trains_as_the_dealt_queue() -> None:
+    """feed "auto" with a shuffling DataLoader over a map-style dataset: the main process draws
+    each epoch's sample indices and reads no sample; each worker loads its own batches. The model,
+    and the global RNG after fit(), are bitwise those of the dealt queue fed from the same loader."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(199, 10, generator=g), torch.randint(0, 3, (199,), generator=g)  # 13 batches of 16, the last of 7
+    finals, rngs = [], []
+    for feed in ("auto", "queue"):
+        dataset = CountedSamples(x, y)
+        loader = DataLoader(dataset, batch_size=16, shuffle=True)
+        torch.manual_seed(5)
+        with builder(mlp(), averaging_frequency=2, deterministic=feed == "queue", feed=feed).build() as w:
+            w.fit(loader, epochs=2)
+            assert (w.counters.epoch, w.samples) == (2, 2 * len(y))
+            finals.append(copy.deepcopy(w.model.state_dict()))
+        rngs.append(torch.get_rng_state())
+        assert dataset.read == (0 if feed == "auto" else 2 * len(y))
+    for k in finals[0]:
+        assert torch.equal(finals[0][k], finals[1][k]), k
+    assert torch.equal(rngs[0], rngs[1])
 
 
 def test_deterministic_runs_are_bitwise_equal() -> None:

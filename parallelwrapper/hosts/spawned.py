@@ -22,7 +22,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, Feeder, drain, shardable
+from ..feed import Batches, Feeder, drain, shardable, shards_of
 from ..pipeline import joined_state
 from ..processes import worker_context
 from ..slots import SlotWriter
@@ -194,7 +194,7 @@ class WorkerPool:
         c, until_epoch = command.counters, command.until_epoch
         feeder = None
         if shardable(data, self.config.feed, self._recovery is not None):
-            command = dataclasses.replace(command, shards=data)  # its tensors go to shared memory once
+            command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch))  # its tensors go to shared memory once
         else:
             feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, self._placement.world_size, self.slots)
         for q in self._commands:

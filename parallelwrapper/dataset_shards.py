@@ -1,0 +1,99 @@
+"""A DataLoader over a map-style dataset, read by spawned workers in shards (feed.py): the main
+process draws each epoch's batches as sample indices from the loader's batch sampler (shuffling
+as iterating the loader would), and each worker loads and collates only the batches dealt to it,
+from its own copy of the dataset, which goes to the workers once per fit()."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import pickle
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+def map_style_loader(data: object) -> bool:
+    """A DataLoader that batches a map-style dataset in the calling process by its batch sampler
+    (not one whose own worker processes load: those read ahead in parallel already), whose
+    dataset and collate function pickle, to go to the workers."""
+    return (
+        isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and data.num_workers == 0
+        and data.batch_sampler is not None and not isinstance(data.sampler, DistributedSampler) and _pickles((data.dataset, data.collate_fn))
+    )  # fmt: skip
+
+
+class _TensorsAside(pickle.Pickler):
+    """A pickler that leaves tensors and arrays out (they always pickle: in shared memory)."""
+
+    def persistent_id(self, obj: Any) -> int | None:
+        return id(obj) if isinstance(obj, (torch.Tensor, torch.UntypedStorage, np.ndarray)) else None
+
+
+def _pickles(obj: Any) -> bool:
+    """Whether `obj` pickles, found without copying its tensors' data (a lambda, an open file or a
+    lock inside it does not)."""
+    try:
+        _TensorsAside(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception:  # noqa: BLE001 - pickle raises PicklingError, TypeError, AttributeError...
+        return False
+    return True
+
+
+Epoch = tuple[torch.Tensor, torch.Tensor] | list[list[Any]]  # (its indices end to end, where each batch starts), or lists
+
+
+@dataclass(frozen=True)
+class DatasetEpochs:
+    """A map-style DataLoader's epochs `first` onwards for spawned workers that read their own
+    shards: its dataset and collate function, and each epoch's batches as sample indices, drawn
+    in the main process from the loader's batch sampler (so shuffled as the loader would).
+    Integer indices are kept as two int64 tensors an epoch (many epochs of Python ints would
+    take some 36 bytes a sample each), any other keys as lists."""
+
+    dataset: Any
+    collate_fn: Callable[[list[Any]], Any]
+    first: int
+    epochs: list[Epoch]
+
+    @staticmethod
+    def of(loader: DataLoader[Any], first: int, until: int) -> DatasetEpochs:
+        return DatasetEpochs(loader.dataset, loader.collate_fn, first, [_epoch_indices(loader) for _ in range(first, until)])
+
+    def indices(self, epoch: int) -> Iterator[Any]:
+        """Epoch `epoch`'s batches, each as the indices of its samples (a list, or an int64 tensor)."""
+        kept = self.epochs[epoch - self.first]
+        if isinstance(kept, list):
+            yield from kept
+            return
+        flat, starts = kept
+        bounds = starts.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            yield flat[a:b]
+
+    def batch(self, indices: Any) -> Any:
+        """A batch as the loader makes it: its samples (`__getitems__` where the dataset has it), collated."""
+        keys = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return self.collate_fn(getitems(keys) if getitems is not None else [self.dataset[i] for i in keys])
+
+
+def _epoch_indices(loader: DataLoader[Any]) -> Epoch:
+    """One epoch's batches of sample indices, drawn as iterating the loader draws them: its
+    iterator takes a base seed for its workers from the generator (the global one when None)
+    before the sampler draws its own, so the random streams stay where the loader leaves them."""
+    assert loader.batch_sampler is not None
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+    batches = [list(batch) for batch in loader.batch_sampler]
+    if not all(type(i) is int for batch in batches for i in batch):
+        return batches
+    starts = torch.tensor([0, *itertools.accumulate(len(batch) for batch in batches)], dtype=torch.int64)
+    return torch.tensor([i for batch in batches for i in batch], dtype=torch.int64), starts
+
+
+__all__ = ["DatasetEpochs", "map_style_loader"]
