@@ -95,9 +95,12 @@ def read_stamps(folder: str | Path, world: int, steps: int) -> list[list[tuple[f
     return stamps
 
 
-def timed_fit(world: int, k: int, steps: int, warmup: int, data_dir: str, configure: Callable[[Any], Any], lr: float = LR) -> dict[str, Any]:
+def timed_fit(
+    world: int, k: int, steps: int, warmup: int, data_dir: str, configure: Callable[[Any], Any], lr: float = LR, given: Callable[[list[Any]], Any] | None = None
+) -> dict[str, Any]:
     """LeNet on `steps` batches per worker through a ParallelWrapper (Nesterov SGD at `lr`, one
-    thread a worker, averaging every k, then `configure(builder)`), timed by `stamp` over whole
+    thread a worker, averaging every k, then `configure(builder)`; fit() is given the list of
+    batches, or `given(batches)` such as a DataLoader of them), timed by `stamp` over whole
     rounds after `warmup`: ms per step, the wall seconds, the last round's loss, the share of rank
     0's time after `warmup` in exchanges (its Scores' exchange_s over training_s + exchange_s), and
     each worker's (minor page faults, ms) a step by its own marks over the same window."""
@@ -116,7 +119,7 @@ def timed_fit(world: int, k: int, steps: int, warmup: int, data_dir: str, config
             .listeners(scores.append)  # the last round's loss only, not the timing
         )
         with configure(b).build() as w:
-            w.fit(batches)
+            w.fit(batches if given is None else given(batches))
         wall = time.monotonic() - wall
         marks = read_stamps(folder, world, steps)
     a, b = window(warmup, steps, k)

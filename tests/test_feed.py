@@ -116,3 +116,16 @@ def test_a_loader_whose_sampler_yields_keys_is_dealt_by_its_keys() -> None:
     shards = shards_of(loader, 0, 1)
     assert [(i, b.tolist()) for i, b in drain(ShardSource(shards, 0, 2))] == [(0, [98.0, 97.0])]
     assert [(i, b.tolist()) for i, b in drain(ShardSource(shards, 1, 2))] == [(1, [99.0])]
+
+
+def test_a_tensor_dataset_is_indexed_once_a_batch_into_the_loaders_own_batches() -> None:
+    dataset = TensorDataset(torch.randn(20, 3), torch.arange(20) % 3)
+    loader = DataLoader(dataset, batch_size=6, shuffle=True)
+    torch.manual_seed(1)
+    shards = shards_of(loader, 0, 1)
+    torch.manual_seed(1)
+    expected = list(loader)
+    taken = drain(ShardSource(shards, 0, 1))
+    assert len(taken) == len(expected) == 4
+    for (_, got), want in zip(taken, expected, strict=True):
+        assert type(got) is type(want) and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want, strict=True))
