@@ -68,7 +68,6 @@ class Communication:
             + self.gather_bytes(self.wire_bytes) * wired
         )
 
-
     def _wired(self, rounds: int, fits: int) -> int:
         """Coded rounds among `rounds` in `fits` fit() calls: all but the float32 first rounds."""
         return max(rounds - (fits if self.full_fits is None else min(fits, self.full_fits)), 0)
