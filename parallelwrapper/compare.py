@@ -268,7 +268,7 @@ def markdown(results: Sequence[RunResult], options: CompareOptions, wall_seconds
         f"{describe_setup(options, results)}; the same initial weights and batches in every run. "
         f"Seconds are training time (no start-up, no evaluation). Communication is computed from "
         f"the all-reduce layout (ring all-reduce: 2(N-1)/N of each buffer sent per worker; a 16-bit "
-        f"payload: (N-1) casts all-gathered, after each fit()'s first round in float32), not measured; "
+        f"or quantized payload: (N-1) encodings sent, a fit()'s first round in float32 where the state it averages does not exist at its start), not measured; "
         f"encoded shared gradients count the bytes their messages had ((N-1) each), with the ring's share of the header; "
         f"an outer step sends nothing. \"To {target:.0%}\" is the first of the evaluations at or above it.\n",
         f"| run | final test accuracy | final test loss | training seconds | training samples/s "
