@@ -22,7 +22,7 @@ from .averaging import FlatAverager
 from .config import TrainingMode
 from .options import OPTIMIZERS, RunOptions, initial_model
 from .rounds import HEADER_LEN
-from .rounds.state import optimizer_state_tensors
+from .rounds.state import holds_state, optimizer_state_tensors
 
 HEADER_BYTES = HEADER_LEN * 8  # averaging.all_reduce_values, float64: a fit()'s first round (checked by a test)
 
@@ -91,7 +91,7 @@ def estimated_communication(options: RunOptions) -> Communication:
                 p.grad = torch.zeros_like(p)
             optimizer.step()
             tensors += optimizer_state_tensors(optimizer)
-            if not all(optimizer.state.get(p) for p in params):  # plain SGD: a state that never exists
+            if not holds_state(optimizer, params):  # plain SGD: a state that never exists
                 full_fits = None
             elif full_fits is not None:  # the state exists once the first fit() has stepped
                 full_fits = 1

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
-from torch.utils.data.distributed import DistributedSampler
 
 
 def map_style_loader(data: object) -> bool:
@@ -24,7 +23,7 @@ def map_style_loader(data: object) -> bool:
     dataset and collate function pickle, to go to the workers."""
     return (
         isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and data.num_workers == 0
-        and data.batch_sampler is not None and not isinstance(data.sampler, DistributedSampler) and _pickles((data.dataset, data.collate_fn))
+        and data.batch_sampler is not None and _pickles((data.dataset, data.collate_fn))
     )  # fmt: skip
 
 

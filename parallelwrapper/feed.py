@@ -55,8 +55,9 @@ def compact(data: Batches) -> Batches:
 def shardable(data: Batches, feed: str, replaces: bool) -> bool:
     """Whether spawned workers read `data` in shards (Builder.feed): with feed "auto", when no
     replacement needs the queue's ledger to feed a round again, a list or tuple of batches, or a
-    DataLoader over a map-style dataset that loads in the main process (`DatasetEpochs`)."""
-    return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or map_style_loader(data))
+    DataLoader over a map-style dataset that loads in the main process (`DatasetEpochs`), unless
+    a DistributedSampler shards it already."""
+    return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or (map_style_loader(data) and distributed_sampler(data) is None))
 
 
 def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Any:
@@ -287,10 +288,14 @@ class ShardSource:
     """
 
     def __init__(self, data: Batches | DatasetEpochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
-        self._dataset = data if isinstance(data, DatasetEpochs) else None
-        self._make_epoch = self._indices if isinstance(data, DatasetEpochs) else epoch_iterable(data)
         self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
-        self._sampler = None if isinstance(data, DatasetEpochs) else distributed_sampler(data)
+        self._dataset: DatasetEpochs | None = None
+        self._make_epoch: Callable[[], Iterable[Any]]
+        self._sampler: DistributedSampler[Any] | None = None
+        if isinstance(data, DatasetEpochs):
+            self._dataset, self._make_epoch = data, self._indices
+        else:
+            self._make_epoch, self._sampler = epoch_iterable(data), distributed_sampler(data)
         self._it: Iterator[tuple[int, Any]] | None = None
 
     def _mine(self, index: int) -> bool:

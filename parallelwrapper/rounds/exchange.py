@@ -35,6 +35,7 @@ from .state import (
     agree_on_optimizer_layout,
     averaged_tensors,
     gradient_tensors,
+    holds_state,
     signature_hash,
     state_layout,
     trained_parameters,
@@ -48,10 +49,16 @@ def average_anew(trainer: Trainer, config: Config, device: torch.device, group: 
     the optimizers' layouts."""
     if agree and config.average_updaters:  # else only the still groups changed
         agree_on_optimizer_layout(trainer.optimizer, group)
-    tensors = averaged_tensors(trainer.model, trainer.optimizer, config.average_updaters)
-    payload = FlatAverager(tensors, device, HEADER_LEN, config.wire_dtype, shards)
+    payload = state_buffers(trainer, config, device, shards)
     payload.average(share, group)
     return payload
+
+
+def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards: Shards | None = None) -> FlatAverager:
+    """New buffers for the state an averaging round averages (the tensors live in them until
+    `release()`), in the payload's wire format."""
+    tensors = averaged_tensors(trainer.model, trainer.optimizer, config.average_updaters)
+    return FlatAverager(tensors, device, HEADER_LEN, config.wire_dtype, shards)
 
 
 Group = tuple[dist.ProcessGroup | None, int]  # a process group (None: the default) and its size
@@ -100,10 +107,8 @@ class SyncExchange:
         if averaging and self._payload is None and self._codes_from_start():
             # Every worker starts a fit() (and leaves a warm-up) from the same state: the first
             # round's deltas are taken from it, and go encoded too.
-            group = self._groups[True][0]
-            tensors = averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters)
-            self._payload = FlatAverager(tensors, self.device, HEADER_LEN, self.config.wire_dtype, self._shards)
-            self._payload.start_coding(group)
+            self._payload = state_buffers(self.trainer, self.config, self.device, self._shards)
+            self._payload.start_coding(self._groups[True][0])
             self._layout, self._early = self.state_layout(True), True
         if not averaging:
             self._gradient_payload()
@@ -117,7 +122,7 @@ class SyncExchange:
         trainer, config = self.trainer, self.config
         if config.wire_dtype is None or config.overlap_averaging:
             return False
-        return not config.average_updaters or all(trainer.optimizer.state.get(p) for p in trained_parameters(trainer.model, trainer.optimizer))
+        return not config.average_updaters or holds_state(trainer.optimizer, trained_parameters(trainer.model, trainer.optimizer))
 
     def state_layout(self, averaging: bool) -> int:
         return state_layout(self.trainer.optimizer, self.config.average_updaters) if averaging else 0

@@ -12,6 +12,7 @@ changes on every worker alike, and the state is averaged anew.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -63,6 +64,12 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
         state = optimizer.state.get(p, {})
         out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
     return out
+
+
+def holds_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> bool:
+    """Whether the optimizer holds state for every one of `params` (it creates it lazily, at a
+    parameter's first step; plain SGD never does)."""
+    return all(optimizer.state.get(p) for p in params)
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -117,6 +124,7 @@ __all__ = [
     "agree_on_optimizer_layout",
     "averaged_tensors",
     "gradient_tensors",
+    "holds_state",
     "optimizer_signature",
     "optimizer_state_tensors",
     "signature_hash",
