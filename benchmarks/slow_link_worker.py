@@ -96,14 +96,41 @@ def chunks(stream: Iterator[Batch], size: int) -> Iterator[list[Batch]]:
         yield chunk
 
 
+class Split:
+    """Where this rank's training seconds went: its steps (forward, backward, optimizer, and DDP's
+    PowerSGD's and torchft's communication inside them), the periodic averagings, and the rest (the
+    wrapper's per-fit work: loading the state, handing it back)."""
+
+    def __init__(self) -> None:
+        self.steps_s = self.averaging_s = 0.0
+
+    def timed(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            start = time.perf_counter()
+            fn()
+            self.averaging_s += time.perf_counter() - start
+
+        return run
+
+    def on_score(self, score: Any) -> None:  # the wrapper's listener: its own split of each round
+        self.steps_s += score.training_s
+        self.averaging_s += score.exchange_s
+
+
+SPLIT = Split()
+
+
 def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Callable[[], None], rank: int, world: int) -> Trainer:
     """The plain loop of ddp, pma and none: this rank's batches (i mod world), one step each."""
+    after_step = SPLIT.timed(after_step)
 
     def train(chunk: list[Batch]) -> None:
         for x, y in chunk[rank::world]:
+            start = time.perf_counter()
             optimizer.zero_grad()
             F.cross_entropy(net(x), y).backward()  # type: ignore[no-untyped-call]
             optimizer.step()
+            SPLIT.steps_s += time.perf_counter() - start
             after_step()
 
     return train
@@ -132,6 +159,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
             .hierarchy(change.get("hierarchy", "none"))
             .threads_per_worker(1)  # the two "machines" share this machine's cores
             .seed(SEED)
+            .listeners(SPLIT)
         )
         if change.get("gradient_encoding"):
             b = b.training_mode(TrainingMode.SHARED_GRADIENTS).gradient_encoding()
@@ -248,7 +276,8 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
             if reached(acc) or spent:
                 break
         wall = time.perf_counter() - wall
-    return {"points": points, "train_seconds": seconds, "eval_seconds": eval_seconds, "wall_seconds": wall}
+    split = {"steps_s": SPLIT.steps_s, "averaging_s": SPLIT.averaging_s, "other_s": seconds - SPLIT.steps_s - SPLIT.averaging_s}
+    return {"points": points, "train_seconds": seconds, "eval_seconds": eval_seconds, "wall_seconds": wall, "rank0_split": split}
 
 
 def measure_link() -> dict[str, float]:

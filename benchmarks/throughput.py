@@ -12,7 +12,8 @@ Contenders, one after another in this run, each worker training `steps` batches 
   threads      one process with N threads on the same batches
 Steady state counts the samples after each worker's first `warmup` steps; end to end is the wall
 time from launch to the last process's exit, start-up included. For the wrapper's contenders, the
-share of rank 0's time after the warm-up spent in exchanges (its Scores' exchange_s), not in steps.
+share of rank 0's time after the warm-up spent in exchanges (its Scores' exchange_s), not in steps;
+for PMA, in its average_parameters calls.
 """
 
 from __future__ import annotations
@@ -44,17 +45,20 @@ def _peer(rank: int, world: int, kind: str, k: int, steps: int, warmup: int, dat
     if dist.is_initialized():
         dist.barrier()
     start = time.monotonic()
-    samples = 0
+    samples, averaging = 0, 0.0
     for i, (x, y) in enumerate(batches):
         if i == warmup:
-            start, samples = time.monotonic(), 0
+            start, samples, averaging = time.monotonic(), 0, 0.0
         optimizer.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         optimizer.step()
         if averager is not None:
+            before = time.monotonic()
             averager.average_parameters(model.parameters())
+            averaging += time.monotonic() - before
         samples += len(y)
-    return {"start": start, "end": time.monotonic(), "samples": samples}
+    end = time.monotonic()
+    return {"start": start, "end": end, "samples": samples, "exchange_share": averaging / (end - start)}
 
 
 def _threads(rank: int, world: int, threads: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
@@ -73,7 +77,10 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, data_dir: str)
         rate = sum(p["samples"] / (p["end"] - p["start"]) for p in parts)
     else:
         rate = sum(p["samples"] for p in parts) / (max(p["end"] for p in parts) - min(p["start"] for p in parts))
-    return {"samples_per_s": rate, "wall_s": wall}
+    result = {"samples_per_s": rate, "wall_s": wall}
+    if kind == "pma":  # rank 0's share of its time in average_parameters, as the wrapper's Scores count theirs
+        result["exchange_share"] = parts[0]["exchange_share"]
+    return result
 
 
 def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap: bool = False, updaters: bool = True) -> dict[str, float]:
