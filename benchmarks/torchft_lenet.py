@@ -13,6 +13,8 @@ lr --lr, default common.py's 0.02), one thread per process, gloo on loopback:
   wrapper           ParallelWrapper, .averaging_frequency(k), averaging in step (overlap off)
   wrapper-overlap   the same with .overlap_averaging(True)
   wrapper-outer     overlap and .outer_optimizer(SGD, lr 0.7, momentum 0.9, Nesterov): Streaming DiLoCo
+  wrapper-params    wrapper with .average_updaters(False): the parameters only, LocalSGD's bytes
+  wrapper-diloco    wrapper-params with the outer optimizer, in step: DiLoCo's algorithm and bytes
 torchft runs as torchft_peer.py sets it up, with a LighthouseServer in this process
 (min_replicas=N, a fresh one per run).
 
@@ -47,7 +49,7 @@ from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, 
 from torchft_peer import torchft_sync, version
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD (torchft's train_diloco.py)
-CONTENDERS = ("none", "torchft-diloco", "torchft-localsgd", "wrapper", "wrapper-overlap", "wrapper-outer")
+CONTENDERS = ("none", "torchft-diloco", "torchft-localsgd", "wrapper", "wrapper-overlap", "wrapper-outer", "wrapper-params", "wrapper-diloco")
 
 
 def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], k: int) -> dict[str, Any]:
@@ -102,9 +104,9 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, lr: float, dat
     return out
 
 
-def wrapper(world: int, k: int, steps: int, warmup: int, lr: float, data_dir: str, overlap: bool, outer: bool) -> dict[str, Any]:
+def wrapper(world: int, k: int, steps: int, warmup: int, lr: float, data_dir: str, overlap: bool, outer: bool, updaters: bool = True) -> dict[str, Any]:
     def configure(b: Any) -> Any:
-        b = b.overlap_averaging(overlap)  # set either way: the builder's default is not pinned here
+        b = b.overlap_averaging(overlap).average_updaters(updaters)  # set either way: the builder's defaults are not pinned here
         return b.outer_optimizer(torch.optim.SGD, **OUTER) if outer else b
 
     return timed_fit(world, k, steps, warmup, data_dir, configure, lr)
@@ -150,6 +152,8 @@ def main() -> None:
         "wrapper": functools.partial(wrapper, n, k, steps, warmup, args.lr, args.data_dir, False, False),
         "wrapper-overlap": functools.partial(wrapper, n, k, steps, warmup, args.lr, args.data_dir, True, False),
         "wrapper-outer": functools.partial(wrapper, n, k, steps, warmup, args.lr, args.data_dir, True, True),
+        "wrapper-params": functools.partial(wrapper, n, k, steps, warmup, args.lr, args.data_dir, False, False, False),
+        "wrapper-diloco": functools.partial(wrapper, n, k, steps, warmup, args.lr, args.data_dir, False, True, False),
     }
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     began = time.monotonic()
