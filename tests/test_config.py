@@ -28,6 +28,7 @@ def test_defaults_are_documented_values() -> None:
     assert placement.devices == ("cpu", "cpu") and placement.backend == "gloo"
 
 
+@pytest.mark.filterwarnings("ignore:3 workers on:UserWarning")  # on a machine of fewer cores: the builder's own advice
 def test_fluent_builder_sets_every_option() -> None:
     w = (
         ParallelWrapper.builder(model())
