@@ -15,10 +15,12 @@ start, its error and a scratch buffer stay in cache while the codec's vectorized
 over them, so each number is read from memory once and written once, however many passes the
 codec makes (one pass over the whole buffer per operation cost 2 to 3 times as much). A chunk
 of 2^18 numbers (4 MiB for the four buffers: the L3, not a core's 2 MiB L2) makes a quarter of
-2^16's calls: on this project's 2-core CPU it took an int8 averaging of 16.8M numbers from 1.30x
-to 1.12x a float32 averaging's time (benchmarks/README.md). The chunks are grouped into pieces of about PIECE_BYTES encoded bytes,
-handed out one by one as they are written, so that whoever sends them may send each while the
-rest are encoded, and decode each as it arrives. A piece's payload is its codes, then its scales.
+2^16's calls, whose overhead dominated: with it, and the round's pre-scale carried in the int
+codecs' block scales, an int8 averaging of 16.8M numbers went from 1.40x to 0.97-0.99x a float32
+averaging's time on this project's 2-core CPU (benchmarks/README.md). The chunks are grouped into
+pieces of about PIECE_BYTES encoded bytes, handed out one by one as they are written, so that
+whoever sends them may send each while the rest are encoded, and decode each as it arrives. A
+piece's payload is its codes, then its scales.
 
 This module knows nothing of collectives, processes or the protocol.
 """
