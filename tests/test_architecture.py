@@ -78,11 +78,13 @@ def test_bottom_modules_import_nothing_of_the_package(leaf: str) -> None:
 
 def test_averaging_imports_only_the_codecs_and_their_exchange() -> None:
     assert GRAPH["parallelwrapper.averaging"] <= {"parallelwrapper.codec", "parallelwrapper.wire"}
+    assert GRAPH["parallelwrapper.delta_averaging"] <= {"parallelwrapper.averaging", "parallelwrapper.codec", "parallelwrapper.wire"}
     assert GRAPH["parallelwrapper.wire"] <= {"parallelwrapper.codec"}
 
 
-def test_averaging_knows_no_protocol_flag() -> None:
-    source = MODULES["parallelwrapper.averaging"].read_text()
+@pytest.mark.parametrize("module", ["averaging", "delta_averaging"])
+def test_averaging_knows_no_protocol_flag(module: str) -> None:
+    source = MODULES[f"parallelwrapper.{module}"].read_text()
     for word in ("finished", "skipped", "stop", "header", "HEADER", "samples"):
         assert not re.search(rf"\b{word}\b", source), word
 

@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from torch import nn
 
 from parallelwrapper import ParallelWrapper, checkpoint, cli
-from parallelwrapper.averaging import DeltaAverager, FlatAverager
+from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.config import Config, Job
+from parallelwrapper.delta_averaging import DeltaAverager
 from parallelwrapper.env import Placement
 from parallelwrapper.hosts.runtime import Worker
 from parallelwrapper.rounds import HEADER_LEN, RoundTotals, make_header, read_header

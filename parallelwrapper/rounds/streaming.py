@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..averaging import DeltaAverager
 from ..config import Config
+from ..delta_averaging import DeltaAverager
 from .exchange import average_anew
 from .header import HEADER_LEN, RoundTotals, Work, check_diverged, read_header, round_header
 from .state import agree_on_optimizer_layout, averaged_tensors, state_layout

@@ -1,0 +1,134 @@
+"""Averaging in the background, for `Builder.overlap_averaging(True)`: a snapshot of the tensors
+is summed over the process group while the worker trains on, and the average lands later with the
+steps taken since kept on top of it. Flat buffers per dtype and an opaque trailer, as in
+averaging.py; knows no queue and no protocol flag."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .averaging import ProcessGroup, by_dtype, flat_buffer, put_trailer, views
+from .codec import DeltaCoder
+from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, wait_trailer
+
+
+@dataclass
+class _Snapshots:
+    """The tensors of one dtype in a DeltaAverager."""
+
+    snapshot: torch.Tensor  # (Σ numel,): the tensors at the launch
+    total: torch.Tensor  # (Σ numel [+ trailer],): the weighted sum, then the average [and the trailer]
+    members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (tensor, its snapshot, its part of total)
+    coder: DeltaCoder | None = None  # with a wire codec, from the first landing: the last average and the error
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.total[: self.snapshot.numel()]
+
+
+class DeltaAverager:
+    """Averaging in the background, for `Builder.overlap_averaging(True)`.
+
+    `launch(w, trailer)` snapshots the tensors and starts an all-reduce of w · snapshot, with the
+    trailer after it, without waiting; the worker trains on; `wait()` returns the trailer's sums and
+    `land(Σw)` moves every tensor by (average − snapshot), so the steps taken since the snapshot
+    are kept on top of the average. A worker that took no step since the snapshot therefore lands
+    exactly on the average.
+
+    With a `wire` codec, as in FlatAverager, the floating-point snapshots travel as their change since
+    the last landed average, encoded, once a first round (in full precision) has landed.
+
+    Every launch sends the tensors it was built with, whatever an optimizer has created since.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: str | None = None) -> None:
+        self._wire, self._trailer_len = wire, trailer
+        self._groups: list[_Snapshots] = []
+        for dtype, members in by_dtype(tensors):
+            snapshot, total = flat_buffer(members, dtype, device), flat_buffer(members, dtype, device, 0 if self._groups else trailer)
+            self._groups.append(_Snapshots(snapshot, total, list(zip(members, views(snapshot, members), views(total, members)))))
+        self._in_flight: list[Flight] = []
+        self._coded_trailer: tuple[dist.Work, torch.Tensor] | None = None
+        self._world: tuple[int, int] = (1, 0)  # the group's size and this rank, for the coders
+
+    @torch.no_grad()
+    def launch(self, weight: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None) -> None:
+        """Snapshot the tensors and start summing weight · snapshot, and the trailer, over the group."""
+        assert not self._in_flight, "land() the previous averaging first"
+        if self._wire is not None:
+            self._world = (dist.get_world_size(group), dist.get_rank(group))
+        coded = any(s.coder is not None for s in self._groups)
+        if coded:
+            self._coded_trailer = send_trailer(trailer, self._trailer_len, self._groups[0].total.device, group)
+        for s in self._groups:
+            for t, snap, _ in s.members:
+                snap.copy_(t)
+            if s.coder is not None:
+                s.data.copy_(s.snapshot)  # the coder's state: its change from the last average goes
+                self._in_flight.append(Flight(send_coded(s.coder, weight, group), None))
+                continue
+            if weight == 0.0:
+                s.data.zero_()  # whatever the snapshot holds (even NaN) contributes nothing
+            else:
+                torch.mul(s.snapshot, weight, out=s.data)
+            put_trailer(s.total, s.snapshot.numel(), None if coded else trailer)
+            work = dist.all_reduce(s.total, group=group, async_op=True)
+            assert work is not None
+            self._in_flight.append(Flight([[work]], s.total))
+
+    def wait(self) -> list[float]:
+        """Wait for the sums (a coded payload: its trailer's); the trailer's sums."""
+        for flight in self._in_flight:
+            if flight.buffer is not None:
+                flight.works[0][0].wait()
+        if self._coded_trailer is not None:
+            values, self._coded_trailer = wait_trailer(self._coded_trailer), None
+            return values
+        return self._groups[0].total[self._groups[0].data.numel() :].tolist()  # the trailer: all after the data
+
+    @torch.no_grad()
+    def land(self, total_weight: float, adopt: bool = False, transform: Callable[[dict[int, torch.Tensor]], None] | None = None, at_average: Callable[[], None] | None = None) -> None:
+        """After wait(): move each tensor by (average − snapshot), or, with `adopt` (its own progress
+        since is worthless or nil), replace it by the average. Σw = 0: no change. `transform` may
+        first change the averages in place, by id(tensor) (an outer step from the average).
+        `at_average` is called while the tensors hold the (transformed) average, their progress
+        since the snapshot kept aside in the snapshots and added back after it."""
+        flights, self._in_flight = self._in_flight, []
+        for s, flight in zip(self._groups, flights):
+            if flight.buffer is None:
+                assert s.coder is not None
+                if total_weight == 0:
+                    drop_coded(flight.works)
+                else:
+                    decode_coded(s.coder, flight.works, 1.0 / total_weight)  # the average, and the next start
+            elif total_weight != 0:
+                s.data.div_(total_weight)  # the average
+                if self._wire is not None and s.data.is_floating_point():
+                    s.coder = DeltaCoder(self._wire, s.data, *self._world)  # landed in full precision: the start
+        if total_weight == 0:
+            return
+        if transform is not None:
+            transform({id(t): average for s in self._groups for t, _, average in s.members})
+        aside = at_average is not None and not adopt  # the progress since goes in the snapshots
+        for s in self._groups:
+            if not adopt and not aside:
+                s.data.sub_(s.snapshot)  # its difference from this worker's snapshot
+            for t, snap, change in s.members:
+                change = change if t.is_floating_point() else change.round()
+                if aside:
+                    torch.sub(t, snap, out=snap)
+                if adopt or aside:
+                    t.copy_(change)
+                else:
+                    t.add_(change.to(t.dtype))
+        if at_average is not None:
+            at_average()
+        for t, snap, _ in (m for s in self._groups for m in s.members) if aside else ():
+            t.add_(snap.to(t.dtype))
+
+
+__all__ = ["DeltaAverager"]
