@@ -6,9 +6,10 @@ error feedback, codec.py) cost against the plain float32 averaging, with the byt
 
     python benchmarks/averaging_cost.py
 
-An averaging is what a worker does at the end of a round (rounds/engine.py, Rounds.exchange): the header
-all-reduce and the all-reduce of params | buffers | SGD momentum, which live in one flat buffer,
-sent together, then one pass that scales the sum to the average. The bare all_reduce sends one
+An averaging is what a worker does at the end of a round (rounds/engine.py, Rounds.exchange): the
+all-reduce of params | buffers with the header, then the SGD momentum's (in a buffer of its own,
+which a training worker lands at its next step: here at once, on the clock), and the passes that
+scale the sums to the average. The bare all_reduce sends one
 float32 buffer of the same number of elements, preallocated and filled with random values (gloo
 sums a buffer of zeros measurably faster than one of real values). Before each compressed
 averaging, off the clock, every parameter moves by a small random step, so that the payloads

@@ -124,6 +124,7 @@ class _Group:
     resident: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): its storage is the view
     copied: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): copied in and out
     coder: DeltaCoder | None = None  # with a wire codec: the last average and the error fed back
+    later: bool = False  # its sums start once the others' are in, and land at settle()
 
 
 class FlatAverager:
@@ -143,6 +144,12 @@ class FlatAverager:
 
     The list of tensors is fixed at construction; build a new averager when it changes.
 
+    Tensors given as `later` too (an optimizer's state, which only its next step reads) go in
+    buffers of their own, whose all-reduce starts when wait() has the others' sums, so that it runs
+    while the caller trains on; they land at `settle()`, with apply()'s scale, bitwise as if at
+    once. Whoever reads them first calls settle() (an optimizer step pre-hook; send() and
+    release() do themselves). Not with a codec or shards: everything goes at once there.
+
     With a `wire` codec (codec.CODECS) the floating-point tensors travel as their change since the
     last average, encoded with error feedback (codec.DeltaCoder), so nothing is lost in total. Each
     payload goes to every other rank in pieces, by sends and receives (on gloo, twice as fast as an
@@ -152,14 +159,26 @@ class FlatAverager:
     """
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: str | torch.dtype | None = None, shards: Shards | None = None
+        self,
+        tensors: Sequence[torch.Tensor],
+        device: torch.device,
+        trailer: int = 0,
+        wire: str | torch.dtype | None = None,
+        shards: Shards | None = None,
+        later: Sequence[torch.Tensor] = (),
     ) -> None:
         self._wire, self._trailer_len, self._shards = None if wire is None else str(wire).removeprefix("torch."), trailer, shards
+        deferred = {id(t) for t in later} if wire is None and shards is None else set()
+        if all(id(t) in deferred for t in tensors):
+            deferred = set()  # the trailer's group lands at once
+        first = [t for t in tensors if id(t) not in deferred]
+        rest = [t for t in tensors if id(t) in deferred]
+        layout = [(d, m, False) for d, m in by_dtype(first)] + [(d, m, True) for d, m in (by_dtype(rest) if rest else [])]
         self._groups: list[_Group] = []
         with torch.no_grad():
-            for dtype, members in by_dtype(tensors):
+            for dtype, members, is_later in layout:
                 flat = flat_buffer(members, dtype, device, 0 if self._groups else trailer, 1 if shards is None else shards.size)
-                group = _Group(flat, flat[: sum(t.numel() for t in members)], [], [])
+                group = _Group(flat, flat[: sum(t.numel() for t in members)], [], [], later=is_later)
                 for t, view in zip(members, views(group.data, members)):
                     view.copy_(t)
                     if t.dtype == view.dtype and t.device == view.device and t.is_contiguous():
@@ -172,7 +191,10 @@ class FlatAverager:
         self.nbytes = sum(g.flat.numel() * g.flat.element_size() for g in self._groups)  # trailer included
         if self._wire is not None:  # what travels after the first round: the codes and scales, the trailer in float64
             self.nbytes = trailer * 8 + sum(codec(self._wire).nbytes(g.data.numel()) if g.data.is_floating_point() else g.data.nbytes for g in self._groups)
-        self._in_flight: list[Flight] = []  # per group
+        self._in_flight: list[Flight] = []  # per group, the later ones aside
+        self._later: list[Flight] = []  # per later group: prepared by send(), started by wait()
+        self._later_group: ProcessGroup = None
+        self._later_scale: float | None = None  # apply()'s, for settle()
         self._wired_trailer: tuple[dist.Work, torch.Tensor] | None = None  # a wired round's float64 trailer
 
     @property
@@ -187,7 +209,8 @@ class FlatAverager:
         scale = 0 sends zeros from a scratch buffer and leaves the tensors as they are (they may
         hold NaN, or be all this worker has when it turns out nobody trained).
         """
-        assert not self._in_flight, "wait() for the previous sums first"
+        self.settle()  # the last round's later sums, where no step has read them since
+        assert not self._in_flight and not self._later, "wait() for the previous sums first"
         wired = self._wire is not None and not exact
         if wired:  # the trailer goes first, exact, beside the encoded deltas: its sums are in by wait()
             self._wired_trailer = send_trailer(trailer, self._trailer_len, self._groups[0].flat.device, group)
@@ -210,10 +233,14 @@ class FlatAverager:
                 if scale != 1.0:
                     g.data.mul_(scale)
             put_trailer(buffer, g.data.numel(), trailer if not wired else None)
+            if g.later and not exact:
+                self._later.append(Flight([], buffer))
+                continue
             part = buffer if self._shards is None else buffer.view(self._shards.size, -1)[self._shards.index]
             work = dist.all_reduce(part, group=group, async_op=True)
             assert work is not None
             self._in_flight.append(Flight([[work]], buffer))
+        self._later_group = group
 
     def wait(self) -> list[float]:
         """Wait for the sums; the trailer's sums. (apply() waits for a coded round's pieces.)"""
@@ -223,6 +250,11 @@ class FlatAverager:
                 if self._shards is not None:  # reduced in parts: each rank's part, summed across nodes; gather them
                     parts = flight.buffer.view(self._shards.size, -1)
                     dist.all_gather(list(parts.unbind(0)), parts[self._shards.index].clone(), group=self._shards.group)
+        for flight in self._later:  # the others are in: the later sums take the link while the caller trains on
+            assert flight.buffer is not None
+            work = dist.all_reduce(flight.buffer, group=self._later_group, async_op=True)
+            assert work is not None
+            flight.works.append([work])
         if self._wired_trailer is not None:
             values, self._wired_trailer = wait_trailer(self._wired_trailer), None
             return values
@@ -232,21 +264,37 @@ class FlatAverager:
 
     @torch.no_grad()
     def apply(self, scale: float) -> None:
-        """After wait(): every tensor becomes its sum times `scale`. Not calling it (nobody
-        trained) leaves the tensors as they were, when they were sent with scale 0."""
-        for g, flight in zip(self._groups, self._in_flight):
-            if flight.buffer is None:  # every rank's payload: start + scale · Σ decoded, piece by piece
-                assert g.coder is not None
-                decode_coded(g.coder, flight.works, scale)
-            elif flight.buffer is not g.flat:
-                torch.mul(flight.buffer[: g.data.numel()], scale, out=g.data)
-            elif scale != 1.0:
-                g.data.mul_(scale)
-            if g.coder is not None and flight.buffer is not None:
-                g.coder.restart()  # a full-precision round: the next change is taken from here
-            for t, view in g.copied:
-                t.copy_(view if t.is_floating_point() else view.round())
+        """After wait(): every tensor becomes its sum times `scale` (the later ones at settle()).
+        Not calling it (nobody trained) leaves the tensors as they were, when they were sent with
+        scale 0."""
+        for g, flight in zip(self._groups, self._in_flight):  # the later groups come last: not in flight yet
+            self._land(g, flight, scale)
         self._in_flight = []
+        self._later_scale = scale if self._later else None
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Land the later groups' sums, with the last apply()'s scale: from here the optimizer's
+        state holds its average. Nothing to do when none waits."""
+        if self._later_scale is None:
+            return
+        for g, flight in zip((g for g in self._groups if g.later), self._later):
+            flight.works[0][0].wait()
+            self._land(g, flight, self._later_scale)
+        self._later, self._later_scale = [], None
+
+    def _land(self, g: _Group, flight: Flight, scale: float) -> None:
+        if flight.buffer is None:  # every rank's payload: start + scale · Σ decoded, piece by piece
+            assert g.coder is not None
+            decode_coded(g.coder, flight.works, scale)
+        elif flight.buffer is not g.flat:
+            torch.mul(flight.buffer[: g.data.numel()], scale, out=g.data)
+        elif scale != 1.0:
+            g.data.mul_(scale)
+        if g.coder is not None and flight.buffer is not None:
+            g.coder.restart()  # a full-precision round: the next change is taken from here
+        for t, view in g.copied:
+            t.copy_(view if t.is_floating_point() else view.round())
 
     def discard(self) -> None:
         """After wait(), when nobody sent anything (every scale was 0): drop the sums; the tensors
@@ -254,7 +302,9 @@ class FlatAverager:
         for flight in self._in_flight:
             if flight.buffer is None:
                 drop_coded(flight.works)
-        self._in_flight = []
+        for flight in self._later:
+            flight.works[0][0].wait()
+        self._in_flight, self._later = [], []
 
     def average(self, share: float, group: ProcessGroup = None) -> None:
         """Replace every tensor by Σ_i share_i · tensor_i, where share_i = w_i / Σw, in full
@@ -274,9 +324,13 @@ class FlatAverager:
                 g.coder = DeltaCoder(self._wire, g.data, dist.get_world_size(group), dist.get_rank(group))
 
     @torch.no_grad()
-    def release(self) -> None:
+    def release(self, settle: bool = True) -> None:
         """Give every tensor in the buffers a storage of its own again, letting each one's part of
-        the buffer go as it leaves (the buffer and the copies are never held whole at once)."""
+        the buffer go as it leaves (the buffer and the copies are never held whole at once). The
+        later sums land first, or with `settle=False` (the caller is failing) are dropped."""
+        if settle:
+            self.settle()
+        self._later, self._later_scale = [], None
         for g in self._groups:
             for t, view in g.resident:
                 if t.data_ptr() == view.data_ptr():

@@ -22,7 +22,7 @@ from .averaging import FlatAverager
 from .config import TrainingMode
 from .options import OPTIMIZERS, RunOptions, initial_model
 from .rounds import HEADER_LEN
-from .rounds.state import holds_state, optimizer_state_tensors
+from .rounds.state import holds_state, later_tensors, optimizer_state_tensors
 
 HEADER_BYTES = HEADER_LEN * 8  # averaging.all_reduce_values, float64: a fit()'s first round (checked by a test)
 
@@ -80,6 +80,7 @@ def estimated_communication(options: RunOptions) -> Communication:
     plain SGD: none)."""
     model = initial_model(options)
     params = [p for p in model.parameters() if p.requires_grad]
+    later: list[torch.Tensor] = []  # the optimizer's state, in buffers (and collectives) of its own
     full_fits: int | None = None if options.overlap_averaging else 0  # streamed rounds start coding after a first one
     if options.mode is TrainingMode.SHARED_GRADIENTS:
         tensors = [torch.zeros_like(p) for p in params] + list(model.buffers())
@@ -91,12 +92,13 @@ def estimated_communication(options: RunOptions) -> Communication:
                 p.grad = torch.zeros_like(p)
             optimizer.step()
             tensors += optimizer_state_tensors(optimizer)
+            later = later_tensors(optimizer, True, options.replace_workers > 0)
             if not holds_state(optimizer, params):  # plain SGD: a state that never exists
                 full_fits = None
             elif full_fits is not None:  # the state exists once the first fit() has stepped
                 full_fits = 1
-    flat = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN)
     wired = options.mode is TrainingMode.AVERAGING and options.payload_dtype != "float32"
+    flat = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN, later=[] if wired else later)  # a coded payload's goes at once
     fragments = options.fragments if options.mode is TrainingMode.AVERAGING else 1
     if not wired:
         return Communication(flat.nbytes, flat.collectives, options.workers, fragments=fragments)

@@ -41,19 +41,19 @@ def test_header_bytes_match_the_real_header(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize(
-    ("spec", "optimizer", "average_updaters", "numbers"),
+    ("spec", "optimizer", "average_updaters", "numbers", "collectives"),
     [
-        (SG, "nesterov", True, LENET_PARAMS),  # gradients
-        (AVG, "nesterov", True, 2 * LENET_PARAMS),  # params and momentum
-        (AVG, "nesterov", False, LENET_PARAMS),  # params only
-        (AVG, "sgd", True, LENET_PARAMS),  # plain SGD keeps no state
-        (AVG, "adam", True, 3 * LENET_PARAMS + 8),  # params, two moments, a step per tensor
+        (SG, "nesterov", True, LENET_PARAMS, 1),  # gradients
+        (AVG, "nesterov", True, 2 * LENET_PARAMS, 2),  # params, then momentum in a collective of its own
+        (AVG, "nesterov", False, LENET_PARAMS, 1),  # params only
+        (AVG, "sgd", True, LENET_PARAMS, 1),  # plain SGD keeps no state
+        (AVG, "adam", True, 3 * LENET_PARAMS + 8, 2),  # params, then two moments and a step per tensor
     ],
 )
-def test_payload_follows_the_optimizer_state(spec: RunSpec, optimizer: str, average_updaters: bool, numbers: int) -> None:
+def test_payload_follows_the_optimizer_state(spec: RunSpec, optimizer: str, average_updaters: bool, numbers: int, collectives: int) -> None:
     options = spec.options(RunOptions(optimizer=optimizer, average_updaters=average_updaters))
     cost = estimated_communication(options)
-    assert cost.payload_bytes == 4 * (numbers + rounds.HEADER_LEN) and cost.payload_collectives == 1
+    assert cost.payload_bytes == 4 * (numbers + rounds.HEADER_LEN) and cost.payload_collectives == collectives
 
 
 @pytest.mark.parametrize(("workers", "ratio"), [(2, 0.5), (4, 1.0)])
@@ -75,7 +75,9 @@ def test_a_16_bit_payload_is_gathered_after_each_fits_first_round(workers: int, 
     assert wired_round - header == pytest.approx(ratio * (full.bytes_per_worker(11, 1) - full.bytes_per_worker(10, 1) - header), rel=1e-4)
     assert cast.bytes_per_worker(1, 1) == full.bytes_per_worker(1, 1)  # the first fit()'s one round
     assert cast.bytes_per_worker(3, 3) == full.bytes_per_worker(1, 1) + 2 * wired_round + 2 * header  # later fits: coded, the header alone first
-    assert cast.collectives(10, 2) == full.collectives(10, 2) + 9
+    # float32 lands the momentum after the parameters, in a collective of its own; coded, it goes with them
+    assert (full.payload_collectives, cast.payload_collectives) == (2, 1)
+    assert cast.collectives(10, 2) == 2 + 10 + 9  # the fits' headers alone, a payload a round, a coded round's header
     # Shared gradients never send a 16-bit payload.
     assert estimated_communication(SG.options(RunOptions(payload_dtype="bfloat16"))).wire_bytes is None
 

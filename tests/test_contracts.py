@@ -38,6 +38,7 @@ class FakeAllReduce:
     def __init__(self, world: int = 2) -> None:
         self.world, self.rank = world, 0
         self.calls: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        self.summed: set[int] = set()  # the call indices summed already (a buffer is sent again in the next round)
 
     def __call__(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
         self.calls[self.rank].append(tensor)
@@ -45,13 +46,13 @@ class FakeAllReduce:
 
         class Work:
             def wait(self) -> None:
-                buffers = [fake.calls[r][index] for r in range(fake.world)]
-                if getattr(buffers[0], "_summed", False):
+                if index in fake.summed:
                     return
+                buffers = [fake.calls[r][index] for r in range(fake.world)]
                 total = sum(b.double() for b in buffers)
                 for b in buffers:
                     b.copy_(total.to(b.dtype))
-                    b._summed = True  # type: ignore[attr-defined]
+                fake.summed.add(index)
 
         work = Work()
         if not async_op:
@@ -97,6 +98,54 @@ def test_prescaled_send_then_apply_is_the_sample_weighted_mean(fake: FakeAllRedu
         assert halves.dtype == torch.float16 and torch.equal(halves, torch.full((4,), expected[1], dtype=torch.float16))
         assert ints.dtype == torch.int64 and int(ints) == expected[2]
     assert all(torch.equal(a, b) for a, b in zip(tensors[0], tensors[1]))  # bitwise the same on both
+
+
+def test_the_optimizers_state_lands_later_and_bitwise_as_at_once(fake: FakeAllReduce) -> None:
+    """`later` tensors (an optimizer's state) start their all-reduce once the others' sums are in,
+    and land at settle(), with apply()'s scale: the same bits as averaging them with the rest. The
+    next send() and release() settle a round that no step settled."""
+    weights, reference = [6.0, 4.0], 7.0  # a stale reference: apply() scales by 7 / 10
+
+    def pair() -> list[list[torch.Tensor]]:  # (params, momentum) of two workers
+        return [[torch.randn(5, generator=torch.Generator().manual_seed(r)), torch.randn(3, generator=torch.Generator().manual_seed(10 + r))] for r in (0, 1)]
+
+    def round_of(averagers: list[FlatAverager], settle: bool) -> None:
+        for rank in (0, 1):
+            fake.rank = rank
+            averagers[rank].send(weights[rank] / reference, [weights[rank]])
+        for rank in (0, 1):
+            fake.rank = rank
+            assert averagers[rank].wait() == [10.0]
+            averagers[rank].apply(reference / sum(weights))
+        for rank in (0, 1) if settle else ():
+            fake.rank = rank
+            averagers[rank].settle()
+
+    at_once, later = pair(), pair()
+    round_of([FlatAverager(t, CPU, trailer=1) for t in at_once], settle=False)
+    averagers = [FlatAverager(t, CPU, trailer=1, later=[t[1]]) for t in later]
+    fake.rank = 0
+    averagers[0].send(weights[0] / reference, [weights[0]])
+    assert len(fake.calls[0]) == 2  # 1 for the at-once averagers above, 1 now: the parameters' and the trailer
+    fake.rank = 1
+    averagers[1].send(weights[1] / reference, [weights[1]])
+    for rank in (0, 1):
+        fake.rank = rank
+        averagers[rank].wait()
+        assert len(fake.calls[rank]) == 3  # the momentum's, once the parameters' sums are in
+        averagers[rank].apply(reference / sum(weights))
+    assert torch.equal(later[0][0], at_once[0][0]) and not torch.equal(later[0][1], at_once[0][1])  # not landed yet
+    for rank in (0, 1):
+        fake.rank = rank
+        averagers[rank].settle()
+    assert all(torch.equal(a, b) for r in (0, 1) for a, b in zip(at_once[r], later[r], strict=True))
+    assert averagers[0].collectives == 2
+    round_of([FlatAverager(t, CPU, trailer=1) for t in at_once], settle=False)
+    round_of(averagers, settle=False)  # a round landed, its momentum not settled: release() settles it
+    for rank in (0, 1):
+        fake.rank = rank
+        averagers[rank].release()
+    assert all(torch.equal(a, b) for r in (0, 1) for a, b in zip(at_once[r], later[r], strict=True))
 
 
 def test_a_worker_sending_scale_zero_contributes_nothing_not_even_nan(fake: FakeAllReduce) -> None:

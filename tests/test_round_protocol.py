@@ -271,11 +271,13 @@ def test_rounds_of_changing_weights_send_one_collective_each_and_equal_the_weigh
     expected = synchronous_reference(2)
     assert_replicas_match(results, expected)
     # Σw per round: 32, 24 (rank 1 ends: the sum is rescaled), 16 and 8 (rank 1 sends zeros).
-    # The first round sends its header alone, then builds the buffers; each later one, one
-    # all-reduce with the header in it; none closes the epoch (each worker looked ahead).
+    # The first round sends its header alone, then builds the buffers; each round, one all-reduce
+    # of the parameters with the header in it, then one of the momentum, which lands later (at
+    # the next step); none closes the epoch (each worker looked ahead).
     assert results[0]["rounds"] == 4
-    numel = sum(v.numel() for v in expected.values()) + rounds.HEADER_LEN
-    assert results[0]["sent"] == results[1]["sent"] == [rounds.HEADER_LEN] + [numel] * 4
+    params = sum(v.numel() for key, v in expected.items() if key.startswith("model.")) + rounds.HEADER_LEN
+    momentum = sum(v.numel() for key, v in expected.items() if key.startswith("opt."))
+    assert results[0]["sent"] == results[1]["sent"] == [rounds.HEADER_LEN] + [params, momentum] * 4
     assert results[0]["owns"] and results[1]["owns"]  # after fit(), no tensor is a view of a buffer
 
 
@@ -285,7 +287,8 @@ def test_an_epoch_where_nobody_trains_leaves_the_state_as_it_was() -> None:
     one, two = run_group(_rounds, 2, 2, 1), run_group(_rounds, 2, 2, 2)
     for key, value in one[0]["state"].items():
         assert torch.equal(two[0]["state"][key], value) and torch.equal(two[1]["state"][key], value), key
-    assert two[0]["sent"][-1] == two[0]["sent"][-2] and len(two[0]["sent"]) == len(one[0]["sent"]) + 1
+    # the same two collectives as a trained round (the parameters' with the header, the momentum's)
+    assert two[0]["sent"][-2:] == two[0]["sent"][-4:-2] and len(two[0]["sent"]) == len(one[0]["sent"]) + 2
 
 
 def _reallocated(rank: int, world: int) -> list[torch.Tensor]:
@@ -399,8 +402,9 @@ def test_frozen_parameters_are_not_averaged_and_stay_bitwise_unchanged() -> None
             assert torch.equal(results[r]["state"][key], initial[key]), f"rank {r}: frozen {key} moved"
         assert not torch.equal(results[r]["state"]["2.weight"], initial["2.weight"])  # the rest trained
         assert torch.equal(results[r]["state"]["2.weight"], results[0]["state"]["2.weight"])
-    # Trainable 3·8 + 3 = 27 numbers, AdamW's two moments of them and a step per tensor: 83, not 139.
-    assert set(results[0]["sent"][1:]) == {27 + 2 * 27 + 2 + rounds.HEADER_LEN}
+    # Trainable 3·8 + 3 = 27 numbers with the header, then AdamW's two moments of them and a step
+    # per tensor (landing later): 27 + 56, not 139.
+    assert set(results[0]["sent"][1:]) == {27 + rounds.HEADER_LEN, 2 * 27 + 2}
 
 
 def _uneven_start(rank: int, world: int, payload: str) -> dict[str, torch.Tensor]:

@@ -87,13 +87,19 @@ class Rounds:
     def run(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
         self._cut.fit_starts(source)
+        failing = False
         try:
             while self.counters.epoch < until_epoch:
                 self._epoch(report)
         except _EarlyStop:
             pass  # every worker stopped after the same round: the fit ends there, normally
+        except Stopped:
+            raise  # at a landed round, as asked: the state is whole
+        except BaseException:
+            failing = True  # what is still on its way is of no use, and waiting for it could hide the cause
+            raise
         finally:
-            self._sync.release()
+            self._sync.release(settle=not failing)
             if self._node is not None:
                 self._node.release()
             self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.trainer.local_steps)
@@ -197,8 +203,10 @@ class Rounds:
     # -- the exchange ----------------------------------------------------------------------------
 
     def exchange(self, work: Work) -> RoundTotals:
-        """Launch and land a round at once, after `work` (benchmarks time this)."""
-        return self._land(self._launch(work), work, at_once=True)
+        """Launch and land a round at once, after `work`, all of it (benchmarks time this)."""
+        totals = self._land(self._launch(work), work, at_once=True)
+        self._sync.settle()
+        return totals
 
     def _launch(self, work: Work) -> Any:
         stop = self.hooks.stop_requested()
@@ -254,6 +262,7 @@ class Rounds:
             epoch = self.counters.epoch - 1 if epoch_done else self.counters.epoch
             book.report(EpochReport(dataclasses.replace(self.counters), epoch, book.whole.score, complete=epoch_done))
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
+            self._sync.settle()  # the optimizer's state goes in too
             if self._node is None and self.config.pipeline is None:
                 everyone, size, writes = self.group, self.world_size, self.rank == 0
             else:  # with a hierarchy or a pipeline, every process: the default group

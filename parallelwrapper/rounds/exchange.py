@@ -36,6 +36,7 @@ from .state import (
     averaged_tensors,
     gradient_tensors,
     holds_state,
+    later_tensors,
     signature_hash,
     state_layout,
     trained_parameters,
@@ -56,9 +57,11 @@ def average_anew(trainer: Trainer, config: Config, device: torch.device, group: 
 
 def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards: Shards | None = None) -> FlatAverager:
     """New buffers for the state an averaging round averages (the tensors live in them until
-    `release()`), in the payload's wire format."""
+    `release()`), in the payload's wire format; the optimizer's state lands later where it can
+    (state.later_tensors): at the optimizer's next step, or whatever reads it first."""
     tensors = averaged_tensors(trainer.model, trainer.optimizer, config.average_updaters)
-    return FlatAverager(tensors, device, HEADER_LEN, config.wire_dtype, shards)
+    later = later_tensors(trainer.optimizer, config.average_updaters, config.on_worker_failure == "replace")
+    return FlatAverager(tensors, device, HEADER_LEN, config.wire_dtype, shards, later)
 
 
 Group = tuple[dist.ProcessGroup | None, int]  # a process group (None: the default) and its size
@@ -88,14 +91,25 @@ class SyncExchange:
         self._gradients = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
         self._reference = 0.0  # Σw of the last round that trained, the same on every worker
         self._early = False  # the payload was built before the round it has not sent yet (coded from the start)
+        # The optimizer's averaged state may land after the round (FlatAverager's `later`): before
+        # its next step reads it, at the latest.
+        trainer.optimizer.register_step_pre_hook(lambda *_: self.settle())
+
+    def settle(self) -> None:
+        """Land what of the last round's average is still on its way (the optimizer's state)."""
+        if isinstance(self._payload, FlatAverager):
+            self._payload.settle()
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
         self._payload, self._gradients, self._reference, self._early = None, False, 0.0, False
 
-    def release(self) -> None:
-        """Between fits, the model's tensors own their storage."""
-        if self._payload is not None:
+    def release(self, settle: bool = True) -> None:
+        """Between fits, the model's tensors own their storage; after a failure (not `settle`),
+        what of the last average is still on its way is dropped."""
+        if isinstance(self._payload, FlatAverager):
+            self._payload.release(settle)
+        elif self._payload is not None:
             self._payload.release()
         self._payload, self._gradients, self._early = None, False, False
 

@@ -66,6 +66,13 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
     return out
 
 
+def later_tensors(optimizer: torch.optim.Optimizer, average_updaters: bool, replaces: bool) -> list[torch.Tensor]:
+    """What of the averaged state may land after the parameters (averaging.FlatAverager's
+    `later`): the optimizer's, which only its next step reads; none where a replacement keeps a
+    copy of the whole state at each round's start."""
+    return optimizer_state_tensors(optimizer) if average_updaters and not replaces else []
+
+
 def holds_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> bool:
     """Whether the optimizer holds state for every one of `params` (it creates it lazily, at a
     parameter's first step; plain SGD never does)."""
