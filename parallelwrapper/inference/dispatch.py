@@ -95,16 +95,15 @@ class Dispatcher:
     # -- the batching thread ---------------------------------------------------------------------
 
     def _batching(self) -> None:
-        while (taken := self._next()) is not None:
-            self.pool.send(*taken)
+        while self._next():
+            pass
 
-    def _next(self) -> tuple[Worker, Any, Flight, Any] | None:
-        """The next idle worker, its pipe, its batch and the state it must load first (None: it
-        holds the latest), taken together under the lock; None once closing."""
+    def _next(self) -> bool:
+        """Give the next batch to the next idle worker; False once closing."""
         with self._lock:
             while True:
                 if self._closing:
-                    return None
+                    return False
                 w = min((w for w in self.pool.workers if w.idle), key=lambda w: len(w.flights), default=None)
                 if self._queue and all(w.lost for w in self.pool.workers):
                     self._fail_queue(InferenceError(f"no inference worker is left: {self.pool.workers[0].lost}; build a new ParallelInference"))
@@ -115,9 +114,8 @@ class Dispatcher:
                     busy = any(other.flights for other in self.pool.workers)
                     wait = self._queue[0].at + self._wait_s - time.monotonic()
                     if full or self._one_each or not busy or wait <= 0:
-                        taken = self._start(w, batch)
-                        if taken is not None:
-                            return taken
+                        if self._start(w, batch):
+                            return True
                         continue  # every one of them was cancelled
                     self._work.wait(wait)
                     continue
@@ -136,22 +134,25 @@ class Dispatcher:
                         break
         return batch, rows >= self._limit
 
-    def _start(self, w: Worker, batch: list[Request]) -> tuple[Worker, Any, Flight, Any] | None:
-        """Take `batch` out of the queue and give it to `w` (the requests cancelled meanwhile go);
-        what `pool.send` sends: `w`, its pipe, the flight, and the state it must load first (None:
-        it holds the latest). None when every request was cancelled."""
+    def _start(self, w: Worker, batch: list[Request]) -> bool:
+        """Take `batch` out of the queue and send it to `w` (the requests cancelled meanwhile go),
+        with the state it must load first where it does not hold the latest; False when every
+        request was cancelled. Under the lock, from either thread: what a worker is sent, and in
+        which order, is decided and sent at once, so no batch of requests submitted after an
+        update_model() can reach a worker ahead of the new state."""
         taken = {id(r) for r in batch}
         self._queue = deque(r for r in self._queue if id(r) not in taken)
         self._room.notify_all()
         # A request queued again after its worker died is running already.
         running = [r for r in batch if r.future.running() or r.future.set_running_or_notify_cancel()]
         if not running:
-            return None
+            return False
         self._seq += 1
         flight = w.take(running, self._seq)
         load = self.pool.state if w.version != self.pool.version else None
         w.version = self.pool.version
-        return w, w.conn, flight, load
+        self.pool.send(w, w.conn, flight, load)
+        return True
 
     def _fail_held(self, error: Callable[[Worker], BaseException]) -> None:
         """Fail the requests each worker holds with `error(worker)`."""
@@ -197,31 +198,27 @@ class Dispatcher:
         if flight is None:
             return  # given up already (close)
         if kind == "grow":
-            self.pool.grow(w, flight, payload)
+            with self._lock:  # one writer at a time on a worker's pipe
+                self.pool.grow(w, flight, payload)
             return
         # The outputs are copied out before the slot takes the next batch.
         outputs = self.pool.outputs(w, flight, *payload).clone() if kind == "done" else None
-        taken = self._release(w, flight)
-        if taken is not None:
-            self.pool.send(*taken)
+        self._release(w, flight)
         if outputs is not None:
             answer(flight.requests, outputs, str(w))
         else:
             for r in flight.requests:
                 r.future.set_exception(model_failed(r, str(w), payload))
 
-    def _release(self, w: Worker, flight: Flight) -> tuple[Worker, Any, Flight, Any] | None:
+    def _release(self, w: Worker, flight: Flight) -> None:
         """`w` is done with `flight`: the requests that waited while it was busy go to it at once,
         from this thread (a wake-up of the batching thread would cost the time of a thread
         switch); with none waiting, the batching thread is told."""
         with self._lock:
             w.flights.remove(flight)
-            if self._queue and not self._closing:
-                taken = self._start(w, self._take()[0])
-                if taken is not None:
-                    return taken
+            if self._queue and not self._closing and self._start(w, self._take()[0]):
+                return
             self._work.notify()
-            return None
 
     def _died(self, w: Worker) -> None:
         """Fail the batch `w` was running, queue again the ones it held but had not begun (it runs
