@@ -44,7 +44,7 @@ class Scratch:
     """Working memory for one chunk, shaped as its codec works on it: numbers, and one number per block."""
 
     numbers: torch.Tensor
-    amax: torch.Tensor  # (blocks, 1)
+    step: torch.Tensor  # (blocks, 1): a block's absmax, then its units per code
     inverse: torch.Tensor  # (blocks, 1)
 
 
@@ -125,7 +125,7 @@ class Blocks(Codec):
     def encode_(self, delta: torch.Tensor, scale: float, codes: torch.Tensor, scales: torch.Tensor, scratch: Scratch) -> None:
         # The codes of scale · x are x's (blocks scale alike), so only the scales carry `scale`:
         # no pass over the numbers multiplies them by it and back.
-        rounded, step, inverse = scratch.numbers, scratch.amax, scratch.inverse
+        rounded, step, inverse = scratch.numbers, scratch.step, scratch.inverse
         torch.amax(torch.abs(delta, out=rounded), dim=1, keepdim=True, out=step)
         step.clamp_min_(TINY).div_(self.levels)  # delta's units per code
         torch.reciprocal(step, out=inverse)
@@ -202,7 +202,7 @@ class DeltaCoder:
         chunk = CHUNK if state.device.type == "cpu" else padded  # on a GPU one kernel per pass is faster
         per_piece = max(chunk, (piece_bytes or PIECE_BYTES) * 8 // c.bits // chunk * chunk)
         numbers = torch.empty(min(chunk, padded), dtype=state.dtype, device=state.device)
-        per_block = torch.empty(2, chunk // BLOCK, 1, dtype=state.dtype, device=state.device)  # amax, inverse
+        per_block = torch.empty(2, chunk // BLOCK, 1, dtype=state.dtype, device=state.device)  # step, inverse
         self.nbytes = sum(c.nbytes(min(per_piece, padded - lo)) for lo in range(0, padded, per_piece))
         payload = torch.empty(self.nbytes, dtype=torch.uint8, device=state.device)
         self._pieces, offset = [], 0
