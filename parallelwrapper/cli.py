@@ -18,7 +18,7 @@ from click.core import ParameterSource
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .compare import CompareOptions, compare
-from .config import PAYLOAD_DTYPES, PRECISIONS, TrainingMode
+from .config import PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, TrainingMode
 from .data.mnist import MnistFilesMissing
 from .inference import InferenceError, InferenceMode
 from .models import MODEL_NAMES
@@ -100,7 +100,8 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
 @click.option("--lr-schedule", type=click.Choice(list(LR_SCHEDULES)), default="none", show_default=True, help="step: lr x 0.7 after each epoch; cosine: anneal to 0 over the run; onecycle: warm up to --lr and anneal, over the run (steps: ceil(batches / workers) an epoch).")
 @click.option("--replace-workers", type=click.IntRange(min=0), default=0, show_default=True, help="Replace a worker that fails (an error, a death, a stall) up to N times: every worker goes back to the last average and its round's batches are trained again (0: a failure ends the run).")
 @click.option("--stages", type=click.IntRange(min=1), default=1, show_default=True, help="Model parallelism: each worker a pipeline of N stage processes, each holding about 1/N of the model and its optimizer state, averaged stage by stage (1: no pipeline). --workers 2 --stages 2 runs 4 processes.")
-@click.option("--microbatches", type=click.IntRange(min=1), default=1, show_default=True, help="With --stages: cut each batch into M microbatches for the pipeline's 1F1B schedule (GPipe when M < stages).")
+@click.option("--microbatches", type=click.IntRange(min=1), default=1, show_default=True, help="With --stages: cut each batch into M microbatches for the pipeline's schedule (1F1B runs GPipe when M < stages).")
+@click.option("--schedule", type=click.Choice(list(PIPELINE_SCHEDULES)), default="1f1b", show_default=True, help="With --stages: the pipeline's schedule; zbv (zero bubble, V) has each stage hold two pieces of the model and fills the bubbles with weight gradients.")
 @click.option("--early-stopping-patience", type=click.IntRange(min=1), default=None, help="Stop when val_loss has not improved for this many validations (needs --val-every). Default: off.")
 @click.pass_context
 def main(ctx: click.Context, /, mode: str, **kwargs: Any) -> None:

@@ -38,13 +38,13 @@ class NanPolicy(enum.Enum):
 
 
 BACKENDS = ("auto", "gloo", "nccl")
-# bf16-mixed: forward and loss under autocast; 16-mixed: float16 with a GradScaler. Params, grads,
-# optimizer state and the averaging stay float32.
+# bf16-mixed: forward and loss under autocast; 16-mixed: float16 with a GradScaler. Params, grads, optimizer state and the averaging stay float32.
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PAYLOAD_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # the averaging's wire format (codec.py)
 FAILURE_POLICIES = ("raise", "replace")  # what a spawned worker's failure does (hosts/spawned.py)
 FEEDS = ("auto", "queue")  # how spawned workers get a list of batches (feed.py)
 INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.py)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zbv")  # a pipeline's (pipeline/stage.py; "zbv": zero bubble, V)
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,13 @@ class Pipeline:
     stages: int = 2
     split: tuple[str, ...] | None = None  # the submodules at which stages 1.. begin; None: about equal parameter counts
     microbatches: int = 1  # each batch cut into these, fed through the stages by the schedule
-    schedule: str = "1f1b"  # or "gpipe"
+    schedule: str = "1f1b"  # or "gpipe", or "zbv" (zero bubble, V: two pieces of the model a stage)
 
     def __post_init__(self) -> None:
         check_int("stages", self.stages, 2, "a pipeline has 2 stages or more, e.g. .pipeline(stages=2)")
         check_int("microbatches", self.microbatches, 1, "e.g. .pipeline(stages=2, microbatches=4)")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"pipeline: schedule must be '1f1b' or 'gpipe', got {self.schedule!r}; e.g. .pipeline(stages=2, schedule='gpipe')")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline: schedule must be '1f1b', 'gpipe' or 'zbv', got {self.schedule!r}; e.g. .pipeline(stages=2, schedule='gpipe')")
 
 
 @dataclass(frozen=True)
@@ -397,4 +397,4 @@ def describe_config(config: Config) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in out.items()}
 
 
-__all__ = ["Config", "GradientEncoding", "Job", "NanPolicy", "OuterSpec", "Pipeline", "SchedulerSpec", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]
+__all__ = ["Config", "GradientEncoding", "Job", "NanPolicy", "OuterSpec", "PIPELINE_SCHEDULES", "Pipeline", "SchedulerSpec", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]

@@ -90,6 +90,7 @@ class RunOptions:
     gradient_threshold: float | None = None  # shared gradients threshold-encoded, τ starting here (Builder.gradient_encoding); None: dense
     stages: int = 1  # each worker a pipeline of this many stage processes (Builder.pipeline); 1: none
     microbatches: int = 1  # with stages > 1: each batch cut into this many for the pipeline's schedule
+    schedule: str = "1f1b"  # with stages > 1: the pipeline's schedule (Builder.pipeline)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
@@ -103,6 +104,8 @@ class RunOptions:
         check_int("microbatches", self.microbatches)
         if self.microbatches > 1 and self.stages == 1:
             raise ValueError(f"microbatches {self.microbatches} cut a pipeline's batches, which --stages N (stages=N) of 2 or more makes: add it")
+        if self.schedule != "1f1b" and self.stages == 1:
+            raise ValueError(f"schedule {self.schedule!r} runs a pipeline, which --stages N (stages=N) of 2 or more makes: add it")
         if self.early_stopping_patience is not None:
             check_int("early_stopping_patience", self.early_stopping_patience)
             if self.val_every == 0:
@@ -217,7 +220,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
     if options.gradient_threshold is not None:
         b = b.gradient_encoding(options.gradient_threshold)
     if options.stages > 1:
-        b = b.pipeline(stages=options.stages, microbatches=options.microbatches)
+        b = b.pipeline(stages=options.stages, microbatches=options.microbatches, schedule=options.schedule)
     checkpoints = options.checkpoint_dir or options.resume
     if checkpoints is not None:
         b = b.checkpoint(checkpoints, every=options.checkpoint_every)

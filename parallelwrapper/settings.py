@@ -196,9 +196,10 @@ class Settings:
     def pipeline(self, stages: int = 2, split: Sequence[str] | None = None, microbatches: int = 1, schedule: str = "1f1b") -> Self:
         """Model parallelism inside each worker: every worker becomes a pipeline of `stages`
         processes, each holding only its layers and their optimizer state; batches go through in
-        `microbatches` by the "1f1b" or "gpipe" schedule, and stage s averages with the other
-        workers' stage s (docs/guides/pipeline.md). `split`: the layers at which stages 1.. begin,
-        or None for about equal parameter counts. Default: no pipeline."""
+        `microbatches` by the "1f1b", "gpipe" or "zbv" schedule (zero bubble: each stage holds two
+        pieces of the model, in a V), and stage s averages with the other workers' stage s
+        (docs/guides/pipeline.md). `split`: the layers at which stages 1.. (pieces 1.., with
+        "zbv") begin, or None for about equal parameter counts. Default: no pipeline."""
         names = None if split is None else tuple(split)
         return self._set("pipeline", Pipeline(stages, names, microbatches, schedule))
 

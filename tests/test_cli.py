@@ -184,6 +184,9 @@ def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, A
     assert invoke("--stages", "2", "--microbatches", "4").exit_code == 0
     with builder(LeNet(), captured["train"]).build() as w:
         assert w.config.pipeline == Pipeline(2, None, 4, "1f1b") and str(w.placement).startswith("2 workers x 2 stages")
+    assert invoke("--stages", "2", "--microbatches", "8", "--schedule", "zbv").exit_code == 0
+    with builder(LeNet(), captured["train"]).build() as w:
+        assert w.config.pipeline == Pipeline(2, None, 8, "zbv")
 
 
 @pytest.mark.parametrize(
@@ -269,6 +272,8 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["compare", "--outer-lr", "1", "--frequencies", ""], ["give averaging frequencies with --outer-lr"]),
         (["--microbatches", "4"], ["microbatches 4 cut a pipeline's batches", "--stages N"]),
         (["--stages", "0"], ["--stages"]),
+        (["--schedule", "zbv"], ["schedule 'zbv' runs a pipeline", "--stages N"]),
+        (["--stages", "2", "--schedule", "interleaved"], ["--schedule", "'interleaved' is not one of '1f1b', 'gpipe', 'zbv'"]),
     ],
 )
 def test_bad_input_is_a_usage_error(captured: dict[str, Any], args: list[str], fragments: list[str]) -> None:

@@ -25,7 +25,7 @@ from parallelwrapper.config import Config, Job, OuterSpec, Pipeline
 from parallelwrapper.env import resolve
 from parallelwrapper.models import LeNet
 from parallelwrapper.pipeline import joined_state, stage_module
-from parallelwrapper.pipeline.split import Names, boundaries, stage_state
+from parallelwrapper.pipeline.split import Names, boundaries, held, pieces_of, scorer, stage_state
 from parallelwrapper.pipeline.stage import microbatches
 from parallelwrapper.types import TrainingState
 from parallelwrapper.wrapper import Builder
@@ -53,15 +53,33 @@ def test_no_split_cuts_equal_parameter_counts(stages: int, starts: list[int]) ->
 def test_a_split_begins_stages_at_the_named_layers() -> None:
     model = LeNet()
     assert boundaries(model, 3, ("conv2", "fc2")) == [0, 2, 7]
-    stage = stage_module(model, 2, None, 1)
+    stage = stage_module(model, Pipeline(2), 1)
     assert list(stage.state_dict()) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]  # fc1 is most of LeNet: the nearest cut is before it
 
 
 @pytest.mark.fast
 def test_lenets_layers_are_its_forward() -> None:
     model, x = LeNet(), torch.randn(3, 1, 28, 28)
-    cut = [stage_module(model, 2, ("fc1",), s) for s in range(2)]
+    cut = [stage_module(model, Pipeline(2, ("fc1",)), s) for s in range(2)]
     assert torch.equal(cut[1](cut[0](x)), model(x))
+
+
+@pytest.mark.fast
+def test_with_zbv_a_stage_holds_two_pieces_in_a_v() -> None:
+    """Stage s of S holds pieces s and 2S - 1 - s: going down the stages and back up, the
+    pieces are the model's forward, and the first stage holds the last piece (the loss)."""
+    model, x = eight_layers(), torch.randn(3, 16)
+    spec = Pipeline(2, schedule="zbv")
+    assert (pieces_of(spec), held(spec, 0), held(spec, 1), scorer(spec)) == (4, (0, 3), (1, 2), 0)
+    first, second = (stage_module(model, spec, s) for s in range(2))
+    assert list(first.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias", "6.weight", "6.bias", "7.weight", "7.bias"]
+    with pytest.raises(NotImplementedError):
+        first(x)  # no forward of its own: the schedule runs each piece
+    a, d = first.pieces()
+    b, c = second.pieces()
+    assert torch.equal(d(c(b(a(x)))), model(x))
+    own = {id(p) for p in first.parameters()}
+    assert {id(p) for piece in (a, d) for p in piece.parameters()} == own  # the pieces are the stage's own layers
 
 
 class _Shortcut(nn.Module):
@@ -95,8 +113,10 @@ def test_options_a_pipeline_does_not_run_with_are_refused_with_the_reason() -> N
         ParallelWrapper.builder(LeNet()).pipeline(stages=2).hierarchy("node").build()
     with pytest.raises(ValueError, match=r"does not go with validation\(step=fn\): fn\(model, batch\) takes the whole model"):
         ParallelWrapper.builder(LeNet()).pipeline(stages=2).validation(lenet_batches(1), step=lambda model, batch: {}).build()
-    with pytest.raises(ValueError, match="schedule must be '1f1b' or 'gpipe'"):
+    with pytest.raises(ValueError, match="schedule must be '1f1b', 'gpipe' or 'zbv'"):
         Pipeline(2, schedule="interleaved")
+    with pytest.raises(ValueError, match=r"split names the layers where pieces 1..3 begin, 3 names, got 1: \['4'\] \(with schedule='zbv' each of the 2 stages holds two pieces\)"):
+        ParallelWrapper.builder(eight_layers()).pipeline(stages=2, split=("4",), schedule="zbv").build()
 
 
 @pytest.mark.fast
@@ -140,7 +160,7 @@ def test_a_state_cut_into_stages_joins_back_whole() -> None:
     names = Names.of(model, job.make_optimizer(model))
     parts = []
     for s in range(2):
-        stage = stage_module(model, 2, None, s)
+        stage = stage_module(model, Pipeline(2), s)
         parts.append(stage_state(whole, names, stage, job.make_optimizer(stage)))
         assert len(parts[s].optimizer["state"]) == len(parts[s].outer_optimizer["state"]) == 8  # four layers' weights and biases
     joined = joined_state(parts, job, Pipeline(2))
@@ -157,20 +177,22 @@ def test_each_stage_holds_its_share_of_parameters_and_optimizer_state() -> None:
     whole's, within 10%."""
     model = eight_layers(64)
 
-    def held(module: nn.Module) -> int:
+    def held(module: nn.Module, *pieces: nn.Module) -> int:
         optimizer = torch.optim.Adam(module.parameters())
-        module(torch.randn(2, 64)).sum().backward()
+        sum(piece(torch.randn(2, 64)).sum() for piece in pieces or [module]).backward()
         optimizer.step()
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in [*module.parameters(), *state])
 
     whole = held(model)
-    for stages in (2, 4):
+    for stages, schedule in ((2, "1f1b"), (4, "1f1b"), (2, "zbv"), (4, "zbv")):
         for s in range(stages):
-            assert abs(held(stage_module(model, stages, None, s)) / (whole / stages) - 1) < 0.1
+            stage = stage_module(model, Pipeline(stages, schedule=schedule), s)
+            pieces = stage.pieces() if schedule == "zbv" else [stage]
+            assert abs(held(stage, *pieces) / (whole / stages) - 1) < 0.1
 
 
-def _lenet_fit(microbatches: int | None, fits: int = 1, options: Callable[[Builder], Builder] = lambda b: b) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+def _lenet_fit(microbatches: int | None, fits: int = 1, options: Callable[[Builder], Builder] = lambda b: b, schedule: str = "1f1b") -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     """LeNet trained by 2 workers, unsplit (None) or of 2 stages, as tests/scripts/torchrun_pipeline.py
     does (validated after every round), with `options`, in `fits` calls of fit(): the final state
     and the validations' metrics."""
@@ -178,7 +200,7 @@ def _lenet_fit(microbatches: int | None, fits: int = 1, options: Callable[[Build
     model = LeNet()
     builder = options(torchrun_pipeline.builder(model).workers(2))
     if microbatches is not None:
-        builder = builder.pipeline(stages=2, microbatches=microbatches)
+        builder = builder.pipeline(stages=2, microbatches=microbatches, schedule=schedule)
     with builder.build() as wrapper:
         histories = [wrapper.fit(torchrun_pipeline.data(), epochs=1) for _ in range(fits)]
     return model.state_dict(), [v.metrics for history in histories for v in history.validations]
@@ -193,15 +215,16 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_two_workers_of_two_stages_train_lenet_as_two_unsplit_workers() -> None:
     """Parity (issue 24): with M microbatches a step is gradient accumulation over them, so the
     weights match to float rounding. M = 1 runs GPipe (1F1B with fewer microbatches than
-    stages is GPipe), M = 4 runs 1F1B. Validation runs forward through the stages and scores
+    stages is GPipe), M = 4 runs 1F1B, and zero bubble's V (LeNet's four layers a piece each,
+    the first stage computing the loss). Validation runs forward through the stages and scores
     as the unsplit workers do."""
     reference, validations = _lenet_fit(None)
     assert len(validations) == 2 and validations[0].keys() == {"val_loss", "val_accuracy"}
-    for m in (1, 4):
-        state, scored = _lenet_fit(m)
-        assert _worst(reference, state) < 1e-5, m
+    for m, schedule in ((1, "1f1b"), (4, "1f1b"), (4, "zbv")):
+        state, scored = _lenet_fit(m, schedule=schedule)
+        assert _worst(reference, state) < 1e-5, (m, schedule)
         for mine, theirs in zip(scored, validations, strict=True):  # the stages score as one model does
-            assert mine == pytest.approx(theirs, abs=1e-5), m
+            assert mine == pytest.approx(theirs, abs=1e-5), (m, schedule)
 
 
 @pytest.mark.filterwarnings("ignore:4 processes")
@@ -210,17 +233,19 @@ def test_overlap_an_outer_optimizer_and_clipping_per_stage_train_as_unsplit_work
     """Each stage's round lands during the next (Streaming DiLoCo's outer step), its outer
     optimizer steps its own parameters, and its gradients are clipped by the whole model's norm
     (0.5: every step clips): the stages end as the unsplit workers do, over two fit() calls (the
-    outer optimizer's state is cut into stages and joined back in between)."""
+    outer optimizer's state is cut into stages and joined back in between), by 1F1B and by zero
+    bubble's V (whose stages hold two pieces each)."""
 
     def streaming(b: Builder) -> Builder:
         return b.overlap_averaging(True).outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).gradient_clipping(0.5)
 
     reference, validations = _lenet_fit(None, fits=2, options=streaming)
-    state, scored = _lenet_fit(4, fits=2, options=streaming)
-    assert _worst(reference, state) < 1e-5
-    assert len(scored) == len(validations) >= 2  # an epoch end's, in each fit
-    for mine, theirs in zip(scored, validations):
-        assert mine == pytest.approx(theirs, abs=1e-5)
+    for schedule in ("1f1b", "zbv"):
+        state, scored = _lenet_fit(4, fits=2, options=streaming, schedule=schedule)
+        assert _worst(reference, state) < 1e-5, schedule
+        assert len(scored) == len(validations) >= 2  # an epoch end's, in each fit
+        for mine, theirs in zip(scored, validations):
+            assert mine == pytest.approx(theirs, abs=1e-5), schedule
 
 
 @pytest.mark.filterwarnings("ignore:4 processes")

@@ -194,7 +194,7 @@ def stage_worker(job: Job, config: Config, placement: Placement, process: int, l
     spec, position = config.pipeline, Position.of(process, placement.stages)
     group, pipe = join_groups(position, placement.world_size)
     whole = Layout.of(job.model, job.make_optimizer(job.model))
-    job = dataclasses.replace(job, model=stage_module(job.model, spec.stages, spec.split, position.stage))
+    job = dataclasses.replace(job, model=stage_module(job.model, spec, position.stage))
     make = functools.partial(StageReplica, position=position, pipe=pipe, whole=whole)
     worker = Worker(job, config, placement, position.worker, local_rank, group=group, hooks=hooks, own_model=own_model, make_replica=make, stage=position.stage, process=process)
     return worker, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe)

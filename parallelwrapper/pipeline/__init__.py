@@ -12,8 +12,11 @@ overlap and an outer optimizer over the stage's parameters as without a pipeline
 
 from __future__ import annotations
 
+import torch
+from torch.distributed import pipelining
+
 from ..config import Config, Job
-from .split import boundaries, joined_state, layers, stage_module
+from .split import cut, joined_state, layers, stage_module
 from .stage import Position, RelaySource, StageReplica, gathered_state, join_groups
 
 
@@ -23,7 +26,9 @@ def check(config: Config, job: Job) -> None:
     spec = config.pipeline
     if spec is None:
         return
-    boundaries(job.model, spec.stages, spec.split)
+    cut(job.model, spec)
+    if spec.schedule == "zbv" and not hasattr(pipelining, "ScheduleZBVZeroBubble"):
+        raise ValueError(f"pipeline(schedule='zbv') needs torch.distributed.pipelining.ScheduleZBVZeroBubble, which torch {torch.__version__} lacks; upgrade torch, or use schedule='1f1b'")
     refused = (
         (config.on_worker_failure == "replace", 'on_worker_failure("replace"): a lost stage would take its whole pipeline with it; drop it'),
         (config.precision == "16-mixed", "precision('16-mixed'): its loss scaling needs the loss before the backward, which the pipeline's schedule runs itself; use .precision('bf16-mixed')"),

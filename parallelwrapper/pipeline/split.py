@@ -1,10 +1,11 @@
 """A model cut into pipeline stages, and a fit's state cut and joined along the same lines.
 
 A model can be cut when its forward is its layers applied in order: an `nn.Sequential`, or a
-module that lists such layers in `pipeline_layers()` (models.LeNet does). Stage s is an
-`nn.Sequential` of its layers under their own names, so its state-dict keys are the whole model's:
-a stage's state is the whole model's restricted to its keys, and rank 0's stages together are
-the whole model's state again.
+module that lists such layers in `pipeline_layers()` (models.LeNet does). It is cut into pieces
+of consecutive layers: one a stage, or two with the "zbv" schedule (`held`). A
+stage's module holds its layers under their own names, so its state-dict keys are the whole
+model's: a stage's state is the whole model's restricted to its keys, and rank 0's stages
+together are the whole model's state again.
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ def layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return pairs
 
 
-def boundaries(model: torch.nn.Module, stages: int, split: Sequence[str] | None) -> list[int]:
-    """The index of each stage's first layer (stage 0's is 0): at the layers `split` names, or,
-    with None, where the parameter count passes each s/S of the whole. A ValueError when a stage
-    would be empty or a name is not a layer of the model, in order."""
+def boundaries(model: torch.nn.Module, stages: int, split: Sequence[str] | None, what: str = "stage") -> list[int]:
+    """The index of each of `stages` pieces' first layer (piece 0's is 0): at the layers `split`
+    names, or, with None, where the parameter count passes each s/S of the whole. A ValueError
+    when a piece would be empty or a name is not a layer of the model, in order; `what` names a
+    piece in it."""
     pairs = layers(model)
     names = [name for name, _ in pairs]
     if split is not None:
         if len(split) != stages - 1:
-            raise ValueError(f"pipeline: split names the layers where stages 1..{stages - 1} begin, {stages - 1} names, got {len(split)}: {list(split)}")
+            raise ValueError(f"pipeline: split names the layers where {what}s 1..{stages - 1} begin, {stages - 1} names, got {len(split)}: {list(split)}")
         unknown = [name for name in split if name not in names]
         if unknown:
             raise ValueError(f"pipeline: split names {unknown}, which are not layers of {type(model).__name__}; its layers are {names}")
@@ -56,9 +58,12 @@ def boundaries(model: torch.nn.Module, stages: int, split: Sequence[str] | None)
     else:
         counts = [sum(p.numel() for p in layer.parameters()) for _, layer in pairs]
         prefix = [sum(counts[:i]) for i in range(len(pairs) + 1)]  # parameters before layer i
+        trained = [sum(any(p.requires_grad for p in layer.parameters()) for _, layer in pairs[:i]) for i in range(len(pairs) + 1)]
         starts = [0]
-        for j in range(1, stages):  # stage j begins at the cut nearest to j/S of the parameters
-            cuts = range(starts[-1] + 1, len(pairs) - (stages - j) + 1)
+        for j in range(1, stages):
+            # piece j begins at the cut nearest to j/S of the parameters, of those that leave a
+            # trained layer to the piece before and one to each piece after
+            cuts = [i for i in range(starts[-1] + 1, len(pairs)) if trained[i] > trained[starts[-1]] and trained[-1] - trained[i] >= stages - j]
             if cuts:
                 starts.append(min(cuts, key=lambda i: abs(prefix[i] - prefix[-1] * j / stages)))
     ends = [*starts[1:], len(pairs)]
@@ -66,17 +71,65 @@ def boundaries(model: torch.nn.Module, stages: int, split: Sequence[str] | None)
     if len(starts) < stages or empty:
         where = f"split={list(split)}" if split is not None else "an equal parameter count"
         raise ValueError(
-            f"pipeline: {where} leaves stage {empty[0] if empty else len(starts)} of {stages} with no trained layer "
+            f"pipeline: {where} leaves {what} {empty[0] if empty else len(starts)} of {stages} with no trained layer "
             f"({len(pairs)} layers: {names}); use fewer stages, or name split points in order, each after the last"
         )
     return starts
 
 
-def stage_module(model: torch.nn.Module, stages: int, split: Sequence[str] | None, stage: int) -> torch.nn.Sequential:
-    """Stage `stage` of the model: its layers, under their own names."""
-    pairs, starts = layers(model), boundaries(model, stages, split)
-    end = starts[stage + 1] if stage + 1 < stages else len(pairs)
-    return torch.nn.Sequential(OrderedDict(pairs[starts[stage] : end]))
+def pieces_of(spec: Pipeline) -> int:
+    """How many pieces the model is cut into: one a stage, or two with "zbv"."""
+    return 2 * spec.stages if spec.schedule == "zbv" else spec.stages
+
+
+def held(spec: Pipeline, stage: int) -> tuple[int, ...]:
+    """The pieces that stage `stage` holds, in forward order: its own; with "zbv", pieces s and
+    2S - 1 - s, so that the model goes down the stages and back up (a V), and the first stage
+    holds the last piece too."""
+    return (stage, pieces_of(spec) - 1 - stage) if spec.schedule == "zbv" else (stage,)
+
+
+def scorer(spec: Pipeline) -> int:
+    """The stage that holds the model's last piece, and computes the loss."""
+    return 0 if spec.schedule == "zbv" else spec.stages - 1
+
+
+def cut(model: torch.nn.Module, spec: Pipeline) -> list[int]:
+    """`boundaries` of the pieces `spec` cuts the model into; a ValueError where it cannot."""
+    if pieces_of(spec) == spec.stages:
+        return boundaries(model, spec.stages, spec.split)
+    try:
+        return boundaries(model, pieces_of(spec), spec.split, "piece")
+    except ValueError as error:
+        raise ValueError(f"{error} (with schedule='zbv' each of the {spec.stages} stages holds two pieces)") from None
+
+
+def stage_module(model: torch.nn.Module, spec: Pipeline, stage: int) -> torch.nn.Module:
+    """Stage `stage` of the model: an nn.Sequential of its layers, under their own names; or,
+    holding two pieces, `Pieces`."""
+    pairs, starts = layers(model), cut(model, spec)
+    ends = [*starts[1:], len(pairs)]
+    parts = [pairs[starts[i] : ends[i]] for i in held(spec, stage)]
+    if len(parts) == 1:
+        return torch.nn.Sequential(OrderedDict(parts[0]))
+    return Pieces(parts)
+
+
+class Pieces(torch.nn.ModuleDict):
+    """A stage that holds pieces of the model that do not follow each other (with the "zbv"
+    schedule): their layers under their own names, and `pieces()`, an nn.Sequential a piece,
+    which the schedule runs each on its own. It has no forward of its own."""
+
+    def __init__(self, pieces: list[list[tuple[str, torch.nn.Module]]]) -> None:
+        super().__init__(OrderedDict(pair for piece in pieces for pair in piece))
+        self.sizes = [len(piece) for piece in pieces]
+
+    def pieces(self) -> list[torch.nn.Sequential]:
+        pairs, out, start = list(self.items()), [], 0
+        for size in self.sizes:
+            out.append(torch.nn.Sequential(OrderedDict(pairs[start : start + size])))
+            start += size
+        return out
 
 
 @dataclass(frozen=True)
@@ -141,16 +194,18 @@ class Layout:
 
     names: Names
     groups: list[dict[str, Any]]
+    keys: list[str]  # the model's state-dict keys, in its order
 
     @staticmethod
     def of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
-        return Layout(Names.of(model, optimizer), optimizer.state_dict()["param_groups"])
+        return Layout(Names.of(model, optimizer), optimizer.state_dict()["param_groups"], list(model.state_dict()))
 
 
 def joined(parts: list[TrainingState], names: list[Names], whole: Layout) -> TrainingState:
     """The whole model's state from its stages' (a worker's, in stage order, each numbered by
     its `names`). (The outer optimizer has one group, over every trained parameter: outer.OuterStep.)"""
-    model = {k: v for part in parts for k, v in part.model.items()}
+    held = {k: v for part in parts for k, v in part.model.items()}
+    model = {k: held[k] for k in whole.keys if k in held}
     inner = _join([p.optimizer for p in parts], [n.optimizer for n in names], whole.names.optimizer, whole.groups)
     outer = None
     if parts[0].outer_optimizer is not None:
@@ -162,6 +217,6 @@ def joined(parts: list[TrainingState], names: list[Names], whole: Layout) -> Tra
 def joined_state(parts: list[TrainingState], job: Job, spec: Pipeline) -> TrainingState:
     """`joined`, for stages cut from `job`'s model as `spec` says, laid out as the optimizers that
     `job` makes for the whole model lay their states out."""
-    stages = [stage_module(job.model, spec.stages, spec.split, s) for s in range(spec.stages)]
+    stages = [stage_module(job.model, spec, s) for s in range(spec.stages)]
     names = [Names.of(stage, job.make_optimizer(stage)) for stage in stages]
     return joined(parts, names, Layout.of(job.model, job.make_optimizer(job.model)))  # no state yet: a few lists of parameters

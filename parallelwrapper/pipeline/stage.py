@@ -6,7 +6,10 @@ order (`new_group` is collective over the world):
 - stage s of every worker: the round protocol averages each stage's own state in it, as the
   workers' whole state is averaged without a pipeline;
 - the S stages of one worker: activations forward and gradients backward between neighbours, by
-  `torch.distributed.pipelining` (GPipe or 1F1B, Huang et al. 2019; Narayanan et al. 2019).
+  `torch.distributed.pipelining` (GPipe or 1F1B, Huang et al. 2019; Narayanan et al. 2019; or
+  zero bubble's V, Qi et al. 2024, where each stage holds two pieces of the model, the first
+  stage the first and the last, and the backward of a piece is split into its inputs' gradients,
+  which the stage before waits for, and its weights', which fill the bubbles).
 Each batch is cut into M equal microbatches (fewer, for a batch size that M does not divide:
 `microbatches`); the schedule scales the gradients by 1/M, so that a step on M microbatches of
 the mean loss is the step on the whole batch.
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..batches import move_to
@@ -27,7 +31,7 @@ from ..evaluation import scored_outputs, validation_of
 from ..feed import rank_share
 from ..types import END, BatchSource, EndOfEpoch, TrainingState
 from ..worker import Replica
-from .split import Layout, Names, joined, stage_state
+from .split import Layout, Names, Pieces, held, joined, pieces_of, scorer, stage_state
 
 
 @dataclass(frozen=True)
@@ -46,15 +50,6 @@ class Position:
     def first(self) -> int:
         """The process of this pipeline's first stage."""
         return self.worker * self.stages
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
-
-    @property
-    def last_process(self) -> int:
-        """The process of this pipeline's last stage, which computes the loss."""
-        return self.first + self.stages - 1
 
 
 def join_groups(position: Position, workers: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -83,16 +78,19 @@ class RelaySource:
 
 
 class StageReplica(Replica):
-    """A worker's replica that holds one stage of the model (`model`, from split.stage_module) and
-    its optimizer, and steps by the pipeline schedule. It loads and gives its part of the whole
-    model's state, so hosts and checkpoints see whole states (`whole`: how the whole model's
-    optimizers lay theirs out)."""
+    """A worker's replica that holds one stage of the model (`model`, from split.stage_module:
+    one piece of it, or two) and its optimizer, and steps by the pipeline schedule. It loads and
+    gives its part of the whole model's state, so hosts and checkpoints see whole states
+    (`whole`: how the whole model's optimizers lay theirs out)."""
 
     def __init__(self, model: torch.nn.Module, job: Job, config: Config, device: torch.device, rank: int, world_size: int, *,
                  position: Position, pipe: dist.ProcessGroup, whole: Layout, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(model, job, config, device, rank, world_size, **kwargs)
         assert config.pipeline is not None and job.loss_fn is not None  # pipeline.check, at build()
         self.position, self.pipe, self.whole, self.spec = position, pipe, whole, config.pipeline
+        self.pieces = self.model.pieces() if isinstance(self.model, Pieces) else [self.model]
+        self.scores = position.stage == scorer(self.spec)  # this stage computes the loss
+        self._scorer = dist.get_global_rank(pipe, scorer(self.spec))
         self._schedules: dict[Any, Any] = {}  # by batch size: a stage's buffers are shaped at its first step
 
     def load_state(self, state: TrainingState) -> None:
@@ -134,15 +132,18 @@ class StageReplica(Replica):
         inputs, targets = batch
         schedule = self._schedule(int(targets.shape[0]))
         losses: list[torch.Tensor] = []
+        first = self.position.stage == 0
         with self._autocast():
-            if self.position.stage == 0:
+            if first and self.scores:
+                schedule.step(inputs, target=targets, losses=losses)
+            elif first:
                 schedule.step(inputs)
-            elif self.position.last:
+            elif self.scores:
                 schedule.step(target=targets, losses=losses)
             else:
                 schedule.step()
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
-        dist.broadcast(loss, src=self.position.last_process, group=self.pipe)
+        dist.broadcast(loss, src=self._scorer, group=self.pipe)
         return loss
 
     @torch.no_grad()
@@ -160,35 +161,75 @@ class StageReplica(Replica):
             for batch in rank_share(self.job.validation_data, rank, world_size):
                 inputs, targets = move_to(batch, self.device)
                 n = int(targets.shape[0])
-                forward = self._forward_only(n)
                 with self._autocast():  # as the unsplit validation scores, precision and all
-                    outputs = forward.step(inputs) if self.position.stage == 0 else forward.step()
-                    metrics = validation_of(scored_outputs(outputs, targets, self.job.loss_fn)) if self.position.last else {}
+                    outputs = self._forward(inputs, n)
+                    metrics = validation_of(scored_outputs(outputs, targets, self.job.loss_fn)) if self.scores else {}
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + float(value) * n
                 count += n
         finally:
             self.model.train(was_training)
         message = [sums]
-        dist.broadcast_object_list(message, src=self.position.last_process, group=self.pipe)
+        dist.broadcast_object_list(message, src=self._scorer, group=self.pipe)
         return message[0], count
 
-    def _forward_only(self, n: int) -> Any:
-        """A GPipe schedule without a loss, which runs forwards only, for batches of `n`."""
+    def _forward(self, inputs: Any, n: int) -> Any:
+        """Forward only, through the pipeline, of a batch of `n` (`inputs` on the first stage):
+        the outputs on the stage that scores, None on the others."""
+        if len(self.pieces) > 1:
+            return self._down_and_up(inputs)
         key = ("forward", n)
-        if key not in self._schedules:
+        if key not in self._schedules:  # a GPipe schedule without a loss runs forwards only
             stage = PipelineStage(self.model, self.position.stage, self.position.stages, self.device, group=self.pipe)
             self._schedules[key] = ScheduleGPipe(stage, microbatches(n, self.spec.microbatches))
-        return self._schedules[key]
+        forward = self._schedules[key]
+        return forward.step(inputs) if self.position.stage == 0 else forward.step()
+
+    def _down_and_up(self, inputs: Any) -> Any:
+        """Forward only through the V of "zbv"'s pieces, the whole batch at once (torch's V
+        schedule runs no forward without a backward): each piece, on the stage that holds it,
+        takes the activations from the one before and sends its own on. The outputs end on the
+        first stage, which holds the last piece."""
+        spec, me = self.spec, self.position.stage
+        owner = [next(s for s in range(spec.stages) if piece in held(spec, s)) for piece in range(pieces_of(spec))]
+        mine = dict(zip(held(spec, me), self.pieces))
+        x = inputs
+        for piece in sorted(mine):
+            if piece > 0 and owner[piece - 1] != me:
+                x = self._receive(owner[piece - 1])
+            x = mine[piece](x)
+            if piece + 1 < len(owner) and owner[piece + 1] != me:
+                self._send(x, owner[piece + 1])
+        return x if self.scores else None
+
+    def _send(self, x: Any, stage: int) -> None:
+        if not isinstance(x, torch.Tensor):
+            where = f"a piece on stage {self.position.stage} returned a {type(x).__name__} in validation"
+            raise TypeError(f"pipeline(schedule='zbv'): {where}; each piece must return one tensor: cut elsewhere (split=...) or use schedule='1f1b'")
+        to = dist.get_global_rank(self.pipe, stage)
+        dist.send_object_list([(tuple(x.shape), x.dtype)], dst=to, group=self.pipe, device=self.device)
+        dist.send(x.contiguous(), dst=to, group=self.pipe)
+
+    def _receive(self, stage: int) -> torch.Tensor:
+        source = dist.get_global_rank(self.pipe, stage)
+        shape: list[Any] = [None]
+        dist.recv_object_list(shape, src=source, group=self.pipe, device=self.device)
+        x = torch.empty(shape[0][0], dtype=shape[0][1], device=self.device)
+        dist.recv(x, src=source, group=self.pipe)
+        return x
 
     def _schedule(self, n: int) -> Any:
         if n not in self._schedules:
             m = microbatches(n, self.spec.microbatches)
-            stage = PipelineStage(self.model, self.position.stage, self.position.stages, self.device, group=self.pipe)
-            # With fewer microbatches than stages, 1F1B's warm-up takes them all: it is GPipe, which
-            # torch's Schedule1F1B refuses to run, so GPipe runs it.
-            kind = Schedule1F1B if self.spec.schedule == "1f1b" and m >= self.position.stages else ScheduleGPipe
-            self._schedules[n] = kind(stage, m, loss_fn=self.job.loss_fn)
+            spec = self.spec
+            stages: list[Any] = [PipelineStage(piece, i, pieces_of(spec), self.device, group=self.pipe) for piece, i in zip(self.pieces, held(spec, self.position.stage))]
+            if spec.schedule == "zbv":
+                self._schedules[n] = pipelining.ScheduleZBVZeroBubble(stages, m, loss_fn=self.job.loss_fn)
+            else:
+                # With fewer microbatches than stages, 1F1B's warm-up takes them all: it is GPipe,
+                # which torch's Schedule1F1B refuses to run, so GPipe runs it.
+                kind = Schedule1F1B if spec.schedule == "1f1b" and m >= spec.stages else ScheduleGPipe
+                self._schedules[n] = kind(stages[0], m, loss_fn=self.job.loss_fn)
         return self._schedules[n]
 
 
