@@ -40,13 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble
 
 from common import run_processes, table, write_results
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.config import Pipeline
 from parallelwrapper.pipeline import stage_module
-from parallelwrapper.pipeline.split import Pieces, held, pieces_of, scorer
+from parallelwrapper.pipeline.split import pieces_in
+from parallelwrapper.pipeline.stage import pipeline_stages, step, training_schedule
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -108,24 +108,20 @@ def _independent(rank: int, world: int, width: int, batches: Batches, repeats: i
 
 def _bare_stage(rank: int, world: int, width: int, batches: Batches, microbatches: int, schedule: str, commands: list[Any], times: Any) -> None:
     """One stage of torch.distributed.pipelining's own schedule, no wrapper, on the pieces of
-    `mlp(width)` that `.pipeline(stages=2, schedule=schedule)` makes: a pass over `batches` for
-    each command, its seconds on `times` (rank 0), until a None."""
+    `mlp(width)` that `.pipeline(stages=2, schedule=schedule)` makes, set up and stepped as a
+    stage's process does (pipeline/stage.py): a pass over `batches` for each command, its seconds
+    on `times` (rank 0), until a None."""
     spec = Pipeline(world, schedule=schedule)
     module = stage_module(mlp(width), spec, rank)
-    pieces = module.pieces() if isinstance(module, Pieces) else [module]
-    stages = [PipelineStage(piece, i, pieces_of(spec), torch.device("cpu")) for piece, i in zip(pieces, held(spec, rank))]
-    loss = nn.functional.cross_entropy
-    run = ScheduleZBVZeroBubble(stages, microbatches, loss_fn=loss) if schedule == "zbv" else (Schedule1F1B if microbatches >= world else ScheduleGPipe)(stages[0], microbatches, loss_fn=loss)
+    stages = pipeline_stages(pieces_in(module), spec, rank, torch.device("cpu"), None)
+    run = training_schedule(stages, spec, microbatches, nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     while commands[rank].get() is not None:
         dist.barrier()
         start = time.perf_counter()
         for x, y in batches:
             optimizer.zero_grad()
-            if rank == scorer(spec):
-                run.step(x, target=y) if rank == 0 else run.step(target=y)
-            else:
-                run.step(x) if rank == 0 else run.step()
+            step(run, spec, rank, x, y)
             optimizer.step()
         dist.barrier()
         if rank == 0:

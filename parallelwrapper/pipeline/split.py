@@ -115,6 +115,11 @@ def stage_module(model: torch.nn.Module, spec: Pipeline, stage: int) -> torch.nn
     return Pieces(parts)
 
 
+def pieces_in(stage: torch.nn.Module) -> list[torch.nn.Module]:
+    """The pieces of the model a `stage_module` holds, each a module the schedule runs."""
+    return list(stage.pieces()) if isinstance(stage, Pieces) else [stage]
+
+
 class Pieces(torch.nn.ModuleDict):
     """A stage that holds pieces of the model that do not follow each other (with the "zbv"
     schedule): their layers under their own names, and `pieces()`, an nn.Sequential a piece,

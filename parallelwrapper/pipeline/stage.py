@@ -26,12 +26,12 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..batches import move_to
-from ..config import Config, Job
+from ..config import Config, Job, Pipeline
 from ..evaluation import scored_outputs, validation_of
 from ..feed import rank_share
 from ..types import END, BatchSource, EndOfEpoch, TrainingState
 from ..worker import Replica
-from .split import Layout, Names, Pieces, held, joined, pieces_of, scorer, stage_state
+from .split import Layout, Names, held, joined, pieces_in, pieces_of, scorer, stage_state
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class StageReplica(Replica):
         super().__init__(model, job, config, device, rank, world_size, **kwargs)
         assert config.pipeline is not None and job.loss_fn is not None  # pipeline.check, at build()
         self.position, self.pipe, self.whole, self.spec = position, pipe, whole, config.pipeline
-        self.pieces = self.model.pieces() if isinstance(self.model, Pieces) else [self.model]
+        self.pieces = pieces_in(self.model)
         self.scores = position.stage == scorer(self.spec)  # this stage computes the loss
         self._scorer = dist.get_global_rank(pipe, scorer(self.spec))
         self._schedules: dict[Any, Any] = {}  # by batch size: a stage's buffers are shaped at its first step
@@ -132,16 +132,8 @@ class StageReplica(Replica):
         inputs, targets = batch
         schedule = self._schedule(int(targets.shape[0]))
         losses: list[torch.Tensor] = []
-        first = self.position.stage == 0
         with self._autocast():
-            if first and self.scores:
-                schedule.step(inputs, target=targets, losses=losses)
-            elif first:
-                schedule.step(inputs)
-            elif self.scores:
-                schedule.step(target=targets, losses=losses)
-            else:
-                schedule.step()
+            step(schedule, self.spec, self.position.stage, inputs, targets, losses)
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self._scorer, group=self.pipe)
         return loss
@@ -180,7 +172,7 @@ class StageReplica(Replica):
             return self._down_and_up(inputs)
         key = ("forward", n)
         if key not in self._schedules:  # a GPipe schedule without a loss runs forwards only
-            stage = PipelineStage(self.model, self.position.stage, self.position.stages, self.device, group=self.pipe)
+            (stage,) = pipeline_stages(self.pieces, self.spec, self.position.stage, self.device, self.pipe)
             self._schedules[key] = ScheduleGPipe(stage, microbatches(n, self.spec.microbatches))
         forward = self._schedules[key]
         return forward.step(inputs) if self.position.stage == 0 else forward.step()
@@ -220,17 +212,32 @@ class StageReplica(Replica):
 
     def _schedule(self, n: int) -> Any:
         if n not in self._schedules:
-            m = microbatches(n, self.spec.microbatches)
-            spec = self.spec
-            stages: list[Any] = [PipelineStage(piece, i, pieces_of(spec), self.device, group=self.pipe) for piece, i in zip(self.pieces, held(spec, self.position.stage))]
-            if spec.schedule == "zbv":
-                self._schedules[n] = pipelining.ScheduleZBVZeroBubble(stages, m, loss_fn=self.job.loss_fn)
-            else:
-                # With fewer microbatches than stages, 1F1B's warm-up takes them all: it is GPipe,
-                # which torch's Schedule1F1B refuses to run, so GPipe runs it.
-                kind = Schedule1F1B if spec.schedule == "1f1b" and m >= spec.stages else ScheduleGPipe
-                self._schedules[n] = kind(stages[0], m, loss_fn=self.job.loss_fn)
+            stages = pipeline_stages(self.pieces, self.spec, self.position.stage, self.device, self.pipe)
+            self._schedules[n] = training_schedule(stages, self.spec, microbatches(n, self.spec.microbatches), self.job.loss_fn)
         return self._schedules[n]
+
+
+def pipeline_stages(pieces: list[torch.nn.Module], spec: Pipeline, stage: int, device: torch.device, group: dist.ProcessGroup | None) -> list[Any]:
+    """torch's PipelineStage of each piece that stage `stage` holds (split.pieces_in), in order."""
+    return [PipelineStage(piece, i, pieces_of(spec), device, group=group) for piece, i in zip(pieces, held(spec, stage))]
+
+
+def training_schedule(stages: list[Any], spec: Pipeline, m: int, loss_fn: Any) -> Any:
+    """The schedule `spec` names, over a stage's PipelineStages, for batches of `m` microbatches.
+    With fewer microbatches than stages, 1F1B's warm-up takes them all: it is GPipe, which torch's
+    Schedule1F1B refuses to run, so GPipe runs it."""
+    if spec.schedule == "zbv":
+        return pipelining.ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
+    kind = Schedule1F1B if spec.schedule == "1f1b" and m >= spec.stages else ScheduleGPipe
+    return kind(stages[0], m, loss_fn=loss_fn)
+
+
+def step(schedule: Any, spec: Pipeline, stage: int, inputs: Any, targets: Any, losses: list[torch.Tensor] | None = None) -> None:
+    """Stage `stage`'s part of one batch through `schedule`: the first stage gives the inputs, the
+    one that scores the targets (and gets the microbatches' losses in `losses`)."""
+    given = (inputs,) if stage == 0 else ()
+    scored = {"target": targets, "losses": losses} if stage == scorer(spec) else {}
+    schedule.step(*given, **scored)
 
 
 def microbatches(n: int, most: int) -> int:
