@@ -11,7 +11,10 @@ Contenders, one after another in this run, each worker training `steps` batches 
   params k     the wrapper with .average_updaters(False): parameters only, PMA's bytes
   threads      one process with N threads on the same batches
 Steady state counts the samples after each worker's first `warmup` steps; end to end is the wall
-time from launch to the last process's exit, start-up included. For the wrapper's contenders, the
+time from launch to the last process's exit, start-up included. The contenders take turns, round
+after round, the order rotating by one each round; the ratios are the medians of each round's
+ratio to the ceiling, DDP and PMA (same k) of that round, so that the machine's drift over a run
+(up to 16% between repeats of one contender here) cancels, as it would not in a ratio of medians. For the wrapper's contenders, the
 share of rank 0's time after the warm-up spent in exchanges (its Scores' exchange_s), not in steps;
 for PMA, in its average_parameters calls.
 """
@@ -113,28 +116,39 @@ def main() -> None:
         contenders[f"wrapper k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir)
         contenders[f"overlap k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir, overlap=True)
         contenders[f"params k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir, updaters=False)
-    # Interleaved rounds: the machine's drift over minutes touches every contender alike.
+    # Interleaved rounds, the order rotating: the machine's drift over minutes touches every contender alike.
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+    names = list(contenders)
     for r in range(args.repeats):
-        for name, run in contenders.items():
-            samples[name].append(run())
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            samples[name].append(contenders[name]())
         print(f"round {r + 1}/{args.repeats} done", flush=True)
+    rates = {name: [x["samples_per_s"] for x in xs] for name, xs in samples.items()}
+
+    def ratio(name: str, base: str) -> float:
+        """The median of the rounds' ratios of `name` to `base`."""
+        return statistics.median(a / b for a, b in zip(rates[name], rates[base], strict=True))
+
     runs = {
         name: {
-            "samples_per_s": statistics.median(x["samples_per_s"] for x in xs),
+            "samples_per_s": statistics.median(rates[name]),
             "wall_s": statistics.median(x["wall_s"] for x in xs),
-            "all_samples_per_s": [x["samples_per_s"] for x in xs],
+            "all_samples_per_s": rates[name],
             "exchange_share": statistics.median(x["exchange_share"] for x in xs) if "exchange_share" in xs[0] else None,
+            "vs_ceiling": ratio(name, "ceiling"),
+            "vs_ddp": ratio(name, "ddp"),
         }
         for name, xs in samples.items()
     }
-    ceiling, ddp = runs["ceiling"]["samples_per_s"], runs["ddp"]["samples_per_s"]
-    for r in runs.values():
-        r["vs_ceiling"] = r["samples_per_s"] / ceiling
-        r["vs_ddp"] = r["samples_per_s"] / ddp
-    rows = [(name, r["samples_per_s"], r["vs_ceiling"], r["vs_ddp"], r["wall_s"], "-" if r["exchange_share"] is None else r["exchange_share"]) for name, r in runs.items()]
-    print(f"LeNet, MNIST, batch 128, {n} workers, {steps} batches each ({warmup} warm-up), median of {args.repeats}")
-    print(table(["run", "steady samples/s", "/ ceiling", "/ DDP", "end to end s", "rank 0's time in exchanges"], rows))
+    for name, r in runs.items():
+        k = name.partition("k=")[2]
+        r["vs_pma"] = ratio(name, f"pma k={k}") if k else None
+    rows = [
+        (name, r["samples_per_s"], r["vs_ceiling"], r["vs_ddp"], "-" if r["vs_pma"] is None else r["vs_pma"], r["wall_s"], "-" if r["exchange_share"] is None else r["exchange_share"])
+        for name, r in runs.items()
+    ]
+    print(f"LeNet, MNIST, batch 128, {n} workers, {steps} batches each ({warmup} warm-up), median of {args.repeats}; ratios: medians of the rounds' ratios")
+    print(table(["run", "steady samples/s", "/ ceiling", "/ DDP", "/ PMA", "end to end s", "rank 0's time in exchanges"], rows))
     write_results(args.out, {"workers": n, "steps": steps, "warmup": warmup, "repeats": args.repeats, "runs": runs})
 
 
