@@ -5,7 +5,8 @@ of DistributedDataParallel on the same job.
     python benchmarks/memory.py --before /tmp/pw-before   # and another checkout's, side by side
 
 The job: an MLP of about 10M and 50M parameters (float32), SGD with momentum, 2 workers of one
-thread, k = 4, `--batches` small batches in all. Each wrapper fit runs in a fresh process (the
+thread, k = 4, `--batches` small batches in all, fit `--fits` times (from the second fit on, the
+main process holds the optimizer's state too, and sends it). Each wrapper fit runs in a fresh process (the
 "main" process here), with PYTHONPATH set to the checkout measured, so that its peak is this fit's
 alone; its baseline is its resident size with torch imported, the data made and an optimizer made on a
 throwaway layer (that imports torch._dynamo, as any training script's optimizer does), before the model.
@@ -91,8 +92,8 @@ class _DevicePeak:
             Path(self.folder, f"{os.getpid()}.json").write_text(json.dumps(peak))
 
 
-def _wrapper_main(params: int, n: int) -> dict[str, Any]:
-    """One fit as a user's script runs it; the figures of this process and of its workers."""
+def _wrapper_main(params: int, n: int, fits: int) -> dict[str, Any]:
+    """`fits` fits as a user's script runs them; the figures of this process and of its workers."""
     from parallelwrapper import ParallelWrapper
 
     data = batches(n)
@@ -119,6 +120,9 @@ def _wrapper_main(params: int, n: int) -> dict[str, Any]:
         )
         with w:
             w.fit(data)
+            after_first = vm("VmHWM")
+            for _ in range(fits - 1):
+                w.fit(data)
             workers: list[dict[str, Any]] = [{"pid": pid, "rss_peak_mib": vm("VmHWM", pid)} for pid in worker_pids(os.getpid())[1]]
             for worker in workers:
                 peak = Path(folder, f"{worker['pid']}.json")
@@ -130,15 +134,16 @@ def _wrapper_main(params: int, n: int) -> dict[str, Any]:
             "main_baseline_mib": baseline,
             "main_peak_mib": vm("VmHWM"),
             "main_peak_by_first_round_mib": first_round[0],
+            "main_peak_by_first_fit_mib": after_first,
             "workers": workers,
         }
 
 
-def wrapper(code: Path, params: int, n: int) -> dict[str, Any]:
+def wrapper(code: Path, params: int, n: int, fits: int) -> dict[str, Any]:
     """`_wrapper_main` in a fresh Python, importing parallelwrapper from `code`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     out = subprocess.run(
-        [sys.executable, __file__, "--one", str(params), "--batches", str(n)],
+        [sys.executable, __file__, "--one", str(params), "--batches", str(n), "--fits", str(fits)],
         env=env, check=True, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     run: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -164,12 +169,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="10000000,50000000", help="MLP sizes, in parameters")
     parser.add_argument("--batches", type=int, default=48, help=f"batches of {BATCH} in all, shared by the 2 workers")
+    parser.add_argument("--fits", type=int, default=2, help="fits in a row on one wrapper")
     parser.add_argument("--before", type=Path, default=None, help="another checkout, measured beside this one")
     parser.add_argument("--out", default="benchmarks/results/memory.json")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a wrapper fit's own process
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(_wrapper_main(args.one, args.batches)))
+        print(json.dumps(_wrapper_main(args.one, args.batches, args.fits)))
         return
     codes = {"after": ROOT} if args.before is None else {"before": args.before.resolve(), "after": ROOT}
     runs: dict[str, Any] = {}
@@ -183,22 +189,30 @@ def main() -> None:
         entry: dict[str, Any] = {"parameters": count, "model_mib": size, "ddp_ranks": ddp}
         rows.append((f"{count / 1e6:.1f}M", size, "DDP ranks", "", " / ".join(f"{r['rss_peak_mib']:.0f}" for r in ddp), "", "", "", ""))
         for label, code in codes.items():
-            run = wrapper(code, params, args.batches)
+            run = wrapper(code, params, args.batches, args.fits)
             run.update(ratios(run, ddp, size))
             entry[label] = run
             workers = " / ".join(f"{w['rss_peak_mib']:.0f}" for w in run["workers"])
-            main_peaks = f"{run['main_peak_by_first_round_mib']:.0f} / {run['main_peak_mib']:.0f} ({run['main_baseline_mib']:.0f})"
+            main_peaks = f"{run['main_peak_by_first_round_mib']:.0f} / {run['main_peak_by_first_fit_mib']:.0f} / {run['main_peak_mib']:.0f} ({run['main_baseline_mib']:.0f})"
             rows.append(
                 (f"{count / 1e6:.1f}M", size, f"wrapper ({label})", main_peaks, workers, run["worker_over_ddp"],
                  run["worker_minus_ddp_in_models"], run["main_over_model"], run["main_above_baseline_in_models"])
             )  # fmt: skip
             print(f"{count / 1e6:.1f}M {label}: done", flush=True)
         runs[f"{count / 1e6:.1f}M"] = entry
-    print(f"MLP, SGD momentum, 2 workers of 1 thread, k={K}, {args.batches} batches of {BATCH}; peak RSS (VmHWM) in MiB")
-    headers = ["model", "model MiB", "run", "main: peak by round 1 / in all (baseline)", "each process", "worker / DDP rank",
+    print(f"MLP, SGD momentum, 2 workers of 1 thread, k={K}, {args.batches} batches of {BATCH}, {args.fits} fits; peak RSS (VmHWM) in MiB")
+    headers = ["model", "model MiB", "run", "main: peak by round 1 / by fit 1's end / in all (baseline)", "each process", "worker / DDP rank",
                "(worker − DDP) / model", "main / model", "(main − baseline) / model"]  # fmt: skip
     print(table(headers, rows))
-    payload = {"job": {"in": IN, "out": OUT, "batch": BATCH, "batches": args.batches, "k": K, "workers": 2, "momentum": MOMENTUM}, "runs": runs}
+    sizes = list(runs.values())
+    if len(sizes) > 1:  # what the main process holds per MiB of model, its fixed cost aside: the copies it holds
+        for label in codes:
+            (a, b) = ((x["model_mib"], x[label]["main_peak_mib"] - x[label]["main_baseline_mib"]) for x in (sizes[0], sizes[-1]))
+            copies, fixed = (b[1] - a[1]) / (b[0] - a[0]), a[1] - (b[1] - a[1]) / (b[0] - a[0]) * a[0]
+            print(f"main process ({label}): {copies:.2f} copies of the model at its peak, and {fixed:.1f} MiB that do not grow with it")
+            for x in sizes:
+                x[label]["main_copies_of_model"], x[label]["main_fixed_mib"] = copies, fixed
+    payload = {"job": {"in": IN, "out": OUT, "batch": BATCH, "batches": args.batches, "fits": args.fits, "k": K, "workers": 2, "momentum": MOMENTUM}, "runs": runs}
     write_results(args.out, {**payload, "codes": {k: str(v) for k, v in codes.items()}})
 
 

@@ -18,6 +18,7 @@ from .config import Job
 from .outer import OuterStep
 from .rounds.state import trained_parameters
 from .schedule import Schedule, make_schedule
+from .shared_state import reside, ship
 from .types import TrainingState
 
 
@@ -31,14 +32,13 @@ class Parts:
         trained = trained_parameters(model, self.optimizer)
         self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trained)
 
-    def state(self, shared: bool = False, move: bool = False) -> TrainingState:
+    def state(self, move: bool = False) -> TrainingState:
         """Every part's state, on the CPU: a copy, which training the parts does not change. With
-        `shared`, its tensors are made in shared memory, where a queue would move them (a second
-        copy, for a moment) on the way to another process. With `move` too (a worker handing its
-        state back at a fit's end, which it trains on again only after loading the next fit's),
-        the CPU tensors themselves move into shared memory, one at a time: the state is never
-        held twice. The receiver may keep them; the next `load` leaves them to it."""
-        cpu = _moved_to_shared if move else _to_shared if shared else to_cpu
+        `move` (a worker handing its state back at a fit's end, which it trains on again only after
+        loading the next fit's), the CPU tensors themselves move into shared memory, one at a time,
+        where a queue sends them without a copy: the state is never held twice. The receiver may
+        keep them; the next `load` leaves them to it."""
+        cpu = _moved_to_shared if move else to_cpu
         return TrainingState(
             cpu(self.model.state_dict()),
             cpu(self.optimizer.state_dict()),
@@ -46,15 +46,31 @@ class Parts:
             None if self.outer is None else cpu(self.outer.state_dict()),
         )
 
+    def shipped(self) -> TrainingState:
+        """Every part's state as the main process sends it to spawned workers (shared_state.py):
+        the model's and the optimizer's own tensors, moved into shared memory (once), not copies
+        of them. The workers load it by copy, and nobody writes to it during the fit."""
+        reside([*self.model.parameters(), *self.model.buffers()])
+        reside(t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))  # a buffer of its own: it goes when a fit's end replaces it
+        return ship(
+            TrainingState(
+                self.model.state_dict(),
+                self.optimizer.state_dict(),
+                None if self.schedule is None else copy.deepcopy(self.schedule.state_dict()),
+                None if self.outer is None else self.outer.state_dict(),
+            )
+        )
+
     def load(self, state: TrainingState, *, take: bool = False) -> None:
         """Load every part's state; the optimizers cast theirs to their parameters' device. With
         `take`, the state is the caller's to give away (nobody else holds it, nor will write to
-        it): the optimizers keep its tensors instead of copies."""
-        self.model.load_state_dict(state.model)
+        it): the optimizers keep its tensors instead of copies. The optimizer loads first, so that
+        its old state is let go before the model's parameters are copied in."""
         # Every worker receives the same shared-memory tensors, and an optimizer keeps the tensors
         # it loads when they already have the right device and dtype (Adam's step is increased
         # in place): without a copy, the workers would step one shared counter.
         self.optimizer.load_state_dict(state.optimizer if take else to_cpu(state.optimizer))
+        self.model.load_state_dict(state.model)
         if self.schedule is not None and state.lr_scheduler is not None:
             self.schedule.load_state_dict(state.lr_scheduler)
         if self.outer is not None:

@@ -71,10 +71,10 @@ class Replica:
         self.parts.load(state)
         self.rounds.reset()  # the optimizer's tensors were replaced
 
-    def state_dicts(self, shared: bool = False, move: bool = False) -> TrainingState:
-        """Every part's state on the CPU, to send to the main process (`shared`: in shared memory;
-        `move`: moved there, at a fit's end: Parts.state)."""
-        return self.parts.state(shared, move)
+    def state_dicts(self, move: bool = False) -> TrainingState:
+        """Every part's state on the CPU, to send to the main process (`move`: its own tensors moved
+        into shared memory, at a fit's end: Parts.state)."""
+        return self.parts.state(move)
 
     def saved_state(self, writes: bool) -> TrainingState | None:
         """What a checkpoint holds, on the process that `writes` it: this worker's state."""

@@ -175,11 +175,11 @@ class ParallelWrapper:
         return recorder.history
 
     def _command(self, until_epoch: int, rng: list[dict[str, Any]] | None) -> FitCommand:
-        """What every worker starts this fit from: a copy of the state, since sending a tensor moves
-        its storage into shared memory, and the user's own model must not be changed under them.
-        For spawned workers the copy is made there at once; the host lets it go once sent."""
+        """What every worker starts this fit from. Spawned workers get the state's own tensors in
+        shared memory (Parts.shipped: no copy); any other host a copy, since it trains on what it
+        is given and the user's own model must not change under it."""
         spawned = self.placement.torchrun is None and not self.placement.in_process
-        return FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.state(shared=spawned), rng)
+        return FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.shipped() if spawned else self._parts.state(), rng)
 
     def _auto_resume(self) -> str | None:
         """Under torchrun, a group that torchrun restarted (--max-restarts) resumes its first fit() from

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallelwrapper import ParallelWrapper
+from parallelwrapper import ParallelWrapper, shared_state
 from parallelwrapper.hosts.inprocess import group_of_one
 from parallelwrapper.hosts.process import _unpickle_job
 from parallelwrapper.hosts.runtime import Worker
@@ -73,14 +73,34 @@ def test_a_worker_copies_the_users_model_unless_the_model_is_its_own() -> None:
     assert Worker(job, config, placement, 0, 0, group=group, own_model=True).replica.model is job.model
 
 
+class MainHoldsItsOwn:
+    """A listener in the main process: at each fit's first score (the workers are training), the
+    tensors of SHAPE it holds are its model's weight and, once a fit has made it, the optimizer's
+    momentum for it, the same objects as before the fit, in shared memory: what the workers were
+    sent (Parts.shipped), not copies of it."""
+
+    def __init__(self, model: nn.Sequential) -> None:
+        self.weight, self.checks, self.first = model[0].weight, 0, True
+        self.optimizer: torch.optim.Optimizer = torch.optim.SGD([self.weight])  # the wrapper's, once built
+        self.momentum: torch.Tensor | None = None
+
+    def on_fit_start(self, config: Any, epochs: int) -> None:
+        self.first = True
+        self.momentum = self.optimizer.state.get(self.weight, {}).get("momentum_buffer")
+
+    def __call__(self, score: Any) -> None:
+        if self.first:
+            self.first = False
+            assert others(self.weight, self.momentum) == 0, f"{others(self.weight, self.momentum)} more tensors of the first layer's shape"
+            held = [t for t in (self.weight, self.momentum) if t is not None]
+            assert all(t.untyped_storage().is_shared() for t in held)
+            assert self.optimizer.state.get(self.weight, {}).get("momentum_buffer") is self.momentum
+            self.checks += 1
+
+
 def test_spawned_workers_and_the_main_process_hold_no_spare_copy() -> None:
-    seen: list[int] = []
     user = mlp()
-
-    def in_main(score: Any) -> None:  # a round's score: the workers are training
-        if not seen:
-            seen.append(others(user[0].weight))  # the state sent to the workers is theirs now
-
+    in_main = MainHoldsItsOwn(user)
     w = (
         ParallelWrapper.builder(user)
         .optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
@@ -91,11 +111,52 @@ def test_spawned_workers_and_the_main_process_hold_no_spare_copy() -> None:
         .listeners(in_main)
         .build()
     )
+    in_main.optimizer = w._parts.optimizer
     with w:
         w.fit(batches(8))
         assert isinstance(w._pool, WorkerPool) and w._pool._job is None  # every worker unpickled it
         w.fit(batches(8))  # a second fit starts from the optimizer's state too
-    assert seen == [0]
+        assert in_main.momentum is not None
+    assert in_main.checks == 2
+
+
+@pytest.mark.fast
+def test_the_main_process_sends_its_own_state_moved_into_shared_memory_once() -> None:
+    """Parts.shipped: the model's and the optimizer's tensors move into shared memory, one buffer
+    per dtype and part, keeping their identity and values, and a second call moves nothing; what
+    is sent is those buffers and where each tensor sits (shared_state._unpack rebuilds it as the
+    worker does). A tensor whose storage something else holds too (another tensor, a detach()
+    kept) stays, and goes as a copy: moving it would leave the other behind."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    model[2].register_buffer("row", model[2].weight.detach()[0])  # shares the weight's storage
+    with ParallelWrapper.builder(model).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9).workers(2).build() as w:
+        parts = w._parts
+    nn.functional.cross_entropy(model(torch.randn(5, 4)), torch.tensor([0, 1, 0, 0, 1])).backward()
+    parts.optimizer.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    momentum = [parts.optimizer.state[p]["momentum_buffer"] for p in params]
+    aliased = model[2].weight.untyped_storage().data_ptr()
+    kept = model[0].bias.detach()  # held by the caller: the bias stays where it is
+
+    skeleton, storages, copies = parts.shipped().__dict__["_sent"]
+    assert list(model.parameters()) == params and [parts.optimizer.state[p]["momentum_buffer"] for p in params] == momentum
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    moved = [params[0], *params[2:4], *momentum, model[1].running_mean, model[1].num_batches_tracked]
+    assert all(t.untyped_storage().is_shared() for t in moved)
+    assert model[2].weight.untyped_storage().data_ptr() == aliased and not model[2].weight.untyped_storage().is_shared()
+    assert kept.data_ptr() == model[0].bias.data_ptr() and not kept.untyped_storage().is_shared()
+    # The model's float32 and int64 buffers and the optimizer's float32 buffer; the aliased pair and the bias as copies.
+    assert len(storages) == 3 and len(copies) == 3
+    assert {s.data_ptr() for s in storages} == {t.untyped_storage().data_ptr() for t in moved}  # the tensors' own memory
+    state = shared_state._unpack(skeleton, storages, copies)
+    assert state.model.keys() == before.keys() and all(torch.equal(before[k], v) for k, v in state.model.items())
+    assert all(torch.equal(m, state.optimizer["state"][i]["momentum_buffer"]) for i, m in enumerate(momentum))
+    assert {t.untyped_storage().data_ptr() for t in state.model.values()} - {c.untyped_storage().data_ptr() for c in copies} <= {s.data_ptr() for s in storages}
+
+    where = [t.data_ptr() for t in moved]
+    parts.shipped()
+    assert [t.data_ptr() for t in moved] == where  # moved once
 
 
 @pytest.mark.fast

@@ -199,8 +199,8 @@ class WorkerPool:
             feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, self._placement.world_size, self.slots)
         for q in self._commands:
             q.put(command)
-        # The queues hold the command until they have sent it, and the state's shared memory is
-        # the workers' then: a caller that keeps no reference of its own has it back.
+        # The queues hold the command until they have sent it; its state is the main process's
+        # own tensors in shared memory (Parts.shipped), which the workers load by copy.
         del command
         if feeder is not None:
             feeder.start()

@@ -1,0 +1,156 @@
+"""The main process's state, sent to spawned workers without a copy of it.
+
+A fit() starts every worker from the wrapper's state: the user's model and optimizer state. Sent
+as it is, torch's reducers would put each tensor in a shared-memory segment of its own, moving the
+user's own tensors there; copied first (so that the user's tensors stay put), the main process held
+the state twice for the fit's start, its optimizer state included from the second fit on: four
+model sizes (benchmarks/memory.py). Instead:
+
+    reside(tensors)   the main process's own CPU tensors (a model's parameters and buffers, an
+                      optimizer's state) that are not in shared memory move there, one buffer per
+                      dtype, one tensor at a time: each becomes a view of its buffer (`.data =
+                      view`, identity kept, as FlatAverager does), and its old storage goes. The
+                      buffer's pages are touched only as tensors move in, so the state is never
+                      held twice. Moved once, they stay: later fits move nothing.
+    ship(state)       a TrainingState that pickles as the distinct shared storages its tensors
+                      sit in and where each sits (one file descriptor a storage, not a tensor).
+                      A tensor in no shared storage (on a GPU, or one whose storage something
+                      else holds too, which reside leaves where it is) is copied into one more
+                      shared buffer per dtype. Unpickled in a
+                      worker, it is a plain TrainingState of views of those storages, which the
+                      worker loads by copy: nobody writes to the main process's tensors but it.
+
+Only the main process calls these, for spawned workers; under torchrun or in one process nothing
+travels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .batches import map_leaves
+from .types import TrainingState
+
+
+def reside(tensors: Iterable[torch.Tensor]) -> None:
+    """Move the CPU tensors that own their storage alone, contiguous, into fresh shared memory:
+    one buffer per dtype, each tensor a view of it. Tensors in shared memory already, on another
+    device, or whose storage anything else holds too (another tensor, a view, a `detach()` kept
+    somewhere) stay as they are: moving one would leave the others behind."""
+    movable = [t for t in {id(t): t for t in tensors}.values() if _alone(t) and not t.untyped_storage().is_shared()]
+    with torch.no_grad():
+        for members in _by_dtype(movable):
+            for t, view in zip(members, _views(members)):
+                view.copy_(t)
+                t.data = view
+
+
+def ship(state: TrainingState) -> TrainingState:
+    """The state, to be put on the workers' command queues: it pickles as its shared storages and
+    where each tensor sits in them, and unpickles as a TrainingState of views."""
+    storages: list[torch.UntypedStorage] = []
+    index: dict[int, int] = {}
+    copied: list[torch.Tensor] = []
+
+    def slot(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        storage = leaf.untyped_storage()
+        if leaf.device.type != "cpu" or not storage.is_shared():
+            copied.append(leaf)
+            return _Copied(len(copied) - 1)
+        if storage.data_ptr() not in index:
+            index[storage.data_ptr()] = len(storages)
+            storages.append(storage)
+        return _Slot(index[storage.data_ptr()], leaf.dtype, int(leaf.storage_offset()), tuple(leaf.shape), tuple(leaf.stride()))
+
+    parts = tuple(getattr(state, f.name) for f in dataclasses.fields(state))
+    skeleton = map_leaves(parts, slot)
+    shipped = _Shipped(*parts)
+    object.__setattr__(shipped, "_sent", (skeleton, storages, _copies(copied)))
+    return shipped
+
+
+class _Shipped(TrainingState):
+    """A TrainingState that pickles as `_sent`: (skeleton, shared storages, copies)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _unpack, self.__dict__["_sent"]
+
+
+def _unpack(skeleton: Any, storages: list[torch.UntypedStorage], copies: list[torch.Tensor]) -> TrainingState:
+    def tensor(leaf: Any) -> Any:
+        if isinstance(leaf, _Copied):
+            return copies[leaf.index]
+        if isinstance(leaf, _Slot):
+            return torch.empty(0, dtype=leaf.dtype).set_(storages[leaf.storage], leaf.offset, leaf.shape, leaf.stride)
+        return leaf
+
+    return TrainingState(*map_leaves(skeleton, tensor))
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one tensor sits: its storage's index, dtype, offset in elements, shape, stride."""
+
+    storage: int
+    dtype: torch.dtype
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Copied:
+    """A tensor sent as a copy: its index in the copies."""
+
+    index: int
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # references to a storage: each tensor on it, each Python handle
+
+
+def _alone(t: torch.Tensor) -> bool:
+    """Whether `t` is a contiguous CPU tensor that is all of its storage, and nothing else holds
+    that storage (where torch cannot say, it is taken as held)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() != 0 or _USE_COUNT is None:
+        return False
+    storage = t.untyped_storage()  # the one handle: t and it
+    return storage.nbytes() == t.numel() * t.element_size() and _USE_COUNT(storage._cdata) == 2
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
+def _views(members: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous views, end to end, of one new shared buffer for the members (of one dtype),
+    shaped like them; its pages untouched until written."""
+    dtype = members[0].dtype
+    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(max(1, sum(t.numel() for t in members)) * members[0].element_size())  # type: ignore[no-untyped-call]
+    views, offset = [], 0
+    for t in members:
+        views.append(torch.empty(0, dtype=dtype).set_(storage, offset, (t.numel(),), (1,)).view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of the tensors (any device), contiguous, in new shared buffers on the CPU."""
+    copies = {}
+    with torch.no_grad():
+        for members in _by_dtype(tensors):
+            for t, view in zip(members, _views(members)):
+                copies[id(t)] = view.copy_(t)
+    return [copies[id(t)] for t in tensors]
+
+
+__all__ = ["reside", "ship"]
