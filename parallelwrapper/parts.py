@@ -9,11 +9,10 @@ the user's model: a fit() starts every worker from the wrapper's state and ends 
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 
-from .batches import map_leaves, to_cpu
+from .batches import to_cpu
 from .config import Job
 from .outer import OuterStep
 from .rounds.state import trained_parameters
@@ -32,26 +31,25 @@ class Parts:
         trained = trained_parameters(model, self.optimizer)
         self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trained)
 
-    def state(self, move: bool = False) -> TrainingState:
-        """Every part's state, on the CPU: a copy, which training the parts does not change. With
-        `move` (a worker handing its state back at a fit's end, which it trains on again only after
-        loading the next fit's), the CPU tensors themselves move into shared memory, one at a time,
-        where a queue sends them without a copy: the state is never held twice. The receiver may
-        keep them; the next `load` leaves them to it."""
-        cpu = _moved_to_shared if move else to_cpu
+    def state(self) -> TrainingState:
+        """Every part's state, on the CPU: a copy, which training the parts does not change."""
         return TrainingState(
-            cpu(self.model.state_dict()),
-            cpu(self.optimizer.state_dict()),
+            to_cpu(self.model.state_dict()),
+            to_cpu(self.optimizer.state_dict()),
             None if self.schedule is None else copy.deepcopy(self.schedule.state_dict()),  # lists the scheduler keeps
-            None if self.outer is None else cpu(self.outer.state_dict()),
+            None if self.outer is None else to_cpu(self.outer.state_dict()),
         )
 
     def shipped(self) -> TrainingState:
-        """Every part's state as the main process sends it to spawned workers (shared_state.py):
-        the model's and the optimizer's own tensors, moved into shared memory (once), not copies
-        of them. The workers load it by copy, and nobody writes to it during the fit."""
+        """Every part's state as one process sends it to another (shared_state.py): the model's and
+        the optimizer's own CPU tensors, moved into shared memory (once), not copies of them. The
+        main process sends its state so at a fit's start (the workers load it by copy, and nobody
+        writes to it during the fit), worker 0 its own at a fit's end (it trains on it again only
+        after loading the next fit's: the receiver may keep it, and the next `load` leaves it to
+        it). Each part has buffers of its own, so that the receiver lets the model's go while it
+        keeps the optimizer's."""
         reside([*self.model.parameters(), *self.model.buffers()])
-        reside(t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))  # a buffer of its own: it goes when a fit's end replaces it
+        reside(t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
         return ship(
             TrainingState(
                 self.model.state_dict(),
@@ -77,30 +75,6 @@ class Parts:
             self.outer.restart()  # the loaded parameters are the next round's start
             if state.outer_optimizer is not None:
                 self.outer.load_state_dict(state.outer_optimizer if take else to_cpu(state.outer_optimizer))
-
-
-def _to_shared(state: Any) -> Any:
-    """`to_cpu`, into shared memory: each copy is made there (strides kept), not moved there."""
-
-    def copy(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        shared: torch.Tensor = torch.empty_like(leaf, device="cpu").share_memory_()  # type: ignore[no-untyped-call]
-        return shared.copy_(leaf.detach())
-
-    return map_leaves(state, copy)
-
-
-def _moved_to_shared(state: Any) -> Any:
-    """The state with each CPU tensor's storage moved into shared memory in place (torch frees
-    the old one as it goes), and any other tensor copied there."""
-
-    def move(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor) or leaf.device.type != "cpu":
-            return _to_shared(leaf)
-        return leaf.detach().share_memory_()  # type: ignore[no-untyped-call]
-
-    return map_leaves(state, move)
 
 
 __all__ = ["Parts"]

@@ -1,4 +1,4 @@
-"""The main process's state, sent to spawned workers without a copy of it.
+"""A training state sent between the main process and spawned workers without a copy of it.
 
 A fit() starts every worker from the wrapper's state: the user's model and optimizer state. Sent
 as it is, torch's reducers would put each tensor in a shared-memory segment of its own, moving the
@@ -20,8 +20,9 @@ model sizes (benchmarks/memory.py). Instead:
                       worker, it is a plain TrainingState of views of those storages, which the
                       worker loads by copy: nobody writes to the main process's tensors but it.
 
-Only the main process calls these, for spawned workers; under torchrun or in one process nothing
-travels.
+Worker 0 hands its state back at a fit's end the same way (Parts.shipped), and the main process
+keeps the optimizer's tensors it receives, in their shared buffer, to send at the next fit. Under
+torchrun or in one process nothing travels.
 """
 
 from __future__ import annotations

@@ -71,10 +71,14 @@ class Replica:
         self.parts.load(state)
         self.rounds.reset()  # the optimizer's tensors were replaced
 
-    def state_dicts(self, move: bool = False) -> TrainingState:
-        """Every part's state on the CPU, to send to the main process (`move`: its own tensors moved
-        into shared memory, at a fit's end: Parts.state)."""
-        return self.parts.state(move)
+    def state_dicts(self) -> TrainingState:
+        """Every part's state on the CPU: a copy (Parts.state)."""
+        return self.parts.state()
+
+    def shipped_state(self) -> TrainingState:
+        """Every part's own state, moved into shared memory to go to the main process at a fit's
+        end (Parts.shipped)."""
+        return self.parts.shipped()
 
     def saved_state(self, writes: bool) -> TrainingState | None:
         """What a checkpoint holds, on the process that `writes` it: this worker's state."""

@@ -115,6 +115,8 @@ def test_spawned_workers_and_the_main_process_hold_no_spare_copy() -> None:
     with w:
         w.fit(batches(8))
         assert isinstance(w._pool, WorkerPool) and w._pool._job is None  # every worker unpickled it
+        momentum = [s["momentum_buffer"] for s in w._parts.optimizer.state.values()]
+        assert len({m.untyped_storage().data_ptr() for m in momentum}) == 1  # worker 0's came back in one shared buffer, kept
         w.fit(batches(8))  # a second fit starts from the optimizer's state too
         assert in_main.momentum is not None
     assert in_main.checks == 2

@@ -154,9 +154,9 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
                     report.flush()
             if keeper is not None:
                 keeper.fit_ended()
-            # Worker 0's state (each of its stages') moves into shared memory, where sending it
-            # would move it (a copy): it is trained on again only after the next fit's is loaded.
-            done = None if stopped or me != 0 else worker.replica.state_dicts(move=True)
+            # Worker 0's state (each of its stages') moves into shared memory and goes as it is:
+            # it is trained on again only after the next fit's is loaded.
+            done = None if stopped or me != 0 else worker.replica.shipped_state()
             c.results.put(("stopped" if stopped else "done", rank, done))
             done = None  # the queue holds it until it is sent; the main process owns it then
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
