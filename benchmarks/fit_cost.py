@@ -4,6 +4,7 @@ back and loading it), against the seconds each batch adds.
 
     python benchmarks/fit_cost.py                # LeNet on 2 workers, and benchmarks/pipeline.py's job
     python benchmarks/fit_cost.py --repeats 5
+    python benchmarks/fit_cost.py --jobs lenet,mlp   # those jobs only (a name's first word)
 
 Each job keeps one wrapper (its processes started by a first fit, not timed) and alternates fits of
 `small` and `large` batches; fixed = (small · t_large − large · t_small) / (small − large) and a
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+import memory
 from common import DEFAULT_DATA_DIR, lenet, mnist_batches, table, write_results
 from parallelwrapper import ParallelWrapper
 from pipeline import data, mlp
@@ -39,10 +41,18 @@ def pipeline_job(data_dir: str) -> tuple[Any, list[Any]]:
     return b.optimizer(torch.optim.SGD, lr=0.01).pipeline(stages=2, microbatches=8), data(1024, 2048, 16)
 
 
+def mlp_job(data_dir: str) -> tuple[Any, list[Any]]:
+    """benchmarks/memory.py's MLP of 10M parameters (38 MiB), SGD with momentum, 2 workers of one
+    thread, k = 4, batches of 16: a fit's state is 76 MiB each way."""
+    b = ParallelWrapper.builder(memory.mlp(10_000_000)).workers(2).threads_per_worker(1).averaging_frequency(4)
+    return b.optimizer(torch.optim.SGD, lr=memory.LR, momentum=memory.MOMENTUM), memory.batches(64)
+
+
 JOBS: dict[str, tuple[Callable[[str], tuple[Any, list[Any]]], int, int]] = {
     # name: (job, small, large): batches a fit, all workers together
     "lenet, 2 workers": (lenet_job, 2, 64),
     "pipeline, 1 worker x 2 stages": (pipeline_job, 2, 16),
+    "mlp 10M, 2 workers": (mlp_job, 2, 64),
 }
 
 
@@ -66,10 +76,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="fits of each size; medians")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--jobs", default=",".join(name.split(",")[0].split()[0] for name in JOBS), help="the jobs to run, by their name's first word")
     parser.add_argument("--out", default="benchmarks/results/fit_cost.json")
     args = parser.parse_args()
-    results = {name: measure(make, small, large, args.repeats, args.data_dir) for name, (make, small, large) in JOBS.items()}
-    rows = [(name, JOBS[name][2], r["fixed_s"], r["per_batch_s"], r["large_fit_s"], r["fixed_share"]) for name, r in results.items()]
+    wanted = args.jobs.split(",")
+    jobs = {name: job for name, job in JOBS.items() if name.split()[0].rstrip(",") in wanted}
+    results = {name: measure(make, small, large, args.repeats, args.data_dir) for name, (make, small, large) in jobs.items()}
+    rows = [(name, jobs[name][2], r["fixed_s"], r["per_batch_s"], r["large_fit_s"], r["fixed_share"]) for name, r in results.items()]
     print(table(["job", "batches a large fit", "fixed s a fit", "s a batch", "s a large fit", "fixed share"], rows))
     write_results(args.out, {"repeats": args.repeats, "jobs": results})
 
