@@ -6,7 +6,7 @@ user's own tensors there; copied first (so that the user's tensors stay put), th
 the state twice for the fit's start, its optimizer state included from the second fit on: four
 model sizes (benchmarks/memory.py). Instead:
 
-    reside(tensors)   the main process's own CPU tensors (a model's parameters and buffers, an
+    reside(tensors)   the sender's own CPU tensors (a model's parameters and buffers, an
                       optimizer's state) that are not in shared memory move there, one buffer per
                       dtype, one tensor at a time: each becomes a view of its buffer (`.data =
                       view`, identity kept, as FlatAverager does), and its old storage goes. The
@@ -16,9 +16,9 @@ model sizes (benchmarks/memory.py). Instead:
                       sit in and where each sits (one file descriptor a storage, not a tensor).
                       A tensor in no shared storage (on a GPU, or one whose storage something
                       else holds too, which reside leaves where it is) is copied into one more
-                      shared buffer per dtype. Unpickled in a
-                      worker, it is a plain TrainingState of views of those storages, which the
-                      worker loads by copy: nobody writes to the main process's tensors but it.
+                      shared buffer per dtype. Unpickled, it is a plain TrainingState of views of
+                      those storages; a worker loads it by copy, so nobody writes to the main
+                      process's tensors but it.
 
 Worker 0 hands its state back at a fit's end the same way (Parts.shipped), and the main process
 keeps the optimizer's tensors it receives, in their shared buffer, to send at the next fit. Under
