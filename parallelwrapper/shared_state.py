@@ -144,6 +144,12 @@ def _views(members: list[torch.Tensor]) -> list[torch.Tensor]:
     return views
 
 
+def shared_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of a state dict, its tensors contiguous in new shared buffers on the CPU, one per
+    dtype: each copied once, straight into shared memory."""
+    return dict(zip(state, _copies([t.detach() for t in state.values()]), strict=True))
+
+
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of the tensors (any device), contiguous, in new shared buffers on the CPU."""
     copies = {}
@@ -154,4 +160,4 @@ def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [copies[id(t)] for t in tensors]
 
 
-__all__ = ["reside", "ship"]
+__all__ = ["reside", "ship", "shared_copies"]

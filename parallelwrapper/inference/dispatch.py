@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..env import Placement
+from ..shared_state import shared_copies
 from .config import InferenceConfig, InferenceMode
 from .pool import Flight, Pool, Worker
 from .requests import InferenceError, Request, answer, model_failed
@@ -75,7 +76,7 @@ class Dispatcher:
 
     def update(self, state: dict[str, torch.Tensor]) -> None:
         """Batches sent from now on run on `state`; each worker loads it before its next batch."""
-        shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in state.items()}  # type: ignore[no-untyped-call]
+        shared = shared_copies(state)
         with self._lock:
             self.pool.state, self.pool.version = shared, self.pool.version + 1
 
