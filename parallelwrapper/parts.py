@@ -9,13 +9,15 @@ the user's model: a fit() starts every worker from the wrapper's state and ends 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .batches import to_cpu
 from .config import Job
 from .outer import OuterStep
-from .rounds.state import trained_parameters
+from .rounds.state import optimizer_state_tensors, trained_parameters
 from .schedule import Schedule, make_schedule
 from .shared_state import reside, ship
 from .types import TrainingState
@@ -33,12 +35,7 @@ class Parts:
 
     def state(self) -> TrainingState:
         """Every part's state, on the CPU: a copy, which training the parts does not change."""
-        return TrainingState(
-            to_cpu(self.model.state_dict()),
-            to_cpu(self.optimizer.state_dict()),
-            None if self.schedule is None else copy.deepcopy(self.schedule.state_dict()),  # lists the scheduler keeps
-            None if self.outer is None else to_cpu(self.outer.state_dict()),
-        )
+        return self._dicts(to_cpu)
 
     def shipped(self) -> TrainingState:
         """Every part's state as one process sends it to another (shared_state.py): the model's and
@@ -49,14 +46,16 @@ class Parts:
         it). Each part has buffers of its own, so that the receiver lets the model's go while it
         keeps the optimizer's."""
         reside([*self.model.parameters(), *self.model.buffers()])
-        reside(t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-        return ship(
-            TrainingState(
-                self.model.state_dict(),
-                self.optimizer.state_dict(),
-                None if self.schedule is None else copy.deepcopy(self.schedule.state_dict()),
-                None if self.outer is None else self.outer.state_dict(),
-            )
+        reside(optimizer_state_tensors(self.optimizer))
+        return ship(self._dicts(lambda tensors: tensors))
+
+    def _dicts(self, tensors: Callable[[Any], Any]) -> TrainingState:
+        """Every part's state dict, its tensors through `tensors` (the schedule's lists copied)."""
+        return TrainingState(
+            tensors(self.model.state_dict()),
+            tensors(self.optimizer.state_dict()),
+            None if self.schedule is None else copy.deepcopy(self.schedule.state_dict()),  # lists the scheduler keeps
+            None if self.outer is None else tensors(self.outer.state_dict()),
         )
 
     def load(self, state: TrainingState, *, take: bool = False) -> None:

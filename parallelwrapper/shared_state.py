@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .averaging import views
 from .batches import map_leaves
 from .types import TrainingState
 
@@ -135,13 +136,9 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _views(members: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous views, end to end, of one new shared buffer for the members (of one dtype),
     shaped like them; its pages untouched until written."""
-    dtype = members[0].dtype
-    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(max(1, sum(t.numel() for t in members)) * members[0].element_size())  # type: ignore[no-untyped-call]
-    views, offset = [], 0
-    for t in members:
-        views.append(torch.empty(0, dtype=dtype).set_(storage, offset, (t.numel(),), (1,)).view(t.shape))
-        offset += t.numel()
-    return views
+    numel = sum(t.numel() for t in members)
+    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(max(1, numel) * members[0].element_size())  # type: ignore[no-untyped-call]
+    return views(torch.empty(0, dtype=members[0].dtype).set_(storage, 0, (numel,), (1,)), members)
 
 
 def shared_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
