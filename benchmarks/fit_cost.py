@@ -56,6 +56,11 @@ JOBS: dict[str, tuple[Callable[[str], tuple[Any, list[Any]]], int, int]] = {
 }
 
 
+def short(name: str) -> str:
+    """A job's name for --jobs: its first word."""
+    return name.split()[0].rstrip(",")
+
+
 def measure(make: Callable[[str], tuple[Any, list[Any]]], small: int, large: int, repeats: int, data_dir: str) -> dict[str, float]:
     builder, batches = make(data_dir)
     times: dict[int, list[float]] = {small: [], large: []}
@@ -76,11 +81,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="fits of each size; medians")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
-    parser.add_argument("--jobs", default=",".join(name.split(",")[0].split()[0] for name in JOBS), help="the jobs to run, by their name's first word")
+    parser.add_argument("--jobs", default=",".join(map(short, JOBS)), help="the jobs to run, by their name's first word")
     parser.add_argument("--out", default="benchmarks/results/fit_cost.json")
     args = parser.parse_args()
     wanted = args.jobs.split(",")
-    jobs = {name: job for name, job in JOBS.items() if name.split()[0].rstrip(",") in wanted}
+    jobs = {name: job for name, job in JOBS.items() if short(name) in wanted}
     results = {name: measure(make, small, large, args.repeats, args.data_dir) for name, (make, small, large) in jobs.items()}
     rows = [(name, jobs[name][2], r["fixed_s"], r["per_batch_s"], r["large_fit_s"], r["fixed_share"]) for name, r in results.items()]
     print(table(["job", "batches a large fit", "fixed s a fit", "s a batch", "s a large fit", "fixed share"], rows))

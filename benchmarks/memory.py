@@ -208,7 +208,8 @@ def main() -> None:
     if len(sizes) > 1:  # what the main process holds per MiB of model, its fixed cost aside: the copies it holds
         for label in codes:
             (a, b) = ((x["model_mib"], x[label]["main_peak_mib"] - x[label]["main_baseline_mib"]) for x in (sizes[0], sizes[-1]))
-            copies, fixed = (b[1] - a[1]) / (b[0] - a[0]), a[1] - (b[1] - a[1]) / (b[0] - a[0]) * a[0]
+            copies = (b[1] - a[1]) / (b[0] - a[0])
+            fixed = a[1] - copies * a[0]
             print(f"main process ({label}): {copies:.2f} copies of the model at its peak, and {fixed:.1f} MiB that do not grow with it")
             for x in sizes:
                 x[label]["main_copies_of_model"], x[label]["main_fixed_mib"] = copies, fixed

@@ -79,9 +79,10 @@ class MainHoldsItsOwn:
     momentum for it, the same objects as before the fit, in shared memory: what the workers were
     sent (Parts.shipped), not copies of it."""
 
+    optimizer: torch.optim.Optimizer  # the wrapper's, set once it is built
+
     def __init__(self, model: nn.Sequential) -> None:
         self.weight, self.checks, self.first = model[0].weight, 0, True
-        self.optimizer: torch.optim.Optimizer = torch.optim.SGD([self.weight])  # the wrapper's, once built
         self.momentum: torch.Tensor | None = None
 
     def on_fit_start(self, config: Any, epochs: int) -> None:
