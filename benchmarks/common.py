@@ -12,6 +12,7 @@ import os
 import platform
 import queue
 import resource
+import statistics
 import tempfile
 import time
 import traceback
@@ -132,6 +133,18 @@ def timed_fit(
         "exchange_share": exchange,
         "per_worker": [per_step(m, a, b) for m in marks],
     }
+
+
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """The contenders' order in round `r` of interleaved repeats: rotated by r, so that no
+    contender always runs first, or always after the same one."""
+    return [*names[r % len(names) :], *names[: r % len(names)]]
+
+
+def median_ratio(over: Sequence[float], under: Sequence[float]) -> float:
+    """The median of the rounds' ratios over / under, round by round: the machine's drift
+    between rounds cancels, as it does not in a ratio of medians."""
+    return statistics.median(a / b for a, b in zip(over, under, strict=True))
 
 
 def machine() -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import BATCH, DEFAULT_DATA_DIR, machine, table, timed_fit, write_results
+from common import BATCH, DEFAULT_DATA_DIR, machine, rotated, table, timed_fit, write_results
 
 CONTENDERS = {"loader, queue": "queue", "loader, shards": "auto", "list, shards": None}
 
@@ -48,7 +48,7 @@ def main() -> None:
     names = list(CONTENDERS)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for r in range(args.repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             feed = CONTENDERS[name]
             configure = (lambda b, feed=feed: b.feed(feed).deterministic(True)) if feed else (lambda b: b)
             result = timed_fit(args.workers, args.k, args.steps, args.warmup, args.data_dir, configure, given=loader if feed else None)

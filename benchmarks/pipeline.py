@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import run_processes, table, write_results
+from common import median_ratio, rotated, run_processes, table, write_results
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.config import Pipeline
 from parallelwrapper.pipeline import stage_module
@@ -186,17 +186,12 @@ def interleaved(contenders: dict[str, Any], repeats: int) -> dict[str, list[floa
     times: dict[str, list[float]] = {name: [] for name in names}
     try:
         for r in range(repeats + 1):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+            for name in rotated(names, r):
                 times[name].append(contenders[name]())
     finally:
         for contender in contenders.values():
             contender.close()
     return {name: t[1:] for name, t in times.items()}
-
-
-def ratio(over: list[float], under: list[float]) -> float:
-    """The median of the rounds' ratios."""
-    return statistics.median(a / b for a, b in zip(over, under, strict=True))
 
 
 def main() -> None:
@@ -220,7 +215,7 @@ def main() -> None:
     rows: list[list[Any]] = [
         ["1 process, 1 thread", "-", one, 1.0, "-", "-"],
         ["2 independent processes (the cores' ceiling)", "-", "-", ceiling, ceiling / 2, 1.0],
-        [f"1 process, 1 thread, {max(args.microbatches)} microbatches accumulated", max(args.microbatches), cut, ratio(context["one"], context["cut"]), "-", "-"],
+        [f"1 process, 1 thread, {max(args.microbatches)} microbatches accumulated", max(args.microbatches), cut, median_ratio(context["one"], context["cut"]), "-", "-"],
     ]
     rounds: dict[str, dict[str, list[float]]] = {}
     for m in args.microbatches:
@@ -232,7 +227,7 @@ def main() -> None:
         times = rounds[f"M={m}"] = interleaved(contenders, args.repeats)
         base = times["1 process, 1 thread"]
         for name, t in list(times.items())[1:]:
-            speedup = ratio(base, t)
+            speedup = median_ratio(base, t)
             rows.append([name, m, statistics.median(t), speedup, speedup / 2, speedup / ceiling])
     # Two workers of two stages each against four unsplit workers: the same four processes, each
     # deal of the batches trained by half as many, at twice the speed at best.
@@ -244,7 +239,7 @@ def main() -> None:
     rows.append(["4 workers", "-", statistics.median(four), "-", "-", "-"])
     over_four = {}
     for name, t in list(times.items())[1:]:
-        over_four[name] = ratio(t, four)
+        over_four[name] = median_ratio(t, four)
         rows.append([name, 8, statistics.median(t), "-", "-", "-"])
     headers = ["contender", "microbatches", "s per fit", "speedup", "ratio to ideal 2x", "ratio to the cores' ceiling"]
     print(table(headers, rows))

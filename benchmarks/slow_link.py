@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torchft_peer
-from common import DEFAULT_DATA_DIR, table, write_results
+from common import DEFAULT_DATA_DIR, rotated, table, write_results
 from slow_link_worker import WRAPPERS
 
 WORKER = Path(__file__).resolve().with_name("slow_link_worker.py")
@@ -322,8 +322,7 @@ def main() -> None:
             flush=True,
         )
         for repeat in range(args.repeats):
-            shift = repeat % len(contenders)  # a drift in the machine's speed falls on different contenders
-            for name in contenders[shift:] + contenders[:shift]:
+            for name in rotated(contenders, repeat):  # a drift in the machine's speed falls on different contenders
                 kind, _, k = name.partition(":")
                 out = work / f"{kind}{k}.{repeat}.json"
                 wall = time.monotonic()

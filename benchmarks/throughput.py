@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
-from common import BATCH, DEFAULT_DATA_DIR, lenet, mnist_batches, nesterov, run_processes, table, timed_fit, write_results
+from common import BATCH, DEFAULT_DATA_DIR, lenet, median_ratio, mnist_batches, nesterov, rotated, run_processes, table, timed_fit, write_results
 
 
 def _peer(rank: int, world: int, kind: str, k: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
@@ -120,14 +120,13 @@ def main() -> None:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     names = list(contenders)
     for r in range(args.repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             samples[name].append(contenders[name]())
         print(f"round {r + 1}/{args.repeats} done", flush=True)
     rates = {name: [x["samples_per_s"] for x in xs] for name, xs in samples.items()}
 
     def ratio(name: str, base: str) -> float:
-        """The median of the rounds' ratios of `name` to `base`."""
-        return statistics.median(a / b for a, b in zip(rates[name], rates[base], strict=True))
+        return median_ratio(rates[name], rates[base])
 
     runs = {
         name: {

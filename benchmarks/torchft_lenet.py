@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, ms_per_step, run_processes, table, timed_fit, window, write_results
+from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, ms_per_step, rotated, run_processes, table, timed_fit, window, write_results
 from torchft_peer import torchft_sync, version
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD (torchft's train_diloco.py)
@@ -158,8 +158,7 @@ def main() -> None:
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     began = time.monotonic()
     for r in range(args.repeats):
-        order = names[r % len(names):] + names[: r % len(names)]  # rotated: no contender always first
-        for name in order:
+        for name in rotated(names, r):
             try:
                 samples[name].append(make[name]())
             except Exception as error:  # noqa: BLE001 - e.g. a wrapper whose loss went NaN: recorded, the others go on
