@@ -196,6 +196,7 @@ def test_missing_without_download(tmp_path: Path) -> None:
 
 
 def test_env_var_sets_default_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "env-cache").mkdir()  # a directory the variable names must exist (tests/test_env_paths.py)
     monkeypatch.setenv("PW_DATA_DIR", str(tmp_path / "env-cache"))
     assert mnist_module.default_data_dir() == tmp_path / "env-cache"
     with pytest.raises(MnistError, match="env-cache"):
@@ -220,7 +221,7 @@ def test_failed_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert "train-labels-idx1-ubyte" in message and "$PW_DATA_DIR" in message
     assert "no route to host" in message and "download=True" not in message  # it was tried
     assert len(urls) == 2 and all(u.endswith("train-images-idx3-ubyte.gz") for u in urls)
-    assert list(cache.iterdir()) == []  # no partial files left behind
+    assert not cache.exists()  # no partial files, and no folder, left behind
 
 
 def test_checksum_mismatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,8 +27,8 @@ import torch
 
 __all__ = ["DEFAULT_CACHE_DIR", "FILES", "MnistError", "MnistFilesMissing", "MnistSplit", "default_data_dir", "load_mnist"]
 
-# The fallback cache; $PW_DATA_DIR overrides it, read at call time in default_data_dir() so
-# that nothing about the environment is frozen at import.
+# The fallback cache, created when a download into it begins; $PW_DATA_DIR overrides it, read at
+# call time in default_data_dir() so that nothing about the environment is frozen at import.
 DEFAULT_CACHE_DIR: Path = Path("~/.cache/parallelwrapper/mnist").expanduser()
 
 MNIST_MEAN: float = 0.1307
@@ -143,9 +143,22 @@ class MnistSplit:
 
 
 def default_data_dir() -> Path:
-    """The cache directory: $PW_DATA_DIR if set, else DEFAULT_CACHE_DIR."""
+    """The cache directory: $PW_DATA_DIR if set, else DEFAULT_CACHE_DIR.
+
+    A directory that the variable names must exist, as one that pw-fit's --data-dir names must: a
+    misspelled name is an MnistError here, not a new folder that a download would then fill. The
+    default cache is created only when a download into it begins."""
     env = os.environ.get("PW_DATA_DIR")
-    return Path(env).expanduser() if env else DEFAULT_CACHE_DIR
+    if not env:
+        return DEFAULT_CACHE_DIR
+    path = Path(env).expanduser()
+    if not path.is_dir():
+        problem = "is not a directory" if path.exists() else "does not exist"
+        raise MnistError(
+            f"$PW_DATA_DIR names {path}, which {problem}; set PW_DATA_DIR to the directory that holds the MNIST "
+            f"files (create it first to have them downloaded there), or unset it to use the cache {DEFAULT_CACHE_DIR}"
+        )
+    return path
 
 
 def load_mnist(
@@ -155,7 +168,8 @@ def load_mnist(
 ) -> MnistSplit:
     """Read one split ("train" or "test") from ``data_dir`` (default: default_data_dir()).
 
-    Files missing from the directory are downloaded into it when ``download`` is true.
+    Files missing from the directory are downloaded into it when ``download`` is true; the
+    directory is created when the first file arrives.
     """
     if split not in _SPLIT_FILES:
         raise ValueError(f"split must be one of {sorted(_SPLIT_FILES)}, got {split!r}")
@@ -238,8 +252,8 @@ def _fetch(url: str, timeout: float) -> bytes:
 
 
 def _download(root: Path, missing: list[str]) -> None:
-    """Fetch each missing file gzipped into ``root``, verified by MD5 and renamed atomically."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Fetch each missing file gzipped into ``root``, verified by MD5 and renamed atomically.
+    ``root`` is created when the first file has arrived: a download that fails leaves no folder."""
     for i, name in enumerate(missing):
         gz = f"{name}.gz"
         errors: list[str] = []
@@ -249,6 +263,7 @@ def _download(root: Path, missing: list[str]) -> None:
             except (urllib.error.URLError, OSError, ValueError) as err:
                 errors.append(f"{mirror + gz}: {err}")
                 continue
+            root.mkdir(parents=True, exist_ok=True)
             _write_verified(root / gz, body, _MD5[gz])
             break
         else:
