@@ -8,6 +8,10 @@ every worker maps once, and sends only the slot number and the batch's layout (a
 bytes). The worker copies the tensors out and hands the slot back at once, so a batch it keeps
 (a training step may) is its own.
 
+A tensor arrives as it was sent: its dtype, and its strides when it is dense (non-overlapping, no
+gaps: channels_last, channels_last_3d, a transpose), whose bytes are copied as they lie in memory.
+Only a tensor with gaps or repeats (a strided slice, an expanded view) arrives contiguous.
+
 A slot grows when a batch does not fit (a new segment under a new name); the feeder owns the
 segments and unlinks them when the pool closes.
 """
@@ -32,46 +36,66 @@ def _aligned(n: int) -> int:
 
 
 class TensorMeta:
-    """Where a tensor leaf of a batch lies in its slot."""
+    """Where a tensor leaf of a batch lies in its slot, and its layout: a dense tensor's elements
+    lie there in memory order, to be viewed with its `stride`; with None, row-major (a tensor
+    that was not dense, copied as `contiguous()` lays it out)."""
 
-    __slots__ = ("offset", "dtype", "shape")
+    __slots__ = ("offset", "dtype", "shape", "stride")
 
-    def __init__(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.offset, self.dtype, self.shape = offset, dtype, shape
+    def __init__(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...] | None = None) -> None:
+        self.offset, self.dtype, self.shape, self.stride = offset, dtype, shape, stride
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TensorMeta, (self.offset, self.dtype, self.shape))
+        return (TensorMeta, (self.offset, self.dtype, self.shape, self.stride))
+
+
+def memory_order(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s elements as they lie in memory, a 1-D view of them, when `t` is dense (its elements
+    fill a span of its storage without gaps or repeats, in any order of dimensions: channels_last,
+    a transpose); None when it is not (a strided slice, an expanded view)."""
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])  # outermost first; stable for ties
+    permuted = t.permute(order)
+    return permuted.view(-1) if permuted.is_contiguous() else None
 
 
 def _hollow(batch: Any) -> tuple[Any, list[torch.Tensor], int]:
-    """(skeleton, tensors, size): the batch's structure (as batches.map_leaves walks it) with each
-    tensor leaf replaced by a TensorMeta of its place in a slot, the tensors in that order, and
-    the bytes the slot needs. Every other leaf stays as it is."""
-    tensors: list[torch.Tensor] = []
+    """(skeleton, sources, size): the batch's structure (as batches.map_leaves walks it) with each
+    tensor leaf replaced by a TensorMeta of its place and layout in a slot; each tensor's elements
+    as the slot gets them (a 1-D CPU tensor: a view in memory order when it is dense, else a
+    row-major copy), in that order; and the bytes the slot needs. Other leaves stay as they are."""
+    sources: list[torch.Tensor] = []
     offset = 0
 
     def place(leaf: Any) -> Any:
         nonlocal offset
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        tensors.append(leaf)
-        meta = TensorMeta(offset, leaf.dtype, tuple(leaf.shape))
-        offset += _aligned(leaf.numel() * leaf.element_size())
+        t = leaf.detach().cpu()  # a dense tensor keeps its strides (preserve_format)
+        flat = memory_order(t)
+        sources.append(t.contiguous().view(-1) if flat is None else flat)
+        meta = TensorMeta(offset, t.dtype, tuple(t.shape), None if flat is None else tuple(t.stride()))
+        offset += _aligned(t.numel() * t.element_size())
         return meta
 
     skeleton = map_leaves(batch, place)
-    return skeleton, tensors, offset
+    return skeleton, sources, offset
 
 
 def _fill(skeleton: Any, buffer: torch.Tensor) -> Any:
-    """The inverse of _hollow: each TensorMeta becomes a copy of its bytes in the slot."""
+    """The inverse of _hollow: each TensorMeta becomes a copy of its bytes in the slot, with the
+    strides it was sent with."""
 
     def copy_out(leaf: Any) -> Any:
         if not isinstance(leaf, TensorMeta):
             return leaf
-        nbytes = torch.Size(leaf.shape).numel() * leaf.dtype.itemsize
-        raw = buffer[leaf.offset : leaf.offset + nbytes]
-        return raw.view(leaf.dtype).view(leaf.shape).clone()
+        numel = torch.Size(leaf.shape).numel()
+        raw = buffer[leaf.offset : leaf.offset + numel * leaf.dtype.itemsize].view(leaf.dtype)
+        if leaf.stride is None:
+            return raw.view(leaf.shape).clone()
+        out = torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype)
+        out.as_strided((numel,), (1,)).copy_(raw)  # dense: its storage is its elements, in memory order
+        return out
 
     return map_leaves(skeleton, copy_out)
 
@@ -145,21 +169,20 @@ class SlotWriter:
         the slot, where it has been copied; None when `keep_waiting`, called whenever no slot came
         for a while, returned False. (It is where the waiting caller does its other work: the
         feeder puts a replacement's batches back meanwhile, whose slots are all the free ones.)"""
-        skeleton, tensors, size = _hollow(batch)
+        skeleton, sources, size = _hollow(batch)
         slot = self._take(keep_waiting)
         if slot is None:
             return None
         segment = self._segments.get(slot, size)
         offset = 0
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
+        for source in sources:
+            nbytes = source.numel() * source.element_size()
             if nbytes:
                 # numpy's copy runs on this thread: torch's would wake its thread pool, whose
                 # spinning threads take CPU from the workers on a small machine.
-                source = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
                 buf = segment.buf
                 assert buf is not None  # open until close()
-                buf[offset : offset + nbytes] = source.data
+                buf[offset : offset + nbytes] = source.view(torch.uint8).numpy().data
             offset += _aligned(nbytes)
         return slot, segment.name, skeleton
 
