@@ -37,12 +37,14 @@ import dataclasses
 import os
 import pickle
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .config import Config, Job, describe_config
+from .naming import short
 from .types import Counters, TrainingState
 
 FILENAME = "checkpoint.pt"
@@ -135,19 +137,31 @@ def _read(location: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     return path, payload
 
 
-def load(location: str | os.PathLike[str], expected: dict[str, Any]) -> dict[str, Any]:
-    """Read and check a checkpoint against this run's fingerprint; raise naming every mismatch."""
+# What a user may resume across, naming it: these rebuild from this run's own code and load the
+# checkpoint's state as any later fit() would. The rest shapes the state itself or the rounds.
+ACCEPTABLE = ("optimizer", "lr_scheduler", "outer_optimizer")
+
+
+def load(location: str | os.PathLike[str], expected: dict[str, Any], accept: Iterable[str] = ()) -> dict[str, Any]:
+    """Read and check a checkpoint against this run's fingerprint; raise naming every mismatch
+    that is not in `accept` (fields of ACCEPTABLE the user knows changed harmlessly)."""
+    accept = set(accept)
+    unknown = sorted(accept - set(ACCEPTABLE))
+    if unknown:
+        raise ValueError(f"fit(accept_changes=...): {unknown} cannot be accepted; only {list(ACCEPTABLE)} can (the rest shape the saved state)")
     path, payload = _read(location)
     found = payload["fingerprint"]
-    differences = [
-        f"{key}: checkpoint has {_short(found.get(key))}, this run has {_short(value)}"
-        for key, value in expected.items()
-        if found.get(key) != value
-    ]
-    if differences:
+    differing = [key for key, value in expected.items() if found.get(key) != value and key not in accept]
+    if differing:
+        lines = [f"{key}: checkpoint has {short(repr(found.get(key)))}, this run has {short(repr(expected[key]))}" for key in differing]
+        fields = [key for key in differing if key in ACCEPTABLE]
+        anyway = (
+            f"; if you know the change is harmless, resume anyway with fit(..., resume=..., accept_changes={fields})"
+            if fields == differing else ""
+        )
         raise CheckpointError(
-            f"{path} belongs to another model or configuration; resume with the same ones, or start "
-            f"afresh without resume:\n  " + "\n  ".join(differences)
+            f"{path} belongs to another model or configuration ({', '.join(differing)} differ{'s' if len(differing) == 1 else ''}); "
+            f"resume with the same ones, or start afresh without resume{anyway}:\n  " + "\n  ".join(lines)
         )
     return payload
 
@@ -156,11 +170,6 @@ def peek(location: str | os.PathLike[str]) -> dict[str, int]:
     """The counters of a checkpoint (where a resumed run starts), its fingerprint unchecked."""
     counters: dict[str, int] = _read(location)[1]["counters"]
     return counters
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) < 200 else text[:200] + "..."
 
 
 class Checkpointer:

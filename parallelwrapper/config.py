@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .naming import describe, qualified, short
+
 
 class TrainingMode(enum.Enum):
     """How the workers stay in step.
@@ -234,8 +236,7 @@ class SchedulerSpec:
     def name(self) -> str:
         """The scheduler as a checkpoint's fingerprint and error messages name it."""
         qualname = getattr(self.factory, "__qualname__", type(self.factory).__name__)
-        text = f"{qualname}(optimizer, **{self.kwargs!r}) per {self.interval}"
-        return text if len(text) <= 200 else text[:200] + "..."  # kwargs may hold tensors: never print them whole
+        return short(f"{qualname}(optimizer, **{describe(self.kwargs)}) per {self.interval}")
 
 
 @dataclass(frozen=True)
@@ -251,8 +252,7 @@ class OuterSpec:
 
     @property
     def name(self) -> str:
-        text = f"{self.cls.__module__}.{self.cls.__qualname__}({self.kwargs!r})"
-        return text if len(text) <= 200 else text[:200] + "..."
+        return short(f"{qualified(self.cls)}({describe(self.kwargs)})")
 
 
 @dataclass(frozen=True)
@@ -283,11 +283,11 @@ class Job:
     def optimizer_name(self) -> str:
         """The optimizer as a checkpoint's fingerprint and error messages name it."""
         if self.optimizer_fn is not None:
-            return f"{self.optimizer_fn.__module__}.{getattr(self.optimizer_fn, '__qualname__', type(self.optimizer_fn).__name__)}(model)"
-        return f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}({self.optimizer_kwargs!r})"
+            return short(f"{qualified(self.optimizer_fn)}(model)")
+        return short(f"{qualified(self.optimizer_cls)}({describe(self.optimizer_kwargs)})")
 
 
-def check_job(job: Job, config: Config) -> list[str]:
+def check_job(job: Job, config: Config, world_size: int) -> list[str]:
     """A ValueError naming the fix for a job that cannot train (an optimizer that fails or trains
     another model, parts that need what the config or job lacks); the warnings for one that
     trains but loses something on the way (parameter hooks). What a spawned worker cannot
@@ -305,7 +305,7 @@ def check_job(job: Job, config: Config) -> list[str]:
         )
     optimizer = _check_optimizer(job)
     if job.lr_scheduler is not None:
-        _check_scheduler(job.lr_scheduler, optimizer, validates=job.validation_data is not None)
+        _check_scheduler(job.lr_scheduler, optimizer, job.validation_data is not None, world_size)
     if job.outer_optimizer is not None:
         try:
             job.outer_optimizer.build([torch.nn.Parameter(torch.zeros(1))])
@@ -337,9 +337,7 @@ def _names(names: list[str]) -> str:
 def _check_optimizer(job: Job) -> torch.optim.Optimizer:
     """The optimizer builds, and optimizes the model it was given: a function that reached for
     another model (a global, a closure) would train nothing on the workers."""
-    fn = job.optimizer_fn
-    name = f"{getattr(fn, '__qualname__', 'optimizer_fn')}(model)" if fn else f"{job.optimizer_cls.__name__}(**{job.optimizer_kwargs})"
-    name = name if len(name) <= 200 else name[:200] + "..."  # kwargs may hold tensors: never print them whole
+    name = job.optimizer_name
     try:
         optimizer = job.make_optimizer(job.model)
     except Exception as e:  # noqa: BLE001 - any failure here is a bad optimizer argument
@@ -357,7 +355,7 @@ def _check_optimizer(job: Job) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _check_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, validates: bool) -> None:
+def _check_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, validates: bool, world_size: int) -> None:
     """The scheduler builds on the optimizer it is given, and has what it steps on."""
     if spec.interval not in INTERVALS:
         raise ValueError(f"lr_scheduler: interval must be one of {list(INTERVALS)}, got {spec.interval!r}")
@@ -365,7 +363,9 @@ def _check_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, vali
         scheduler = spec.build(optimizer)
     except Exception as e:  # noqa: BLE001 - any failure here is a bad scheduler argument
         cause = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ValueError(f"lr_scheduler: {spec.name} failed: {type(e).__name__}: {cause}") from None
+        n = world_size  # per step the count is the global step: a length sized for N workers is N times shorter
+        split = f"; per step, each of {n} workers takes ceil(batches / {n}) steps an epoch (builder.steps_per_epoch(data)): too few here?" if spec.interval == "step" else ""
+        raise ValueError(f"lr_scheduler: {spec.name} failed: {type(e).__name__}: {cause}{split}") from None
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         raise ValueError(f"lr_scheduler: {spec.name} returned a {type(scheduler).__name__}, not a torch.optim.lr_scheduler scheduler")
     if scheduler.optimizer is not optimizer:

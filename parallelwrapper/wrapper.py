@@ -11,6 +11,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, TorchrunWorker, start_host
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
 from .parts import Parts
+from .schedule import sizing_warning, steps_per_epoch
 from .sendable import check_sendable
 from .settings import Settings
 from .types import Counters, FitCommand, Report, TrainingState, WorkerError
@@ -116,7 +118,9 @@ class ParallelWrapper:
         """True in the process that reports to the listeners: the caller's, or rank 0 under torchrun."""
         return self.placement.torchrun is None or self.placement.torchrun.rank == 0
 
-    def fit(self, data: Batches, epochs: int = 1, *, resume: str | os.PathLike[str] | None = None) -> History:
+    def fit(
+        self, data: Batches, epochs: int = 1, *, resume: str | os.PathLike[str] | None = None, accept_changes: Iterable[str] = ()
+    ) -> History:
         """Train on `epochs` passes over `data` and return the averaged scores.
 
         `data` is an iterable of batches (a DataLoader, a list) or a function returning one, called
@@ -124,7 +128,10 @@ class ParallelWrapper:
 
         `resume`: a checkpoint directory (or file) to continue from. Model, optimizer, counters,
         RNG states and the place in the epoch are restored; `epochs` then counts from the start
-        of the run that wrote the checkpoint, so the same call finishes an interrupted run.
+        of the run that wrote the checkpoint, so the same call finishes an interrupted run. A
+        checkpoint of another configuration is refused, naming each field that differs;
+        `accept_changes` names those of "optimizer", "lr_scheduler" and "outer_optimizer" you
+        changed knowingly (their saved state is loaded into this run's).
 
         A worker's failure raises WorkerError, whichever host runs the workers; the data's own
         errors raise FeedError. Under torchrun every rank returns the same History; listeners
@@ -137,13 +144,14 @@ class ParallelWrapper:
         if resume is None and self.counters == Counters():
             resume = self._auto_resume()
         if resume is not None:
-            rng = self._restore(resume)
+            rng = self._restore(resume, accept_changes)
             until_epoch = epochs
             if until_epoch <= self.counters.epoch:
                 raise ValueError(
                     f"the checkpoint has already trained {self.counters.epoch} epochs, fit(epochs={epochs}) "
                     f"asks for no more; pass epochs > {self.counters.epoch} to train on"
                 )
+        self._check_schedule_length(data, until_epoch)
         if not self._validation_tried:
             check_validation(self._job, self.model, self.config.precision)  # before any worker starts
             self._validation_tried = True
@@ -174,6 +182,23 @@ class ParallelWrapper:
         notify(listeners, "on_fit_end", recorder.history)
         return recorder.history
 
+    def steps_per_epoch(self, data: Batches | int) -> int:
+        """The optimizer steps each worker takes in an epoch of `data` (batches with a len(), or
+        their number): ceil(batches / workers), the global step that a per-step learning-rate
+        schedule counts. Size one over a run as `epochs * steps_per_epoch(data)` (the Builder has
+        the same method, for use before build())."""
+        return steps_per_epoch(batch_count(data, "steps_per_epoch"), self.world_size)
+
+    def _check_schedule_length(self, data: Batches, until_epoch: int) -> None:
+        """Warn where a per-step schedule's planned length does not fit the steps this fit takes."""
+        schedule, batches = self._parts.schedule, _len(data)
+        if schedule is None or batches is None:
+            return
+        fit_batches = (until_epoch - self.counters.epoch) * batches - self.counters.position
+        message = sizing_warning(schedule, self.counters.iterations, fit_batches)
+        if message is not None:
+            warnings.warn(message, stacklevel=3)
+
     def _command(self, until_epoch: int, rng: list[dict[str, Any]] | None) -> FitCommand:
         """What every worker starts this fit from. Spawned workers get the state's own tensors in
         shared memory (Parts.shipped: no copy); any other host a copy, since it trains on what it
@@ -190,10 +215,17 @@ class ParallelWrapper:
         self._pool = host
         return host.resume_point if isinstance(host, TorchrunWorker) else None
 
-    def _restore(self, location: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    def _restore(self, location: str | os.PathLike[str], accept: Iterable[str] = ()) -> list[dict[str, Any]]:
         """Load a checkpoint into the model, optimizer, schedule and counters; return each worker's own state."""
-        payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size))
-        self._parts.load(TrainingState(payload["model"], payload["optimizer"], payload.get("lr_scheduler"), payload.get("outer_optimizer")))
+        payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size), accept)
+        try:
+            self._parts.load(TrainingState(payload["model"], payload["optimizer"], payload.get("lr_scheduler"), payload.get("outer_optimizer")))
+        except (ValueError, KeyError, RuntimeError) as e:  # an accepted change that does not fit the saved state
+            cause = (str(e).strip().splitlines() or [""])[0][:300]
+            raise checkpoint.CheckpointError(
+                f"{checkpoint.path_of(location)}: its state does not load into this run's optimizer, schedule or outer optimizer "
+                f"({type(e).__name__}: {cause}); resume with the ones that wrote it, or start afresh without resume"
+            ) from None
         self.counters = Counters(**payload["counters"])
         return list(payload["rng"])
 
@@ -208,6 +240,22 @@ class ParallelWrapper:
         if count == 0:
             raise ValueError("evaluate() got no batches")
         return {"loss": sums.get("loss", math.nan) / count, "accuracy": sums["accuracy"] / count, "samples": float(count)}
+
+
+def _len(data: Batches) -> int | None:
+    """How many batches an epoch of `data` has, where it says (a function's epochs do not)."""
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def batch_count(data: Batches | int, where: str) -> int:
+    """Batches in an epoch of `data`, or a ValueError naming `where` for data without a length."""
+    count = data if isinstance(data, int) else _len(data)
+    if count is None or count < 0:
+        raise ValueError(f"{where}(data) takes batches with a len() (a list, a DataLoader) or their number; got {type(data).__name__}")
+    return count
 
 
 class Builder(Settings):
@@ -227,15 +275,23 @@ class Builder(Settings):
             self._lr_scheduler, self._outer,
         )  # fmt: skip
         torchrun = torchrun_env()
-        notes = check_job(job, config)
+        placement = resolve(config, torchrun, explicit=self._options.keys())
+        notes = check_job(job, config, placement.world_size)
         pipeline.check(config, job)
         if torchrun is None:  # under torchrun nothing travels
             check_sendable(job)
         check_listeners(self._listeners)
-        placement = resolve(config, torchrun, explicit=self._options.keys())
         for note in [*notes, *placement.notes]:
             warnings.warn(note, stacklevel=2)
         return ParallelWrapper(config, job, list(self._listeners), placement)
+
+    def steps_per_epoch(self, data: Batches | int) -> int:
+        """The optimizer steps each worker will take in an epoch of `data` (batches with a len(),
+        or their number) with the workers set so far (or torchrun's): ceil(batches / workers),
+        the global step that a per-step schedule counts. For sizing one before build(), e.g.
+        `.lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=epochs * builder.steps_per_epoch(train))`."""
+        placement = resolve(Config(**self._options), torchrun_env(), explicit=self._options.keys())
+        return steps_per_epoch(batch_count(data, "steps_per_epoch"), placement.world_size)
 
 
 __all__ = ["Builder", "ParallelWrapper", "WorkerError"]

@@ -1,5 +1,5 @@
 """The module map holds: imports point one way (no cycle, even inside a function or behind
-TYPE_CHECKING), `config`, `types` and `batches` import nothing of the package, `averaging` knows
+TYPE_CHECKING), `naming`, `types` and `batches` import nothing of the package (`config` only `naming`), `averaging` knows
 nothing of the protocol, no module outgrows a read, and the Layout table of the design guide (docs/design.md) names every module.
 Fast tier: reads the source, runs none of it."""
 
@@ -71,9 +71,13 @@ def test_the_import_graph_has_no_cycle() -> None:
         visit(name, [])
 
 
-@pytest.mark.parametrize("leaf", ["config", "types", "batches", "codec", "models", "data.mnist"])
+@pytest.mark.parametrize("leaf", ["naming", "types", "batches", "codec", "models", "data.mnist"])
 def test_bottom_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[f"parallelwrapper.{leaf}"] == set()
+
+
+def test_config_imports_only_how_things_are_named() -> None:
+    assert GRAPH["parallelwrapper.config"] <= {"parallelwrapper.naming"}
 
 
 def test_averaging_imports_only_the_codecs_and_their_exchange() -> None:

@@ -1,0 +1,77 @@
+"""A run whose optimizer and schedule are functions of the script being run resumes in a later
+process (issue 35): functions are named alike in the main process (`__main__`), in spawned
+workers (`__mp_main__`) and in the next run, while a real change of the optimizer still refuses,
+naming the field, unless the user accepts it."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallelwrapper.checkpoint import ACCEPTABLE, CheckpointError, load
+from parallelwrapper.naming import describe, qualified
+
+SCRIPT = Path(__file__).parent / "scripts" / "script_resume.py"
+
+
+def _f(step: int, rate: float) -> float:
+    return rate * step
+
+
+@pytest.mark.fast
+def test_a_script_function_is_named_alike_in_the_script_and_in_a_spawned_worker() -> None:
+    def fn() -> None: ...
+
+    fn.__module__ = "__mp_main__"  # as a spawned worker's import of the script names it
+    assert qualified(fn) == f"__main__.{fn.__qualname__}"
+    fn.__module__ = "__main__"
+    assert qualified(fn) == f"__main__.{fn.__qualname__}"
+    assert qualified(torch.optim.SGD) == "torch.optim.sgd.SGD"
+
+
+@pytest.mark.fast
+def test_values_are_described_without_addresses_or_numbers() -> None:
+    text = describe({"lr_lambda": functools.partial(_f, rate=0.5), "w": torch.ones(3, 2), "obj": object()})
+    assert "0x" not in text
+    assert text == f"{{'lr_lambda': partial({_f.__module__}._f, rate=0.5), 'w': tensor(shape=[3, 2], dtype=float32), 'obj': <object object>}}"
+    assert describe({"lr": 0.1, "betas": (0.9, 0.99)}) == repr({"lr": 0.1, "betas": (0.9, 0.99)})  # plain values as before
+
+
+@pytest.mark.fast
+def test_accept_changes_takes_only_the_fields_rebuilt_from_this_run(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"\['tensors', 'workers'\] cannot be accepted; only \['optimizer', 'lr_scheduler', 'outer_optimizer'\]"):
+        load(tmp_path, {}, accept=["workers", "tensors", "optimizer"])
+    assert ACCEPTABLE == ("optimizer", "lr_scheduler", "outer_optimizer")
+
+
+def _run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_a_script_resumes_in_a_second_process_and_ends_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    first = _run(tmp_path / "a", 1, tmp_path / "a1.pt")
+    assert first.returncode == 0, first.stderr
+    assert "NAMED __main__.make_optimizer" in first.stdout
+    resumed = _run(tmp_path / "a", 2, tmp_path / "a2.pt", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    whole = _run(tmp_path / "b", 2, tmp_path / "b2.pt")
+    assert whole.returncode == 0, whole.stderr
+    for a, b in zip(torch.load(tmp_path / "a2.pt"), torch.load(tmp_path / "b2.pt"), strict=True):
+        assert torch.equal(a, b)
+    saved = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)
+    assert saved["fingerprint"]["optimizer"] == "__main__.make_optimizer(model)"  # written by spawned worker 0
+
+    changed = _run(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group")
+    assert changed.returncode != 0
+    message = next(line for line in changed.stderr.splitlines() if f"{CheckpointError.__name__}: " in line)
+    assert "(optimizer differs)" in message and "accept_changes=['optimizer']" in message
+    assert "optimizer: checkpoint has '__main__.make_optimizer(model)', this run has '__main__.one_group(model)'" in changed.stderr
+    misfit = _run(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group", "--accept")
+    assert misfit.returncode != 0 and "its state does not load into this run's optimizer" in misfit.stderr
+    accepted = _run(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--renamed", "--accept")
+    assert accepted.returncode == 0, accepted.stderr
