@@ -99,6 +99,43 @@ class Schedule:
         self.steps = state["steps"]
 
 
+# The attribute that holds the length a scheduler of this kind is planned over: the run's whole
+# length, as people size them. Warm-ups (LinearLR, ConstantLR) and periodic ones are not checked.
+PLANNED_LENGTH = {"OneCycleLR": "total_steps", "CosineAnnealingLR": "T_max", "PolynomialLR": "total_iters"}
+
+
+def steps_per_epoch(batches: int, world_size: int) -> int:
+    """The global steps (each worker's) an epoch of `batches` batches takes on `world_size` workers."""
+    return math.ceil(batches / world_size)
+
+
+def sizing_warning(schedule: Schedule, iterations: int, batches: int) -> str | None:
+    """What is wrong with a per-step schedule's planned length for a fit of `batches` batches that
+    starts after `iterations` (over the wrapper's life), or None: a length it would step past, or
+    one sized the plain loop's way (every batch a step) where N workers split the batches. A length
+    between the two is taken as planned over this fit and later ones."""
+    kind = type(schedule.scheduler).__name__
+    if schedule.interval != "step" or kind not in PLANNED_LENGTH:
+        return None
+    attribute = PLANNED_LENGTH[kind]
+    planned = int(getattr(schedule.scheduler, attribute)) - schedule.steps  # what is left of it
+    n = schedule.world_size
+    taken = math.ceil((iterations + batches) / n) - schedule.steps
+    why = f"this fit's {batches} batches split across {n} workers are {taken} global steps (each worker's)"
+    if taken > planned:
+        return (
+            f"lr_scheduler: {kind} has {planned} steps left ({attribute}), but {why}: it would step past its end "
+            f"({kind} then raises or turns back); size it as epochs * builder.steps_per_epoch(data)"
+        )
+    if n > 1 and planned == batches:
+        return (
+            f"lr_scheduler: {kind} is sized {planned} steps ({attribute}), one per batch as in a one-process loop, "
+            f"but {why}: it would stop {taken / planned:.0%} of the way through; size it as epochs * "
+            f"builder.steps_per_epoch(data) = {taken} (docs/guides/schedules.md)"
+        )
+    return None
+
+
 def make_schedule(spec: SchedulerSpec | None, optimizer: torch.optim.Optimizer, world_size: int) -> Schedule | None:
     """The schedule `.lr_scheduler(...)` asks for, on `optimizer`; None without one."""
     if spec is None:
@@ -106,4 +143,4 @@ def make_schedule(spec: SchedulerSpec | None, optimizer: torch.optim.Optimizer, 
     return Schedule(spec.build(optimizer), spec.interval, spec.monitor, world_size)
 
 
-__all__ = ["Schedule", "make_schedule"]
+__all__ = ["PLANNED_LENGTH", "Schedule", "make_schedule", "sizing_warning", "steps_per_epoch"]

@@ -6,6 +6,7 @@ Spawned workers (their learning rates logged from `before_step`) and real gloo."
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +244,41 @@ def test_bad_schedulers_fail_at_build_with_a_short_message() -> None:
         base.lr_scheduler(ReduceLROnPlateau, monitor="val_accuracy").build()
     with pytest.raises(ValueError, match=r"lr_scheduler cannot be sent to a spawned worker"):
         ParallelWrapper.builder(mlp()).workers(2).lr_scheduler(lambda o: StepLR(o, 1)).build()
+
+
+@pytest.mark.fast
+def test_a_per_step_schedule_that_fails_at_build_says_how_workers_count_its_steps() -> None:
+    base = ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.1).workers(2)
+    with pytest.raises(ValueError, match=r"OneCycleLR.*total_steps': 4.* per step failed: ZeroDivisionError.*; per step, each of 2 workers "
+                       r"takes ceil\(batches / 2\) steps an epoch \(builder.steps_per_epoch\(data\)\)"):
+        base.lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=4, pct_start=0.25).build()
+
+
+@pytest.mark.fast
+def test_steps_per_epoch_is_the_global_step_count_of_an_epoch() -> None:
+    builder = ParallelWrapper.builder(mlp()).workers(2)
+    assert builder.steps_per_epoch(make_batches(11)) == 6 and builder.steps_per_epoch(12) == 6
+    assert ParallelWrapper.builder(mlp()).workers(3).steps_per_epoch(12) == 4
+    with pytest.raises(ValueError, match=r"steps_per_epoch\(data\) takes batches with a len\(\)"):
+        builder.steps_per_epoch(lambda: iter(make_batches(2)))
+
+
+def _one_cycle_fit(total_steps: int, epochs: int = 2) -> list[str]:
+    """The lr_scheduler warnings of a 2-worker fit of `epochs` over a DataLoader of 8 batches."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 10), torch.randint(0, 3, (64,))), batch_size=8)
+    builder = ParallelWrapper.builder(mlp()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.1).averaging_frequency(2)
+    builder.lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=total_steps)
+    with warnings.catch_warnings(record=True) as caught, builder.build() as wrapper:
+        warnings.simplefilter("always")
+        wrapper.fit(data, epochs=epochs)
+        assert wrapper.lr_scheduler.last_epoch == epochs * wrapper.steps_per_epoch(data)
+    return [str(w.message) for w in caught if str(w.message).startswith("lr_scheduler")]
+
+
+def test_a_schedule_sized_the_one_process_way_warns_once_at_fit_and_one_sized_for_the_split_does_not() -> None:
+    epochs, batches = 2, 8
+    plain = _one_cycle_fit(total_steps=epochs * batches)
+    assert len(plain) == 1, plain
+    assert plain[0].startswith("lr_scheduler: OneCycleLR is sized 16 steps (total_steps), one per batch as in a one-process loop")
+    assert "are 8 global steps (each worker's)" in plain[0] and "stop 50% of the way through" in plain[0]
+    assert _one_cycle_fit(total_steps=epochs * batches // 2) == []
