@@ -231,9 +231,9 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
 def with_lr_schedule(b: Builder, options: RunOptions, batches_per_epoch: int) -> Builder:
     """The builder with `options.lr_schedule`: "step" multiplies the learning rate by 0.7 after
     each epoch; "cosine" anneals it to 0 and "onecycle" warms it up to `lr` and down again, both
-    over the run's synchronous-equivalent steps, ceil(batches / workers) an epoch, the counter
-    the workers step schedules by."""
-    steps = options.epochs * math.ceil(batches_per_epoch / options.workers)
+    over the run's synchronous-equivalent steps, ceil(batches / workers) an epoch (under
+    torchrun, its ranks), the counter the workers step schedules by."""
+    steps = options.epochs * b.steps_per_epoch(batches_per_epoch)
     schedulers = torch.optim.lr_scheduler
     if options.lr_schedule == "step":
         return b.lr_scheduler(schedulers.StepLR, step_size=1, gamma=0.7)
