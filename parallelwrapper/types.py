@@ -216,17 +216,29 @@ class Stopped(Exception):
     """Training stopped early, at a round boundary, because a worker's host asked."""
 
 
+_TRACEBACK = "Traceback (most recent call last):"
+
+
 class WorkerError(RuntimeError):
     """A worker failed, under any host (spawned, in-process, torchrun).
 
-    `rank` names it; `where` says the epoch, batch and local step when known. The first line of
-    the message says who failed where, and what happened; the worker's traceback follows it."""
+    `rank` names it; `where` says the epoch, batch and local step when known. The message reads
+    first things first: who failed where, and what happened (the worker's exception type and
+    message), on its first line; one line for each peer that failed because of it (`echoes`);
+    then the worker's traceback (`details`), once, so that on a terminal it ends, as any Python
+    traceback does, with the worker's own exception."""
 
-    def __init__(self, rank: int, summary: str, details: str = "", where: Where | None = None, at: float | None = None, stage: int | None = None) -> None:
+    def __init__(
+        self, rank: int, summary: str, details: str = "", where: Where | None = None, at: float | None = None, stage: int | None = None, echoes: tuple[str, ...] = ()
+    ) -> None:
         place = f" {where}" if where is not None else ""
         who = f"worker {rank}" + ("" if stage is None else f" stage {stage}")  # `stage`: of a pipeline (pipeline/)
-        super().__init__(f"{who} failed{place}: {summary}" + (f"\n\n{details.rstrip()}" if details else ""))
-        self.rank, self.summary, self.details, self.where, self.stage = rank, summary, details, where, stage
+        head = "\n".join((f"{who} failed{place}: {summary}", *echoes))
+        tail = details.rstrip()
+        if tail.startswith(_TRACEBACK):  # told apart from the main process's, which a terminal shows above it
+            tail = f"Traceback in {who} (most recent call last):{tail[len(_TRACEBACK) :]}"
+        super().__init__(head + (f"\n\n{tail}" if tail.strip() else ""))
+        self.rank, self.summary, self.details, self.where, self.stage, self.echoes = rank, summary, details, where, stage, tuple(echoes)
         self.at = time.monotonic() if at is None else at  # when it failed (system-wide clock): the first is the cause
 
     @property
@@ -245,15 +257,15 @@ class WorkerError(RuntimeError):
         return None if self.where is None else self.where.local_step
 
     def __reduce__(self) -> tuple[Any, ...]:  # travels from a spawned worker as a value
-        return (WorkerError, (self.rank, self.summary, self.details, self.where, self.at, self.stage))
+        return (WorkerError, (self.rank, self.summary, self.details, self.where, self.at, self.stage, self.echoes))
 
     def with_echoes(self, echoes: dict[int, str], stages: int = 1) -> WorkerError:
-        """This error, and one short line each for the peers that failed because of it (a lost
-        connection, mostly: the collective library's source locations are left out). `echoes` is
-        by process: rank·stages + stage, with pipelines of `stages` processes."""
+        """This error, and one short line each, under its first, for the peers that failed because
+        of it (a lost connection, mostly: the collective library's source locations are left out).
+        `echoes` is by process: rank·stages + stage, with pipelines of `stages` processes."""
         me = self.rank * stages + (self.stage or 0)
-        lines = "".join(f"\n(also {_who(p, stages)}: {_echo(line)})" for p, line in sorted(echoes.items()) if p != me)
-        return WorkerError(self.rank, self.summary, self.details + ("\n" + lines if lines else ""), self.where, self.at, self.stage)
+        lines = tuple(f"(also {_who(p, stages)}: {_echo(line)})" for p, line in sorted(echoes.items()) if p != me)
+        return WorkerError(self.rank, self.summary, self.details, self.where, self.at, self.stage, self.echoes + lines)
 
 
 def _who(process: int, stages: int) -> str:

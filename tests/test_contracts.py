@@ -329,7 +329,8 @@ def test_worker_error_says_who_where_and_what_in_its_first_line_and_travels() ->
     assert (error.rank, error.epoch, error.batch, error.local_step) == (1, 0, 9, 4)
     gloo = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
     echoed = error.with_echoes({1: "ignored: the error itself", 0: gloo})
-    assert str(echoed).endswith("\n(also worker 0: RuntimeError: Connection closed by peer)")
+    # First things first: who failed where and why, a line for each peer's echo, then the worker's traceback.
+    assert str(echoed).splitlines()[:4] == [first, "(also worker 0: RuntimeError: Connection closed by peer)", "", "Traceback in worker 1 (most recent call last):"]
     assert str(echoed).count("also worker") == 1
     copy = pickle.loads(pickle.dumps(echoed))
     assert str(copy) == str(echoed) and copy.where == error.where

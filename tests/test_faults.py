@@ -111,6 +111,62 @@ def test_raise_in_backward_names_rank_step_and_traceback() -> None:
     assert "batch 9 of epoch 0" in text and "local step 4" in text
 
 
+FLAKY_SCRIPT = """
+import torch
+from torch import nn
+from parallelwrapper import ParallelWrapper
+
+
+class Flaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x[0, 0]) == 7.0:
+            raise ValueError("this batch is bad: first feature is 7")
+        return self.net(x)
+
+
+def main() -> None:
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 10, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(20)]
+    data[9][0][0, 0] = 7.0
+    with ParallelWrapper.builder(Flaky()).workers({workers}).threads_per_worker(1).deterministic(True).build() as wrapper:
+        wrapper.fit(data)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.parametrize(("workers", "step"), [(2, 4), (1, 9)], ids=["spawned", "in-process"])
+def test_a_worker_error_on_screen_says_what_happened_first_and_shows_one_traceback(tmp_path: Path, workers: int, step: int) -> None:
+    # What a user sees who runs `python script.py` and whose model raises on batch 9 (worker 1's
+    # 5th batch when two deal them): the main process's frames, then the worker, the batch, the
+    # exception's type and message on one line, a peer's echo on one line at most, and the worker's
+    # traceback once, ending with the exception as any Python traceback does.
+    script = tmp_path / "flaky.py"
+    script.write_text(FLAKY_SCRIPT.format(workers=workers))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.rstrip().splitlines()
+    error = next(i for i, line in enumerate(lines) if not line.startswith(("Traceback (most recent call last):", "  ")))
+    assert lines[error] == (
+        f"parallelwrapper.types.WorkerError: worker {workers - 1} failed while training on batch 9 of epoch 0 "
+        f"(float32[16, 10], int64[16]) (local step {step}): ValueError: this batch is bad: first feature is 7"
+    ), result.stderr
+    echoes = [line for line in lines if line.startswith("(also ")]
+    assert len(echoes) <= workers - 1 and lines[error + 1 : error + 1 + len(echoes)] == echoes
+    assert lines[error + 1 + len(echoes) :][:2] == ["", f"Traceback in worker {workers - 1} (most recent call last):"]
+    assert result.stderr.count('raise ValueError("this batch is bad: first feature is 7")') == 1, "the worker's traceback, once"
+    assert result.stderr.count("(most recent call last)") == 2  # the main process's frames and the worker's
+    assert "direct cause" not in result.stderr and "During handling" not in result.stderr
+    assert lines[-1] == "ValueError: this batch is bad: first feature is 7"
+    assert "tensor(" not in result.stderr
+
+
 def test_killed_worker_is_named_without_waiting_for_a_collective_timeout() -> None:
     w = builder().training_step(killed_step).stall_timeout(120).build()
     error = fails_fast(w, mark(make_batches(20), 9), limit_s=20)

@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -152,8 +152,8 @@ class Worker:
             try:
                 replica.load_state(command.state)
                 replica.counters = dataclasses.replace(command.counters)
-            except Exception as e:
-                raise self.failure(e) from e
+            except Exception as e:  # noqa: BLE001 - any failure is a WorkerError, whose message holds e's traceback: from None prints it once
+                raise self.failure(e) from None
         return command.until_epoch
 
     def train(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
@@ -165,13 +165,13 @@ class Worker:
                 self.replica.fit(until_epoch, source, report)
             except (Stopped, FeedError):
                 raise
-            except Exception as e:
-                raise self.failure(e) from e
+            except Exception as e:  # noqa: BLE001 - any failure is a WorkerError, whose message holds e's traceback: from None prints it once
+                raise self.failure(e) from None
 
     def failure(self, error: BaseException) -> WorkerError:
-        """A WorkerError for `error`, raised in this worker: call it while handling the error."""
+        """A WorkerError for `error`, raised in this worker, with its traceback (`one_traceback`)."""
         where = error.where if isinstance(error, TrainingError) and error.where else self.replica.hooks.where
-        return WorkerError(self.rank, summary(error), traceback.format_exc(), where, stage=self.stage)
+        return WorkerError(self.rank, summary(error), one_traceback(error), where, stage=self.stage)
 
     @contextlib.contextmanager
     def _own_threads_and_rng(self) -> Iterator[None]:
@@ -198,6 +198,29 @@ def stage_worker(job: Job, config: Config, placement: Placement, process: int, l
     make = functools.partial(StageReplica, position=position, pipe=pipe, whole=whole)
     worker = Worker(job, config, placement, position.worker, local_rank, group=group, hooks=hooks, own_model=own_model, make_replica=make, stage=position.stage, process=process)
     return worker, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe)
+
+
+def one_traceback(error: BaseException) -> str:
+    """`error`'s traceback, as one. A TrainingError that a step's exception (the model's, the
+    loss's) was re-raised as would print as two tracebacks chained, the second repeating the
+    first's message: instead, its frames down to the one that caught the step's exception, then
+    that exception's frames, type and message. Anything else is formatted as Python prints it."""
+    cause = error.__cause__
+    if isinstance(error, TrainingError) and cause is not None and cause.__traceback__ is not None:
+        caught_in = cause.__traceback__.tb_frame
+        outer = [tb.tb_frame for tb in _walk(error.__traceback__)]
+        if caught_in in outer:
+            one = traceback.TracebackException.from_exception(cause)
+            frames = traceback.TracebackException.from_exception(error).stack[: outer.index(caught_in)]
+            one.stack = traceback.StackSummary.from_list([*frames, *one.stack])
+            return "".join(one.format())
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+def _walk(tb: TracebackType | None) -> Iterator[TracebackType]:
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 def summary(error: BaseException) -> str:

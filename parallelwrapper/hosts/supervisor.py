@@ -54,7 +54,8 @@ class Supervisor:
             return None
         kind, rank, payload = message
         if kind == "error":
-            self._raise_root_cause(payload)
+            # From None, here and below: what the main process was handling is not its context.
+            raise self._root_cause(payload) from None
         return kind, rank, payload
 
     def _take(self) -> tuple[str, int, Any]:
@@ -66,7 +67,7 @@ class Supervisor:
         for rank, p in enumerate(self._processes):
             if p.exitcode is not None:
                 # It may have sent an error just before exiting; that says more than the exit code.
-                self._raise_root_cause(self._death(rank, stage))
+                raise self._root_cause(self._death(rank, stage)) from None
 
     def _death(self, rank: int, stage: str) -> WorkerError:
         phase, where, _ = self._board.read(rank)
@@ -105,10 +106,11 @@ class Supervisor:
             f"the training data produced none; {limit}",
         )
 
-    def _raise_root_cause(self, error: WorkerError) -> None:
+    def _root_cause(self, error: WorkerError) -> WorkerError:
         """Wait briefly for the error that caused this one (a worker killed by a signal sends
-        nothing, and its peers then report broken connections), then raise the root cause, with
-        one line for each peer's echo of it."""
+        nothing, and its peers then report broken connections), then the root cause, with one line
+        for each peer's echo of it, for the caller to raise (from None: the main process's own
+        exceptions say nothing about the worker's)."""
         errors = {self._process(error): error}
         deadline = time.monotonic() + _ERROR_GRACE_S
         while time.monotonic() < deadline:
@@ -129,7 +131,7 @@ class Supervisor:
             errors[root] = self._death(root, "training")
         else:  # the first to fail; the others failed because it was gone
             root = self._process(min(errors.values(), key=lambda e: e.at))
-        raise errors[root].with_echoes({r: e.summary for r, e in errors.items()}, self._stages)
+        return errors[root].with_echoes({r: e.summary for r, e in errors.items()}, self._stages)
 
     def gather(self, kind: str, ranks: set[int], timeout_s: float, on_other: Any, stage: str, echoes: bool = False) -> dict[int, Any]:
         """The payloads of a `kind` message from each of `ranks`, within `timeout_s`, while `stage`;
@@ -143,7 +145,7 @@ class Supervisor:
             except queue.Empty:
                 for rank in ranks - got.keys():
                     if self._processes[rank].exitcode is not None:
-                        self._raise_root_cause(self._death(rank, stage))
+                        raise self._root_cause(self._death(rank, stage)) from None
                 if time.monotonic() > deadline:
                     missing = sorted(ranks - got.keys())
                     raise self._error(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}") from None  # the silence is the error, not the empty queue
@@ -151,7 +153,7 @@ class Supervisor:
             if message[0] == kind and message[1] in ranks:
                 got[message[1]] = message[2]
             elif message[0] == "error" and not echoes:
-                self._raise_root_cause(message[2])
+                raise self._root_cause(message[2]) from None
             elif message[0] != "error":
                 on_other(message)
         return got
