@@ -53,6 +53,8 @@ def memory_order(t: torch.Tensor) -> torch.Tensor | None:
     """`t`'s elements as they lie in memory, a 1-D view of them, when `t` is dense (its elements
     fill a span of its storage without gaps or repeats, in any order of dimensions: channels_last,
     a transpose); None when it is not (a strided slice, an expanded view)."""
+    if t.is_contiguous():  # row-major: the common case, without the sort
+        return t.view(-1)
     strides = t.stride()
     order = sorted(range(t.dim()), key=lambda d: -strides[d])  # outermost first; stable for ties
     permuted = t.permute(order)
