@@ -1,30 +1,38 @@
 """A DataLoader over a map-style dataset, read by spawned workers in shards (feed.py): the main
 process draws each epoch's batches as sample indices from the loader's batch sampler (shuffling
 as iterating the loader would), and each worker loads and collates only the batches dealt to it,
-from its own copy of the dataset, which goes to the workers once per fit()."""
+from its own copy of the dataset, which goes to the workers once per fit().
+
+Validation data goes the same way, but each worker draws the indices itself, where it used to
+iterate the whole loader (`loader_share`): every worker draws the same batches, as iterating the
+loader would, and loads only its own, about 1/N of the samples."""
 
 from __future__ import annotations
 
 import io
 import itertools
+import multiprocessing
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
 
 
+def indexed_loader(data: object) -> TypeGuard[DataLoader[Any]]:
+    """A DataLoader that batches a map-style dataset by its batch sampler: its batches can be drawn
+    as sample indices, and loaded wherever its dataset is."""
+    return isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and data.batch_sampler is not None
+
+
 def map_style_loader(data: object) -> bool:
-    """A DataLoader that batches a map-style dataset in the calling process by its batch sampler
-    (not one whose own worker processes load: those read ahead in parallel already), whose
-    dataset and collate function pickle, to go to the workers."""
-    return (
-        isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and data.num_workers == 0
-        and data.batch_sampler is not None and _pickles((data.dataset, data.collate_fn))
-    )  # fmt: skip
+    """An `indexed_loader` that loads in the calling process (not one whose own worker processes
+    load: those read ahead in parallel already), whose dataset and collate function pickle, to go
+    to the workers."""
+    return indexed_loader(data) and data.num_workers == 0 and _pickles((data.dataset, data.collate_fn))
 
 
 class _TensorsAside(pickle.Pickler):
@@ -86,17 +94,40 @@ class DatasetEpochs:
         return self.collate_fn(getitems(keys) if getitems is not None else [self.dataset[i] for i in keys])
 
 
-def _epoch_indices(loader: DataLoader[Any]) -> Epoch:
-    """One epoch's batches of sample indices, drawn as iterating the loader draws them: its
-    iterator takes a base seed for its workers from the generator (the global one when None)
-    before the sampler draws its own, so the random streams stay where the loader leaves them."""
+def loader_share(loader: DataLoader[Any], rank: int, world_size: int) -> DataLoader[Any]:
+    """One pass over an `indexed_loader`'s batches i ≡ rank (mod world_size), as a loader of their
+    own: the pass's batches drawn as sample indices, as iterating `loader` draws them (its random
+    streams left where iterating it leaves them), and only this rank's loaded and collated, by
+    `loader`'s settings. Its processes (num_workers) start afresh for each pass; in a spawned
+    worker, a daemon that may start none, the share loads in the worker itself."""
+    seed, batches = _drawn(loader)
+    processes = 0 if multiprocessing.current_process().daemon else loader.num_workers
+    return DataLoader(
+        loader.dataset, batch_sampler=batches[rank::world_size], collate_fn=loader.collate_fn, num_workers=processes,
+        pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=torch.Generator().manual_seed(seed),
+        prefetch_factor=loader.prefetch_factor if processes else None, pin_memory_device=loader.pin_memory_device,
+        in_order=loader.in_order,
+    )  # fmt: skip
+
+
+def _drawn(loader: DataLoader[Any]) -> tuple[int, list[list[Any]]]:
+    """(base seed, batches): one pass's batches of sample indices, drawn as iterating the loader
+    draws them: its iterator takes the base seed of its processes from the generator (the global
+    one when None) before the sampler draws its own, so the random streams stay where the loader
+    leaves them."""
     assert loader.batch_sampler is not None
-    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
-    batches = [list(batch) for batch in loader.batch_sampler]
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator))
+    return seed, [list(batch) for batch in loader.batch_sampler]
+
+
+def _epoch_indices(loader: DataLoader[Any]) -> Epoch:
+    """One epoch's batches of sample indices (`_drawn`), ints packed in tensors."""
+    _, batches = _drawn(loader)
     if not all(type(i) is int for batch in batches for i in batch):
         return batches
     starts = torch.tensor([0, *itertools.accumulate(len(batch) for batch in batches)], dtype=torch.int64)
     return torch.tensor([i for batch in batches for i in batch], dtype=torch.int64), starts
 
 
-__all__ = ["DatasetEpochs", "map_style_loader"]
+__all__ = ["DatasetEpochs", "indexed_loader", "loader_share", "map_style_loader"]

@@ -16,6 +16,8 @@ reads its shard in the dealt order; the main process copies nothing per batch. A
 map-style dataset, loading in the main process (num_workers=0), is read the same way
 (`DatasetEpochs`): the main process draws each epoch's batches of sample indices from the
 loader's batch sampler, shuffling included, and each worker loads and collates only its own.
+Validation data is dealt the same way (`rank_share`): of such a loader, each worker draws the
+batches' indices itself and loads only its own.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .batches import to_cpu
 from .config import check_int
-from .dataset_shards import DatasetEpochs, map_style_loader
+from .dataset_shards import DatasetEpochs, indexed_loader, loader_share, map_style_loader
 from .processes import main_process_gone
 from .slots import SlotReader, SlotWriter
 from .types import END, EndOfEpoch
@@ -269,8 +271,13 @@ def distributed_sampler(data: Batches) -> DistributedSampler[Any] | None:
 
 
 def rank_share(data: Batches, rank: int, world_size: int) -> Iterator[Any]:
-    """One pass over `data`, this rank's batches only, as ShardSource deals them."""
+    """One pass over `data`, this rank's batches only, as ShardSource deals them. Of a DataLoader
+    over a map-style dataset (`indexed_loader`), only this rank's batches are loaded
+    (`loader_share`); other data is iterated whole, and the other ranks' batches dropped."""
     presharded = distributed_sampler(data) is not None
+    if not presharded and indexed_loader(data):
+        yield from loader_share(data, rank, world_size)
+        return
     for index, batch in enumerate(epoch_iterable(data)()):
         if presharded or index % world_size == rank:
             yield batch
