@@ -10,10 +10,11 @@ Deterministic mode: batch i goes to worker i mod N through a queue of its own, s
 gives the same model on every run.
 
 Under torchrun, and for one worker in the caller's process, there is no queue: each process
-reads its own rank-strided shard (`ShardSource`). So do spawned workers given a list or tuple
-of batches (`shardable`): they receive it once per fit(), its tensors in shared memory, and each
-reads its shard in the dealt order; the main process copies nothing per batch. A DataLoader over a
-map-style dataset, loading in the main process (num_workers=0), is read the same way
+reads its own data. So do spawned workers given a list or tuple of batches (`shardable`): they
+receive it once per fit(), its tensors in shared memory, and the main process copies nothing per
+batch. Each claims its batches first-come (claims.py), or, dealt, reads its rank-strided shard
+(`ShardSource`). A DataLoader over a map-style dataset, loading in the main process
+(num_workers=0), is read the same way
 (`DatasetEpochs`): the main process draws each epoch's batches of sample indices from the
 loader's batch sampler, shuffling included, and each worker loads and collates only its own.
 Validation data is dealt the same way (`rank_share`): of such a loader, each worker draws the

@@ -132,6 +132,7 @@ class FitCommand:
     state: TrainingState
     rng: list[dict[str, Any]] | None  # per rank, when resuming from a checkpoint
     shards: Any = None  # spawned workers: the list of batches, or feed.DatasetEpochs, each reads its shard of (feed.shardable)
+    claims: str | None = None  # with shards: the store key every worker claims its batches from (claims.py); None: dealt
 
 
 @dataclass(frozen=True)

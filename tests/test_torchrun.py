@@ -78,6 +78,23 @@ def test_one_node_two_processes(tmp_path: Path) -> None:
     assert_ranks_equal_reference(tmp_path)
 
 
+UNEQUAL = Path(__file__).parent / "scripts" / "torchrun_unequal.py"
+
+
+def test_ranks_of_unequal_speed_claim_batches_and_train_each_sample_once(tmp_path: Path) -> None:
+    """Rank 1 three times slower: the ranks claim batches from torchrun's store (claims.py), so
+    the faster rank trains more of each round, and every sample is trained once an epoch."""
+    result = subprocess.run(
+        torchrun("--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(UNEQUAL), str(tmp_path)),
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env(),
+    )
+    check(result)
+    taken = [[int(i) for i in (tmp_path / f"ids{rank}.txt").read_text().split()] for rank in (0, 1)]
+    assert sorted(taken[0] + taken[1]) == sorted(list(range(41 * 8)) * 2)
+    assert len(taken[0]) > 1.5 * len(taken[1]) > 0, [len(t) for t in taken]
+    assert json.loads((tmp_path / "history.json").read_text()) == {"iterations": [41, 82]}
+
+
 SAME_START = Path(__file__).parent / "scripts" / "torchrun_same_start.py"
 
 

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from ..checkpoint import make_checkpointer
+from ..claims import StoreCounter, source_for
 from ..config import Config, Job
 from ..env import Placement, collective_timeout
-from ..feed import QueueSource, ShardSource
+from ..feed import QueueSource
 from ..processes import adopt_environment, main_process_gone
 from ..slots import SlotReader
 from ..types import BatchSource, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
@@ -138,7 +139,8 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
                     assert keeper is not None
                     command = keeper.regroup(command, rank, join)
                 counters = command.counters
-                fed = relay(source if command.shards is None else ShardSource(command.shards, me, world, counters.epoch, counters.position))
+                counter = None if command.claims is None else StoreCounter(store, command.claims)
+                fed = relay(source if command.shards is None else source_for(command.shards, me, world, counters, command.until_epoch, counter))
                 until_epoch = worker.start(command)
                 command = None  # loaded: its shared memory goes back now, not at the fit's end
                 worker.train(until_epoch, fed, report)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from ..claims import claimed
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, Feeder, drain, shardable, shards_of
@@ -128,6 +129,7 @@ class WorkerPool:
         self._ledgers = [Ledger(ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)] if replaces else None
         self._recovery = Recovery(config.max_replacements) if replaces else None
         self._generation = 0
+        self._fits = 0  # fits read in shards, each claiming from a key of its own
         self._results = ctx.Queue()
         self._stop = ctx.Event()
         self._abort = ctx.Event()
@@ -194,7 +196,11 @@ class WorkerPool:
         c, until_epoch = command.counters, command.until_epoch
         feeder = None
         if shardable(data, self.config.feed, self._recovery is not None):
-            command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch))  # its tensors go to shared memory once
+            # Its tensors go to shared memory once; the workers claim its batches first-come from
+            # a key of this fit's in the store (claims.py), or each reads its dealt shard.
+            self._fits += 1
+            claims = f"pw-claims/{self._fits}" if claimed(self.config) else None
+            command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch), claims=claims)
         else:
             feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, self._placement.world_size, self.slots)
         for q in self._commands:

@@ -29,9 +29,10 @@ from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[
 
 from ..batches import map_leaves
 from ..checkpoint import make_checkpointer, path_of
+from ..claims import StoreCounter, claimed, source_for
 from ..config import Config, Job
 from ..env import Placement, TorchrunEnv, collective_timeout
-from ..feed import Batches, ShardSource
+from ..feed import Batches
 from ..pipeline import StageReplica, gathered_state
 from ..rounds import Node
 from ..types import BatchSource, FitCommand, Reporter, TrainingState, WorkerError
@@ -143,8 +144,12 @@ class TorchrunWorker:
         self._owns_group = not dist.is_initialized()
         self._heartbeat: Heartbeat | None = None
         self.resume_point: str | None = None  # the checkpoint a restarted group's first fit() resumes from
+        self._claims: PrefixStore | None = None  # where ranks claim their batches first-come (claims.py)
+        self._fits = 0
         if self._owns_group:
             store, prefix, resume = _join(config, env)
+            if claimed(config):
+                self._claims = PrefixStore(f"{prefix}/claims", store)
             dist.init_process_group(
                 placement.backend, store=PrefixStore(prefix, store), rank=env.rank, world_size=env.world_size,
                 timeout=collective_timeout(config),
@@ -168,7 +173,9 @@ class TorchrunWorker:
             command = dataclasses.replace(command, state=_from_rank_0(command.state))
             self._started = True
         counters = command.counters
-        source: BatchSource = ShardSource(data, self._worker.rank, self._workers, counters.epoch, counters.position)
+        self._fits += 1  # every rank counts its fits alike: the key of this fit's claims
+        counter = None if self._claims is None else StoreCounter(self._claims, f"fit-{self._fits}")
+        source: BatchSource = source_for(data, self._worker.rank, self._workers, counters, command.until_epoch, counter)
         if self._relay is not None:
             source = self._relay(source)
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):

@@ -1,0 +1,146 @@
+"""First-come batches with no feeder: every worker claims the next batch of the fit from one
+counter that all of them share, and loads that batch itself.
+
+A claim is a number, 0, 1, 2, ... over the whole fit, each handed to exactly one worker by one
+`add` on a key of the group's store (`StoreCounter`): the main process's store for spawned
+workers, torchrun's for ranks on any number of machines, with no data between them. Claim c
+is the fit's batch c past where it starts, epoch after epoch (`ClaimSource`), so every batch is
+trained exactly once and claims come in index order, as from the shared queue: a round still
+cuts the epoch into the same N·k batches (rounds/cut.py), and a faster worker takes more of each
+round's. Data is read by index: a list or tuple of batches (`ListEpochs`), or a map-style
+DataLoader's epochs of sample indices (dataset_shards.DatasetEpochs).
+
+Claims are for averaging rounds of spawned workers and torchrun ranks with the default feed.
+`.deterministic(True)` deals batch i to worker i mod N instead (a fixed split, so the same run
+gives the same model), and so do pipelines and a node hierarchy, whose ranks step together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .config import Config, TrainingMode
+from .dataset_shards import DatasetEpochs
+from .feed import ShardSource
+from .types import END, BatchSource, Counters, EndOfEpoch
+
+
+class Counter(Protocol):
+    def claim(self) -> int:
+        """The next claim: 0 first, each number once over every worker of the fit."""
+        ...
+
+
+class Indexed(Protocol):
+    """Epochs of batches read by index."""
+
+    def length(self, epoch: int) -> int: ...
+
+    def batch_at(self, epoch: int, index: int) -> Any: ...
+
+
+class StoreCounter:
+    """A key of the group's store, one for each fit (a missing key counts from 0)."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self._store, self._key = store, key
+
+    def claim(self) -> int:
+        return int(self._store.add(self._key, 1)) - 1
+
+
+class ListEpochs:
+    """A list or tuple of batches, the same every epoch."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self._batches = batches
+
+    def length(self, epoch: int) -> int:
+        return len(self._batches)
+
+    def batch_at(self, epoch: int, index: int) -> Any:
+        return self._batches[index]
+
+
+class _DatasetIndexed:
+    """A map-style DataLoader's epochs of sample indices (DatasetEpochs), read by index: the
+    epoch's batches of indices are listed once, when the epoch is first read."""
+
+    def __init__(self, epochs: DatasetEpochs) -> None:
+        self._epochs = epochs
+        self._listed: tuple[int, list[Any]] = (-1, [])
+
+    def _batches(self, epoch: int) -> list[Any]:
+        if self._listed[0] != epoch:
+            self._listed = (epoch, list(self._epochs.indices(epoch)))
+        return self._listed[1]
+
+    def length(self, epoch: int) -> int:
+        return len(self._batches(epoch))
+
+    def batch_at(self, epoch: int, index: int) -> Any:
+        return self._epochs.batch(self._batches(epoch)[index])
+
+
+def claimed(config: Config) -> bool:
+    """Whether workers claim their batches first-come (else each reads its dealt shard): averaging
+    rounds with the default feed, neither dealt (`deterministic`) nor in lockstep within a
+    worker (a pipeline's stages) or a node (a hierarchy's ranks)."""
+    return (
+        config.feed == "auto" and not config.deterministic and config.training_mode is TrainingMode.AVERAGING
+        and config.pipeline is None and config.hierarchy == "none"
+    )  # fmt: skip
+
+
+def source_for(data: Any, rank: int, world_size: int, counters: Counters, until_epoch: int, counter: Counter | None) -> BatchSource:
+    """This worker's batches of the fit: claimed from `counter` where there is one and the data
+    reads by index, else its dealt shard (feed.ShardSource)."""
+    epochs = None if counter is None else indexed(data)
+    if epochs is None or counter is None:
+        return ShardSource(data, rank, world_size, counters.epoch, counters.position)
+    return ClaimSource(epochs, counter, counters.epoch, counters.position, until_epoch)
+
+
+def indexed(data: Any) -> Indexed | None:
+    """`data` read by index, where it can be: a list or tuple of batches, or DatasetEpochs."""
+    if isinstance(data, (list, tuple)):
+        return ListEpochs(data)
+    if isinstance(data, DatasetEpochs):
+        return _DatasetIndexed(data)
+    return None
+
+
+class ClaimSource:
+    """One worker's batches of epochs `epoch` to `until_epoch` − 1, the first `skip` batches of
+    `epoch` already trained (a resumed run): claimed, then loaded (`Indexed.batch_at`).
+
+    A worker that claims a batch of a later epoch holds it and ends its epoch (END): every batch
+    of this epoch is someone's already. It gives the held batch at the next epoch's first call.
+    """
+
+    def __init__(self, epochs: Indexed, counter: Counter, epoch: int, skip: int, until_epoch: int) -> None:
+        self._epochs, self._counter = epochs, counter
+        self._first, self._skip, self._until = epoch, skip, until_epoch
+        self._epoch = epoch  # the epoch this worker is in
+        self._held: tuple[int, int] | None = None  # (epoch, index) claimed and not given yet
+
+    def _locate(self, claim: int) -> tuple[int, int]:
+        """Where claim number `claim` lies: (epoch, index); past the fit's end, (until_epoch, 0)."""
+        position, epoch = claim + self._skip, self._first
+        while epoch < self._until and position >= (length := self._epochs.length(epoch)):
+            position, epoch = position - length, epoch + 1
+        return (epoch, position) if epoch < self._until else (self._until, 0)
+
+    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+        if self._held is None:
+            self._held = self._locate(self._counter.claim())
+        epoch, index = self._held
+        if epoch > self._epoch:
+            self._epoch += 1
+            return END
+        self._held = None
+        return index, self._epochs.batch_at(epoch, index)
+
+
+__all__ = ["ClaimSource", "Counter", "Indexed", "ListEpochs", "StoreCounter", "claimed", "indexed", "source_for"]
