@@ -9,8 +9,11 @@ is 127.0.0.1 and the port a free one instead of 29500.
 
 Where they run: a fresh checkout-like directory DIR/main, holding the pages' files and a link to
 this repository's examples/, beside DIR/shared/data/mnist, a small MNIST (the real files' first
-1,024 training and 256 test images) that `--data-dir ../shared/data/mnist` and $PW_DATA_DIR both
-name. `pip` is a stub that accepts the install commands README gives and nothing else: the suite
+1,024 training and 256 test images) that `--data-dir ../shared/data/mnist` names. README's
+commands run in order in one shell, so its torchrun lines still have the quick start's
+`export PW_DATA_DIR=../shared/data/mnist`: its blocks have it set. A guide's example runs on its
+own and names its data itself: for its blocks $PW_DATA_DIR names a directory that does not
+exist, which load_mnist refuses. `pip` is a stub that accepts the install commands README gives and nothing else: the suite
 runs in the environment they make, and .ci/run runs them for real.
 """
 
@@ -140,10 +143,11 @@ def place(mnist_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return checkout
 
 
-def environment(place: Path) -> dict[str, str]:
+def environment(place: Path, page: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PATH"] = f"{place.parent / 'bin'}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    env["PW_DATA_DIR"] = str(place.parent / "shared" / "data" / "mnist")
+    exported = place.parent / "shared" / "data" / "mnist" if page == "README.md" else place.parent / "PW_DATA_DIR-not-exported-by-this-page"
+    env["PW_DATA_DIR"] = str(exported)
     env["OMP_NUM_THREADS"] = "1"  # torchrun sets it too, with a warning
     return env
 
@@ -165,7 +169,7 @@ def check_output(block: Block, stdout: str) -> None:
 @pytest.mark.timeout(TIMEOUT_S + 30)
 @pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
 def test_block_runs_as_written(block: Block, place: Path) -> None:
-    env = environment(place)
+    env = environment(place, block.page)
     if block.marker != "run at once, one line per machine":
         result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=place, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         assert result.returncode == 0, f"{block.page} line {block.line} failed:\n{result.stdout}\n{result.stderr}"
