@@ -241,10 +241,21 @@ def collective_timeout(config: Config) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.stall_timeout_s + _COLLECTIVE_MARGIN_S)
 
 
+
+def deterministic_kernels() -> None:
+    """Deterministic CUDA kernels in this process (a worker on a GPU under .deterministic(True)):
+    cuBLAS's workspace as its reproducibility notes ask, before cuBLAS starts, and torch's
+    deterministic algorithms, warning of an op that has none."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
 __all__ = [
     "Placement",
     "TorchrunEnv",
     "collective_timeout",
+    "deterministic_kernels",
     "core_count",
     "gpu_count",
     "gpu_devices",

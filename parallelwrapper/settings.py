@@ -204,21 +204,23 @@ class Settings:
         return self._set("pipeline", Pipeline(stages, names, microbatches, schedule))
 
     def deterministic(self, flag: bool = True) -> Self:
-        """Deal batch i to worker i mod N instead of first-come, so two runs give the same model.
-        Default: False."""
+        """Deal batch i to worker i mod N instead of first-come, so two runs give the same model
+        (on a GPU, with deterministic kernels: torch.use_deterministic_algorithms). Every worker
+        then waits for the slowest at each round. Default: False."""
         return self._set("deterministic", bool(flag))
 
     def feed(self, mode: str) -> Self:
-        """How spawned workers get their batches. "auto": each reads its own shard of a list or
-        tuple of batches, batch i to worker i mod N (the deal of .deterministic(True)), which
-        they receive once per fit() in shared memory, so the main process copies nothing per
-        batch; so with a DataLoader over a map-style dataset with num_workers=0: the main process
+        """How spawned workers get their batches. "auto": a list or tuple of batches goes to them
+        once per fit() in shared memory, so the main process copies nothing per batch, and each
+        worker claims its next batch first-come from a counter in the group's store (a faster
+        worker trains more of each round); with .deterministic(True), batch i goes to worker i
+        mod N. So with a DataLoader over a map-style dataset with num_workers=0: the main process
         draws each epoch's sample indices from its batch sampler, and each worker loads and
         collates its own batches (the dataset goes to each worker once per fit(), so it must
         pickle). Any other data (an IterableDataset, a loader with workers of its own, a
         generator, a function), and any data with on_worker_failure("replace"), goes through the
         main process's queue. "queue": every batch through the queue, first-come unless
-        .deterministic(True), which balances workers of unequal speed. Default: "auto"."""
+        .deterministic(True). Default: "auto"."""
         return self._set("feed", mode)
 
     def seed(self, n: int) -> Self:

@@ -5,6 +5,7 @@ means in env.py."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -233,10 +234,13 @@ class ParallelWrapper:
         """Mean loss (NaN without a loss function) and accuracy (argmax(outputs) == targets) of the
         averaged model over `(inputs, targets)` batches, in this process, on `device` (default:
         where the model's parameters are), scored as the workers' validation scores them."""
-        if device is None:
-            device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        home = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        device = home if device is None else torch.device(device)
+        # Elsewhere (the workers trained on a GPU, the model came back to the CPU): a copy goes
+        # there, and the user's model stays where it is.
+        model = self.model if device == home else copy.deepcopy(self.model).to(device)
         metrics = functools.partial(classification_metrics, loss_fn=self._job.loss_fn)
-        sums, count = metric_sums(self.model, epoch_iterable(data)(), metrics, torch.device(device))
+        sums, count = metric_sums(model, epoch_iterable(data)(), metrics, device)
         if count == 0:
             raise ValueError("evaluate() got no batches")
         return {"loss": sums.get("loss", math.nan) / count, "accuracy": sums["accuracy"] / count, "samples": float(count)}

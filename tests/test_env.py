@@ -17,6 +17,7 @@ from parallelwrapper.env import (
     TorchrunEnv,
     collective_timeout,
     core_count,
+    deterministic_kernels,
     gpu_count,
     gpu_devices,
     resolve,
@@ -308,3 +309,19 @@ def test_placement_default_has_no_notes() -> None:
 def test_collective_timeout_outlasts_the_stall_watchdog(stall: float, seconds: float) -> None:
     """The watchdog names the stalled worker, so it must speak before the collective gives up."""
     assert collective_timeout(Config(stall_timeout_s=stall)) == datetime.timedelta(seconds=seconds)
+
+
+@pytest.mark.fast
+def test_deterministic_kernels_ask_for_cublas_workspace_and_deterministic_algorithms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a worker on a GPU asks for under .deterministic(True) (claim_device), before cuBLAS starts."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that monkeypatch puts back what was there
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.benchmark)
+    try:
+        deterministic_kernels()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]

@@ -111,7 +111,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
             return
         rank, generation = called
     try:
-        claim_device(placement, rank)
+        claim_device(placement, rank, config.deterministic)
         store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=collective_timeout(config))
 
         def join(generation: int) -> None:  # a replacement starts a new group under a new prefix

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..checkpoint import rng_state, set_rng_state
 from ..config import Config, Job
-from ..env import Placement
+from ..env import Placement, deterministic_kernels
 from ..feed import FeedError
 from ..pipeline import Position, RelaySource, StageReplica, join_groups, stage_module
 from ..pipeline.split import Layout
@@ -49,12 +49,17 @@ _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback
 _REPEAT_S = 2.0
 
 
-def claim_device(placement: Placement, local_rank: int) -> torch.device:
+def claim_device(placement: Placement, local_rank: int, deterministic: bool = False) -> torch.device:
     """This process's device, made the current CUDA device when it is one: before the process
-    group starts, so that NCCL's communicator and every later allocation use it."""
+    group starts, so that NCCL's communicator and every later allocation use it. `deterministic`
+    (`.deterministic(True)`) on a GPU asks for deterministic kernels too, before cuBLAS starts:
+    cuDNN's convolutions and cuBLAS's reductions vary from run to run otherwise (a resumed run
+    on an H200 ended apart from the uninterrupted one); torch warns of an op that has none."""
     device = placement.device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if deterministic:
+            deterministic_kernels()
     return device
 
 

@@ -138,7 +138,7 @@ class TorchrunWorker:
         env = placement.torchrun
         assert env is not None, "TorchrunWorker outside torchrun"
         self._rank, self._world = env.rank, env.world_size
-        claim_device(placement, env.local_rank)
+        claim_device(placement, env.local_rank, config.deterministic)
         # The caller may have joined the group itself (to use it beside the wrapper): then it is
         # theirs, and neither the resume nor the heartbeat is ours to decide.
         self._owns_group = not dist.is_initialized()
