@@ -129,9 +129,9 @@ def sizing_warning(schedule: Schedule, iterations: int, batches: int) -> str | N
         )
     if n > 1 and planned == batches:
         return (
-            f"lr_scheduler: {kind} is sized {planned} steps ({attribute}), one per batch as in a one-process loop, "
-            f"but {why}: it would stop {taken / planned:.0%} of the way through; size it as epochs * "
-            f"builder.steps_per_epoch(data) = {taken} (docs/guides/schedules.md)"
+            f"lr_scheduler: {kind} has {planned} steps planned ({attribute}), one per batch as a one-process loop counts, "
+            f"but {why}: it would end {taken / planned:.0%} of the way through. Size it as epochs * "
+            f"builder.steps_per_epoch(data) = {taken} (docs/guides/schedules.md), or ignore this if later fit() calls continue it"
         )
     return None
 

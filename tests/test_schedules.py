@@ -279,6 +279,6 @@ def test_a_schedule_sized_the_one_process_way_warns_once_at_fit_and_one_sized_fo
     epochs, batches = 2, 8
     plain = _one_cycle_fit(total_steps=epochs * batches)
     assert len(plain) == 1, plain
-    assert plain[0].startswith("lr_scheduler: OneCycleLR is sized 16 steps (total_steps), one per batch as in a one-process loop")
-    assert "are 8 global steps (each worker's)" in plain[0] and "stop 50% of the way through" in plain[0]
+    assert plain[0].startswith("lr_scheduler: OneCycleLR has 16 steps planned (total_steps), one per batch as a one-process loop counts")
+    assert "are 8 global steps (each worker's)" in plain[0] and "end 50% of the way through" in plain[0]
     assert _one_cycle_fit(total_steps=epochs * batches // 2) == []
