@@ -65,6 +65,17 @@ def main_process_gone() -> bool:
     return parent is not None and not parent.is_alive()
 
 
+def stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (SIGSTOP, SIGTSTP: state T in /proc); not one
+    a debugger holds (t), and not where /proc cannot say (another system, a process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"T"  # the state follows the name's ')'
+
+
 def exit_message(exitcode: int, stage: str) -> str:
     """Why a worker process ended, said from its exit code, and while doing what (`stage`)."""
     during = f" while {stage}" if stage else ""

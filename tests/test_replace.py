@@ -59,6 +59,8 @@ def _strike(fault: str) -> None:
         raise RuntimeError("boom on a marked batch")
     elif fault == "stall":
         time.sleep(600)
+    elif fault == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # as a frozen machine, or a debugger's Ctrl-Z, would
 
 
 def step(model: Counting, batch: Any) -> torch.Tensor:
@@ -87,7 +89,7 @@ class Heard:
 
 def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, faults: str = "", k: int = 2, deterministic: bool = True,
           max_replacements: int = 3, epochs: int = 2, every_time: bool = False, fits: int = 1, workers: int = 2,
-          mode: str = "averaging", momentum: float = 0.0, overlap: bool = False) -> tuple[Counting, Any, Heard]:  # fmt: skip
+          mode: str = "averaging", momentum: float = 0.0, overlap: bool = False, stall: float = 2) -> tuple[Counting, Any, Heard]:  # fmt: skip
     monkeypatch.setenv("PW_TEST_DIR", str(tmp_path))
     monkeypatch.setenv("PW_TEST_FAULTS", faults)
     monkeypatch.setenv("PW_TEST_EVERY_TIME", "1" if every_time else "")
@@ -96,7 +98,7 @@ def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, faults: str = "", 
     b = (
         ParallelWrapper.builder(model).workers(workers).threads_per_worker(1).deterministic(deterministic)
         .optimizer(torch.optim.SGD, lr=LR, momentum=momentum).training_step(step).averaging_frequency(k).training_mode(mode)
-        .stall_timeout(2).on_worker_failure("replace", max_replacements=max_replacements).listeners(heard)
+        .stall_timeout(stall).on_worker_failure("replace", max_replacements=max_replacements).listeners(heard)
         .overlap_averaging(overlap)
     )  # fmt: skip
     with b.build() as wrapper:
@@ -131,6 +133,21 @@ def test_a_stall_a_kill_and_a_raise_each_replace_a_worker_and_the_run_ends_as_th
     assert "boom on a marked batch" in str(raised) and "Traceback" in raised.details
     assert [(r.rank, r.lost_round) for r in history.replacements] == [(1, 1), (1, 2), (0, 3)]
     assert counts(model, 2) == [2] * BATCHES  # two epochs, each batch once in each
+    assert_same_model(model, fault_free)
+
+
+def test_a_worker_stopped_by_sigstop_is_lost_after_a_bounded_wait_and_replaced(
+    fault_free: Counting, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stall timeout is long (60 s): the supervisor sees the stopped process itself (STOPPED_S),
+    # kills it, so that a late SIGCONT finds nothing, and a replacement redoes its round.
+    start = time.monotonic()
+    model, history, heard = train(tmp_path, monkeypatch, faults="5:stop", stall=60)
+    assert time.monotonic() - start < 45
+    [(rank, reason, lost_round)] = heard.replaced
+    assert (rank, lost_round, reason.batch) == (1, 2, 5)
+    assert "stopped by a signal (SIGSTOP) for 2 s" in reason.summary
+    assert counts(model, 2) == [2] * BATCHES
     assert_same_model(model, fault_free)
 
 

@@ -8,10 +8,11 @@ import queue
 import time
 from typing import Any
 
-from ..processes import exit_message
+from ..processes import exit_message, stopped
 from ..types import Phase, Where, WorkerError
 
 _POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment
+STOPPED_S = 2.0  # a worker stopped by a signal this long is lost: its peers wait on it, and it cannot answer
 _ERROR_GRACE_S = 2.0  # after a first error, the most to wait for the one that caused it (a killed worker's exit is seen late on a loaded machine)
 
 
@@ -43,6 +44,7 @@ class Supervisor:
         self._processes, self._results, self._board, self._stall_s = processes, results, board, stall_timeout_s
         self._stages = stages
         self._held: list[tuple[str, int, Any]] = []  # read while waiting for errors, not yet returned
+        self._stopped: dict[int, float] = {}  # process -> when it was first seen stopped by a signal
 
     def next(self, stage: str) -> tuple[str, int, Any] | None:
         """The next message, or None after a short poll."""
@@ -50,6 +52,7 @@ class Supervisor:
             message = self._take()
         except queue.Empty:
             self._raise_if_dead(stage)
+            self._raise_if_stopped(range(len(self._processes)))
             self._raise_if_stalled()
             return None
         kind, rank, payload = message
@@ -83,6 +86,26 @@ class Supervisor:
 
     def _process(self, error: WorkerError) -> int:
         return error.rank * self._stages + (error.stage or 0)
+
+    def _raise_if_stopped(self, processes: Any) -> None:
+        """A worker process stopped by a signal (SIGSTOP) for STOPPED_S: lost, as if killed, so
+        that a replacement takes its rank (it is killed then: a late SIGCONT finds nothing)."""
+        now = time.monotonic()
+        for rank in processes:
+            pid = self._processes[rank].pid
+            if pid is None or not stopped(pid):
+                self._stopped.pop(rank, None)
+                continue
+            since = self._stopped.setdefault(rank, now)
+            if now - since >= STOPPED_S:
+                del self._stopped[rank]
+                phase, where, _ = self._board.read(rank)
+                raise self._error(
+                    rank,
+                    f"the process was stopped by a signal (SIGSTOP) for {now - since:.0f} s, while its peers waited on it: "
+                    f"taken as lost (send SIGCONT within {STOPPED_S:g} s, or use .on_worker_failure('replace') to go on without it)",
+                    where if phase is Phase.TRAINING else None,
+                ) from None
 
     def _raise_if_stalled(self) -> None:
         """The worker that has been longest in one place, if that is longer than the stall
@@ -146,6 +169,7 @@ class Supervisor:
                 for rank in ranks - got.keys():
                     if self._processes[rank].exitcode is not None:
                         raise self._root_cause(self._death(rank, stage)) from None
+                self._raise_if_stopped(ranks - got.keys())
                 if time.monotonic() > deadline:
                     missing = sorted(ranks - got.keys())
                     raise self._error(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}") from None  # the silence is the error, not the empty queue
