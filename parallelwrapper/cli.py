@@ -40,6 +40,7 @@ def _run_options(f: F) -> F:
         click.option("--prefetch-buffer", type=click.IntRange(min=1), default=24, show_default=True, help="Batches read ahead into the spawned workers' shared queue."),
         click.option("--report-score-after-averaging/--no-report-score-after-averaging", default=True, show_default=True, help="Report the averaged score after every averaging, or once per epoch."),
         click.option("--average-updaters/--no-average-updaters", default=True, show_default=True, help="Average optimizer state (momentum, Adam moments) with the parameters."),
+        click.option("--average-updaters-every", type=click.IntRange(min=1), default=1, show_default=True, help="With --average-updaters: the optimizer state travels every M-th round only (DES-LOC), and at every epoch's end, checkpoint, validation and stop; each worker keeps its own in between."),
         click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True),
         click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True, help="Samples per batch (one worker step)."),
         click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help=f"Learning rate. Default per optimizer: {_LR_DEFAULTS}."),
@@ -178,6 +179,8 @@ def compare_command(frequencies: tuple[int, ...], shared_gradients: bool, encode
     outer optimizer); table and plot test accuracy against samples and seconds, and the bytes
     each sends per worker."""
     base = _make(RunOptions, **kwargs)
+    if base.average_updaters_every != 1:  # its bytes are computed (communication.py) for the state in every round
+        raise click.UsageError("pw-fit compare computes each run's bytes with the optimizer state in every round: drop --average-updaters-every")
     options = _make(
         CompareOptions, base=base, frequencies=frequencies, shared_gradients=shared_gradients, encoded=encoded,
         evals_per_epoch=evals, target_accuracy=target, out=out,

@@ -95,6 +95,7 @@ class Config:
     averaging_frequency: int = 1
     report_score_after_averaging: bool = True
     average_updaters: bool = True
+    average_updaters_every: int = 1  # with average_updaters: the optimizer state travels every m-th round (DES-LOC), and where replicas must be equal
     overlap_averaging: bool = False  # average in the background during the next round's steps
     fragments: int = 1  # with overlap: the state in n fragments, each averaged at its own point of the round
     training_mode: TrainingMode = TrainingMode.AVERAGING
@@ -146,13 +147,8 @@ class Config:
         check_int("checkpoint_every", self.checkpoint_every, 1, "the rounds between checkpoints, e.g. .checkpoint(dir, every=50)")
         if self.threads_per_worker is not None:
             check_int("threads_per_worker", self.threads_per_worker, 1, "or leave it unset to share the cores out")
-        if self.gradient_clip_norm is not None and not (
-            isinstance(self.gradient_clip_norm, (int, float)) and 0 < self.gradient_clip_norm < float("inf")
-        ):
-            raise ValueError(
-                f"gradient_clip_norm must be a positive number, got {self.gradient_clip_norm!r}; "
-                f"e.g. .gradient_clipping(max_norm=1.0)"
-            )
+        if self.gradient_clip_norm is not None and not (isinstance(self.gradient_clip_norm, (int, float)) and 0 < self.gradient_clip_norm < float("inf")):
+            raise ValueError(f"gradient_clip_norm must be a positive number, got {self.gradient_clip_norm!r}; e.g. .gradient_clipping(max_norm=1.0)")
         if self.validation_every is not None:
             check_int("validation_every", self.validation_every, 1, "e.g. .validation(data, every=50), or every=None for epoch ends only")
         check_int("warmup_sync_steps", self.warmup_sync_steps, 0, "the synchronous steps before averaging, e.g. .warmup_sync_steps(200)")
@@ -163,10 +159,8 @@ class Config:
         if self.fragments > 1 and not self.overlap_averaging:
             raise ValueError(f"fragments({self.fragments}) spreads each round's averaging through the next round's steps, fragment by fragment: it needs .overlap_averaging(True)")
         if self.fragments > 1 and self.on_worker_failure == "replace":
-            raise ValueError(
-                f'on_worker_failure("replace") restarts every worker from one landed average, which fragments({self.fragments}) '
-                "reach only at an epoch's end, a checkpoint or a validation: drop one of them"
-            )
+            raise ValueError(f'on_worker_failure("replace") restarts every worker from one landed average, which fragments({self.fragments}) '
+                             "reach only at an epoch's end, a checkpoint or a validation: drop one of them")
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
         if self.hierarchy not in ("none", "node"):
@@ -185,6 +179,9 @@ class Config:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if self.gradient_encoding is not None:
             _check_encoding(self)
+        check_int("average_updaters(every=...)", self.average_updaters_every, 1, "how many rounds apart the optimizer state travels, e.g. .average_updaters(every=4)")
+        if self.average_updaters_every > 1:
+            _check_updaters_every(self)
         for d in self.devices or ():  # how many there must be is env.resolve's to check
             try:
                 torch.device(d)
@@ -203,6 +200,21 @@ def _check_encoding(config: Config) -> None:
     ):  # fmt: skip
         if bad:
             raise ValueError(f"gradient_encoding does not go with {fix}")
+
+
+def _check_updaters_every(config: Config) -> None:
+    """`.average_updaters(every=m)` sends the optimizer state in buffers of its own, landed at once; the options that carry it with the parameters refuse it."""
+    m = config.average_updaters_every
+    for bad, why in (
+        (not config.average_updaters, "average_updaters(False), which never sends the optimizer state: drop every="),
+        (config.overlap_averaging, "overlap_averaging, whose rounds average the whole state in the background a round later: drop one"),
+        (config.wire_dtype is not None, f"payload_dtype {config.payload_dtype!r}, which codes the optimizer state with the parameters, one residual for both: use float32 or every=1"),
+        (config.hierarchy == "node", "hierarchy('node'), whose shards carry the optimizer state with the parameters: drop one"),
+        (config.on_worker_failure == "replace", "on_worker_failure('replace'), which redoes a round from any survivor's copy: between averagings the workers' optimizer states differ; drop one"),
+        (config.pipeline is not None, "a pipeline, which this version does not run it with: drop one"),
+    ):  # fmt: skip
+        if bad:
+            raise ValueError(f"average_updaters(every={m}) does not go with {why}")
 
 
 def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> None:
@@ -293,16 +305,12 @@ def check_job(job: Job, config: Config, world_size: int) -> list[str]:
     trains but loses something on the way (parameter hooks). What a spawned worker cannot
     receive is sendable.py's to say."""
     if job.outer_optimizer is not None and config.training_mode is not TrainingMode.AVERAGING:
-        raise ValueError(
-            "outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not: use TrainingMode.AVERAGING"
-        )
+        raise ValueError("outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not: use TrainingMode.AVERAGING")
     if job.early_stopping is not None and job.validation_data is None:
         raise ValueError("EarlyStopping stops on validation metrics: add .validation(data, every=...)")
     if job.validation_data is not None and job.validation_step is None and job.loss_fn is None:
-        raise ValueError(
-            "validation: with .training_step(fn) the default metrics (val_loss, val_accuracy) have no "
-            "loss to use; pass .validation(data, step=fn) with fn(model, batch) -> {name: value}"
-        )
+        raise ValueError("validation: with .training_step(fn) the default metrics (val_loss, val_accuracy) have no "
+                         "loss to use; pass .validation(data, step=fn) with fn(model, batch) -> {name: value}")
     optimizer = _check_optimizer(job)
     if job.lr_scheduler is not None:
         _check_scheduler(job.lr_scheduler, optimizer, job.validation_data is not None, world_size)
@@ -316,16 +324,12 @@ def check_job(job: Job, config: Config, world_size: int) -> list[str]:
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     left_out = [name for name, p in job.model.named_parameters() if p.requires_grad and id(p) not in held]
     if left_out:
-        notes.append(
-            f"optimizer: {len(left_out)} trainable parameters are in no param group ({_names(left_out)}): they never "
-            f"move, and are treated as frozen (not averaged); add them to a group, or set requires_grad=False"
-        )
+        notes.append(f"optimizer: {len(left_out)} trainable parameters are in no param group ({_names(left_out)}): they never "
+                     f"move, and are treated as frozen (not averaged); add them to a group, or set requires_grad=False")
     hooked = [name for name, p in job.model.named_parameters() if getattr(p, "_backward_hooks", None)]
     if hooked:
-        notes.append(
-            f"parameters {_names(hooked)} carry hooks (Parameter.register_hook), which do not reach the workers' "
-            f"copies of the model; do that gradient work in .before_step(fn) with fn(model, optimizer) instead"
-        )
+        notes.append(f"parameters {_names(hooked)} carry hooks (Parameter.register_hook), which do not reach the workers' "
+                     f"copies of the model; do that gradient work in .before_step(fn) with fn(model, optimizer) instead")
     return notes
 
 
@@ -348,10 +352,7 @@ def _check_optimizer(job: Job) -> torch.optim.Optimizer:
     own = {id(p) for p in job.model.parameters()}
     foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
     if foreign:
-        raise ValueError(
-            f"optimizer: {name} optimizes {foreign} tensors that are not the parameters of the model it was "
-            f"given; build the groups from its `model` argument"
-        )
+        raise ValueError(f"optimizer: {name} optimizes {foreign} tensors that are not the parameters of the model it was given; build the groups from its `model` argument")
     return optimizer
 
 
@@ -374,10 +375,8 @@ def _check_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, vali
     if spec.monitor is not None and not plateau:
         raise ValueError(f"lr_scheduler: monitor= is for ReduceLROnPlateau, which steps on a metric; {spec.name} steps by a counter")
     if spec.monitor is not None and not validates:
-        raise ValueError(
-            f"lr_scheduler: ReduceLROnPlateau monitors {spec.monitor!r}, a validation metric: add "
-            f".validation(data, every=...), or drop monitor= to step on the averaged training loss"
-        )
+        raise ValueError(f"lr_scheduler: ReduceLROnPlateau monitors {spec.monitor!r}, a validation metric: add "
+                         f".validation(data, every=...), or drop monitor= to step on the averaged training loss")
 
 
 def parse_enum(cls: type[enum.Enum], value: Any, name: str) -> Any:

@@ -57,6 +57,7 @@ class RunOptions:
     averaging_frequency: int = 3
     report_score_after_averaging: bool = True
     average_updaters: bool = True
+    average_updaters_every: int = 1  # with average_updaters: the optimizer state travels every m-th round (Builder.average_updaters(every=m))
     mode: TrainingMode = TrainingMode.AVERAGING
     epochs: int = 1
     batch_size: int = 128  # per worker step
@@ -138,6 +139,7 @@ class RunOptions:
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
         check_int("fragments", self.fragments, 1)
+        check_int("average_updaters_every", self.average_updaters_every, 1)
         if self.gradient_threshold is not None and not (self.gradient_threshold > 0 and math.isfinite(self.gradient_threshold)):
             raise ValueError(f"gradient_threshold must be a positive number, e.g. 1e-3; got {self.gradient_threshold!r}")
         if self.device not in DEVICES:
@@ -197,7 +199,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .prefetch_buffer(options.prefetch_buffer)
         .averaging_frequency(options.averaging_frequency)
         .report_score_after_averaging(options.report_score_after_averaging)
-        .average_updaters(options.average_updaters)
+        .average_updaters(options.average_updaters, every=options.average_updaters_every if options.average_updaters else 1)
         .training_mode(options.mode)
         .optimizer(choice.cls, lr=options.learning_rate, **choice.kwargs)
         .overlap_averaging(options.overlap_averaging)

@@ -171,9 +171,15 @@ class Settings:
         """Report the averaged score after every averaging (True) or once per epoch. Default: True."""
         return self._set("report_score_after_averaging", bool(flag))
 
-    def average_updaters(self, flag: bool) -> Self:
-        """Average optimizer state (momentum, Adam moments, step) with the parameters. Default: True."""
-        return self._set("average_updaters", bool(flag))
+    def average_updaters(self, flag: bool = True, every: int = 1) -> Self:
+        """Average optimizer state (momentum, Adam moments, step) with the parameters. Default: True.
+        With `every=m` (DES-LOC, arXiv 2505.22549) it travels only in every m-th round, counted over
+        the wrapper's life, each worker keeping its own in between, and wherever replicas must be
+        equal: at an epoch's end, a checkpoint, a validation and a stop. E.g. `.average_updaters(every=4)`.
+        Not with overlap_averaging, a coded payload, a hierarchy, replacement or a pipeline."""
+        if not flag and every != 1:
+            raise ValueError(f"average_updaters(False, every={every!r}): False never sends the optimizer state, every= says how often it does; drop one")
+        return self._set("average_updaters", bool(flag))._set("average_updaters_every", every)
 
     def overlap_averaging(self, flag: bool = True) -> Self:
         """Run each averaging in the background while the workers take the next round's steps,

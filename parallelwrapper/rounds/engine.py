@@ -214,7 +214,16 @@ class Rounds:
             return self._stream.launch(work, stop)
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
-        return self._sync.launch(work, self._averaging, stop)
+        return self._sync.launch(work, self._averaging, stop, self._moments_due())
+
+    def _moments_due(self) -> bool:
+        """With `.average_updaters(every=m)`: whether the optimizer's state travels in the round
+        about to land, by the rounds over the wrapper's life (the same on every worker, and after a
+        resume): every m-th, and those after which replicas must be equal: a checkpoint or a
+        validation due (an early stop may end the fit there). An epoch's end, a stop and a skipped
+        worker the exchange learns from the round's totals."""
+        upcoming = self.counters.rounds + 1
+        return upcoming % self.config.average_updaters_every == 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
 
     def _land(self, launched: Any, since: Work, at_once: bool = False) -> RoundTotals:
         """Land a launched round (`since`: the local work done after it, itself when `at_once`);

@@ -9,6 +9,11 @@ first round of a fit() sends the header alone (ref is unknown) and builds the bu
 round after which the layouts disagreed (some optimizer created state the buffers lack). With a
 coded payload the buffers are built before the first round when the state they average is all
 there (every worker's is the fit's starting state): the first round's deltas go encoded too.
+
+With `.average_updaters(every=m)` (DES-LOC) the optimizer's state has buffers of its own (`moments`),
+sent only in the rounds the engine marks (every m-th, and where replicas must be equal) or whose
+totals say so (an epoch's end, a stop, a skipped worker). They go once the parameters' sums are
+in, scaled by w_i / Σw (known by then), and land at the optimizer's next step, as `later` does.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from .state import (
     gradient_tensors,
     holds_state,
     later_tensors,
+    optimizer_state_tensors,
     signature_hash,
     state_layout,
     trained_parameters,
@@ -59,9 +65,17 @@ def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards
     """New buffers for the state an averaging round averages (the tensors live in them until
     `release()`), in the payload's wire format; the optimizer's state lands later where it can
     (state.later_tensors): at the optimizer's next step, or whatever reads it first."""
-    tensors = averaged_tensors(trainer.model, trainer.optimizer, config.average_updaters)
-    later = later_tensors(trainer.optimizer, config.average_updaters, config.on_worker_failure == "replace")
+    with_state = config.average_updaters and config.average_updaters_every == 1  # else in moment_buffers
+    tensors = averaged_tensors(trainer.model, trainer.optimizer, with_state)
+    later = later_tensors(trainer.optimizer, with_state, config.on_worker_failure == "replace")
     return FlatAverager(tensors, device, HEADER_LEN, config.wire_dtype, shards, later)
+
+
+def moment_buffers(trainer: Trainer, config: Config, device: torch.device) -> FlatAverager | None:
+    """With `.average_updaters(every=m)`, m > 1: buffers of the optimizer's state alone, sent in
+    the rounds it travels (None: the optimizer holds no tensors)."""
+    tensors = optimizer_state_tensors(trainer.optimizer)
+    return FlatAverager(tensors, device) if config.average_updaters_every > 1 and config.average_updaters and tensors else None
 
 
 Group = tuple[dist.ProcessGroup | None, int]  # a process group (None: the default) and its size
@@ -76,6 +90,7 @@ class Sent:
     weight: float
     reference: float  # what the payload was pre-scaled by (0: nothing sent yet)
     totals: RoundTotals | None  # when the header went alone: its sums
+    moments: bool = True  # with average_updaters(every=m): the optimizer's state travels whatever the totals say
 
 
 class SyncExchange:
@@ -91,6 +106,10 @@ class SyncExchange:
         self._gradients = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
         self._reference = 0.0  # Σw of the last round that trained, the same on every worker
         self._early = False  # the payload was built before the round it has not sent yet (coded from the start)
+        self._moments: FlatAverager | None = None  # average_updaters(every=m): the optimizer's state, apart
+        self._moments_sent = False  # on their way, to land at settle()
+        self._moments_own = False  # some worker stepped since they last travelled: replicas' states differ
+        self._share = 0.0  # this worker's w / Σw in the last round that trained
         # The optimizer's averaged state may land after the round (FlatAverager's `later`): before
         # its next step reads it, at the latest.
         trainer.optimizer.register_step_pre_hook(lambda *_: self.settle())
@@ -99,10 +118,16 @@ class SyncExchange:
         """Land what of the last round's average is still on its way (the optimizer's state)."""
         if isinstance(self._payload, FlatAverager):
             self._payload.settle()
+        if self._moments_sent:
+            assert self._moments is not None
+            self._moments.wait()
+            self._moments.apply(1.0)  # sent scaled by w_i / Σw: the sum is the average
+            self._moments_sent = False
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
         self._payload, self._gradients, self._reference, self._early = None, False, 0.0, False
+        self._moments, self._moments_sent, self._moments_own = None, False, False
 
     def release(self, settle: bool = True) -> None:
         """Between fits, the model's tensors own their storage; after a failure (not `settle`),
@@ -111,7 +136,12 @@ class SyncExchange:
             self._payload.release(settle)
         elif self._payload is not None:
             self._payload.release()
+        if self._moments is not None:
+            if settle:
+                self.settle()
+            self._moments.release()
         self._payload, self._gradients, self._early = None, False, False
+        self._moments, self._moments_sent = None, False
 
     def prepare(self, averaging: bool) -> None:
         """Before a round's local work: a gradient round allocates zero gradients in its buffers
@@ -141,10 +171,12 @@ class SyncExchange:
     def state_layout(self, averaging: bool) -> int:
         return state_layout(self.trainer.optimizer, self.config.average_updaters) if averaging else 0
 
-    def launch(self, work: Work, averaging: bool, stop: bool) -> Sent:
+    def launch(self, work: Work, averaging: bool, stop: bool, moments: bool = True) -> Sent:
         """Send the round's header and payload. Once the buffers exist and a round has trained,
         the header rides in the payload's trailer, pre-scaled by w / reference; else the header
-        goes alone (and is waited for), then the payload when anyone trained."""
+        goes alone (and is waited for), then the payload when anyone trained. `moments`: with
+        average_updaters(every=m), the optimizer's state travels in this round (land() sends it)."""
+        self.settle()  # the optimizer's state, where no step has read it since the last round
         payload = self._payload if averaging else self._gradient_payload()
         current, built = self.state_layout(averaging), None if payload is None else self._layout
         if averaging and (payload is None or self._early):  # the header goes alone, and says whether
@@ -154,7 +186,7 @@ class SyncExchange:
         group, size = self._groups[averaging]
         if payload is not None and self._reference > 0 and not self._early:
             payload.send(work.weight / self._reference, header, group)
-            return Sent(averaging, layout, work.weight, self._reference, None)
+            return Sent(averaging, layout, work.weight, self._reference, None, moments)
         totals = read_header(all_reduce_values(header, self.device, group), layout, size)
         self._early = False
         if payload is not None and averaging and not totals.layouts_agree:
@@ -162,7 +194,7 @@ class SyncExchange:
             payload = None
         if payload is not None and totals.samples > 0:
             payload.send(work.weight / totals.samples, group=group)
-        return Sent(averaging, layout, work.weight, totals.samples, totals)
+        return Sent(averaging, layout, work.weight, totals.samples, totals, moments)
 
     def land(self, sent: Sent) -> RoundTotals:
         """Wait for the sums and apply them. A worker that did not train sent zeros; when nobody
@@ -179,6 +211,8 @@ class SyncExchange:
             check_diverged(totals)
             if payload is not None and sent.totals is None:
                 payload.discard()  # every worker sent zeros: nothing to apply
+            if sent.averaging and (totals.epoch_done or totals.stop):
+                self._send_moments(self._share)  # nobody trained: the last round's weights
             return totals
         if payload is not None:
             payload.apply(sent.reference / totals.samples)
@@ -188,9 +222,20 @@ class SyncExchange:
                 group = self._groups[True][0]
                 self._payload = average_anew(self.trainer, self.config, self.device, group, share, agree, self._shards)
                 self._layout = self.state_layout(True)  # released after fit()
+                self._moments = moment_buffers(self.trainer, self.config, self.device)
+            self._moments_own, self._share = True, sent.weight / totals.samples
+            if sent.moments or totals.epoch_done or totals.stop or totals.skipped:
+                self._send_moments(self._share)
             self.trainer.averaged()
         self._reference = totals.samples
         return totals
+
+    def _send_moments(self, share: float) -> None:
+        """With average_updaters(every=m): send the optimizer's state, scaled by this worker's
+        share, unless it is the same on every worker already; it lands at settle()."""
+        if self._moments is not None and self._moments_own:
+            self._moments.send(share, group=self._groups[True][0])
+            self._moments_sent, self._moments_own = True, False
 
     def _gradient_payload(self) -> FlatAverager | EncodedGradients:
         if self._payload is None:
