@@ -12,6 +12,8 @@ positions), `forward(x)` returns logits flattened to (B * T, 256) so that `F.cro
 y)` with targets flattened to (B * T,) is the loss: every contender and the wrapper's default loss
 use it unchanged. The default size (7 layers, width 256, 8 heads, context 128) has 5.6M
 parameters (`parameter_count()`); `python benchmarks/gpt_arena.py` prints it and the corpus size.
+With `--des-loc 1,4` it races `.average_updaters(every=m)` for each m on 2 spawned workers (loopback)
+and tables each run's bytes sent per worker, measured, and final validation loss (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -118,7 +120,85 @@ def val_loss(model: nn.Module, val: list[Batch]) -> float:
     return total / sum(len(y) for _, y in val)
 
 
+def _descendants() -> set[int]:
+    """This process's descendants' pids (spawned workers are the forkserver's children)."""
+    parents: dict[int, int] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone since the listing
+        parents[int(stat.split("/")[2])] = int(fields[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _written(pids: set[int]) -> int:
+    """Bytes the processes wrote by write syscalls (/proc/PID/io wchar): a worker's gloo socket
+    writes, which are nearly all it writes (its batches and state come through shared memory)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/io") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+        except OSError:
+            continue
+    return total
+
+
+def des_loc_race(everies: list[int], layers: int, width: int, context: int, steps: int, k: int, batch: int, seed: int = 0) -> list[dict[str, float]]:
+    """`.average_updaters(every=m)` for each m, AdamW lr 1e-3, 2 spawned workers, k local steps a
+    round, `steps` steps a worker on the same batches (dealt: `.deterministic(True)`). Each run's
+    bytes written per worker (wchar of its worker processes, measured) and final validation loss."""
+    from parallelwrapper import ParallelWrapper
+
+    train, val_text = corpus()
+    val = val_batches(val_text, 64, context, limit=8)
+    data = list(train_batches(train, batch, 2 * steps, seed, context))
+    rows = []
+    for every in everies:
+        torch.manual_seed(seed)
+        model = CharGPT(layers, width, max(1, width // 32), context)
+        builder = (
+            ParallelWrapper.builder(model).optimizer(torch.optim.AdamW, lr=1e-3).workers(2).threads_per_worker(1)
+            .averaging_frequency(k).deterministic(True).average_updaters(every=every)
+        )  # fmt: skip
+        before = _descendants()
+        with builder.build() as w:
+            w.fit(data, epochs=1)
+            workers = _descendants() - before
+            sent = _written(workers) / 2
+            rows.append({"every": every, "rounds": w.counters.rounds, "bytes_per_worker": sent, "val_loss": val_loss(w.model, val), "parameters": parameter_count(model)})
+    return rows
+
+
 if __name__ == "__main__":
-    train, val = corpus()
-    m = CharGPT()
-    print(f"corpus: {len(train)} training bytes, {len(val)} validation bytes; CharGPT: {parameter_count(m):,} parameters")
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Print the arena's sizes, or with --des-loc race .average_updaters(every=m) for each m given.")
+    parser.add_argument("--des-loc", default=None, help="comma-separated m, e.g. 1,4")
+    parser.add_argument("--layers", type=int, default=7)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--context", type=int, default=CONTEXT)
+    parser.add_argument("--steps", type=int, default=256, help="steps a worker")
+    parser.add_argument("--k", type=int, default=8, help="local steps a round")
+    parser.add_argument("--batch", type=int, default=16, help="windows a step")
+    args = parser.parse_args()
+    if args.des_loc is None:
+        train, val = corpus()
+        m = CharGPT()
+        print(f"corpus: {len(train)} training bytes, {len(val)} validation bytes; CharGPT: {parameter_count(m):,} parameters")
+    else:
+        rows = des_loc_race([int(m) for m in args.des_loc.split(",")], args.layers, args.width, args.context, args.steps, args.k, args.batch)
+        base = rows[0]
+        print("| every | rounds | MB sent per worker | / first row's | final validation loss (nats/byte) | / first row's |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            fewer, loss = base["bytes_per_worker"] / r["bytes_per_worker"], r["val_loss"] / base["val_loss"]
+            print(f"| {r['every']} | {r['rounds']} | {r['bytes_per_worker'] / 1e6:.2f} | {fewer:.2f}x fewer | {r['val_loss']:.4f} | {loss:.4f} |")
+        size = f"CharGPT {args.layers} layers, width {args.width}, context {args.context}: {base['parameters']:,} parameters"
+        print(f"{size}; 2 workers, k = {args.k}, {args.steps} steps a worker of {args.batch} windows")
