@@ -140,6 +140,8 @@ class RunOptions:
             raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
         check_int("fragments", self.fragments, 1)
         check_int("average_updaters_every", self.average_updaters_every, 1)
+        if not self.average_updaters and self.average_updaters_every != 1:
+            raise ValueError("--average-updaters-every M (average_updaters_every) says how often the optimizer state travels, --no-average-updaters never: drop one")
         if self.gradient_threshold is not None and not (self.gradient_threshold > 0 and math.isfinite(self.gradient_threshold)):
             raise ValueError(f"gradient_threshold must be a positive number, e.g. 1e-3; got {self.gradient_threshold!r}")
         if self.device not in DEVICES:
@@ -199,7 +201,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .prefetch_buffer(options.prefetch_buffer)
         .averaging_frequency(options.averaging_frequency)
         .report_score_after_averaging(options.report_score_after_averaging)
-        .average_updaters(options.average_updaters, every=options.average_updaters_every if options.average_updaters else 1)
+        .average_updaters(options.average_updaters, every=options.average_updaters_every)
         .training_mode(options.mode)
         .optimizer(choice.cls, lr=options.learning_rate, **choice.kwargs)
         .overlap_averaging(options.overlap_averaging)

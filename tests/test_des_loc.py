@@ -186,3 +186,19 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="average_updaters_every: checkpoint has None, this run has 3"):  # the fingerprint: another arithmetic
         with _builder(tmp_path / "c", 3).build() as w:
             w.fit(data, epochs=4, resume=tmp_path / "c")
+
+
+@pytest.mark.fast
+def test_pw_fit_maps_its_flag_to_the_builder_and_compare_refuses_it() -> None:
+    from click.testing import CliRunner
+
+    from parallelwrapper import cli
+    from parallelwrapper.options import RunOptions, builder
+
+    assert builder(mlp(), RunOptions(optimizer="adam", average_updaters_every=4))._options["average_updaters_every"] == 4
+    with pytest.raises(ValueError, match="--no-average-updaters never: drop one"):
+        RunOptions(average_updaters=False, average_updaters_every=4)
+    result = CliRunner().invoke(cli.main, ["compare", "--average-updaters-every", "4"], prog_name="pw-fit")
+    assert result.exit_code == 2 and "drop --average-updaters-every" in result.output
+    result = CliRunner().invoke(cli.main, ["--average-updaters-every", "0"], prog_name="pw-fit")
+    assert result.exit_code == 2 and "--average-updaters-every" in result.output
