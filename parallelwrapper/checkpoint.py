@@ -153,9 +153,12 @@ def load(location: str | os.PathLike[str], expected: dict[str, Any], accept: Ite
         raise ValueError(f"fit(accept_changes=...): {unknown} cannot be accepted; only {list(ACCEPTABLE)} can (the rest shape the saved state)")
     path, payload = _read(location)
     found = payload["fingerprint"]
-    differing = [key for key, value in expected.items() if found.get(key) != value and key not in accept]
+    # A key either side lacks is an option at its default (the fingerprint leaves those out, as
+    # checkpoints from before the option have it): compared both ways, a change to or from it shows.
+    keys = [*expected, *(key for key in found if key not in expected)]
+    differing = [key for key in keys if found.get(key) != expected.get(key) and key not in accept]
     if differing:
-        lines = [f"{key}: checkpoint has {short(repr(found.get(key)))}, this run has {short(repr(expected[key]))}" for key in differing]
+        lines = [f"{key}: checkpoint has {_said(found, key)}, this run has {_said(expected, key)}" for key in differing]
         fields = [key for key in differing if key in ACCEPTABLE]
         anyway = (
             f"; if you know the change is harmless, resume anyway with fit(..., resume=..., accept_changes={fields})"
@@ -166,6 +169,10 @@ def load(location: str | os.PathLike[str], expected: dict[str, Any], accept: Ite
             f"resume with the same ones, or start afresh without resume{anyway}:\n  " + "\n  ".join(lines)
         )
     return payload
+
+
+def _said(fingerprint: dict[str, Any], key: str) -> str:
+    return short(repr(fingerprint[key])) if key in fingerprint else "the default"
 
 
 def peek(location: str | os.PathLike[str]) -> dict[str, int]:

@@ -285,6 +285,16 @@ def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
         checkpoint.load(tmp_path, other)
     assert "workers: checkpoint has 2, this run has 3" in str(error.value)
     assert "averaging_frequency: checkpoint has 3, this run has 4" in str(error.value)
+    # An option at its default is left out of a fingerprint (as in checkpoints from before it):
+    # a checkpoint of a non-default value is refused by a run at the default, and the other way.
+    warm = checkpoint.fingerprint(Config(workers=2, averaging_frequency=3, warmup_sync_steps=5), job, 2)
+    assert "warmup_sync_steps" in warm and "warmup_sync_steps" not in checkpoint.fingerprint(config, job, 2)
+    writer = checkpoint.Checkpointer(str(tmp_path / "warm"), 5, warm, config)
+    writer.save(state, counters, [{"torch": torch.get_rng_state()}] * 2)
+    with pytest.raises(checkpoint.CheckpointError, match=r"warmup_sync_steps: checkpoint has 5, this run has the default"):
+        checkpoint.load(tmp_path / "warm", checkpoint.fingerprint(config, job, 2))
+    with pytest.raises(checkpoint.CheckpointError, match=r"warmup_sync_steps: checkpoint has the default, this run has 5"):
+        checkpoint.load(tmp_path, warm)
     assert not list(tmp_path.glob(".checkpoint-*"))  # no temporary file left
 
 
