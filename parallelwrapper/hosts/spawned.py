@@ -183,6 +183,7 @@ class WorkerPool:
         process, commands = standby
         commands.put((rank, self._generation))
         commands.put(self._job)
+        process.name = f"parallelwrapper-worker-{rank}"  # as `_spawn` names a worker: what it is now
         self._processes[rank], self._commands[rank] = process, commands
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:

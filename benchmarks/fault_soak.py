@@ -1,0 +1,147 @@
+"""A fault every few seconds: 8 spawned workers train a small MLP on MNIST with
+`.on_worker_failure("replace")`, while a thread in this process strikes a random worker every
+`--every` seconds, in turn with SIGKILL, SIGSTOP for 5 s (then SIGCONT), and an error raised in
+its training step. The same fit without faults runs first; the figure is the share of its
+samples/s kept under faults, over the same epochs (from the second epoch's first score to the
+last: the workers' start-up is left out, the faults are all in).
+
+    python benchmarks/fault_soak.py [--workers 8] [--every 10] [--epochs 6] [--out benchmarks/results/fault_soak.json]
+
+Checked as it goes: every epoch's sample count is the data's (no batch lost or trained twice:
+the counters are the workers' sums), and no worker process is left after close().
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from common import DEFAULT_DATA_DIR, machine, mnist_batches, table, write_results
+from parallelwrapper import ParallelWrapper, Score
+
+FAULTS = ("SIGKILL", "SIGSTOP 5 s", "raise")
+
+
+def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy; raises where the injector left a flag for this process ($PW_SOAK_DIR)."""
+    flag = Path(os.environ["PW_SOAK_DIR"]) / f"raise-{os.getpid()}"
+    if flag.exists():
+        flag.unlink()
+        raise RuntimeError("injected fault")
+    x, y = batch
+    return nn.functional.cross_entropy(model(x.flatten(1)), y)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+class Injector(threading.Thread):
+    """Every `every` seconds, one fault on a random training worker, the kinds in turn."""
+
+    def __init__(self, every: float, folder: Path) -> None:
+        super().__init__(daemon=True)
+        self.every, self.folder, self.done = every, folder, threading.Event()
+        self.struck: list[tuple[float, str, int]] = []  # (seconds since start, fault, pid)
+
+    def run(self) -> None:
+        start, n = time.monotonic(), 0
+        while not self.done.wait(self.every):
+            workers = [p for p in multiprocessing.active_children() if p.name.startswith("parallelwrapper-worker") and p.is_alive()]
+            if not workers:
+                continue
+            victim = workers[torch.randint(len(workers), ()).item()]
+            fault = FAULTS[n % len(FAULTS)]
+            n += 1
+            assert victim.pid is not None
+            try:
+                if fault == "SIGKILL":
+                    os.kill(victim.pid, signal.SIGKILL)
+                elif fault == "raise":
+                    (self.folder / f"raise-{victim.pid}").touch()
+                else:
+                    os.kill(victim.pid, signal.SIGSTOP)
+                    threading.Timer(5.0, _continue, (victim.pid,)).start()
+            except ProcessLookupError:
+                continue
+            self.struck.append((time.monotonic() - start, fault, victim.pid))
+
+
+def _continue(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)  # a late return: the supervisor has killed it by then
+    except ProcessLookupError:
+        pass
+
+
+def run(batches: list[Any], workers: int, epochs: int, every: float | None) -> dict[str, Any]:
+    scores: list[Score] = []
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["PW_SOAK_DIR"] = folder
+        injector = Injector(every, Path(folder)) if every else None
+        builder = (
+            ParallelWrapper.builder(mlp()).workers(workers).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+            .training_step(step).averaging_frequency(8).on_worker_failure("replace", max_replacements=1000).listeners(scores.append)
+        )  # fmt: skip
+        with builder.build() as w:
+            if injector is not None:
+                injector.start()
+            start = time.monotonic()
+            history = w.fit(batches, epochs=epochs)
+            seconds = time.monotonic() - start
+            if injector is not None:
+                injector.done.set()
+        left = [p.name for p in multiprocessing.active_children() if p.name.startswith("parallelwrapper")]
+    per_epoch = sum(len(y) for _, y in batches)
+    counts = [e.samples for e in history.epochs]
+    first = next(s for s in scores if s.epoch >= 1)  # from the second epoch: the workers' start-up excluded
+    return {
+        "seconds": seconds,
+        "samples_per_s": (scores[-1].samples - first.samples) / (scores[-1].seconds - first.seconds),
+        "epochs_right": counts == [per_epoch * (i + 1) for i in range(epochs)],
+        "epochs_wrong": [(i, c, per_epoch * (i + 1)) for i, c in enumerate(counts) if c != per_epoch * (i + 1)][:20],
+        "epoch_reports": len(counts),
+        "samples": w.samples,
+        "replacements": len(history.replacements),
+        "faults": [] if injector is None else injector.struck,
+        "left_processes": left,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--every", type=float, default=10.0, help="seconds between faults")
+    parser.add_argument("--epochs", type=int, default=6, help="epochs of MNIST (batches of 128); choose them to last minutes")
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    parser.add_argument("--out", default="benchmarks/results/fault_soak.json")
+    args = parser.parse_args()
+    batches = mnist_batches(args.data_dir)
+    free = run(batches, args.workers, args.epochs, None)
+    print(f"fault-free: {free['seconds']:.1f} s, {free['samples_per_s']:.0f} samples/s", flush=True)
+    faulted = run(batches, args.workers, args.epochs, args.every)
+    kept = faulted["samples_per_s"] / free["samples_per_s"]
+    kinds = {k: sum(f[1] == k for f in faulted["faults"]) for k in FAULTS}
+    print(table(
+        ["run", "seconds", "samples/s", "kept", "faults", "replacements", "epochs' samples right", "processes left"],
+        [["fault-free", f"{free['seconds']:.1f}", f"{free['samples_per_s']:.0f}", "1", "0", free["replacements"], free["epochs_right"], len(free["left_processes"])],
+         [f"a fault every {args.every:g} s", f"{faulted['seconds']:.1f}", f"{faulted['samples_per_s']:.0f}", f"{kept:.3f}", f"{len(faulted['faults'])} {kinds}",
+          faulted["replacements"], faulted["epochs_right"], len(faulted["left_processes"])]],
+    ))  # fmt: skip
+    write_results(args.out, {"machine": machine(), "workers": args.workers, "every_s": args.every, "epochs": args.epochs,
+                             "fault_free": free, "faulted": faulted, "kept": kept})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
