@@ -190,7 +190,7 @@ class TorchrunWorker:
                     "; a peer rank's process is gone (killed, or failed: its own error is in its log): torchrun's "
                     "--max-restarts with .checkpoint(dir) restarts the group and resumes from the last checkpoint"
                 )
-                raise WorkerError(e.rank, e.summary + hint, e.details, e.where, e.at, e.stage) from e
+                raise WorkerError(e.rank, e.summary + hint, e.details, e.where, e.at, e.stage) from None  # the same error, with the hint: its traceback once
         replica = self._worker.replica
         return gathered_state(replica) if isinstance(replica, StageReplica) else replica.state_dicts()
 
