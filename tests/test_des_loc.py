@@ -183,7 +183,7 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path: Path) -> None:
         w.fit(data, epochs=3)
         every_round = _final(w)
     assert not all(torch.equal(a, b) for a, b in zip(uninterrupted, every_round, strict=True))
-    with pytest.raises(ValueError, match="average_updaters_every: checkpoint has None, this run has 3"):  # the fingerprint: another arithmetic
+    with pytest.raises(ValueError, match="average_updaters_every: checkpoint has the default, this run has 3"):  # the fingerprint: another arithmetic
         with _builder(tmp_path / "c", 3).build() as w:
             w.fit(data, epochs=4, resume=tmp_path / "c")
 

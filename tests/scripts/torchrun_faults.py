@@ -21,7 +21,7 @@ from torch import nn
 
 from parallelwrapper import ParallelWrapper, Score, WorkerError
 
-BAD = 9  # rank 1 trains batch 9 as its 5th (local step 4): batches are dealt i mod 2
+BAD = 9  # rank 1 trains batch 9 as its 5th (local step 4): dealt (deterministic), batch i on rank i mod 2
 
 
 def model() -> nn.Module:
@@ -56,7 +56,8 @@ def fail(out: Path) -> None:
     batches[BAD][0][0, 0] = 99.0
     net = model()
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    builder = ParallelWrapper.builder(net).training_step(failing_step).averaging_frequency(2).threads_per_worker(1)
+    # Dealt, so that batch 9 is rank 1's (first-come claims would give it to whichever rank came first).
+    builder = ParallelWrapper.builder(net).training_step(failing_step).averaging_frequency(2).threads_per_worker(1).deterministic(True)
     record: dict[str, Any] = {}
     with builder.build() as wrapper:
         try:
