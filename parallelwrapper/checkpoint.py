@@ -182,7 +182,7 @@ def peek(location: str | os.PathLike[str]) -> dict[str, int]:
 
 
 class Checkpointer:
-    """Writes a round's state (rounds.py decides when, gathers every worker's RNG state and has
+    """Writes a round's state (rounds/ decides when, gathers every worker's RNG state and has
     rank 0 call `save`)."""
 
     def __init__(self, directory: str, every: int, fingerprint: dict[str, Any], config: Config) -> None:

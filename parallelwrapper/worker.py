@@ -1,7 +1,7 @@
 """One worker's replica: its own model and optimizer, a step on a batch, and the NaN policy.
 
 The replica knows nothing of processes, queues or files: whichever host runs it (hosts/), it sees
-a `BatchSource`, a `Reporter` and `Hooks`, and its rounds (rounds.py) decide when it averages.
+a `BatchSource`, a `Reporter` and `Hooks`, and its rounds (rounds/) decide when it averages.
 """
 
 from __future__ import annotations

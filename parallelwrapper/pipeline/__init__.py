@@ -34,7 +34,7 @@ def check(config: Config, job: Job) -> None:
         (config.precision == "16-mixed", "precision('16-mixed'): its loss scaling needs the loss before the backward, which the pipeline's schedule runs itself; use .precision('bf16-mixed')"),
         (config.hierarchy != "none", "hierarchy: its node groups are not stage groups; drop .hierarchy()"),
         (job.validation_step is not None, "validation(step=fn): fn(model, batch) takes the whole model, which no stage holds; drop step= for val_loss and val_accuracy"),
-        (job.training_step is not None or job.loss_fn is None, "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss(fn)"),
+        (job.training_step is not None or job.loss_fn is None, "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss_fn(fn)"),
         (job.before_step is not None, "before_step: each stage holds only a part of the model; drop .before_step(fn)"),
     )
     for bad, reason in refused:
