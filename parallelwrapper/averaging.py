@@ -3,7 +3,7 @@
 The state (params | buffers | optimizer state, or gradients) lives in one contiguous buffer per
 dtype, so an averaging is one all-reduce per dtype and no copy. The first buffer can carry a
 trailer: a few numbers that the caller sums with the state in the same collective (the round
-protocol rides there, see rounds/header.py); this module does not read them.
+protocol rides there, see rounds/); this module does not read them.
 
 A worker that sends scale 0 sends zeros and receives the sum; not applying the sums leaves its
 tensors as they were. Low-precision floats are averaged in float32 (w·x in fp16 can overflow),
