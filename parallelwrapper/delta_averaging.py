@@ -5,7 +5,7 @@ averaging.py; knows no queue and no protocol flag."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,10 @@ class DeltaAverager:
     the last landed average, encoded, once a first round (in full precision) has landed.
 
     Every launch sends the tensors it was built with, whatever an optimizer has created since.
+
+    `land(..., mixed=ids, keep=α)` lands the tensors named in `mixed` (those an outer step moves)
+    short of that: at average + steps since + α · (snapshot − average), i.e. each moves (1 − α) of
+    the way from its snapshot to the average (Streaming DiLoCo's mixing, rounds/streaming.py).
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: str | None = None) -> None:
@@ -91,12 +95,21 @@ class DeltaAverager:
         return self._groups[0].total[self._groups[0].data.numel() :].tolist()  # the trailer: all after the data
 
     @torch.no_grad()
-    def land(self, total_weight: float, adopt: bool = False, transform: Callable[[dict[int, torch.Tensor]], None] | None = None, at_average: Callable[[], None] | None = None) -> None:
+    def land(
+        self,
+        total_weight: float,
+        adopt: bool = False,
+        transform: Callable[[dict[int, torch.Tensor]], None] | None = None,
+        at_average: Callable[[], None] | None = None,
+        mixed: Collection[int] = (),
+        keep: float = 0.0,
+    ) -> None:
         """After wait(): move each tensor by (average − snapshot), or, with `adopt` (its own progress
         since is worthless or nil), replace it by the average. Σw = 0: no change. `transform` may
         first change the averages in place, by id(tensor) (an outer step from the average).
         `at_average` is called while the tensors hold the (transformed) average, their progress
-        since the snapshot kept aside in the snapshots and added back after it."""
+        since the snapshot kept aside in the snapshots and added back after it. A tensor whose id
+        is in `mixed` moves by (1 − keep) · (average − snapshot) instead, unless it adopts."""
         flights, self._in_flight = self._in_flight, []
         for s, flight in zip(self._groups, flights):
             if flight.buffer is None:
@@ -119,10 +132,15 @@ class DeltaAverager:
                 s.data.sub_(s.snapshot)  # its difference from this worker's snapshot
             for t, snap, change in s.members:
                 change = change if t.is_floating_point() else change.round()
-                if aside:
+                mix = keep if id(t) in mixed and not adopt else 0.0
+                if aside and mix:  # t − snapshot + keep · (snapshot − average)
+                    snap.mul_(mix - 1.0).add_(t).sub_(change, alpha=mix)
+                elif aside:
                     torch.sub(t, snap, out=snap)
                 if adopt or aside:
                     t.copy_(change)
+                elif mix:
+                    t.add_(change.to(t.dtype), alpha=1.0 - mix)
                 else:
                     t.add_(change.to(t.dtype))
         if at_average is not None:

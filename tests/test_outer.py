@@ -18,6 +18,8 @@ from groups import run_group
 from parallelwrapper import ParallelWrapper, TrainingMode
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.config import Config, Job, OuterSpec
+from parallelwrapper.delta_averaging import DeltaAverager
+from parallelwrapper.outer import OuterStep
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource, batches, bn_model, one_thread
 from tiny import make_batches, mlp, weights_and_outer_momenta
@@ -28,13 +30,14 @@ OUTERS: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
     (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True}),
     (torch.optim.Adam, {"lr": 0.05}),
 ]
-SIZES = [8, 8, 8, 8]  # each worker: two rounds of k = 2 steps
+K, ROUNDS = 2, 3
+SIZES = [8] * (K * ROUNDS)  # each worker: three rounds of k = 2 steps
 
 
 def _rounds_with_outer(rank: int, world: int, which: int, overlap: bool) -> dict[str, Any]:
     model = bn_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTERS[which]))
-    replica = Replica(model, job, Config(workers=world, averaging_frequency=2, overlap_averaging=overlap), CPU, rank, world)
+    replica = Replica(model, job, Config(workers=world, averaging_frequency=K, overlap_averaging=overlap), CPU, rank, world)
     replica.fit(1, ListSource(batches(rank, SIZES), rank, world), lambda r: None)
     assert replica.parts.outer is not None
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "outer": replica.parts.outer.state_dict()}
@@ -42,20 +45,20 @@ def _rounds_with_outer(rank: int, world: int, which: int, overlap: bool) -> dict
 
 @one_thread()
 def reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Two rounds in one process: each worker's k steps from the round's start, the mean of the
+    """The rounds in one process: each worker's k steps from the round's start, the mean of the
     replicas' states, then the outer step from the start on Δ = start − mean."""
     model = bn_model()
     anchor = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
     cls, kwargs = OUTERS[which]
     outer = cls(anchor, **kwargs)
     data = {rank: batches(rank, SIZES) for rank in range(world)}
-    for r in range(2):
+    for r in range(ROUNDS):
         states = []
         for rank in range(world):
             replica = bn_model()
             replica.load_state_dict(model.state_dict())
             inner = torch.optim.SGD(replica.parameters(), lr=0.1)
-            for x, y in data[rank][2 * r : 2 * r + 2]:
+            for x, y in data[rank][K * r : K * r + K]:
                 inner.zero_grad()
                 nn.functional.cross_entropy(replica(x), y).backward()
                 inner.step()
@@ -88,13 +91,17 @@ def test_outer_step_equals_a_one_process_computation_on_the_averaged_delta(which
             torch.testing.assert_close(results[0]["outer"]["state"][i][name], value, rtol=rtol, atol=1e-6)
 
 
+MIX = 0.5  # α: the share of its snapshot against the outer step's result a worker keeps (Streaming DiLoCo)
+
+
 @one_thread()
 def streaming_reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Streaming DiLoCo with one round of delay, in one process. Each worker trains round 0 from
-    θ0 and sends its snapshot S0; trains round 1 on top; then round 0 lands: θ' = outer step from
-    the anchor on Δ = anchor − mean(S0), and each worker moves by θ' − S0 (buffers: by
-    mean(S0) − S0), keeping round 1's progress. It sends that as S1; with no step since, round 1
-    lands as θ'' (the outer step on mean(S1)) itself."""
+    """Streaming DiLoCo with one round of delay and mixing factor α, in one process, as
+    docs/design.md writes it. Each worker trains round 0 from θ0 and sends its snapshot S_i, then
+    trains round 1 on top. Round 0 lands: θ' = outer step from the anchor on Δ = anchor − mean(S),
+    and each worker's parameters go to θ' + (x − S_i) + α(S_i − θ'), its buffers to
+    mean(S) + (x − S_i). It sends that as its next snapshot, and so on; the last round lands with
+    no step since, on θ'' itself (the buffers on their mean)."""
     start = bn_model()
     replicas = [bn_model() for _ in range(world)]
     anchor = [nn.Parameter(p.detach().clone()) for p in start.parameters()]
@@ -106,7 +113,7 @@ def streaming_reference(which: int, world: int = 2) -> tuple[dict[str, torch.Ten
     def train(r: int) -> None:
         for rank, replica in enumerate(replicas):
             inner = torch.optim.SGD(replica.parameters(), lr=0.1)
-            for x, y in data[rank][2 * r : 2 * r + 2]:
+            for x, y in data[rank][K * r : K * r + K]:
                 inner.zero_grad()
                 nn.functional.cross_entropy(replica(x), y).backward()
                 inner.step()
@@ -122,24 +129,85 @@ def streaming_reference(which: int, world: int = 2) -> tuple[dict[str, torch.Ten
             for a, name in zip(anchor, names, strict=True):
                 a.grad = a - mean[name]
             outer.step()
-            for a, name in zip(anchor, names, strict=True):
-                mean[name] = a.detach().clone()
-        return mean
+            return mean | {name: a.detach().clone() for a, name in zip(anchor, names, strict=True)}
 
     train(0)
-    sent = snapshots()
-    train(1)
-    target = land(sent)
-    for replica, own in zip(replicas, sent, strict=True):
-        replica.load_state_dict({k: v + (target[k] - own[k]) for k, v in replica.state_dict().items()})
+    for r in range(1, ROUNDS):
+        sent = snapshots()
+        train(r)
+        target = land(sent)
+        for replica, own in zip(replicas, sent, strict=True):
+            moved = {k: v + (target[k] - own[k]) for k, v in replica.state_dict().items()}
+            replica.load_state_dict(moved | {name: moved[name] + MIX * (own[name] - target[name]) for name in names})
     return land(snapshots()), outer.state_dict()
 
 
-def test_outer_state_survives_fits_and_resume_bitwise(tmp_path: Path) -> None:
+PROGRESS = {  # per rank: its steps in rounds 0, 1 and 2 (the last, which lands with no step since)
+    0: [torch.tensor([0.3, -0.2]), torch.tensor([0.1, 0.4]), torch.tensor([-0.2, 0.1])],
+    1: [torch.tensor([-0.1, -0.3]), torch.tensor([0.5, 0.0]), torch.tensor([0.2, 0.2])],
+}
+NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def _mixed_rounds(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """One parameter and one buffer through overlapped rounds with an outer Nesterov SGD, in the
+    order the engine runs them (steps, launch, the next round's steps, land, launch, ...), the
+    last round landing with no step since: what each holds after each landing."""
+    p, b = nn.Parameter(torch.tensor([1.0, -2.0])), torch.tensor([4.0, 4.0])
+    step, averager = OuterStep(OuterSpec(torch.optim.SGD, NESTEROV), [p]), DeltaAverager([p, b], CPU, trailer=1)
+    seen: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        p.add_(PROGRESS[rank][0])
+        b.add_(PROGRESS[rank][0])
+    for r in range(3):
+        averager.launch(1.0, [1.0])
+        if r < 2:  # the next round's steps
+            with torch.no_grad():
+                p.add_(PROGRESS[rank][r + 1])
+                b.add_(PROGRESS[rank][r + 1])
+        (total,) = averager.wait()
+        averager.land(total, r == 2, lambda averages: step.step([averages[id(p)]]), mixed={id(p)}, keep=MIX)
+        seen[f"parameter {r}"], seen[f"buffer {r}"] = p.detach().clone(), b.clone()
+    return seen
+
+
+def test_overlapped_outer_steps_move_the_parameters_half_way_from_the_snapshot() -> None:
+    """docs/design.md's formulas by hand, for PyTorch's Nesterov SGD (buf ← β·buf + g; θ ← θ −
+    lr·(g + β·buf)): at each landing θ' = OuterOpt(θ, θ − mean(S)), the same on both ranks; the
+    parameter goes to θ' + (x − S_i) + ½(S_i − θ'), the buffer (no outer step) to mean(S) + (x − S_i);
+    a round with no step since lands on θ' and mean(S), bitwise equal on both ranks."""
+    results = run_group(_mixed_rounds, 2)
+    lr, beta = NESTEROV["lr"], NESTEROV["momentum"]
+    theta, buf = torch.tensor([1.0, -2.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    x = [theta + PROGRESS[rank][0].double() for rank in (0, 1)]
+    y = [torch.tensor([4.0, 4.0], dtype=torch.float64) + PROGRESS[rank][0].double() for rank in (0, 1)]
+    for r in range(3):
+        sent, sent_buffer = [xi.clone() for xi in x], [yi.clone() for yi in y]
+        g = theta - (sent[0] + sent[1]) / 2
+        buf = beta * buf + g  # the first step's buffer is g itself: β·0 + g
+        theta = theta - lr * (g + beta * buf)
+        for rank in (0, 1):
+            if r < 2:
+                since = PROGRESS[rank][r + 1].double()
+                x[rank] = theta + since + MIX * (sent[rank] - theta)
+                y[rank] = (sent_buffer[0] + sent_buffer[1]) / 2 + since
+            else:
+                x[rank], y[rank] = theta, (sent_buffer[0] + sent_buffer[1]) / 2
+            torch.testing.assert_close(results[rank][f"parameter {r}"].double(), x[rank], rtol=0, atol=1e-6)
+            torch.testing.assert_close(results[rank][f"buffer {r}"].double(), y[rank], rtol=0, atol=1e-6)
+    assert torch.equal(results[0]["parameter 2"], results[1]["parameter 2"])
+    assert torch.equal(results[0]["buffer 2"], results[1]["buffer 2"])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["at-once", "overlap"])
+def test_outer_state_survives_fits_and_resume_bitwise(tmp_path: Path, overlap: bool) -> None:
+    """Overlapped, the replicas are equal at each epoch's end (every worker on the outer step's
+    result) and nothing else of the mixing is kept: a resumed run is the uninterrupted one."""
+
     def builder(directory: Path) -> Any:
         return (
             ParallelWrapper.builder(mlp()).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9).workers(2).threads_per_worker(1)
-            .averaging_frequency(2).deterministic(True).checkpoint(directory, every=100)
+            .averaging_frequency(2).deterministic(True).checkpoint(directory, every=100).overlap_averaging(overlap)
             .outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
         )  # fmt: skip
 

@@ -4,9 +4,12 @@ steps, which are kept on top of the average (DeltaAverager).
 
 With an outer optimizer this is Streaming DiLoCo's overlapped outer step (Douillard et al., 2025,
 arXiv 2501.18512, τ = one round): when round r lands, every worker computes the same outer step
-from the same average, θ' = OuterOpt(anchor, Δ = anchor − avg(snapshots_r)), and moves its current
-weights by θ' − its snapshot, keeping the local progress it made since (docs/design.md has the
-maths). The next snapshot is then θ' plus the next round's progress, so its Δ is that round's.
+from the same average, θ' = OuterOpt(anchor, Δ = anchor − avg(snapshots_r)), and moves its
+parameters by (1 − α)(θ' − its snapshot), keeping the local progress it made since: Streaming
+DiLoCo's merge of its local and the global parameters with mixing factor α = OUTER_MIX
+(docs/design.md has the maths). The part of the outer step a worker did not follow goes into its
+next snapshot, and so into the next round's pseudo-gradient. A round landed at once (no step since)
+puts every worker on θ' itself.
 
 With `fragments(n)`, the state is cut into n fragments of about equal bytes (whole tensors, in
 the state's order). Fragment p < n − 1 is snapshotted and sent after local step round((p + 1)·k/n)
@@ -33,6 +36,11 @@ from .exchange import average_anew
 from .header import HEADER_LEN, RoundTotals, Work, check_diverged, read_header, round_header
 from .state import agree_on_optimizer_layout, averaged_tensors, state_layout
 from .trainer import Trainer
+
+# Streaming DiLoCo's mixing factor α: where an outer step lands a round late, a worker keeps this
+# share of its own snapshot against the step's result. 0 (the step followed in full) diverged on
+# MNIST with DiLoCo's outer SGD (lr 0.7, Nesterov momentum 0.9; docs/design.md, benchmarks/README).
+OUTER_MIX = 0.5
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,9 @@ class StreamExchange:
         the average outright when its progress since is worthless (a non-finite loss then or
         since) or nil (no step since)."""
         adopt = launched.skipped or skipped_since or self.trainer.local_steps == launched.local_steps
-        delta.land(total, adopt, self.trainer.averaged if total > 0 else None, at_average)
+        outer = self.trainer.parts.outer
+        mixed = () if outer is None else {id(p) for p in outer.params}  # the parameters an outer step moves
+        delta.land(total, adopt, self.trainer.averaged if total > 0 else None, at_average, mixed, OUTER_MIX)
 
     # -- the round -------------------------------------------------------------------------------
 

@@ -12,12 +12,29 @@ import torch
 from ..types import Counters, TrainingState
 
 
+class OuterParameters(Protocol):
+    """A worker's outer optimizer step (outer.OuterStep), as an overlapped landing needs it."""
+
+    params: list[torch.Tensor]  # the parameters it moves
+
+
+class WithOuter(Protocol):
+    """A worker's parts (parts.Parts), as an overlapped landing needs them."""
+
+    @property
+    def outer(self) -> OuterParameters | None: ...
+
+
 class Trainer(Protocol):
     """A worker's model, optimizer and steps (worker.Replica)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     local_steps: int  # optimizer steps this worker has taken
+
+    @property
+    def parts(self) -> WithOuter:
+        """Its parts: the parameters its outer optimizer moves, if it has one."""
 
     @property
     def validates(self) -> bool:
