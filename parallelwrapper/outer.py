@@ -8,7 +8,8 @@ and the model's parameters are set to it. Every worker computes the same step fr
 average and the same state, so the outer optimizer's state never needs averaging. Plain
 averaging is the outer step SGD(lr=1): θ_start − 1·Δ = average(θ).
 
-Buffers and the inner optimizer's state are averaged as without an outer optimizer.
+Buffers and the inner optimizer's state are averaged as without an outer optimizer. With
+overlap_averaging the step lands a round late (docs/design.md, "The outer step with overlap").
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class OuterStep:
         """After an averaging: `averages` (by default the model's parameters) hold average(θ);
         move the anchor by the outer optimizer on Δ = anchor − average(θ) and put the result in
         them. With overlap_averaging the model holds its own progress since on top of the average,
-        which is kept: the averages are a buffer's, and the model moves by (result − snapshot).
+        which is kept: the averages are a buffer's, and the parameters move half way from their
+        snapshot to the result (Streaming DiLoCo's mixing, rounds/streaming.py).
         A parameter whose average is None (another fragment's, or a still group's) does not step."""
         pairs = list(zip(self.anchor, self.params if averages is None else averages, strict=True))
         anchors, targets = [a for a, t in pairs if t is not None], [t for _, t in pairs if t is not None]
