@@ -1,7 +1,7 @@
 """`.fragments(n)`: the state in n fragments, each averaged at its own point of the round and
 landed a round later (Streaming DiLoCo's fragments). Parity: two workers in real gloo processes
-end as a one-process computation of the same schedule; composition: with an outer optimizer, an
-int8 payload and a warm-up, the replicas end equal."""
+end as a one-process computation of the same schedule, with and without an outer step;
+composition: with an outer optimizer, an int8 payload and a warm-up, the replicas end equal."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from groups import run_group
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.config import Config, Job
+from parallelwrapper.config import Config, Job, OuterSpec
 from parallelwrapper.rounds.streaming import cut_fragments
 from parallelwrapper.worker import Replica
 from test_composition import SaveState
@@ -48,9 +48,13 @@ def test_fragments_need_overlap_and_refuse_replacement() -> None:
         b.fragments(0).build()
 
 
-def _fragments(rank: int, world: int) -> dict[str, Any]:
+OUTER = (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+MIX = 0.5  # Streaming DiLoCo's mixing factor: a parameter moves half way from its snapshot to the outer step's result
+
+
+def _fragments(rank: int, world: int, outer: bool) -> dict[str, Any]:
     model = bn_model()
-    job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None)
+    job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTER) if outer else None)
     config = Config(workers=world, averaging_frequency=K, overlap_averaging=True, fragments=2)
     replica = Replica(model, job, config, CPU, rank, world)
     replica.fit(1, ListSource(batches(rank, [SIZE] * K * ROUNDS), rank, world), lambda r: None)
@@ -58,14 +62,18 @@ def _fragments(rank: int, world: int) -> dict[str, Any]:
 
 
 @one_thread()
-def fragments_reference(world: int = 2) -> dict[str, torch.Tensor]:
+def fragments_reference(outer: bool, world: int = 2) -> dict[str, torch.Tensor]:
     """The schedule in one process. Fragment 0 (the first parameters, about half the bytes) is
     sent after each round's step k/2 and lands at step k/2 of the next round; fragment 1 (the
     rest, buffers included) is sent at each round's end and lands after the next round's steps.
-    A landing moves each replica by mean(snapshots) − its snapshot. At the epoch's end the last
-    fragment 1 lands (no step since: the mean itself), then fragment 0, then the whole state is
-    averaged once."""
+    A landing moves each replica by mean(snapshots) − its snapshot. With an outer optimizer, a
+    landing first steps it on the fragment's parameters alone, from their anchor on
+    anchor − mean, and each parameter moves by (1 − α)(the step's result − its snapshot). At the
+    epoch's end the last fragment 1 lands (no step since: the mean, or the step's result, itself),
+    then fragment 0, then the whole state is averaged once."""
     replicas = [bn_model() for _ in range(world)]
+    anchor = {name: nn.Parameter(p.detach().clone()) for name, p in replicas[0].named_parameters()}
+    outer_step = OUTER[0](anchor.values(), **OUTER[1]) if outer else None
     inner = [torch.optim.SGD(r.parameters(), lr=0.1) for r in replicas]
     data = {rank: batches(rank, [SIZE] * K * ROUNDS) for rank in range(world)}
     state, params = replicas[0].state_dict(), [name for name, _ in replicas[0].named_parameters()]
@@ -81,11 +89,19 @@ def fragments_reference(world: int = 2) -> dict[str, torch.Tensor]:
         return [{k: r.state_dict()[k].clone() for k in part} for r in replicas]
 
     def land(sent: list[dict[str, torch.Tensor]], part: list[str], adopt: bool = False) -> None:
+        target, mixed = {k: mean(sent, k) for k in part}, [k for k in part if k in anchor and outer_step is not None]
         with torch.no_grad():
+            if outer_step is not None and mixed:
+                for k in mixed:
+                    anchor[k].grad = anchor[k] - target[k]
+                outer_step.step()  # the other fragment's parameters have no gradient: they stay
+                for k in mixed:
+                    target[k], anchor[k].grad = anchor[k].detach().clone(), None
             for r, own in zip(replicas, sent, strict=True):
                 state = r.state_dict()
                 for k in part:
-                    state[k].copy_(mean(sent, k) if adopt else state[k] + (mean(sent, k) - own[k]))
+                    keep = MIX if k in mixed and not adopt else 0.0
+                    state[k].copy_(target[k] if adopt else state[k] + (1 - keep) * (target[k] - own[k]))
 
     in_flight: list[Any] = [None, None]
     for rnd in range(ROUNDS):
@@ -108,9 +124,10 @@ def fragments_reference(world: int = 2) -> dict[str, torch.Tensor]:
     return {k: mean(states, k) for k in keys}
 
 
-def test_two_fragments_equal_a_one_process_computation_of_their_schedule() -> None:
-    results = run_group(_fragments, 2)
-    expected = fragments_reference()
+@pytest.mark.parametrize("outer", [False, True], ids=["averaging", "outer-step"])
+def test_two_fragments_equal_a_one_process_computation_of_their_schedule(outer: bool) -> None:
+    results = run_group(_fragments, 2, outer)
+    expected = fragments_reference(outer)
     for key, value in expected.items():
         assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"
         torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
