@@ -124,13 +124,21 @@ class ClaimSource:
         self._first, self._skip, self._until = epoch, skip, until_epoch
         self._epoch = epoch  # the epoch this worker is in
         self._held: tuple[int, int] | None = None  # (epoch, index) claimed and not given yet
+        self._lengths: dict[int, int] = {}
 
     def _locate(self, claim: int) -> tuple[int, int]:
         """Where claim number `claim` lies: (epoch, index); past the fit's end, (until_epoch, 0)."""
         position, epoch = claim + self._skip, self._first
-        while epoch < self._until and position >= (length := self._epochs.length(epoch)):
+        while epoch < self._until and position >= (length := self._length(epoch)):
             position, epoch = position - length, epoch + 1
         return (epoch, position) if epoch < self._until else (self._until, 0)
+
+    def _length(self, epoch: int) -> int:
+        """An epoch's batches, asked once: every claim walks the epochs from the first, and a
+        DataLoader's epoch is listed to be counted."""
+        if epoch not in self._lengths:
+            self._lengths[epoch] = self._epochs.length(epoch)
+        return self._lengths[epoch]
 
     def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
         if self._held is None:
