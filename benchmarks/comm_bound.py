@@ -18,6 +18,9 @@ so it would slow training more than it would raise the exchanges' share. Contend
   int8:K       the same with .payload_dtype("int8")
   params:K     the same with .average_updaters(False): parameters only, PMA's bytes
   pma:K        PyTorch's PeriodicModelAverager, two torch processes of its own on gloo, period K
+  pma-heap:K   the same, its processes keeping their heap as the wrapper's workers do
+               (processes.keep_heap: glibc's mmap and trim thresholds); PMA's own glibc defaults
+               fault in tens of MB of pages a step here (minor_faults_per_step in the JSON)
   auto         the wrapper with .averaging_frequency("auto") and nothing else set; skipped, with
                the builder's refusal printed and recorded, while the builder refuses it
 
@@ -43,7 +46,10 @@ import dataclasses
 import itertools
 import json
 import math
+import os
+import resource
 import statistics
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,12 +64,13 @@ from common import DEFAULT_DATA_DIR, LR, MOMENTUM, rotated, run_processes, table
 from parallelwrapper import ParallelWrapper, Score
 from parallelwrapper.data import load_mnist
 from parallelwrapper.listeners import exchange_share
+from parallelwrapper.processes import keep_heap
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 WORKERS, PARAMS, SEED, BATCH = 2, 10_000_000, 0, 32
 IN, OUT = 28 * 28, 10
 FIXED = ("wrapper", "int8", "params")  # the wrapper's fixed settings
-KINDS = (*FIXED, "pma")  # the contenders with a period
+KINDS = (*FIXED, "pma", "pma-heap")  # the contenders with a period
 DEFAULT_CONTENDERS = "wrapper:8,wrapper:32,wrapper:64,int8:8,int8:32,int8:64,params:32,pma:8,pma:32,auto"
 QUICK_CONTENDERS = "auto,wrapper:32,pma:8"  # auto skipped while refused: about 4 minutes, 6 with auto
 
@@ -191,7 +198,9 @@ def run_wrapper(kind: str, k: int, args: argparse.Namespace) -> dict[str, Any]:
 # -- PeriodicModelAverager ------------------------------------------------------------------------------
 
 
-def _pma_rank(rank: int, world: int, k: int, lr: float, data_dir: str, eval_every: int, batch: int, max_epochs: int, target: float, budget: float) -> dict[str, Any]:
+def _pma_rank(rank: int, world: int, k: int, heap: bool, lr: float, data_dir: str, eval_every: int, batch: int, max_epochs: int, target: float, budget: float) -> dict[str, Any]:
+    if heap and not keep_heap(dict(os.environ)):
+        raise RuntimeError("pma-heap: glibc's thresholds could not be set here (no mallopt, or PW_KEEP_HEAP=0 or MALLOC_ variables set)")
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True)
     # Its counter starts at 0 and it averages when the counter is past warmup_steps and a multiple
@@ -202,6 +211,7 @@ def _pma_rank(rank: int, world: int, k: int, lr: float, data_dir: str, eval_ever
     seconds = averaging = steps_s = 0.0
     samples = 0
     dist.barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for chunk in chunks(data_dir, max_epochs, eval_every, batch):
         start = time.perf_counter()
         for x, y in chunk[rank::world]:
@@ -222,13 +232,14 @@ def _pma_rank(rank: int, world: int, k: int, lr: float, data_dir: str, eval_ever
         acc = float(verdict[0])
         points.append({"seconds": seconds, "samples": samples, "steps": samples / (world * batch), "accuracy": acc, "rank0_busy_s": steps_s + averaging})
         if rank == 0:
-            print(f"  pma:{k}: {samples / (world * batch):.0f} steps, {seconds:.1f} s, accuracy {acc:.4f}", flush=True)
+            print(f"  pma{'-heap' if heap else ''}:{k}: {samples / (world * batch):.0f} steps, {seconds:.1f} s, accuracy {acc:.4f}", flush=True)
         if acc >= target or bool(verdict[1]):
             break
     steps = samples / (world * batch)
     rounds = int(steps) // k
     return {
         "points": points,
+        "minor_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / (samples / world / batch),
         "exchange_share": averaging / (steps_s + averaging),
         "compute_s_per_step": steps_s / steps,
         "exchange_s_per_round": averaging / rounds if rounds else None,
@@ -236,8 +247,8 @@ def _pma_rank(rank: int, world: int, k: int, lr: float, data_dir: str, eval_ever
     }
 
 
-def run_pma(k: int, args: argparse.Namespace) -> dict[str, Any]:
-    parts = run_processes(_pma_rank, WORKERS, k, args.lr, args.data_dir, args.eval_every, args.batch, args.max_epochs, args.target, args.budget, timeout=args.budget * 3 + 600)
+def run_pma(k: int, heap: bool, args: argparse.Namespace) -> dict[str, Any]:
+    parts = run_processes(_pma_rank, WORKERS, k, heap, args.lr, args.data_dir, args.eval_every, args.batch, args.max_epochs, args.target, args.budget, timeout=args.budget * 3 + 600)
     return parts[0]
 
 
@@ -267,7 +278,7 @@ def parse(contenders: str) -> list[tuple[str, str, int]]:
         elif kind in KINDS and k.isdigit() and int(k) >= 1:
             out.append((name, kind, int(k)))
         else:
-            raise SystemExit(f"unknown contender {name!r}: use wrapper:K, int8:K, params:K, pma:K or auto")
+            raise SystemExit(f"unknown contender {name!r}: use wrapper:K, int8:K, params:K, pma:K, pma-heap:K or auto")
     return out
 
 
@@ -335,6 +346,20 @@ def report(settings: dict[str, Any], runs: dict[str, list[dict[str, Any]]], skip
     return summary
 
 
+def provenance() -> dict[str, Any]:
+    """Which package ran: its folder, and where that is a git work tree, its commit and the files
+    of the package that differ from it (others may be editing the tree this runs from)."""
+    import parallelwrapper
+
+    package = Path(parallelwrapper.__file__).resolve().parent
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", *argv], cwd=package, capture_output=True, text=True)
+        return done.stdout.rstrip("\n") if done.returncode == 0 else ""
+
+    return {"package": str(package), "revision": git("rev-parse", "--short", "HEAD") or None, "modified": git("status", "--porcelain", "--", ".").splitlines()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contenders", default=None, help=f"default: {DEFAULT_CONTENDERS}")
@@ -380,6 +405,7 @@ def main() -> None:
         "repeats": repeats,
         "budget": args.budget,
         "max_epochs": args.max_epochs,
+        **provenance(),
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in contenders}
     specs = {name: (kind, k) for name, kind, k in contenders}
@@ -389,7 +415,7 @@ def main() -> None:
             kind, k = specs[name]
             print(f"repeat {repeat + 1}, {name}:", flush=True)
             wall = time.monotonic()
-            result = run_pma(k, args) if kind == "pma" else run_wrapper(kind, k, args)
+            result = run_pma(k, kind == "pma-heap", args) if kind.startswith("pma") else run_wrapper(kind, k, args)
             r = {**time_to_target(result, args.target), **result, "wall_seconds": time.monotonic() - wall}
             runs[name].append(r)
             reached = f"{r['seconds']:.1f} s, {r['samples']:,} samples" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
