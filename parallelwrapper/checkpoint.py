@@ -10,7 +10,8 @@ The file is a `torch.save`d dict:
     format       1
     fingerprint  what must match to resume: the options that change the arithmetic (workers,
                  averaging_frequency, training_mode, average_updaters, deterministic,
-                 warmup_sync_steps, gradient_encoding, average_updaters_every when not 1), the optimizer class and arguments, the scheduler's, the
+                 warmup_sync_steps, gradient_encoding, average_updaters_every when not 1, the autopilot's
+                 bounds when set), the optimizer class and arguments, the scheduler's, the
                  outer optimizer's, and every parameter and buffer's name, shape, dtype
     config       the whole config, for people
     model        the averaged model's state_dict
@@ -51,7 +52,7 @@ FILENAME = "checkpoint.pt"
 FORMAT = 1
 _FINGERPRINT_OPTIONS = (
     "workers", "averaging_frequency", "training_mode", "average_updaters", "overlap_averaging", "deterministic",
-    "warmup_sync_steps", "gradient_encoding", "average_updaters_every",
+    "warmup_sync_steps", "gradient_encoding", "average_updaters_every", "autopilot",
 )  # fmt: skip
 
 
@@ -67,6 +68,8 @@ def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
         del options["gradient_encoding"]  # as checkpoints from before gradient encoding have it
     if options["average_updaters_every"] == 1:
         del options["average_updaters_every"]  # as checkpoints from before average_updaters(every=m) have it
+    if options["autopilot"] is None:
+        del options["autopilot"]  # as checkpoints from before the autopilot have it
     options["workers"] = world_size
     if config.pipeline is not None:  # its own states are by process (absent without a pipeline, as before pipelines)
         options["stages"] = config.pipeline.stages

@@ -87,9 +87,29 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
         raise click.ClickException(str(e)) from None
 
 
+class _KOrAuto(click.ParamType):  # type: ignore[type-arg]
+    """An averaging frequency: an int >= 1, or "auto"."""
+
+    name = "k|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if value == "auto":
+            return "auto"
+        try:
+            k = int(value)
+        except (TypeError, ValueError):
+            k = 0
+        if k < 1:
+            self.fail(f"{value!r}: an averaging frequency is an integer >= 1 or 'auto'", param, ctx)
+        return k
+
+
+_K = _KOrAuto()
+
+
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @_run_options
-@click.option("--averaging-frequency", type=click.IntRange(min=1), default=3, show_default=True, help="Local iterations per worker between averagings.")
+@click.option("--averaging-frequency", type=_K, default="3", show_default=True, help="Local iterations per worker between averagings, or auto: the autopilot chooses k (1 to 64), the payload and the optimizer state's period from the measured step and exchange times (a --payload-dtype or --average-updaters-every other than its default is kept).")
 @click.option("--mode", type=click.Choice([m.value for m in TrainingMode]), default=TrainingMode.AVERAGING.value, show_default=True, help="averaging: local steps, then average; shared-gradients: average gradients every step.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
 @click.option("--tensorboard", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write the scores, validations, epoch figures, learning rate and replacements here as TensorBoard scalars (needs the tensorboard package: pip install tensorboard). Default: off.")

@@ -3,7 +3,7 @@
 Config is data. Runtime objects (the model, the optimizer class, the loss function, listeners)
 are handed to the builder (wrapper.Builder) and travel beside the config in a `Job`, never inside
 it, so a config can be printed, compared and stored in a checkpoint. What the config means on this
-machine (devices, backend, threads) is env.resolve's to say. Imports nothing of the package.
+machine (devices, backend, threads) is env.resolve's to say. Imports only naming and autopilot.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .autopilot import Autopilot, refusal
 from .naming import describe, qualified, short
 
 
@@ -121,6 +122,7 @@ class Config:
     peer_timeout_s: float = 30.0  # under torchrun: a rank that hears nothing from a peer this long exits, naming it
     gradient_encoding: GradientEncoding | None = None  # SHARED_GRADIENTS: updates sent threshold-encoded (None: dense)
     pipeline: Pipeline | None = None  # .pipeline(...): each worker a pipeline of stage processes (pipeline/)
+    autopilot: Autopilot | None = None  # .averaging_frequency("auto"): k, payload and optimizer-state period chosen each round
 
     @property
     def wire_dtype(self) -> str | None:
@@ -182,6 +184,8 @@ class Config:
         check_int("average_updaters(every=...)", self.average_updaters_every, 1, "how many rounds apart the optimizer state travels, e.g. .average_updaters(every=4)")
         if self.average_updaters_every > 1:
             _check_updaters_every(self)
+        if self.autopilot is not None and (refused := refusal(self.autopilot, self, PAYLOAD_DTYPES)):
+            raise ValueError(refused)
         for d in self.devices or ():  # how many there must be is env.resolve's to check
             try:
                 torch.device(d)
@@ -287,9 +291,7 @@ class Job:
     outer_optimizer: OuterSpec | None = None  # DiLoCo / SlowMo
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        if self.optimizer_fn is not None:
-            return self.optimizer_fn(model)
-        return self.optimizer_cls(model.parameters(), **self.optimizer_kwargs)
+        return self.optimizer_fn(model) if self.optimizer_fn is not None else self.optimizer_cls(model.parameters(), **self.optimizer_kwargs)
 
     @property
     def optimizer_name(self) -> str:
@@ -386,8 +388,7 @@ def parse_enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
     try:
         return cls(value)
     except ValueError:
-        choices = [m.value for m in cls]
-        raise ValueError(f"{name} must be one of {choices} or a {cls.__name__}, got {value!r}") from None
+        raise ValueError(f"{name} must be one of {[m.value for m in cls]} or a {cls.__name__}, got {value!r}") from None
 
 
 def describe_config(config: Config) -> dict[str, Any]:

@@ -42,6 +42,18 @@ class Score:
     # exchanges (sending, waiting for the others and the network, applying the average).
     training_s: float = math.nan
     exchange_s: float = math.nan
+    # What the round ran with (the last of them, when a score covers several): k, the payload,
+    # every how many rounds the optimizer's state travelled (0: never), overlap, fragments; the
+    # reporting worker's seconds per local step and per exchange over them; and, when
+    # `.averaging_frequency("auto")` changed the choice after them, why.
+    k: int = 0
+    payload: str = "float32"
+    updaters_every: int = 1
+    overlap: bool = False
+    fragments: int = 1
+    step_s: float = math.nan
+    link_s: float = math.nan
+    why: str | None = None
 
 
 def exchange_share(scores: Sequence[Score]) -> float:
@@ -49,6 +61,16 @@ def exchange_share(scores: Sequence[Score]) -> float:
     its steps: Σ exchange_s / Σ (training_s + exchange_s); NaN when they count no time."""
     busy = sum(s.training_s + s.exchange_s for s in scores)
     return sum(s.exchange_s for s in scores) / busy if busy > 0 else math.nan
+
+
+def autopilot_changes(scores: Sequence[Score]) -> list[dict[str, Any]]:
+    """The autopilot's changes over `scores` (`.averaging_frequency("auto")`): from which round
+    on, the k, payload and optimizer-state period it chose (as the next score ran them), and why."""
+    return [
+        {"round": before.round + 1, "k": after.k, "payload": after.payload, "updaters_every": after.updaters_every, "why": before.why}
+        for before, after in zip(scores, scores[1:])
+        if before.why
+    ]
 
 
 @dataclass(frozen=True)
@@ -131,7 +153,11 @@ class Recorder:
     def __call__(self, report: Report) -> None:
         c, seconds = report.counters, report.at - self.start
         if isinstance(report, RoundReport):
-            score = Score(c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped, c.position, report.encoding, report.lr, report.training_s, report.exchange_s)
+            ran = {} if report.ran is None else dataclasses.asdict(report.ran)
+            score = Score(
+                c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped, c.position, report.encoding, report.lr,
+                report.training_s, report.exchange_s, step_s=report.step_s, link_s=report.link_s, **ran,
+            )  # fmt: skip
             self.history.scores.append(score)
             notify(self.listeners, "on_score", score)
         elif isinstance(report, ValidationReport):
@@ -150,7 +176,7 @@ class Recorder:
 
 class ProgressBar:
     """A tqdm bar over an epoch's batches, one bar per epoch, with the last round's averaged loss
-    ("round loss"), the latest validation metrics, and at the end the epoch's mean loss ("epoch
+    ("round loss"), its k and payload, the latest validation metrics, and at the end the epoch's mean loss ("epoch
     loss"). `batches_per_epoch` sets the bar's total when the data has a length; a resumed fit()
     starts its bar where the epoch was."""
 
@@ -172,9 +198,11 @@ class ProgressBar:
         self._bar.set_postfix(self._postfix, refresh=refresh)
 
     def on_score(self, score: Score) -> None:
-        """Move the bar to the score's place in the epoch and show its round loss."""
+        """Move the bar to the score's place in the epoch and show its round loss, k and payload."""
         bar = self._open(score.epoch)
         bar.update(score.position - bar.n)
+        if score.k:
+            self._postfix["k"], self._postfix["payload"] = str(score.k), score.payload
         self._show({"round_loss": score.score})
 
     def on_validation(self, validation: Validation) -> None:

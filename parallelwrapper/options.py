@@ -54,7 +54,7 @@ class RunOptions:
 
     workers: int = 2
     prefetch_buffer: int = 24
-    averaging_frequency: int = 3
+    averaging_frequency: int | str = 3  # or "auto": the autopilot chooses (Builder.averaging_frequency("auto"))
     report_score_after_averaging: bool = True
     average_updaters: bool = True
     average_updaters_every: int = 1  # with average_updaters: the optimizer state travels every m-th round (Builder.average_updaters(every=m))
@@ -96,6 +96,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainingMode):
             raise ValueError(f"mode must be one of {[m.value for m in TrainingMode]}, got {self.mode!r}")
+        if self.averaging_frequency != "auto":
+            check_int("averaging_frequency", self.averaging_frequency, 1, "or 'auto'")
         check_int("epochs", self.epochs)
         check_int("batch_size", self.batch_size)
         check_int("checkpoint_every", self.checkpoint_every)
@@ -201,7 +203,6 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .prefetch_buffer(options.prefetch_buffer)
         .averaging_frequency(options.averaging_frequency)
         .report_score_after_averaging(options.report_score_after_averaging)
-        .average_updaters(options.average_updaters, every=options.average_updaters_every)
         .training_mode(options.mode)
         .optimizer(choice.cls, lr=options.learning_rate, **choice.kwargs)
         .overlap_averaging(options.overlap_averaging)
@@ -209,10 +210,16 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .seed(options.seed)
         .precision(options.precision)
         .warmup_sync_steps(options.warmup_sync_steps)
-        .payload_dtype(options.payload_dtype)
         .fragments(options.fragments)
         .listeners(*listeners)
     )
+    # With "auto" the autopilot chooses the payload and the optimizer state's period, unless
+    # they are other than their defaults (a builder's option set is kept).
+    auto = options.averaging_frequency == "auto"
+    if not auto or options.payload_dtype != "float32":
+        b = b.payload_dtype(options.payload_dtype)
+    if not auto or (options.average_updaters, options.average_updaters_every) != (True, 1):
+        b = b.average_updaters(options.average_updaters, every=options.average_updaters_every)
     if options.outer_lr is not None:
         # Nesterov only where there is momentum: torch's SGD refuses it without.
         nesterov = options.outer_momentum > 0

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation, exchange_share
+from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation, autopilot_changes, exchange_share
 from .options import RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits, options_json, with_lr_schedule
 from .tensorboard_logger import TensorBoardLogger
 from .types import WorkerError
@@ -45,7 +45,7 @@ class Summary:
     wall_seconds: float  # the whole run: data loading, worker start-up, training, validation
     epochs: int
     workers: int
-    averaging_frequency: int
+    averaging_frequency: int | str  # or "auto"
     mode: str
     samples: int  # training samples seen, all workers together, since the run began (a resumed run's too)
     session_samples: int  # of which this session trained
@@ -60,6 +60,7 @@ class Summary:
     final_threshold: float | None = None  # --gradient-threshold: τ at the end
     exchange_share: float | None = None  # of rank 0's time in the scores' rounds, the share in exchanges (Score.exchange_s)
     epoch_accuracies: list[float] = field(default_factory=list)
+    autopilot_changes: list[dict[str, Any]] = field(default_factory=list)  # --averaging-frequency auto: each change of k, payload or period, and why
     options: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -90,7 +91,9 @@ class RunLog:
     training clock.
 
     `metrics.jsonl` has a "score" record per averaged score (the round's mean loss, worker 0's
-    training_s and exchange_s since the last; encoded: τ, density, bytes_sent), a "validation"
+    training_s and exchange_s since the last, the k, payload and updaters_every it ran with,
+    step_s and link_s per step and exchange, and the autopilot's `why` after a change; encoded:
+    τ, density, bytes_sent), a "validation"
     record per validation (val_loss, val_accuracy) and an "epoch" record per epoch (epoch_loss,
     test_loss, test_accuracy), each with step, iteration, samples, epoch and seconds since `start`;
     with --replace-workers, a "replacement" record (rank, lost_round, reason) per replaced worker.
@@ -131,7 +134,8 @@ class RunLog:
         self._tick(score.seconds, score.samples)
         self._step = score.round
         encoding = {} if score.encoding is None else {"threshold": score.encoding.threshold, "density": score.encoding.density, "bytes_sent": score.encoding.bytes_sent}
-        self._write("score", score, score=score.score, training_s=score.training_s, exchange_s=score.exchange_s, **encoding)
+        ran = {"k": score.k, "payload": score.payload, "updaters_every": score.updaters_every, "step_s": score.step_s, "link_s": score.link_s}
+        self._write("score", score, score=score.score, training_s=score.training_s, exchange_s=score.exchange_s, **ran, **encoding, **({"why": score.why} if score.why else {}))
 
     def on_validation(self, validation: Validation) -> None:
         self._tick(validation.seconds, validation.samples)
@@ -229,6 +233,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
         final_threshold=encodings[-1].threshold if encodings else None,
         exchange_share=share if math.isfinite(share) else None,
         epoch_accuracies=log.epoch_accuracies,
+        autopilot_changes=autopilot_changes(history.scores),
         options=options_json(options),
     )
     if options.out is not None:

@@ -4,6 +4,7 @@ right); `wrapper.Builder.build()` validates the whole and builds the ParallelWra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: typing_extensions comes with torch
     from typing_extensions import Self
 
+from .autopilot import Autopilot
 from .config import BeforeStep, GradientEncoding, LossFn, NanPolicy, OptimizerFn, OuterSpec, Pipeline, SchedulerSpec, TrainingMode, TrainingStep, ValidationStep, parse_enum
 from .feed import Batches, compact
 
@@ -163,8 +165,21 @@ class Settings:
         """Batches read ahead into the spawned workers' shared queue. Default: 24."""
         return self._set("prefetch_buffer", n)
 
-    def averaging_frequency(self, k: int) -> Self:
-        """Local iterations per worker between two averagings. Default: 1."""
+    def averaging_frequency(
+        self, k: int | str, *, k_min: int = 1, k_max: int = 64, exchange_share: float = 0.05, payloads: Sequence[str] | None = None
+    ) -> Self:
+        """Local iterations per worker between two averagings. Default: 1. "auto": the autopilot
+        chooses k in [k_min, k_max] each round, from the measured seconds of a step and of an
+        exchange, so that exchanges take at most `exchange_share` of the time; where k_max cannot
+        reach that it tries sending the optimizer's state every 2 or 4 rounds, then `payloads`
+        (default bfloat16, int8), keeping whichever exchanges fastest. A payload_dtype or
+        average_updaters set explicitly is kept. See docs/guides/autopilot.md."""
+        if k == "auto":
+            spec = Autopilot(k_min, k_max, exchange_share)
+            return self._set("autopilot", spec if payloads is None else dataclasses.replace(spec, payloads=tuple(payloads)))
+        if isinstance(k, str):
+            raise ValueError(f"averaging_frequency takes an int >= 1 or 'auto', got {k!r}; e.g. .averaging_frequency(8) or .averaging_frequency('auto')")
+        self._options.pop("autopilot", None)
         return self._set("averaging_frequency", k)
 
     def report_score_after_averaging(self, flag: bool) -> Self:

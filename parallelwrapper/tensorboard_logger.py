@@ -10,6 +10,8 @@ from pathlib import Path
 from .listeners import EpochEnd, History, Score, Validation
 from .types import WorkerError
 
+PAYLOAD_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}  # bits a number, scales aside
+
 
 class TensorBoardLogger:
     """Scalars under `log_dir`, each at the step of `iteration` (batches trained so far, all
@@ -21,6 +23,10 @@ class TensorBoardLogger:
     - `validation/NAME`: each metric of each validation (`val_loss`, `val_accuracy`, ...);
     - `epoch/loss` and `epoch/seconds`: at each epoch's end, the epoch's mean loss and the
       seconds since its fit() began;
+    - `rounds/k`, `rounds/payload_bits`, `rounds/updaters_every`: what each Score's last round
+      ran with (the autopilot's choice, with `.averaging_frequency("auto")`), with
+      `rounds/step_s` and `rounds/exchange_s`: the reporting worker's seconds per local step
+      and per exchange;
     - `faults/replacements`: the replacements so far, at each replaced worker, and
       `faults/replaced_rank`: its rank.
 
@@ -51,6 +57,13 @@ class TensorBoardLogger:
         if not math.isnan(score.lr):
             self.writer.add_scalar("train/lr", score.lr, step)
         self.writer.add_scalar("train/skipped_workers", score.skipped, step)
+        if score.k:  # what the round ran with (the autopilot's choice), and its measured times
+            self.writer.add_scalar("rounds/k", score.k, step)
+            self.writer.add_scalar("rounds/payload_bits", PAYLOAD_BITS.get(score.payload, 32), step)
+            self.writer.add_scalar("rounds/updaters_every", score.updaters_every, step)
+            for name, value in (("rounds/step_s", score.step_s), ("rounds/exchange_s", score.link_s)):
+                if math.isfinite(value):
+                    self.writer.add_scalar(name, value, step)
 
     def on_validation(self, validation: Validation) -> None:
         """Each metric of the validation."""

@@ -59,6 +59,23 @@ class RoundReport:
     lr: float = math.nan  # the first parameter group's learning rate at the reporting worker's last local step
     training_s: float = math.nan  # the reporting worker's seconds in local work over the reported rounds
     exchange_s: float = math.nan  # ... and in their exchanges: sending, waiting for and applying the averages
+    step_s: float = math.nan  # the reporting worker's seconds per local step over them (per worker's mean of steps)
+    link_s: float = math.nan  # ... and per exchange
+    ran: InForce | None = None  # what the last of them ran with
+
+
+@dataclass(frozen=True)
+class InForce:
+    """What a round ran with: k (1 in a gradient round), the payload, every how many rounds the
+    optimizer's state travelled (0: never), overlap and fragments; and, when the autopilot
+    (`.averaging_frequency("auto")`) changed any of them after it, why."""
+
+    k: int
+    payload: str
+    updaters_every: int
+    overlap: bool = False
+    fragments: int = 1
+    why: str | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import checkpoint, pipeline
+from .autopilot import levers
 from .config import Config, Job, check_job
 from .env import Placement, resolve, torchrun_env
 from .evaluation import check_validation, classification_metrics, metric_sums
@@ -272,7 +273,7 @@ class Builder(Settings):
     def build(self) -> ParallelWrapper:
         """Check every option and make the wrapper; a bad option raises `ValueError` naming it
         and the fix. No worker starts until the first `fit()`."""
-        config = Config(**self._options)
+        config = Config(**levers(self._options))
         job = Job(
             self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step,
             self._optimizer_fn, self._before_step, self._validation, self._validation_step, early_stopping_of(self._listeners),
@@ -294,7 +295,7 @@ class Builder(Settings):
         or their number) with the workers set so far (or torchrun's): ceil(batches / workers),
         the global step that a per-step schedule counts. For sizing one before build(), e.g.
         `.lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=epochs * builder.steps_per_epoch(train))`."""
-        placement = resolve(Config(**self._options), torchrun_env(), explicit=self._options.keys())
+        placement = resolve(Config(**levers(self._options)), torchrun_env(), explicit=self._options.keys())
         return steps_per_epoch(batch_count(data, "steps_per_epoch"), placement.world_size)
 
 

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..autopilot import Change, Choice, Pilot
 from ..averaging import Shards
 from ..config import Config, TrainingMode
-from ..types import BatchSource, Counters, EpochReport, Hooks, Phase, Reporter, Stopped
+from ..types import BatchSource, Counters, EpochReport, Hooks, InForce, Phase, Reporter, Stopped
 from .cut import RoundCut
 from .exchange import Sent, SyncExchange
 from .header import RoundTotals, Work
@@ -60,6 +61,10 @@ class Rounds:
         self.seq = 0  # rounds started over this worker's life, the same on every worker: Hooks' tags
         self._cut = RoundCut(world_size * (1 if node is None else node.size))  # which batches each round trains, and their steps
         self._seconds = [0.0, 0.0]  # in local work, in exchanges, since the last round settled: its Score's
+        # `.averaging_frequency("auto")`: the autopilot's choice of k and rung is in force (autopilot.py).
+        start = Choice(config.averaging_frequency, config.payload_dtype, config.average_updaters_every)
+        self.pilot = None if config.autopilot is None else Pilot(config.autopilot, start)
+        self._exchange_s = 0.0  # the last averaging's seconds, when a fair measure of its rung (the autopilot's)
 
     @property
     def _averaging(self) -> bool:
@@ -67,16 +72,25 @@ class Rounds:
         `warmup_sync_steps` synchronous steps (rounds, over the wrapper's life) are done."""
         return self._averages_state and self.counters.rounds >= self.config.warmup_sync_steps
 
+    @property
+    def k(self) -> int:
+        """The local steps of an averaging round: the autopilot's choice, or averaging_frequency."""
+        return self.config.averaging_frequency if self.pilot is None else self.pilot.choice.k
+
     def own_state(self) -> dict[str, Any]:
-        """What of the rounds is this worker's alone, for a checkpoint: with gradient encoding, its
-        residual (and τ and the step count, the same on every worker)."""
-        if self.config.gradient_encoding is None:
-            return {}
-        return {"gradient_encoding": self._sync.encoding_residual().state_dict()}
+        """What of the rounds a checkpoint holds per worker: with gradient encoding, its residual
+        (and τ and the step count, the same on every worker); the autopilot's state."""
+        own: dict[str, Any] = {} if self.pilot is None else {"autopilot": self.pilot.state_dict()}
+        if self.config.gradient_encoding is not None:
+            own["gradient_encoding"] = self._sync.encoding_residual().state_dict()
+        return own
 
     def load_own_state(self, own: dict[str, Any]) -> None:
         if self.config.gradient_encoding is not None and "gradient_encoding" in own:
             self._sync.encoding_residual().load_state_dict(own["gradient_encoding"])
+        if self.pilot is not None and "autopilot" in own:
+            self.pilot.load_state_dict(own["autopilot"])
+            self._use(self.pilot.choice)
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
@@ -113,7 +127,7 @@ class Rounds:
         exactly on the average. The epoch ends the same way: when every worker had finished in
         the landed round, nobody stepped since."""
         # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
-        every = 1 if self._averaging else self.config.averaging_frequency
+        every = 1 if self._averaging else self.k
         book = ScoreBook(report, every, self.config.report_score_after_averaging)
         self._cut.epoch_starts(self.counters)
         in_flight: Any = None  # a round launched and not landed (overlap_averaging)
@@ -156,7 +170,7 @@ class Rounds:
 
     def _batches_per_round(self) -> int:
         """AVERAGING: k for every rank; SHARED_GRADIENTS (and a warm-up): one each."""
-        return self._cut.ranks * (self.config.averaging_frequency if self._averaging else 1)
+        return self._cut.ranks * (self.k if self._averaging else 1)
 
     def _local_work(self, behind: bool) -> Work:
         """AVERAGING: an independent step on each of this worker's batches of the round (k, or
@@ -193,7 +207,7 @@ class Rounds:
         the node's. The round after a node's last batch finds it finished."""
         assert self._node is not None
         first = self._cut.step_of(self._cut.start)
-        node = self._node.run(self.config.averaging_frequency, first, self.counters.epoch, self._next, lambda: self._cut.finished)
+        node = self._node.run(self.k, first, self.counters.epoch, self._next, lambda: self._cut.finished)
         work.samples, work.batches, work.finished = node.samples, node.batches, node.finished
         loss = [torch.tensor(node.loss_sum)] if node.batches else []
         work.loss_sum, work.skipped = self.trainer.checked_loss(loss, work.first_step, self.counters.epoch)
@@ -214,6 +228,8 @@ class Rounds:
             return self._stream.launch(work, stop)
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
+        elif self.pilot is not None:
+            work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, decides=self.rank == 0)
         return self._sync.launch(work, self._averaging, stop, self._moments_due())
 
     def _moments_due(self) -> bool:
@@ -248,11 +264,35 @@ class Rounds:
             c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
             c.position += totals.batches
             seconds, self._seconds = (self._seconds[0], self._seconds[1]), [0.0, 0.0]
-            book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds)
+            config = self.config
+            every = config.average_updaters_every if config.average_updaters else 0
+            ran = InForce(self.k if self._averaging else 1, config.payload_dtype, every, config.overlap_averaging, config.fragments)
+            change = self._steer(totals, seconds[1])
+            ran = dataclasses.replace(ran, why=None if change is None else change.why)
+            book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)
         if epoch_done:
             c.epoch, c.position = c.epoch + 1, 0
         self.trainer.landed(c, book.whole.score if epoch_done else totals.score, epoch_done)
         return epoch_done
+
+    def _steer(self, totals: RoundTotals, exchange_s: float) -> Change | None:
+        """With the autopilot, after an averaging round: apply the decision it carried, measure,
+        decide the next (autopilot.py); the exchange is a fair measure of its rung when its
+        header rode with the payload (not a fit's first round, nor one that rebuilt the buffers)."""
+        if self.pilot is None or not self._averaging:
+            return None
+        change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
+        self._exchange_s = exchange_s if self._sync.steady else 0.0
+        if change is not None:
+            self._use(change.choice)
+        return change
+
+    def _use(self, choice: Choice) -> None:
+        """Send the next averagings as `choice` says: its payload and optimizer-state period (k is
+        read at each round's start). Another rung rebuilds the buffers at the next round."""
+        if (choice.payload, choice.updaters_every) != (self.config.payload_dtype, self.config.average_updaters_every):
+            self.config = dataclasses.replace(self.config, payload_dtype=choice.payload, average_updaters_every=choice.updaters_every)
+            self._sync.use(self.config)
 
     def _validation_due(self, rounds: int) -> bool:
         every = self.config.validation_every

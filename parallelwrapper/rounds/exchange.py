@@ -110,6 +110,8 @@ class SyncExchange:
         self._moments_sent = False  # on their way, to land at settle()
         self._moments_own = False  # some worker stepped since they last travelled: replicas' states differ
         self._share = 0.0  # this worker's w / Σw in the last round that trained
+        self._anew = False  # the next averaging builds its buffers by averaging anew (another rung: the workers' optimizer states may differ)
+        self.steady = False  # the last round landed had its header in the payload's trailer: no buffers built, no header alone
         # The optimizer's averaged state may land after the round (FlatAverager's `later`): before
         # its next step reads it, at the latest.
         trainer.optimizer.register_step_pre_hook(lambda *_: self.settle())
@@ -128,6 +130,12 @@ class SyncExchange:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
         self._payload, self._gradients, self._reference, self._early = None, False, 0.0, False
         self._moments, self._moments_sent, self._moments_own = None, False, False
+
+    def use(self, config: Config) -> None:
+        """Another payload or optimizer-state period (the autopilot's): the next averaging round
+        averages every worker's whole state anew in full precision, into buffers for `config`."""
+        self.release()
+        self.config, self._reference, self._anew = config, 0.0, True
 
     def release(self, settle: bool = True) -> None:
         """Between fits, the model's tensors own their storage; after a failure (not `settle`),
@@ -164,7 +172,7 @@ class SyncExchange:
         optimizer creates its state at a parameter's first step, so a first fit() that averages
         it builds its buffers after the first round, in full precision, as does plain SGD."""
         trainer, config = self.trainer, self.config
-        if config.wire_dtype is None or config.overlap_averaging:
+        if config.wire_dtype is None or config.overlap_averaging or self._anew:
             return False
         return not config.average_updaters or holds_state(trainer.optimizer, trained_parameters(trainer.model, trainer.optimizer))
 
@@ -200,6 +208,7 @@ class SyncExchange:
         """Wait for the sums and apply them. A worker that did not train sent zeros; when nobody
         did, every worker drops the sums. The first averaging of a fit() builds the buffers."""
         payload = self._payload
+        self.steady = sent.totals is None
         if sent.totals is None:
             assert payload is not None
             totals = read_header(payload.wait(), sent.layout, self._groups[sent.averaging][1])
@@ -221,6 +230,7 @@ class SyncExchange:
                 share, agree = sent.weight / totals.samples, not totals.layouts_agree
                 group = self._groups[True][0]
                 self._payload = average_anew(self.trainer, self.config, self.device, group, share, agree, self._shards)
+                self._anew = False
                 self._layout = self.state_layout(True)  # released after fit()
                 self._moments = moment_buffers(self.trainer, self.config, self.device)
             self._moments_own, self._share = True, sent.weight / totals.samples

@@ -1,6 +1,7 @@
 """A round's header: what every worker says about its round, summed in the same all-reduce as the
 state (it rides in the payload's trailer, see averaging.py): samples, loss, batches, the finished,
-skipped and stop flags, and a check that every worker sends the same state layout."""
+skipped and stop flags, the autopilot's measures and decision (autopilot.py; zeros without it),
+and a check that every worker sends the same state layout."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ..autopilot import PILOT_LEN
 
 
 @dataclass
@@ -22,6 +25,7 @@ class Work:
     loss_sum: float = 0.0
     skipped: bool = False  # dropped by the NaN policy
     finished: bool = False  # this worker (with a hierarchy: its node) has no batch left in the epoch
+    pilot: list[float] = dataclasses.field(default_factory=list)  # with the autopilot: its part of the header
 
     @property
     def weight(self) -> float:
@@ -40,6 +44,7 @@ class RoundTotals:
     stop: int  # workers asked to stop after this round
     layouts_agree: bool
     workers: int  # whose headers these are: the round's group
+    pilot: tuple[float, ...] = (0.0,) * PILOT_LEN  # the autopilot's part, summed
 
     @property
     def epoch_done(self) -> bool:
@@ -54,11 +59,11 @@ class RoundTotals:
 
 _LAYOUT_BITS = 20
 _SAMPLES_SPLIT = 1 << 12  # samples go as (w // 4096, w % 4096): sums exact in float32 to 2**36
-HEADER_LEN = 8 + _LAYOUT_BITS  # numbers in a header
+HEADER_LEN = 8 + PILOT_LEN + _LAYOUT_BITS  # numbers in a header
 
 
 def make_header(
-    *, samples: int, loss_sum: float, batches: int, finished: bool, skipped: bool, layout: int | None, stop: bool = False
+    *, samples: int, loss_sum: float, batches: int, finished: bool, skipped: bool, layout: int | None, stop: bool = False, pilot: Sequence[float] = ()
 ) -> list[float]:
     """The round's header: HEADER_LEN numbers to sum over the workers. `layout` is a hash of the
     sender's state layout, or None (stale) when its state no longer matches the buffers it sends.
@@ -67,16 +72,18 @@ def make_header(
     bits = [0.0] * _LAYOUT_BITS if layout is None else [float(layout >> i & 1) for i in range(_LAYOUT_BITS)]
     flags = [float(finished), float(skipped), float(stop), float(layout is None)]
     high, low = divmod(samples, _SAMPLES_SPLIT)
-    return [float(high), float(low), float(loss_sum), float(batches), *flags, *bits]
+    pilot = [*map(float, pilot), *[0.0] * (PILOT_LEN - len(pilot))]
+    return [float(high), float(low), float(loss_sum), float(batches), *flags, *pilot, *bits]
 
 
 def read_header(summed: Sequence[float], layout: int | None, world_size: int) -> RoundTotals:
     """The totals of a summed header. The layouts agree iff nobody was stale and every bit's sum
     is N times this worker's bit: all 0 or all 1."""
-    high, low, loss, nb, fin, skip, stp, stale, *bits = summed
+    high, low, loss, nb, fin, skip, stp, stale, *rest = summed
+    pilot, bits = tuple(rest[:PILOT_LEN]), rest[PILOT_LEN:]
     agree = layout is not None and stale == 0 and all(b == world_size * (layout >> i & 1) for i, b in enumerate(bits))
     samples = float(round(high) * _SAMPLES_SPLIT + round(low))
-    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree, world_size)
+    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree, world_size, pilot)
 
 
 def round_header(work: Work, layout: int, built: int | None, stop: bool) -> tuple[list[float], int | None]:
@@ -92,6 +99,7 @@ def round_header(work: Work, layout: int, built: int | None, stop: bool) -> tupl
         skipped=work.skipped,
         stop=stop,
         layout=declared,
+        pilot=work.pilot,
     )
     return header, declared
 

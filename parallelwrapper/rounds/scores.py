@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..types import Counters, EncodingStats, Reporter, RoundReport, ValidationReport
+from ..types import Counters, EncodingStats, InForce, Reporter, RoundReport, ValidationReport
 from .header import RoundTotals
 from .trainer import Trainer
 
@@ -27,9 +27,14 @@ class _Window:
     encoding: EncodingStats | None = None
     training_s: float = 0.0  # this worker's, in local work
     exchange_s: float = 0.0  # this worker's, in the exchanges
+    batches: int = 0  # every worker's
+    ran: InForce | None = None  # the last round's
+    why: str | None = None  # the autopilot's last change in these rounds
 
-    def add(self, totals: RoundTotals, encoding: EncodingStats | None, seconds: tuple[float, float]) -> None:
+    def add(self, totals: RoundTotals, encoding: EncodingStats | None, seconds: tuple[float, float], ran: InForce | None) -> None:
         self.rounds += 1
+        self.batches += totals.batches
+        self.ran, self.why = ran, self.why if ran is None or ran.why is None else ran.why
         self.training_s += seconds[0]
         self.exchange_s += seconds[1]
         self.loss_sum += totals.loss_sum
@@ -50,15 +55,23 @@ class ScoreBook:
         self.report, self._every, self._rounds = report, every, rounds
         self.window, self.whole = _Window(), _Window()  # since the last report; the whole epoch
 
-    def add(self, totals: RoundTotals, counters: Counters, end_of_epoch: bool, encoding: EncodingStats | None = None, lr: float = math.nan, seconds: tuple[float, float] = (0.0, 0.0)) -> None:
+    def add(
+        self, totals: RoundTotals, counters: Counters, end_of_epoch: bool, encoding: EncodingStats | None = None,
+        lr: float = math.nan, seconds: tuple[float, float] = (0.0, 0.0), ran: InForce | None = None,
+    ) -> None:  # fmt: skip
         """A landed round's totals (and, with gradient encoding, its τ, density and bytes), the
-        learning rate of this worker's last step, and this worker's seconds in local work and in
-        exchanges since the last round it added."""
-        self.window.add(totals, encoding, seconds)
-        self.whole.add(totals, encoding, seconds)
+        learning rate of this worker's last step, this worker's seconds in local work and in
+        exchanges since the last round it added, and what the round ran with."""
+        self.window.add(totals, encoding, seconds, ran)
+        self.whole.add(totals, encoding, seconds, ran)
         if self._rounds and (self.window.rounds == self._every or end_of_epoch):
             w = self.window
-            self.report(RoundReport(dataclasses.replace(counters), w.score, w.skipped, encoding=w.encoding, lr=lr, training_s=w.training_s, exchange_s=w.exchange_s))
+            per_worker = w.batches / max(totals.workers, 1)  # local steps a worker took, on average
+            self.report(RoundReport(
+                dataclasses.replace(counters), w.score, w.skipped, encoding=w.encoding, lr=lr, training_s=w.training_s, exchange_s=w.exchange_s,
+                step_s=w.training_s / per_worker if per_worker else math.nan, link_s=w.exchange_s / w.rounds,
+                ran=None if w.ran is None else dataclasses.replace(w.ran, why=w.why),
+            ))  # fmt: skip
             self.window = _Window()
 
 

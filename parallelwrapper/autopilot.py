@@ -1,0 +1,282 @@
+"""The autopilot: `.averaging_frequency("auto")` chooses k, the payload and how often the
+optimizer's state travels, round by round, from what the rounds measure.
+
+What it measures, over every worker (each round's header carries each worker's numbers, summed):
+    c   seconds per local step: a round's local work over its batches
+    x_r seconds per exchange while rung r is in force (a rung: a payload, and every how many rounds
+        the optimizer's state travels); a round that rebuilt its buffers is not a measure
+
+What it chooses. The exchange costs x once per round of k steps, so its share of a worker's time
+is x / (x + k·c). The autopilot keeps that share under ρ (`exchange_share`, default 5%):
+
+    k = the smallest power of two from k_min with x·(1 − ρ) / (ρ·c) ≤ k, at most k_max
+
+(the period that makes communication a fixed fraction of compute: the runtime model of
+local-update SGD in Wang & Joshi, "Adaptive Communication Strategies to Achieve the Best
+Error-Runtime Trade-off in Local-Update SGD", AdaComm, arXiv 1810.08313; measured rather than
+predicted, since a 2026 measurement of DiLoCo over shaped links, diloco-measured, found compute
+utilization 1.08-1.92x off the analytic model). k falls again only when 0.7 of its half would do, so that
+the noise of a few rounds does not move it up and down.
+
+Where even k_max leaves the share above ρ, the link is the bottleneck: the autopilot tries the
+next rung, sending fewer bytes: the optimizer's state every 2, then 4 rounds (DES-LOC, arXiv
+2505.22549: Adam's moments less often than the parameters at equal loss), then a bfloat16, then
+an int8 payload, one at a time. A rung tried is kept only if its measured exchange is 10% faster
+than the rung before it; else the autopilot goes back to that one and stops there: fewer bits win
+only where the link is slower than the codec (on loopback an int8 round costs about what
+float32's does, benchmarks/README.md).
+
+Every rank makes the same choice: rank 0 decides after each landed round, and its decision rides
+in the next round's header (the others send zeros), so every rank applies it when that round
+lands, whatever its own measures said. The pilot's state goes in every checkpoint and carries over
+from one fit() to the next. Imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it tries, in this order, when none is set
+UPDATER_PERIODS = (1, 2, 4)  # every how many rounds the optimizer's state travels, when not set
+FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
+MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
+PILOT_LEN = 6  # numbers the pilot adds to a round's header: seconds in local work and in the last exchange, rank 0's decision, the choice in force
+
+
+@dataclass(frozen=True)
+class Autopilot:
+    """`.averaging_frequency("auto", ...)`: the bounds of the autopilot's choices. `payloads` and
+    `updater_periods` are what it may choose among: one value when the user set that option."""
+
+    k_min: int = 1
+    k_max: int = 64
+    exchange_share: float = 0.05  # ρ: the share of a worker's time in exchanges aimed at
+    payloads: tuple[str, ...] = PAYLOADS
+    updater_periods: tuple[int, ...] = UPDATER_PERIODS
+
+    def __post_init__(self) -> None:
+        fix = 'e.g. .averaging_frequency("auto", k_min=1, k_max=64, exchange_share=0.05)'
+        for name in ("k_min", "k_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"averaging_frequency('auto'): {name} must be an int >= 1, got {value!r}; {fix}")
+        if self.k_min > self.k_max:
+            raise ValueError(f"averaging_frequency('auto'): k_min {self.k_min} is above k_max {self.k_max}; {fix}")
+        share = self.exchange_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+            raise ValueError(f"averaging_frequency('auto'): exchange_share must be a number in (0, 1), got {share!r}; {fix}")
+        if not self.rungs:
+            raise ValueError(f"averaging_frequency('auto'): payloads {self.payloads} and optimizer-state periods {self.updater_periods} leave nothing to send with; {fix}")
+
+    @property
+    def rungs(self) -> tuple[Rung, ...]:
+        """Every way it may send a round, the most faithful first: the optimizer's state less
+        often in the first payload, then fewer bits with it every round (a coded payload carries
+        the optimizer's state with the parameters, one residual for both: every round)."""
+        if not self.payloads:
+            return ()
+        first, *coded = self.payloads
+        periods = [Rung(first, m) for m in self.updater_periods if first == "float32" or m == 1]
+        return tuple(periods + [Rung(p, 1) for p in coded if 1 in self.updater_periods])
+
+
+@dataclass(frozen=True)
+class Rung:
+    """A way to send a round: its payload, and every how many rounds the optimizer's state goes."""
+
+    payload: str
+    updaters_every: int
+
+    def __str__(self) -> str:
+        return self.payload + ("" if self.updaters_every == 1 else f", optimizer state every {self.updaters_every} rounds")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What is in force for a round: k and the rung."""
+
+    k: int
+    payload: str
+    updaters_every: int
+
+    @property
+    def rung(self) -> Rung:
+        return Rung(self.payload, self.updaters_every)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One of the autopilot's decisions: from which round on, what, and why."""
+
+    round: int  # the first round it is in force for (rounds over the wrapper's life, from 1)
+    choice: Choice
+    why: str
+
+
+@dataclass
+class _Mean:
+    """A running mean of the last few measures: the mean of the first four, then an EWMA of 1/4."""
+
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value += (x - self.value) / min(self.count, 4)
+
+
+class Pilot:
+    """One worker's autopilot. The round engine asks `header()` for the pilot's part of a round's
+    header before it goes out, and hands `landed()` that part summed when it lands; `choice` is
+    what the next round runs with."""
+
+    def __init__(self, spec: Autopilot, start: Choice) -> None:
+        self.spec = spec
+        self.rungs = spec.rungs
+        self.choice = start
+        self.changes: list[Change] = []
+        self._decided = start  # rank 0's decision, sent in its next header
+        self._why = ""
+        self._ran: Rung | None = None  # the rung of the round before the last one landed: what its exchange measured
+        self._step = _Mean()
+        self._links: dict[int, _Mean] = {}  # by rung index: seconds per exchange
+        self._trial: int | None = None  # trying the next rung down from this one
+        self._done = False  # a rung tried was no faster: the descent is over
+
+    def header(self, compute_s: float, exchange_s: float, decides: bool) -> list[float]:
+        """This worker's part of a round's header: its local work's seconds, its last exchange's
+        (0 when that rebuilt its buffers, or none was in this fit: no fair measure); from the
+        rank that `decides` (rank 0), the decision every rank applies when the round lands; and
+        the choice it runs the round with, which every worker's must equal."""
+        decision = [float(self._decided.k), float(self.rungs.index(self._decided.rung) + 1)] if decides else [0.0, 0.0]
+        return [compute_s, exchange_s, *decision, float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
+
+    def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int) -> Change | None:
+        """A round landed: `summed`, the pilot's part of its header over every worker; `batches`
+        trained in it; `rounds` landed so far. Applies the decision it carried from the next round
+        on (returned when it changes anything), then measures and decides the next one."""
+        compute_s, exchange_s, k, rung, k_sum, rung_sum = summed
+        ran, change = self.choice.rung, None
+        if (k_sum, rung_sum) != (workers * self.choice.k, workers * (self.rungs.index(ran) + 1)):
+            raise RuntimeError(
+                f"the autopilot's workers ran round {rounds} with different choices (this worker: k = {self.choice.k}, {ran}; "
+                f"the sums: k {k_sum:g}, rung {rung_sum:g} over {workers} workers): a bug; set a fixed k and report it"
+            )
+        if k >= 1 and rung >= 1:
+            carried = Choice(round(k), self.rungs[round(rung) - 1].payload, self.rungs[round(rung) - 1].updaters_every)
+            if carried != self.choice:
+                change = Change(rounds + 1, carried, self._why)
+                self.changes.append(change)
+            self.choice = carried
+        if batches > 0 and compute_s > 0:
+            self._step.add(compute_s / batches)
+        if exchange_s > 0 and self._ran is not None:
+            self._links.setdefault(self.rungs.index(self._ran), _Mean()).add(exchange_s / workers)
+        self._ran = ran
+        self._decided = self._decide()
+        return change
+
+    def _decide(self) -> Choice:
+        spec, now = self.spec, self.choice
+        here, step = self.rungs.index(now.rung), self._step.value
+        link = self._links.get(here)
+        if self._step.count == 0 or step <= 0 or link is None or link.count < max(2, now.updaters_every):
+            return self._decided  # not measured enough yet: as decided
+        rho, x = spec.exchange_share, link.value
+        if self._trial is not None:  # the rung it tried is measured: kept only where faster by MARGIN
+            rung, before = self.rungs[self._trial], self._links[self._trial].value
+            if x > before * (1 - MARGIN):
+                self._trial, self._done = None, True
+                self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
+                return self._steer(before, step, rung)
+            self._trial = None
+        share = x / (x + spec.k_max * step)
+        nxt = here + 1
+        if not self._done and share > rho and nxt < len(self.rungs):
+            self._trial = here
+            self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: at k = {spec.k_max} exchanges "
+                         f"still take {share:.0%} of the time (aim: {rho:.2g}); trying {self.rungs[nxt]}")
+            return Choice(spec.k_max, self.rungs[nxt].payload, self.rungs[nxt].updaters_every)
+        if self._k_for(x, step) == now.k:
+            return now
+        self._why = f"an exchange takes {x:.3g} s and a step {step:.3g} s"
+        return self._steer(x, step, now.rung)
+
+    def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:
+        """`rung` at the k that keeps its exchanges under ρ of the time; the reason says so."""
+        k, rho = self._k_for(exchange_s, step_s), self.spec.exchange_share
+        bound = " (k_max)" if k == self.spec.k_max and exchange_s * (1 - rho) > rho * step_s * k else ""
+        self._why += f": k = {k}{bound} keeps exchanges under {rho:.2g} of the time"
+        return Choice(k, rung.payload, rung.updaters_every)
+
+    def _k_for(self, exchange_s: float, step_s: float) -> int:
+        """The smallest of k_min·2^i that keeps exchanges under ρ of the time, within the bounds;
+        below the k in force only when FALL of its half would do (a need that hovers about a
+        power of two would move k up and down every round)."""
+        spec, rho = self.spec, self.spec.exchange_share
+        need = exchange_s * (1 - rho) / (rho * step_s)
+        k = spec.k_min
+        while k < need and k < spec.k_max:
+            k *= 2
+        k = min(k, spec.k_max)
+        return self.choice.k if k < self.choice.k and need > FALL * self.choice.k / 2 else k
+
+    # -- a checkpoint's part ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "choice": dataclasses.asdict(self.choice), "decided": dataclasses.asdict(self._decided), "why": self._why,
+            "ran": None if self._ran is None else dataclasses.asdict(self._ran), "step": dataclasses.astuple(self._step),
+            "links": {i: dataclasses.astuple(m) for i, m in self._links.items()},
+            "trial": self._trial, "done": self._done,
+            "changes": [(c.round, dataclasses.asdict(c.choice), c.why) for c in self.changes],
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.choice, self._decided = Choice(**state["choice"]), Choice(**state["decided"])
+        self._why, self._step = state["why"], _Mean(*state["step"])
+        self._trial, self._done = state["trial"], state["done"]
+        self._ran = None if state["ran"] is None else Rung(**state["ran"])
+        self._links = {int(i): _Mean(*m) for i, m in state["links"].items()}
+        self.changes = [Change(r, Choice(**c), why) for r, c, why in state["changes"]]
+
+
+def levers(options: dict[str, Any]) -> dict[str, Any]:
+    """The builder's options with the autopilot's levers narrowed to what the user left free: a
+    payload or an optimizer-state period the user set is the only one it may choose."""
+    spec = options.get("autopilot")
+    if spec is None:
+        return options
+    payloads = (options["payload_dtype"],) if "payload_dtype" in options else spec.payloads
+    if "average_updaters" in options or "average_updaters_every" in options:
+        periods: tuple[int, ...] = (options.get("average_updaters_every", 1),)
+    else:
+        periods = spec.updater_periods
+    if options.get("average_updaters") is False or options.get("on_worker_failure") == "replace":
+        periods = (1,)  # nothing to send less often; a replacement redoes a round from any survivor's state
+    spec = dataclasses.replace(spec, payloads=tuple(payloads), updater_periods=periods)
+    start = spec.rungs[0]
+    return {**options, "autopilot": spec, "averaging_frequency": spec.k_min, "payload_dtype": start.payload, "average_updaters_every": start.updaters_every}
+
+
+def refusal(spec: Autopilot, config: Any, payload_names: Sequence[str]) -> str | None:
+    """Why the autopilot cannot run with a config (None: it can): a config.Config, read by its
+    options' names (this module imports nothing of the package)."""
+    unknown = [p for p in spec.payloads if p not in payload_names]
+    for bad, why in (
+        (unknown, f"payloads {unknown}: choose among {list(payload_names)}"),
+        (config.training_mode.value == "shared-gradients", "TrainingMode.SHARED_GRADIENTS, which averages every step: there is no k to choose"),
+        (config.deterministic, "deterministic(True): it chooses from measured times, which differ from run to run; set a fixed k"),
+        (config.overlap_averaging, "overlap_averaging, whose fragments are placed by a fixed k in this version; set a fixed k"),
+        (config.hierarchy != "none", "hierarchy('node'), whose node groups it does not measure in this version; set a fixed k"),
+        (config.pipeline is not None, "a pipeline, whose stages it does not measure in this version; set a fixed k"),
+    ):  # fmt: skip
+        if bad:
+            return f"averaging_frequency('auto') does not go with {why}"
+    return None
+
+
+__all__ = ["PAYLOADS", "PILOT_LEN", "UPDATER_PERIODS", "Autopilot", "Change", "Choice", "Pilot", "Rung", "levers", "refusal"]

@@ -1,0 +1,293 @@
+"""`.averaging_frequency("auto")` (autopilot.py): k, the payload and the optimizer state's period
+chosen round by round from the measured step and exchange times.
+
+Fast tier: the policy against simulated rounds (a fast link keeps float32 and a small k, a slow
+one takes k to its bound and fewer bits, a codec slower than the link keeps float32, a resumed
+pilot decides as the uninterrupted one, every rank applies rank 0's decision) and the options'
+checks. Real processes: two gloo workers with an exchange slowed in proportion to its bytes
+choose a larger k and fewer bits than with the link as it is, and end each round with equal
+replicas; spawned workers and torchrun agree on every choice (the header checks it every round);
+a checkpoint resumes the pilot where it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from groups import run_group
+from parallelwrapper import ParallelWrapper
+from parallelwrapper.autopilot import Autopilot, Choice, Pilot, Rung, levers
+from parallelwrapper.config import Config, Job, Pipeline, TrainingMode
+from parallelwrapper.listeners import autopilot_changes
+from parallelwrapper.worker import Replica
+from test_round_protocol import CPU, ListSource
+
+pytestmark = pytest.mark.timeout(180)
+
+START = Choice(1, "float32", 1)
+
+
+def fly(pilots: list[Pilot], step_s: float, link_s: Callable[[Rung], float], rounds: int, first: int = 1) -> list[Choice]:
+    """Rounds as the engine runs them: each pilot's header (rank 0 decides), summed, landed on
+    every pilot; a round's exchange is reported in the next header, 0 for a round that rebuilt
+    its buffers (the first of a rung, and each run's first). The choice each round ran with."""
+    ran: list[Choice] = []
+    previous: Rung | None = None
+    exchange = 0.0
+    for r in range(first, first + rounds):
+        choice = pilots[0].choice
+        headers = [p.header(step_s * choice.k, exchange, decides=i == 0) for i, p in enumerate(pilots)]
+        summed = [sum(column) for column in zip(*headers)]
+        for p in pilots:
+            p.landed(summed, choice.k * len(pilots), len(pilots), r)
+        exchange = 0.0 if choice.rung != previous else link_s(choice.rung)
+        previous = choice.rung
+        ran.append(choice)
+    return ran
+
+
+def slow_link(rung: Rung) -> float:
+    """A link slower than any codec: the seconds follow the bytes (a momentum optimizer's state
+    doubles them; every m rounds it adds 1/m on average)."""
+    state = 1 + 1 / rung.updaters_every
+    bits = {"float32": 32, "bfloat16": 16, "int8": 8}[rung.payload]
+    return 0.5 * state / 2 * bits / 32
+
+
+@pytest.mark.fast
+def test_a_fast_link_keeps_float32_and_a_small_k() -> None:
+    pilot = Pilot(Autopilot(), START)
+    ran = fly([pilot], step_s=0.05, link_s=lambda rung: 0.005, rounds=30)
+    assert ran[-1] == Choice(2, "float32", 1)  # 0.005 s · 0.95 / (0.05 · 0.05 s) = 1.9 steps
+    assert {c.payload for c in ran} == {"float32"} and {c.updaters_every for c in ran} == {1}
+    assert [c.choice for c in pilot.changes] == [Choice(2, "float32", 1)]
+    assert "an exchange takes 0.005 s and a step 0.05 s: k = 2 keeps exchanges under 0.05 of the time" in pilot.changes[0].why
+
+
+@pytest.mark.fast
+def test_a_slow_link_takes_k_to_its_bound_then_fewer_bits_each_tried_and_the_fastest_kept() -> None:
+    pilot = Pilot(Autopilot(k_max=32), START)
+    ran = fly([pilot], step_s=0.01, link_s=slow_link, rounds=80)
+    assert ran[-1] == Choice(32, "int8", 1)
+    # Even k_max leaves float32's exchanges at 61% of the time: k goes to its bound with the next rung.
+    assert [(c.choice.k, c.choice.rung) for c in pilot.changes] == [
+        (32, Rung("float32", 2)), (32, Rung("float32", 4)), (32, Rung("bfloat16", 1)), (32, Rung("int8", 1)),
+    ]  # fmt: skip
+    assert "at k = 32 exchanges still take 61% of the time (aim: 0.05); trying float32, optimizer state every 2 rounds" in pilot.changes[0].why
+    assert all(1 <= c.k <= 32 for c in ran)
+
+
+@pytest.mark.fast
+def test_a_codec_slower_than_the_link_keeps_float32_after_trying_it() -> None:
+    pilot = Pilot(Autopilot(k_max=8, updater_periods=(1,)), START)
+    link = {"float32": 0.2, "bfloat16": 0.26, "int8": 0.3}
+    ran = fly([pilot], step_s=0.01, link_s=lambda rung: link[rung.payload], rounds=40)
+    assert [c.choice.payload for c in pilot.changes] == ["bfloat16", "float32"]
+    assert ran[-1] == Choice(8, "float32", 1)
+    assert "float32 exchanges in 0.2 s, bfloat16 in 0.26 s: back to float32: k = 8 (k_max)" in pilot.changes[-1].why  # int8 is not tried
+
+
+@pytest.mark.fast
+def test_the_bounds_and_the_levers_the_user_set_are_kept() -> None:
+    pilot = Pilot(Autopilot(k_min=4, k_max=16, payloads=("bfloat16",), updater_periods=(1,)), Choice(4, "bfloat16", 1))
+    ran = fly([pilot], step_s=0.01, link_s=slow_link, rounds=40)
+    assert {c.rung for c in ran} == {Rung("bfloat16", 1)} and ran[-1].k == 16
+    fast = Pilot(Autopilot(k_min=4, k_max=16), Choice(4, "float32", 1))
+    assert {c.k for c in fly([fast], step_s=0.05, link_s=lambda rung: 1e-4, rounds=20)} == {4}  # never below k_min
+    model = nn.Linear(3, 2)
+    options = ParallelWrapper.builder(model).averaging_frequency("auto", k_max=32).payload_dtype("int8")._options
+    spec = levers(options)["autopilot"]
+    assert spec.rungs == (Rung("int8", 1),) and spec.k_max == 32
+    options = ParallelWrapper.builder(model).averaging_frequency("auto").average_updaters(True, every=4)._options
+    assert levers(options)["autopilot"].rungs == (Rung("float32", 4),)
+    options = ParallelWrapper.builder(model).averaging_frequency("auto").on_worker_failure("replace")._options
+    assert levers(options)["autopilot"].rungs == (Rung("float32", 1), Rung("bfloat16", 1), Rung("int8", 1))
+    assert "autopilot" not in ParallelWrapper.builder(model).averaging_frequency("auto").averaging_frequency(4)._options
+
+
+@pytest.mark.fast
+def test_a_resumed_pilot_decides_as_the_uninterrupted_one() -> None:
+    whole = Pilot(Autopilot(k_max=32), START)
+    fly([whole], 0.01, slow_link, 80)
+    first = Pilot(Autopilot(k_max=32), START)
+    fly([first], 0.01, slow_link, 23)  # mid-descent
+    resumed = Pilot(Autopilot(k_max=32), START)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint keeps it
+    fly([resumed], 0.01, slow_link, 57, first=24)
+    assert resumed.changes == whole.changes and resumed.choice == whole.choice
+
+
+@pytest.mark.fast
+def test_every_rank_applies_rank_0s_decision_whatever_it_measured() -> None:
+    pilots = [Pilot(Autopilot(k_max=32), START) for _ in range(3)]
+    ran = fly(pilots, 0.01, slow_link, 60)
+    assert len({p.choice for p in pilots}) == 1 and ran[-1] == pilots[1].choice
+    assert [c.choice for c in pilots[2].changes] == [c.choice for c in pilots[0].changes]
+    stray = Pilot(Autopilot(), Choice(4, "float32", 1))  # a worker that ran another k than the others
+    summed = [a + b for a, b in zip(pilots[0].header(0.1, 0.0, True), stray.header(0.1, 0.0, False))]
+    with pytest.raises(RuntimeError, match=r"^the autopilot's workers ran round 9 with different choices .*: a bug; set a fixed k"):
+        stray.landed(summed, 8, 2, 9)
+
+
+@pytest.mark.fast
+def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
+    b = ParallelWrapper.builder(nn.Linear(3, 2)).workers(1)
+    for options, reason in (
+        ({"training_mode": TrainingMode.SHARED_GRADIENTS}, "TrainingMode.SHARED_GRADIENTS, which averages every step"),
+        ({"deterministic": True}, r"deterministic\(True\): it chooses from measured times"),
+        ({"overlap_averaging": True}, "overlap_averaging, whose fragments are placed by a fixed k"),
+        ({"hierarchy": "node"}, r"hierarchy\('node'\)"),
+        ({"pipeline": Pipeline()}, "a pipeline"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^averaging_frequency\('auto'\) does not go with {reason}"):
+            Config(autopilot=Autopilot(), **options)
+    with pytest.raises(ValueError, match=r"does not go with payloads \['int3'\]: choose among"):
+        Config(autopilot=Autopilot(payloads=("float32", "int3")))
+    with pytest.raises(ValueError, match=r"^averaging_frequency\('auto'\): k_min 8 is above k_max 4; e\.g\."):
+        b.averaging_frequency("auto", k_min=8, k_max=4)
+    with pytest.raises(ValueError, match=r"exchange_share must be a number in \(0, 1\), got 1\.5"):
+        b.averaging_frequency("auto", exchange_share=1.5)
+    with pytest.raises(ValueError, match=r"^averaging_frequency takes an int >= 1 or 'auto', got 'fast'"):
+        b.averaging_frequency("fast")
+    with pytest.raises(ValueError, match=r"deterministic\(True\)"):
+        b.averaging_frequency("auto").deterministic(True).build()
+
+
+@pytest.mark.fast
+def test_the_changes_are_read_off_the_scores() -> None:
+    from parallelwrapper.listeners import Score
+
+    scores = [Score(r, 0, 0, 0, 1.0, 0.0, k=k, why=why) for r, k, why in ((1, 1, None), (2, 1, "faster"), (3, 8, None), (4, 8, None))]
+    assert autopilot_changes(scores) == [{"round": 3, "k": 8, "payload": "float32", "updaters_every": 1, "why": "faster"}]
+
+
+# -- real processes ------------------------------------------------------------------------------
+
+
+def _slowed(seconds_per_mb: float) -> None:
+    """Slow this process's exchanges in proportion to their bytes, as a slow link would: each
+    all-reduce and each coded send waits its bytes' time first."""
+    import torch.distributed as dist
+
+    from parallelwrapper import wire
+
+    def wait_for(nbytes: int) -> None:
+        time.sleep(nbytes / 1e6 * seconds_per_mb)
+
+    all_reduce, send_coded = dist.all_reduce, wire.send_coded
+
+    def slow_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        wait_for(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, **kwargs)
+
+    def slow_send_coded(coder: Any, scale: float, group: Any) -> Any:
+        works = send_coded(coder, scale, group)
+        wait_for(sum(row[r].numel() * row[r].element_size() for row in coder.inbox for r in range(coder.ranks) if r != coder.rank))
+        return works
+
+    dist.all_reduce = slow_all_reduce
+    wire.send_coded = slow_send_coded
+    import parallelwrapper.averaging as averaging
+
+    averaging.send_coded = slow_send_coded  # type: ignore[attr-defined]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+
+
+def _auto_worker(rank: int, world: int, seconds_per_mb: float) -> tuple[list[Choice], list[torch.Tensor]]:
+    if seconds_per_mb:
+        _slowed(seconds_per_mb)
+    model = _model()
+    job = Job(model, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, nn.functional.cross_entropy, None)
+    # The payload alone: float32, bfloat16, int8 (the optimizer state's periods are the fast tier's).
+    config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=32, updater_periods=(1,))}))
+    replica = Replica(model, job, config, CPU, rank, world)
+    g = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(512, 32, generator=g), torch.randint(0, 4, (512,), generator=g)) for _ in range(1200)]
+    assert replica.rounds.pilot is not None
+    replica.fit(1, ListSource(data, rank, world), lambda r: None)
+    choices = [replica.rounds.pilot.choice]
+    replica.fit(2, ListSource(data, rank, world), lambda r: None)  # the second fit starts where the first ended
+    choices.append(replica.rounds.pilot.choice)
+    return [*choices, *(c.choice for c in replica.rounds.pilot.changes)], [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equal() -> None:
+    fast = run_group(_auto_worker, 2, 0.0, timeout=150)
+    slow = run_group(_auto_worker, 2, 0.5, timeout=150)  # ~2 MB/s: 0.6 MB of state takes ~0.3 s
+    for workers in (fast, slow):
+        assert workers[0][0] == workers[1][0]  # the same choices on both ranks, in the same order
+        for a, b in zip(workers[0][1], workers[1][1]):
+            assert torch.equal(a, b)  # every fit ends on the average
+    fast_choices, slow_choices = fast[0][0], slow[0][0]
+    fast_end, slow_end = fast_choices[1], slow_choices[1]
+    assert fast_choices[0].payload == fast_end.payload == "float32" and fast_end.k > 1, fast_choices  # a payload tried near the aim went back
+    assert slow_end.k == 32 and slow_end.payload == "int8", slow_choices
+    assert [c.payload for c in slow_choices[2:]] == ["bfloat16", "int8"]  # tried in turn, each kept: fewer bytes, faster
+
+
+def _tiny_data(n: int = 96) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 32, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def test_spawned_workers_agree_report_each_choice_and_a_checkpoint_resumes_the_pilot(tmp_path: Path) -> None:
+    data = _tiny_data()
+    builder = ParallelWrapper.builder(_model()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    # A tiny exchange share: k climbs to its bound at once, and every rung is tried.
+    builder = builder.averaging_frequency("auto", k_max=4, exchange_share=1e-4).checkpoint(tmp_path, every=1000)
+    with builder.build() as wrapper:
+        history = wrapper.fit(data, epochs=2)
+    assert wrapper.samples == 2 * 96 * 8  # every sample once per epoch, whatever k each round had
+    changes = autopilot_changes(history.scores)
+    assert (changes[0]["k"], changes[0]["updaters_every"]) == (4, 2) and "trying float32, optimizer state every 2 rounds" in changes[0]["why"]
+    assert all(s.k in (1, 4) and s.step_s > 0 and s.link_s > 0 for s in history.scores)
+    assert {s.updaters_every for s in history.scores} >= {1, 2}
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    pilots = [own["autopilot"] for own in saved["rng"]]  # what is each worker's own
+    assert pilots[0] == pilots[1]  # every worker's pilot is in the checkpoint, the same
+    builder = ParallelWrapper.builder(_model()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    with builder.averaging_frequency("auto", k_max=4, exchange_share=1e-4).checkpoint(tmp_path, every=1000).build() as wrapper:
+        resumed = wrapper.fit(data, epochs=3, resume=tmp_path)
+    first = resumed.scores[0]
+    assert (first.k, first.payload, first.updaters_every) == tuple(pilots[0]["choice"].values())  # not k_min again
+    assert wrapper.samples == 3 * 96 * 8
+
+
+TORCHRUN_SCRIPT = """
+import json, os, sys, torch
+from torch import nn
+sys.path.insert(0, {tests!r})
+from test_autopilot import _model, _tiny_data
+from parallelwrapper import ParallelWrapper
+b = ParallelWrapper.builder(_model()).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+with b.averaging_frequency("auto", k_max=4, exchange_share=1e-4).build() as w:
+    h = w.fit(_tiny_data(), epochs=1)
+if w.is_main:
+    print(json.dumps({{"samples": w.samples, "ks": [s.k for s in h.scores], "rungs": [(s.payload, s.updaters_every) for s in h.scores]}}))
+"""
+
+
+def test_torchrun_ranks_agree_on_every_choice(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["samples"] == 96 * 8
+    assert max(out["ks"]) == 4 and len({tuple(r) for r in out["rungs"]}) >= 2  # it changed k and the rung, and no rank disagreed
