@@ -255,8 +255,8 @@ def levers(options: dict[str, Any]) -> dict[str, Any]:
         periods: tuple[int, ...] = (options.get("average_updaters_every", 1),)
     else:
         periods = spec.updater_periods
-    if options.get("average_updaters") is False or options.get("on_worker_failure") == "replace":
-        periods = (1,)  # nothing to send less often; a replacement redoes a round from any survivor's state
+    if options.get("average_updaters") is False:
+        periods = (1,)  # nothing to send less often
     spec = dataclasses.replace(spec, payloads=tuple(payloads), updater_periods=periods)
     start = spec.rungs[0]
     return {**options, "autopilot": spec, "averaging_frequency": spec.k_min, "payload_dtype": start.payload, "average_updaters_every": start.updaters_every}
@@ -273,6 +273,7 @@ def refusal(spec: Autopilot, config: Any, payload_names: Sequence[str]) -> str |
         (config.overlap_averaging, "overlap_averaging, whose fragments are placed by a fixed k in this version; set a fixed k"),
         (config.hierarchy != "none", "hierarchy('node'), whose node groups it does not measure in this version; set a fixed k"),
         (config.pipeline is not None, "a pipeline, whose stages it does not measure in this version; set a fixed k"),
+        (config.on_worker_failure == "replace", "on_worker_failure('replace'), whose replacement and slots it does not size in this version; set a fixed k"),
     ):  # fmt: skip
         if bad:
             return f"averaging_frequency('auto') does not go with {why}"

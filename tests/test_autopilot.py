@@ -110,7 +110,7 @@ def test_the_bounds_and_the_levers_the_user_set_are_kept() -> None:
     assert spec.rungs == (Rung("int8", 1),) and spec.k_max == 32
     options = ParallelWrapper.builder(model).averaging_frequency("auto").average_updaters(True, every=4)._options
     assert levers(options)["autopilot"].rungs == (Rung("float32", 4),)
-    options = ParallelWrapper.builder(model).averaging_frequency("auto").on_worker_failure("replace")._options
+    options = ParallelWrapper.builder(model).averaging_frequency("auto").average_updaters(False)._options
     assert levers(options)["autopilot"].rungs == (Rung("float32", 1), Rung("bfloat16", 1), Rung("int8", 1))
     assert "autopilot" not in ParallelWrapper.builder(model).averaging_frequency("auto").averaging_frequency(4)._options
 
@@ -148,6 +148,7 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
         ({"overlap_averaging": True}, "overlap_averaging, whose fragments are placed by a fixed k"),
         ({"hierarchy": "node"}, r"hierarchy\('node'\)"),
         ({"pipeline": Pipeline()}, "a pipeline"),
+        ({"on_worker_failure": "replace"}, r"on_worker_failure\('replace'\), whose replacement and slots it does not size"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^averaging_frequency\('auto'\) does not go with {reason}"):
             Config(autopilot=Autopilot(), **options)
