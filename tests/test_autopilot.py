@@ -250,7 +250,7 @@ def test_spawned_workers_agree_report_each_choice_and_a_checkpoint_resumes_the_p
     builder = ParallelWrapper.builder(_model()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
     # A tiny exchange share: k climbs to its bound at once, and every rung is tried.
     builder = builder.averaging_frequency("auto", k_max=4, exchange_share=1e-4).checkpoint(tmp_path, every=1000)
-    with builder.build() as wrapper:
+    with builder.warmup_sync_steps(3).build() as wrapper:  # three gradient rounds first: no pilot's part in their headers
         history = wrapper.fit(data, epochs=2)
     assert wrapper.samples == 2 * 96 * 8  # every sample once per epoch, whatever k each round had
     changes = autopilot_changes(history.scores)
@@ -261,7 +261,7 @@ def test_spawned_workers_agree_report_each_choice_and_a_checkpoint_resumes_the_p
     pilots = [own["autopilot"] for own in saved["rng"]]  # what is each worker's own
     assert pilots[0] == pilots[1]  # every worker's pilot is in the checkpoint, the same
     builder = ParallelWrapper.builder(_model()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
-    with builder.averaging_frequency("auto", k_max=4, exchange_share=1e-4).checkpoint(tmp_path, every=1000).build() as wrapper:
+    with builder.averaging_frequency("auto", k_max=4, exchange_share=1e-4).checkpoint(tmp_path, every=1000).warmup_sync_steps(3).build() as wrapper:
         resumed = wrapper.fit(data, epochs=3, resume=tmp_path)
     first = resumed.scores[0]
     assert (first.k, first.payload, first.updaters_every) == tuple(pilots[0]["choice"].values())  # not k_min again

@@ -259,15 +259,15 @@ class Rounds:
     def _settle(self, totals: RoundTotals, book: ScoreBook) -> bool:
         """Counters and score reports for a round's totals; True when it ended the epoch."""
         epoch_done = totals.epoch_done
-        c = self.counters
+        c, averaged = self.counters, self._averaging  # a warm-up's last gradient round counts before it
         if totals.samples > 0:
             c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
             c.position += totals.batches
             seconds, self._seconds = (self._seconds[0], self._seconds[1]), [0.0, 0.0]
             config = self.config
             every = config.average_updaters_every if config.average_updaters else 0
-            ran = InForce(self.k if self._averaging else 1, config.payload_dtype, every, config.overlap_averaging, config.fragments)
-            change = self._steer(totals, seconds[1])
+            ran = InForce(self.k if averaged else 1, config.payload_dtype, every, config.overlap_averaging, config.fragments)
+            change = self._steer(totals, seconds[1]) if averaged else None
             ran = dataclasses.replace(ran, why=None if change is None else change.why)
             book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)
         if epoch_done:
@@ -276,10 +276,11 @@ class Rounds:
         return epoch_done
 
     def _steer(self, totals: RoundTotals, exchange_s: float) -> Change | None:
-        """With the autopilot, after an averaging round: apply the decision it carried, measure,
+        """With the autopilot, after an averaging round (a gradient round's header has no pilot's
+        part): apply the decision it carried, measure,
         decide the next (autopilot.py); the exchange is a fair measure of its rung when its
         header rode with the payload (not a fit's first round, nor one that rebuilt the buffers)."""
-        if self.pilot is None or not self._averaging:
+        if self.pilot is None:
             return None
         change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
         self._exchange_s = exchange_s if self._sync.steady else 0.0
