@@ -88,12 +88,23 @@ def ms_per_step(kind: str, stamps: list[list[float]], a: int, b: int) -> float:
     return 1000.0 * (max(s[b] for s in stamps) - min(s[a] for s in stamps)) / (b - a)
 
 
-def read_stamps(folder: str | Path, world: int, steps: int) -> list[list[tuple[float, int]]]:
-    """Each worker's marks, as `stamp` wrote them; every worker must have stamped every step."""
+def read_stamps(folder: str | Path, world: int, steps: int, first_come: bool = False) -> list[list[tuple[float, int]]]:
+    """Each worker's marks, as `stamp` wrote them; every worker must have stamped every step, or
+    (`first_come`, where a faster worker takes more) all of them together `world · steps`."""
     stamps = [[(float(t), int(f)) for t, f in (line.split() for line in p.read_text().splitlines())] for p in sorted(Path(folder).iterdir())]
-    if len(stamps) != world or any(len(s) != steps for s in stamps):
-        raise RuntimeError(f"expected {world} workers of {steps} steps, stamped {[len(s) for s in stamps]}")
+    counts = [len(s) for s in stamps]
+    if len(stamps) != world or (sum(counts) != world * steps if first_come else any(n != steps for n in counts)):
+        raise RuntimeError(f"expected {world} workers of {steps} steps{' together' if first_come else ''}, stamped {counts}")
     return stamps
+
+
+def fleet_ms_per_step(stamps: list[list[float]], warmup: int) -> float:
+    """First-come steps: a worker's ms a step at the fleet's pace, from when every worker is past
+    its `warmup` steps to when the first one takes its last: the span over every step stamped
+    in it, times the workers."""
+    start, end = max(s[warmup] for s in stamps), min(s[-1] for s in stamps)
+    steps = sum(start < t <= end for s in stamps for t in s)
+    return 1000.0 * (end - start) * len(stamps) / steps
 
 
 def timed_fit(
@@ -122,12 +133,12 @@ def timed_fit(
         with configure(b).build() as w:
             w.fit(batches if given is None else given(batches))
         wall = time.monotonic() - wall
-        marks = read_stamps(folder, world, steps)
-    a, b = window(warmup, steps, k)
+        marks = read_stamps(folder, world, steps, first_come=True)
+    a, b = window(warmup, min(len(m) for m in marks), k)
     exchange = exchange_share([s for s in scores if s.iteration > world * warmup])
     stamps = [[t for t, _ in m] for m in marks]
     return {
-        "ms_per_step": ms_per_step("wrapper", stamps, a, b),
+        "ms_per_step": fleet_ms_per_step(stamps, warmup),
         "wall_s": wall,
         "last_loss": scores[-1].score,
         "exchange_share": exchange,

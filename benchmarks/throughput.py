@@ -10,6 +10,7 @@ Contenders, one after another in this run, each worker training `steps` batches 
   overlap k    the same with .overlap_averaging(True): each averaging runs during the next k steps
   params k     the wrapper with .average_updaters(False): parameters only, PMA's bytes
   threads      one process with N threads on the same batches
+  auto         (--auto) the wrapper with .averaging_frequency("auto"): k chosen each round
 Steady state counts the samples after each worker's first `warmup` steps; end to end is the wall
 time from launch to the last process's exit, start-up included. The contenders take turns, round
 after round, the order rotating by one each round; the ratios are the medians of each round's
@@ -27,6 +28,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,9 +88,13 @@ def peers(kind: str, world: int, k: int, steps: int, warmup: int, data_dir: str)
     return result
 
 
-def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap: bool = False, updaters: bool = True) -> dict[str, float]:
+def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap: bool = False, updaters: bool = True, auto: bool = False) -> dict[str, float]:
     """Timed by each worker's clock after every backward (common.timed_fit): with overlap a
-    round's Score arrives a round late, and a window of Scores would count a round more."""
+    round's Score arrives a round late, and a window of Scores would count a round more. `auto`:
+    `.averaging_frequency("auto")`, its window cut at steps (k = 1), its rounds' k varying."""
+    if auto:
+        timed = timed_fit(world, 1, steps, warmup, data_dir, lambda b: b.averaging_frequency("auto"))
+        return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"], "exchange_share": timed["exchange_share"]}
     timed = timed_fit(world, k, steps, warmup, data_dir, lambda b: b.overlap_averaging(overlap).average_updaters(updaters))
     return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"], "exchange_share": timed["exchange_share"]}
 
@@ -100,6 +106,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="batches per worker not timed")
     parser.add_argument("--frequencies", default="1,3,10")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all contenders; the median is reported")
+    parser.add_argument("--auto", action="store_true", help='also the wrapper with .averaging_frequency("auto")')
+    parser.add_argument("--only", default=None, help="run only these contenders, comma-separated names (e.g. 'ceiling,wrapper k=3,auto')")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
@@ -116,6 +124,11 @@ def main() -> None:
         contenders[f"wrapper k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir)
         contenders[f"overlap k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir, overlap=True)
         contenders[f"params k={k}"] = functools.partial(wrapper, n, k, steps, warmup, args.data_dir, updaters=False)
+    if args.auto:
+        contenders["auto"] = functools.partial(wrapper, n, 1, steps, warmup, args.data_dir, auto=True)
+    if args.only is not None:
+        wanted = set(args.only.split(","))
+        contenders = {name: run for name, run in contenders.items() if name in wanted}
     # Interleaved rounds, the order rotating: the machine's drift over minutes touches every contender alike.
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     names = list(contenders)
@@ -134,20 +147,25 @@ def main() -> None:
             "wall_s": statistics.median(x["wall_s"] for x in xs),
             "all_samples_per_s": rates[name],
             "exchange_share": statistics.median(x["exchange_share"] for x in xs) if "exchange_share" in xs[0] else None,
-            "vs_ceiling": ratio(name, "ceiling"),
-            "vs_ddp": ratio(name, "ddp"),
+            "vs_ceiling": ratio(name, "ceiling") if "ceiling" in rates else None,
+            "vs_ddp": ratio(name, "ddp") if "ddp" in rates else None,
         }
         for name, xs in samples.items()
     }
     for name, r in runs.items():
         k = name.partition("k=")[2]
-        r["vs_pma"] = ratio(name, f"pma k={k}") if k else None
+        r["vs_pma"] = ratio(name, f"pma k={k}") if k and f"pma k={k}" in rates else None
+        if "auto" in rates and name.startswith("wrapper k="):
+            r["auto_vs_this"] = ratio("auto", name)
+    def cell(r: dict[str, Any], column: str) -> Any:
+        return "-" if r.get(column) is None else r[column]
+
     rows = [
-        (name, r["samples_per_s"], r["vs_ceiling"], r["vs_ddp"], "-" if r["vs_pma"] is None else r["vs_pma"], r["wall_s"], "-" if r["exchange_share"] is None else r["exchange_share"])
+        (name, r["samples_per_s"], *(cell(r, c) for c in ("vs_ceiling", "vs_ddp", "vs_pma")), r["wall_s"], *(cell(r, c) for c in ("exchange_share", "auto_vs_this")))
         for name, r in runs.items()
     ]
     print(f"LeNet, MNIST, batch 128, {n} workers, {steps} batches each ({warmup} warm-up), median of {args.repeats}; ratios: medians of the rounds' ratios")
-    print(table(["run", "steady samples/s", "/ ceiling", "/ DDP", "/ PMA", "end to end s", "rank 0's time in exchanges"], rows))
+    print(table(["run", "steady samples/s", "/ ceiling", "/ DDP", "/ PMA", "end to end s", "rank 0's time in exchanges", "auto / this"], rows))
     write_results(args.out, {"workers": n, "steps": steps, "warmup": warmup, "repeats": args.repeats, "runs": runs})
 
 
