@@ -175,25 +175,25 @@ def _resume_hint(ctx: click.Context, directory: Path) -> str:
     )
 
 
-def _frequencies(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+def _frequencies(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int | str, ...]:
     try:
-        ks = tuple(int(k) for k in value.split(",") if k.strip())
+        ks = tuple(k.strip() if k.strip() == "auto" else int(k) for k in value.split(",") if k.strip())
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers, e.g. 1,4,16") from None
-    if any(k < 1 for k in ks) or len(set(ks)) != len(ks):
-        raise click.BadParameter(f"{value!r}: averaging frequencies are distinct integers >= 1, e.g. 1,4,16")
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers or auto, e.g. 1,4,16,auto") from None
+    if any(k != "auto" and int(k) < 1 for k in ks) or len(set(ks)) != len(ks):
+        raise click.BadParameter(f"{value!r}: averaging frequencies are distinct integers >= 1 or auto, e.g. 1,4,16,auto")
     return ks
 
 
 @main.command(name="compare")
 @_run_options
-@click.option("--frequencies", default="1,4,16", show_default=True, callback=_frequencies, help="Averaging frequencies k to run, comma-separated.")
+@click.option("--frequencies", default="1,4,16", show_default=True, callback=_frequencies, help="Averaging frequencies k to run, comma-separated; auto races the autopilot (first-come, steered by measured times) and plots its k.")
 @click.option("--shared-gradients/--no-shared-gradients", default=True, show_default=True, help="Also run shared gradients (averaged every step).")
 @click.option("--encoded/--no-encoded", default=False, show_default=True, help="Also run shared gradients threshold-encoded, τ starting at --gradient-threshold (default 1e-3); its bytes are those it sent.")
 @click.option("--evals", type=click.IntRange(min=1), default=8, show_default=True, help="Test-set evaluations per epoch (the points of each curve).")
 @click.option("--target", type=click.FloatRange(min=0, max=1, min_open=True), default=0.97, show_default=True, help="Accuracy whose samples and seconds to reach are tabled.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/compare"), show_default=True, help="Write compare.csv, compare.md and compare.png here.")
-def compare_command(frequencies: tuple[int, ...], shared_gradients: bool, encoded: bool, evals: int, target: float, out: Path, **kwargs: Any) -> None:  # fmt: skip
+def compare_command(frequencies: tuple[int | str, ...], shared_gradients: bool, encoded: bool, evals: int, target: float, out: Path, **kwargs: Any) -> None:  # fmt: skip
     """Train the same model from the same weights on the same data with shared gradients and
     with averaging at several frequencies (and, with --outer-lr, each frequency again with the
     outer optimizer); table and plot test accuracy against samples and seconds, and the bytes

@@ -7,12 +7,15 @@ SHARED_GRADIENTS (gradients averaged every step, the DataParallelTable / DDP way
 every k local steps (local SGD; Lin et al., 2020, "Don't Use Large Mini-Batches, Use Local SGD").
 The test set is evaluated at the same sample counts in every run, so the curves line up. With
 an outer optimizer in the base options (DiLoCo, Douillard et al., 2023; SlowMo, Wang et al., 2020)
-each k also runs with it ("outer k=..."), beside plain averaging.
+each k also runs with it ("outer k=..."), beside plain averaging. A frequency "auto" races the
+autopilot (`.averaging_frequency("auto")`), first-come since it steers by measured times, and
+plots the k it chose over the run.
 
     results = compare(CompareOptions(RunOptions(data_dir=Path("../shared/data/mnist")), out=Path("runs/compare")))
 
 writes `compare.csv` (one row per run and evaluation point), `compare.md` (one row per run) and
-`compare.png` (test accuracy against samples and against seconds, one line per run).
+`compare.png` (test accuracy against samples and against seconds, one line per run; with "auto",
+a third panel: the k of each round of the auto run).
 
 Seconds count training only: the workers are started before the clock runs (by a warm-up fit
 of one batch per worker, whose effect is then undone) and evaluations are left out.
@@ -50,7 +53,7 @@ class CompareOptions:
     the outer optimizer."""
 
     base: RunOptions = field(default_factory=RunOptions)
-    frequencies: tuple[int, ...] = (1, 4, 16)  # one AVERAGING run per k
+    frequencies: tuple[int | str, ...] = (1, 4, 16)  # one AVERAGING run per k, or "auto" (the autopilot)
     shared_gradients: bool = True  # and one SHARED_GRADIENTS run
     encoded: bool = False  # and one SHARED_GRADIENTS run threshold-encoded, τ from base.gradient_threshold (default 1e-3)
     evals_per_epoch: int = 8
@@ -59,8 +62,8 @@ class CompareOptions:
 
     def __post_init__(self) -> None:
         ks = self.frequencies
-        if any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks) or len(set(ks)) != len(ks):
-            raise ValueError(f"frequencies must be distinct ints >= 1, e.g. (1, 4, 16); got {ks!r}")
+        if any(k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1) for k in ks) or len(set(ks)) != len(ks):
+            raise ValueError(f"frequencies must be distinct ints >= 1 or 'auto', e.g. (1, 4, 16, 'auto'); got {ks!r}")
         if not ks and not self.shared_gradients and not self.encoded:
             raise ValueError("nothing to compare: give at least one averaging frequency or keep shared gradients")
         if not isinstance(self.evals_per_epoch, int) or self.evals_per_epoch < 1:
@@ -76,7 +79,7 @@ class CompareOptions:
 @dataclass(frozen=True)
 class RunSpec:
     mode: TrainingMode
-    averaging_frequency: int
+    averaging_frequency: int | str  # or "auto"
     outer: bool = False  # with the base options' outer optimizer
     encoded: bool = False  # SHARED_GRADIENTS threshold-encoded
 
@@ -88,11 +91,12 @@ class RunSpec:
 
     def options(self, base: RunOptions) -> RunOptions:
         """`base` as this run trains: its mode and k; the outer optimizer only in an outer run; the
-        payload dtype and fragments only where there are averagings (fragments overlap them)."""
+        payload dtype and fragments only where there are averagings (fragments overlap them).
+        Dealt (deterministic) but for the autopilot, which steers by measured times."""
         outer = self.outer and base.outer_lr is not None
         return dataclasses.replace(
             base, mode=self.mode, averaging_frequency=self.averaging_frequency, report_score_after_averaging=True,
-            deterministic=True, outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0,
+            deterministic=self.averaging_frequency != "auto", outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0,
             payload_dtype=base.payload_dtype if self.mode is TrainingMode.AVERAGING else "float32",
             fragments=base.fragments if self.mode is TrainingMode.AVERAGING else 1,
             overlap_averaging=self.mode is TrainingMode.AVERAGING and (base.overlap_averaging or base.fragments > 1),
@@ -104,7 +108,8 @@ def run_specs(options: CompareOptions) -> list[RunSpec]:
     specs = [RunSpec(TrainingMode.SHARED_GRADIENTS, 1)] if options.shared_gradients else []
     specs += [RunSpec(TrainingMode.SHARED_GRADIENTS, 1, encoded=True)] if options.encoded else []
     outer = options.base.outer_lr is not None
-    return specs + [RunSpec(TrainingMode.AVERAGING, k, o) for k in sorted(options.frequencies) for o in (False, True)[: 1 + outer]]
+    ks = sorted(k for k in options.frequencies if k != "auto") + [k for k in options.frequencies if k == "auto"]
+    return specs + [RunSpec(TrainingMode.AVERAGING, k, o) for k in ks for o in (False, True)[: 1 + outer]]
 
 
 # -- one run ---------------------------------------------------------------------------------------
@@ -129,6 +134,7 @@ class Point:
 class RunResult:
     spec: RunSpec
     points: list[Point]
+    ks: list[tuple[int, int]] = field(default_factory=list)  # (samples so far, k) of each round: the autopilot's choice
 
     @property
     def final(self) -> Point:
@@ -167,7 +173,15 @@ def run_one(
 ) -> RunResult:
     """Train one configuration over `pieces`, evaluating before the first and after each."""
     run_options = spec.options(options.base)
-    cost = estimated_communication(run_options)
+    costs: dict[str, Communication] = {}  # by payload: the autopilot's rounds change it
+
+    def cost_of(payload: str) -> Communication:
+        if payload not in costs:
+            fixed = run_options if spec.averaging_frequency != "auto" else dataclasses.replace(run_options, averaging_frequency=1)
+            costs[payload] = estimated_communication(dataclasses.replace(fixed, payload_dtype=payload))
+        return costs[payload]
+
+    cost = cost_of(run_options.payload_dtype)
     model = initial_model(run_options)  # the same initial weights in every run
     wrapper = builder(model, run_options).build()
 
@@ -178,6 +192,9 @@ def run_one(
         ev = wrapper.evaluate(test)
         if spec.encoded:  # a fit's first round sends its header alone, then each round a meta all-reduce and the messages
             collectives, sent_bytes = fits + 2 * rounds, sent + cost.ring_bytes(HEADER_BYTES) * fits
+        elif spec.averaging_frequency == "auto":  # each round in the payload it ran with (its optimizer state counted every round)
+            collectives = sum(cost_of(s.payload).collectives(1, 0) for s in scores) + fits
+            sent_bytes = sum(cost_of(s.payload).bytes_per_worker(1, 0) for s in scores) + cost.ring_bytes(HEADER_BYTES) * fits
         else:
             collectives, sent_bytes = cost.collectives(rounds, fits), cost.bytes_per_worker(rounds, fits)
         return Point(samples, seconds, ev["accuracy"], ev["loss"], score, rounds, collectives, sent_bytes, exchange_share(scores))
@@ -197,7 +214,7 @@ def run_one(
             if echo is not None:
                 p = points[-1]
                 echo(f"  {spec.label}: {p.samples} samples, {p.seconds:.1f} s, test accuracy {p.test_accuracy:.4f}")
-    return RunResult(spec, points)
+    return RunResult(spec, points, [(s.samples - samples0, s.k) for s in scores] if spec.averaging_frequency == "auto" else [])
 
 
 # -- all runs, and the files -----------------------------------------------------------------------
@@ -210,7 +227,7 @@ def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = pri
     base = options.base
     train, test_split = load_splits(base)
     specs = run_specs(options)
-    unit = base.workers * max(s.averaging_frequency for s in specs)
+    unit = base.workers * max((s.averaging_frequency for s in specs if isinstance(s.averaging_frequency, int)), default=1)
     pieces = [
         piece
         for epoch in range(base.epochs)
@@ -313,6 +330,9 @@ def _style(spec: RunSpec, ks: list[int]) -> dict[str, Any]:
 
     if spec.mode is TrainingMode.SHARED_GRADIENTS:
         return {"color": "black", "linestyle": "--", "marker": "s", "markersize": 8, "markerfacecolor": "none", "zorder": 3}
+    if spec.averaging_frequency == "auto":
+        return {"color": "tab:red", "marker": "*", "markersize": 7, "zorder": 4, "linestyle": "-." if spec.outer else "-"}
+    assert isinstance(spec.averaging_frequency, int)
     i = ks.index(spec.averaging_frequency)
     shade = plt.get_cmap("viridis")(0.1 + 0.75 * i / max(1, len(ks) - 1))
     # An outer run in its k's colour and marker, dash-dotted, hollow.
@@ -331,9 +351,12 @@ def figure(results: Sequence[RunResult], options: CompareOptions) -> Figure:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, NullFormatter, PercentFormatter
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), sharey=True)
-    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.1, top=0.86, wspace=0.05)
-    ks = sorted({r.spec.averaging_frequency for r in results if r.spec.mode is TrainingMode.AVERAGING})
+    auto = [r for r in results if r.ks]
+    fig, axes = plt.subplots(1, 3 if auto else 2, figsize=(19 if auto else 13, 5.6), width_ratios=[1, 1, 0.6][: 3 if auto else 2])
+    fig.subplots_adjust(left=0.05 if auto else 0.07, right=0.99, bottom=0.1, top=0.86, wspace=0.12 if auto else 0.05)
+    axes[1].sharey(axes[0])
+    axes[1].tick_params(labelleft=False)
+    ks = sorted({k for r in results if r.spec.mode is TrainingMode.AVERAGING and isinstance(k := r.spec.averaging_frequency, int)})
     target = options.target_accuracy
     for ax, x_name, x_label in (
         (axes[0], "samples", "training samples seen (all workers)"),
@@ -370,6 +393,13 @@ def figure(results: Sequence[RunResult], options: CompareOptions) -> Figure:
     y.set_ylabel("test accuracy (logit scale)")
     axes[0].set_title("against samples: which learns more per sample")
     axes[1].set_title("against time: which learns faster on this machine")
+    for r in auto:  # the autopilot's k, round by round
+        axes[2].step([n for n, _ in r.ks], [k for _, k in r.ks], where="post", color=_style(r.spec, ks)["color"], label=r.spec.label)
+        axes[2].set_yscale("log", base=2)
+        axes[2].set_xlabel("training samples seen (all workers)")
+        axes[2].set_ylabel("k of each round")
+        axes[2].set_title("the autopilot's k")
+        axes[2].grid(True, alpha=0.3)
     fig.suptitle(describe_setup(options, results), fontsize=11)
     return fig
 

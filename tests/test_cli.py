@@ -230,6 +230,15 @@ def test_compare_options(captured: dict[str, Any], tmp_path: Path) -> None:
     assert "train" not in captured
 
 
+def test_auto_is_an_averaging_frequency(captured: dict[str, Any], tmp_path: Path) -> None:
+    assert invoke("--averaging-frequency", "auto").exit_code == 0
+    assert captured["train"].averaging_frequency == "auto"
+    assert invoke("compare", "--frequencies", "4,auto", "--out", str(tmp_path)).exit_code == 0
+    assert captured["compare"].frequencies == (4, "auto")
+    result = invoke("--averaging-frequency", "fast")
+    assert result.exit_code == 2 and "'fast': an averaging frequency is an integer >= 1 or 'auto'" in result.output
+
+
 def test_compare_defaults(captured: dict[str, Any]) -> None:
     assert invoke("compare").exit_code == 0
     options = captured["compare"]

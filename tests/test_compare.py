@@ -139,6 +139,9 @@ def test_run_specs_order() -> None:
     specs = run_specs(CompareOptions(frequencies=(16, 1, 4)))
     assert [s.label for s in specs] == ["shared gradients", "averaging k=1", "averaging k=4", "averaging k=16"]
     assert [s.label for s in run_specs(CompareOptions(frequencies=(2,), shared_gradients=False))] == ["averaging k=2"]
+    auto = run_specs(CompareOptions(frequencies=("auto", 8), shared_gradients=False))
+    assert [s.label for s in auto] == ["averaging k=8", "averaging k=auto"]
+    assert auto[0].options(RunOptions()).deterministic and not auto[1].options(RunOptions()).deterministic  # auto steers by times
     outer = run_specs(CompareOptions(RunOptions(outer_lr=0.7), frequencies=(64, 16)))
     assert [s.label for s in outer] == ["shared gradients", "averaging k=16", "outer k=16", "averaging k=64", "outer k=64"]
 
@@ -175,6 +178,20 @@ def test_table_reports_the_first_evaluation_at_the_target() -> None:
     assert "| training seconds | training samples/s |" in table
     assert "Wall time 10.0 s, of which 5.0 s (50%) training; the rest is reading MNIST, starting the workers" in table
     assert "of the 2 runs and 6 test-set evaluations" in table
+
+
+def test_figure_plots_the_autopilots_k_over_the_run() -> None:
+    k4 = RunResult(AVG, [point(0, 0.0, 0.1), point(1000, 1.0, 0.9)])
+    auto = RunResult(RunSpec(TrainingMode.AVERAGING, "auto"), [point(0, 0.0, 0.1), point(1000, 1.0, 0.92)], [(256, 1), (512, 1), (768, 8)])
+    fig = figure([k4, auto], CompareOptions(frequencies=(4, "auto"), out=Path("x")))
+    try:
+        assert len(fig.axes) == 3 and fig.axes[2].get_title() == "the autopilot's k"
+        (line,) = fig.axes[2].get_lines()
+        assert list(line.get_ydata()) == [1, 1, 8]
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
 
 
 def test_figure_shows_every_point_and_tells_shared_gradients_from_k1() -> None:
