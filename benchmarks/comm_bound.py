@@ -7,12 +7,14 @@
 
 An MLP of 10M parameters on MNIST (784 -> 2789 -> 2789 -> 10, ReLU), batch 32, 2 workers of one
 thread each, Nesterov SGD (lr 0.02, momentum 0.9) from the same initial weights on the same
-batches (MNIST's training set shuffled anew each epoch), to 97% test accuracy (about 770 steps
-per worker, 50 k samples, in every contender tried). A step is short against the 40 MB of
-parameters (80 MB with the momentum) an averaging moves: on this 2-core machine a float32
-averaging of both takes about 1.5 steps' time. A smaller batch barely shortens a step (it
-reads and writes every weight whatever the batch: batch 8 is 46 ms against 66 at batch 32),
-so it would slow training more than it would raise the exchanges' share. Contenders
+batches (MNIST's training set shuffled anew each epoch), to 97% test accuracy (768 to 896 steps
+per worker in every contender tried). A step is short against the 40 MB of parameters (80 MB
+with the momentum) an averaging moves: on this 2-core machine a float32 averaging of both takes
+about a step's time (55-62 ms against 69-74 ms of compute at k = 8). A smaller batch shortens a
+step less than it shrinks it (each step reads and writes every weight whatever the batch: 39 ms
+of compute at batch 8 against 68 at batch 32, results/comm_bound_batch8.json and _batch32.json),
+so it would slow training more than it would raise the exchanges' share (25% of a k = 8 round's
+time against 17%). See benchmarks/README.md, "A communication-bound job". Contenders
 (`--contenders`, comma-separated):
   wrapper:K    this project at k = K, the defaults (float32, parameters and momentum averaged)
   int8:K       the same with .payload_dtype("int8")
@@ -35,7 +37,14 @@ first score >= `--target`, and the samples trained by then (all workers); ms/ste
 seconds per step of each worker over the whole run; the share in exchanges is rank 0's (the
 wrapper's Scores' exchange_s over training_s + exchange_s; PMA's time in average_parameters
 over its loop's). Repeats run every contender once in a rotated order; the ratios to the best
-fixed wrapper setting and to PMA's best period are taken within each repeat, then the median.
+fixed wrapper setting and to PMA's best period (plain pma) are taken within each repeat, then
+the median.
+
+Run it from the root of the tree whose package it should measure: the wrapper's workers start
+through a forkserver that imports `parallelwrapper` from the current directory first. To measure
+a commit while others edit the work tree: `git archive COMMIT | tar -x -C DIR`, then in DIR
+`PYTHONPATH=$PWD python benchmarks/comm_bound.py --data-dir ...`; the results name the package's
+folder, commit and modified files.
 """
 
 from __future__ import annotations
@@ -72,7 +81,7 @@ IN, OUT = 28 * 28, 10
 FIXED = ("wrapper", "int8", "params")  # the wrapper's fixed settings
 KINDS = (*FIXED, "pma", "pma-heap")  # the contenders with a period
 DEFAULT_CONTENDERS = "wrapper:8,wrapper:32,wrapper:64,int8:8,int8:32,int8:64,params:32,pma:8,pma:32,auto"
-QUICK_CONTENDERS = "auto,wrapper:32,pma:8"  # auto skipped while refused: about 4 minutes, 6 with auto
+QUICK_CONTENDERS = "auto,wrapper:32,pma:8"  # auto skipped while refused: about 3 minutes, 5 with auto
 
 
 def width(params: int) -> int:
