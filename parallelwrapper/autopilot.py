@@ -3,8 +3,12 @@ optimizer's state travels, round by round, from what the rounds measure.
 
 What it measures, over every worker (each round's header carries each worker's numbers, summed):
     c   seconds per local step: a round's local work over its batches
+    (each worker waits for the others at a barrier before the exchange, so that x is the link's
+    and the codec's time, not the wait for a slower worker, which no k or payload shortens)
     x_r seconds per exchange while rung r is in force (a rung: a payload, and every how many rounds
-        the optimizer's state travels); a round that rebuilt its buffers is not a measure
+        the optimizer's state travels), measured afresh whenever k or the rung changes (an
+        exchange's wait for a slower worker grows with k); a round that rebuilt its buffers is
+        not a measure
 
 What it chooses. The exchange costs x once per round of k steps, so its share of a worker's time
 is x / (x + k·c). The autopilot keeps that share under ρ (`exchange_share`, default 5%):
@@ -140,7 +144,7 @@ class Pilot:
         self.changes: list[Change] = []
         self._decided = start  # rank 0's decision, sent in its next header
         self._why = ""
-        self._ran: Rung | None = None  # the rung of the round before the last one landed: what its exchange measured
+        self._ran: Choice | None = None  # what the round before the last one landed ran with: what its exchange measured
         self._step = _Mean()
         self._links: dict[int, _Mean] = {}  # by rung index: seconds per exchange
         self._trial: int | None = None  # trying the next rung down from this one
@@ -159,10 +163,10 @@ class Pilot:
         trained in it; `rounds` landed so far. Applies the decision it carried from the next round
         on (returned when it changes anything), then measures and decides the next one."""
         compute_s, exchange_s, k, rung, k_sum, rung_sum = summed
-        ran, change = self.choice.rung, None
-        if (k_sum, rung_sum) != (workers * self.choice.k, workers * (self.rungs.index(ran) + 1)):
+        ran, change = self.choice, None
+        if (k_sum, rung_sum) != (workers * ran.k, workers * (self.rungs.index(ran.rung) + 1)):
             raise RuntimeError(
-                f"the autopilot's workers ran round {rounds} with different choices (this worker: k = {self.choice.k}, {ran}; "
+                f"the autopilot's workers ran round {rounds} with different choices (this worker: k = {ran.k}, {ran.rung}; "
                 f"the sums: k {k_sum:g}, rung {rung_sum:g} over {workers} workers): a bug; set a fixed k and report it"
             )
         if k >= 1 and rung >= 1:
@@ -170,11 +174,12 @@ class Pilot:
             if carried != self.choice:
                 change = Change(rounds + 1, carried, self._why)
                 self.changes.append(change)
+                self._links.pop(self.rungs.index(carried.rung), None)  # measured afresh at its k: the wait for a slower worker grows with k
             self.choice = carried
         if batches > 0 and compute_s > 0:
             self._step.add(compute_s / batches)
-        if exchange_s > 0 and self._ran is not None:
-            self._links.setdefault(self.rungs.index(self._ran), _Mean()).add(exchange_s / workers)
+        if exchange_s > 0 and self._ran == self.choice:  # a measure of what is in force
+            self._links.setdefault(self.rungs.index(self.choice.rung), _Mean()).add(exchange_s / workers)
         self._ran = ran
         self._decided = self._decide()
         return change
@@ -239,7 +244,7 @@ class Pilot:
         self.choice, self._decided = Choice(**state["choice"]), Choice(**state["decided"])
         self._why, self._step = state["why"], _Mean(*state["step"])
         self._trial, self._done = state["trial"], state["done"]
-        self._ran = None if state["ran"] is None else Rung(**state["ran"])
+        self._ran = None if state["ran"] is None else Choice(**state["ran"])
         self._links = {int(i): _Mean(*m) for i, m in state["links"].items()}
         self.changes = [Change(r, Choice(**c), why) for r, c, why in state["changes"]]
 

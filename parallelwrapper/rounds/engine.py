@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..autopilot import Change, Choice, Pilot
-from ..averaging import Shards
+from ..averaging import Shards, all_reduce_values
 from ..config import Config, TrainingMode
 from ..types import BatchSource, Counters, EpochReport, Hooks, InForce, Phase, Reporter, Stopped
 from .cut import RoundCut
@@ -50,6 +50,7 @@ class Rounds:
     ) -> None:
         self.trainer, self.config, self.hooks = trainer, config, hooks
         self.rank, self.world_size, self.group = rank, world_size, group  # with a node: one rank per node
+        self._device = device
         self._node = None if node is None else NodeSteps(node, trainer, device)
         shards = None if node is None else Shards(node.group, node.size, node.index)  # the state, across nodes
         # A gradient round (a warm-up's) under a hierarchy is every rank's: the default group.
@@ -65,6 +66,7 @@ class Rounds:
         start = Choice(config.averaging_frequency, config.payload_dtype, config.average_updaters_every)
         self.pilot = None if config.autopilot is None else Pilot(config.autopilot, start)
         self._exchange_s = 0.0  # the last averaging's seconds, when a fair measure of its rung (the autopilot's)
+        self._waited = 0.0  # of this round's exchange, the seconds in the autopilot's barrier: waiting for the others
 
     @property
     def _averaging(self) -> bool:
@@ -230,6 +232,11 @@ class Rounds:
             self.trainer.at_step(self._cut.step_of(self._cut.start))
         elif self.pilot is not None:
             work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, decides=self.rank == 0)
+            # Every worker arrives first: the exchange's seconds after it are the link's and the
+            # codec's, not the wait for a slower worker, which no k or payload shortens.
+            start = time.perf_counter()
+            all_reduce_values([0.0], self._device, self.group)
+            self._waited = time.perf_counter() - start
         return self._sync.launch(work, self._averaging, stop, self._moments_due())
 
     def _moments_due(self) -> bool:
@@ -283,7 +290,7 @@ class Rounds:
         if self.pilot is None:
             return None
         change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
-        self._exchange_s = exchange_s if self._sync.steady else 0.0
+        self._exchange_s = exchange_s - self._waited if self._sync.steady else 0.0
         if change is not None:
             self._use(change.choice)
         return change
