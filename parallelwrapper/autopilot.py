@@ -3,17 +3,19 @@ optimizer's state travels, round by round, from what the rounds measure.
 
 What it measures, over every worker (each round's header carries each worker's numbers, summed):
     c   seconds per local step: a round's local work over its batches
-    (each worker waits for the others at a barrier before the exchange, so that x is the link's
-    and the codec's time, not the wait for a slower worker, which no k or payload shortens)
+    w   seconds a worker waits for the others before an exchange (they meet at a one-number
+        all-reduce first), so that x is the link's and the codec's time alone
     x_r seconds per exchange while rung r is in force (a rung: a payload, and every how many rounds
         the optimizer's state travels), measured afresh whenever k or the rung changes (an
         exchange's wait for a slower worker grows with k); a round that rebuilt its buffers is
         not a measure
 
-What it chooses. The exchange costs x once per round of k steps, so its share of a worker's time
-is x / (x + k·c). The autopilot keeps that share under ρ (`exchange_share`, default 5%):
+What it chooses. The exchange and the wait before it cost x + w once per round of k steps, so
+their share of a worker's time is (x + w) / (x + w + k·c). With first-come batches the wait is at
+most about a step whatever k is, so a longer round hides it too. The autopilot keeps that share
+under ρ (`exchange_share`, default 5%):
 
-    k = the smallest power of two from k_min with x·(1 − ρ) / (ρ·c) ≤ k, at most k_max
+    k = the smallest power of two from k_min with (x + w)·(1 − ρ) / (ρ·c) ≤ k, at most k_max
 
 (the period that makes communication a fixed fraction of compute: the runtime model of
 local-update SGD in Wang & Joshi, "Adaptive Communication Strategies to Achieve the Best
@@ -22,7 +24,8 @@ predicted, since a 2026 measurement of DiLoCo over shaped links, diloco-measured
 utilization 1.08-1.92x off the analytic model). k falls again only when 0.7 of its half would do, so that
 the noise of a few rounds does not move it up and down.
 
-Where even k_max leaves the share above ρ, the link is the bottleneck: the autopilot tries the
+Where even k_max leaves the link's share x / (x + k_max·c) above ρ, the link is the bottleneck
+(fewer bytes do not shorten the wait): the autopilot tries the
 next rung, sending fewer bytes: the optimizer's state every 2, then 4 rounds (DES-LOC, arXiv
 2505.22549: Adam's moments less often than the parameters at equal loss), then a bfloat16, then
 an int8 payload, one at a time. A rung tried is kept only if its measured exchange is 10% faster
@@ -47,7 +50,7 @@ PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it tries, in this ord
 UPDATER_PERIODS = (1, 2, 4)  # every how many rounds the optimizer's state travels, when not set
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
-PILOT_LEN = 6  # numbers the pilot adds to a round's header: seconds in local work and in the last exchange, rank 0's decision, the choice in force
+PILOT_LEN = 7  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange and waiting before it, rank 0's decision, the choice in force
 
 
 @dataclass(frozen=True)
@@ -146,23 +149,25 @@ class Pilot:
         self._why = ""
         self._ran: Choice | None = None  # what the round before the last one landed ran with: what its exchange measured
         self._step = _Mean()
+        self._wait = _Mean()  # seconds a worker waits for the others before an exchange, at the k in force
         self._links: dict[int, _Mean] = {}  # by rung index: seconds per exchange
         self._trial: int | None = None  # trying the next rung down from this one
         self._done = False  # a rung tried was no faster: the descent is over
 
-    def header(self, compute_s: float, exchange_s: float, decides: bool) -> list[float]:
+    def header(self, compute_s: float, exchange_s: float, waited_s: float, decides: bool) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's
-        (0 when that rebuilt its buffers, or none was in this fit: no fair measure); from the
+        and its wait for the others before it (0 when that exchange rebuilt its buffers, or none
+        was in this fit: no fair measure); from the
         rank that `decides` (rank 0), the decision every rank applies when the round lands; and
         the choice it runs the round with, which every worker's must equal."""
         decision = [float(self._decided.k), float(self.rungs.index(self._decided.rung) + 1)] if decides else [0.0, 0.0]
-        return [compute_s, exchange_s, *decision, float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
+        return [compute_s, exchange_s, waited_s, *decision, float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
 
     def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int) -> Change | None:
         """A round landed: `summed`, the pilot's part of its header over every worker; `batches`
         trained in it; `rounds` landed so far. Applies the decision it carried from the next round
         on (returned when it changes anything), then measures and decides the next one."""
-        compute_s, exchange_s, k, rung, k_sum, rung_sum = summed
+        compute_s, exchange_s, waited_s, k, rung, k_sum, rung_sum = summed
         ran, change = self.choice, None
         if (k_sum, rung_sum) != (workers * ran.k, workers * (self.rungs.index(ran.rung) + 1)):
             raise RuntimeError(
@@ -174,12 +179,14 @@ class Pilot:
             if carried != self.choice:
                 change = Change(rounds + 1, carried, self._why)
                 self.changes.append(change)
-                self._links.pop(self.rungs.index(carried.rung), None)  # measured afresh at its k: the wait for a slower worker grows with k
+                self._links.pop(self.rungs.index(carried.rung), None)  # measured afresh at its k
+                self._wait = _Mean()  # dealt batches: the wait for a slower worker grows with k
             self.choice = carried
         if batches > 0 and compute_s > 0:
             self._step.add(compute_s / batches)
         if exchange_s > 0 and self._ran == self.choice:  # a measure of what is in force
             self._links.setdefault(self.rungs.index(self.choice.rung), _Mean()).add(exchange_s / workers)
+            self._wait.add(waited_s / workers)
         self._ran = ran
         self._decided = self._decide()
         return change
@@ -190,13 +197,13 @@ class Pilot:
         link = self._links.get(here)
         if self._step.count == 0 or step <= 0 or link is None or link.count < max(2, now.updaters_every):
             return self._decided  # not measured enough yet: as decided
-        rho, x = spec.exchange_share, link.value
+        rho, x, w = spec.exchange_share, link.value, self._wait.value
         if self._trial is not None:  # the rung it tried is measured: kept only where faster by MARGIN
             rung, before = self.rungs[self._trial], self._links[self._trial].value
             if x > before * (1 - MARGIN):
                 self._trial, self._done = None, True
                 self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
-                return self._steer(before, step, rung)
+                return self._steer(before + w, step, rung)
             self._trial = None
         share = x / (x + spec.k_max * step)
         nxt = here + 1
@@ -205,13 +212,14 @@ class Pilot:
             self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: at k = {spec.k_max} exchanges "
                          f"still take {share:.0%} of the time (aim: {rho:.2g}); trying {self.rungs[nxt]}")
             return Choice(spec.k_max, self.rungs[nxt].payload, self.rungs[nxt].updaters_every)
-        if self._k_for(x, step) == now.k:
+        if self._k_for(x + w, step) == now.k:
             return now
-        self._why = f"an exchange takes {x:.3g} s and a step {step:.3g} s"
-        return self._steer(x, step, now.rung)
+        self._why = f"an exchange takes {x:.3g} s after {w:.3g} s waiting for the others, and a step {step:.3g} s"
+        return self._steer(x + w, step, now.rung)
 
     def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:
-        """`rung` at the k that keeps its exchanges under ρ of the time; the reason says so."""
+        """`rung` at the k that keeps its exchanges (with the wait before them) under ρ of the
+        time; the reason says so."""
         k, rho = self._k_for(exchange_s, step_s), self.spec.exchange_share
         bound = " (k_max)" if k == self.spec.k_max and exchange_s * (1 - rho) > rho * step_s * k else ""
         self._why += f": k = {k}{bound} keeps exchanges under {rho:.2g} of the time"
@@ -234,7 +242,7 @@ class Pilot:
     def state_dict(self) -> dict[str, Any]:
         return {
             "choice": dataclasses.asdict(self.choice), "decided": dataclasses.asdict(self._decided), "why": self._why,
-            "ran": None if self._ran is None else dataclasses.asdict(self._ran), "step": dataclasses.astuple(self._step),
+            "ran": None if self._ran is None else dataclasses.asdict(self._ran), "step": dataclasses.astuple(self._step), "wait": dataclasses.astuple(self._wait),
             "links": {i: dataclasses.astuple(m) for i, m in self._links.items()},
             "trial": self._trial, "done": self._done,
             "changes": [(c.round, dataclasses.asdict(c.choice), c.why) for c in self.changes],
@@ -242,7 +250,7 @@ class Pilot:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.choice, self._decided = Choice(**state["choice"]), Choice(**state["decided"])
-        self._why, self._step = state["why"], _Mean(*state["step"])
+        self._why, self._step, self._wait = state["why"], _Mean(*state["step"]), _Mean(*state["wait"])
         self._trial, self._done = state["trial"], state["done"]
         self._ran = None if state["ran"] is None else Choice(**state["ran"])
         self._links = {int(i): _Mean(*m) for i, m in state["links"].items()}

@@ -37,16 +37,17 @@ pytestmark = pytest.mark.timeout(180)
 START = Choice(1, "float32", 1)
 
 
-def fly(pilots: list[Pilot], step_s: float, link_s: Callable[[Rung], float], rounds: int, first: int = 1) -> list[Choice]:
+def fly(pilots: list[Pilot], step_s: float, link_s: Callable[[Rung], float], rounds: int, first: int = 1, wait_s: float = 0.0) -> list[Choice]:
     """Rounds as the engine runs them: each pilot's header (rank 0 decides), summed, landed on
     every pilot; a round's exchange is reported in the next header, 0 for a round that rebuilt
-    its buffers (the first of a rung, and each run's first). The choice each round ran with."""
+    its buffers (the first of a rung, and each run's first), with `wait_s` before it. The choice
+    each round ran with."""
     ran: list[Choice] = []
     previous: Rung | None = None
     exchange = 0.0
     for r in range(first, first + rounds):
         choice = pilots[0].choice
-        headers = [p.header(step_s * choice.k, exchange, decides=i == 0) for i, p in enumerate(pilots)]
+        headers = [p.header(step_s * choice.k, exchange, wait_s if exchange else 0.0, decides=i == 0) for i, p in enumerate(pilots)]
         summed = [sum(column) for column in zip(*headers)]
         for p in pilots:
             p.landed(summed, choice.k * len(pilots), len(pilots), r)
@@ -71,7 +72,7 @@ def test_a_fast_link_keeps_float32_and_a_small_k() -> None:
     assert ran[-1] == Choice(2, "float32", 1)  # 0.005 s · 0.95 / (0.05 · 0.05 s) = 1.9 steps
     assert {c.payload for c in ran} == {"float32"} and {c.updaters_every for c in ran} == {1}
     assert [c.choice for c in pilot.changes] == [Choice(2, "float32", 1)]
-    assert "an exchange takes 0.005 s and a step 0.05 s: k = 2 keeps exchanges under 0.05 of the time" in pilot.changes[0].why
+    assert "an exchange takes 0.005 s after 0 s waiting for the others, and a step 0.05 s: k = 2 keeps exchanges under 0.05 of the time" in pilot.changes[0].why
 
 
 @pytest.mark.fast
@@ -85,6 +86,14 @@ def test_a_slow_link_takes_k_to_its_bound_then_fewer_bits_each_tried_and_the_fas
     ]  # fmt: skip
     assert "at k = 32 exchanges still take 61% of the time (aim: 0.05); trying float32, optimizer state every 2 rounds" in pilot.changes[0].why
     assert all(1 <= c.k <= 32 for c in ran)
+
+
+@pytest.mark.fast
+def test_a_wait_for_the_others_lengthens_k_but_never_changes_the_payload() -> None:
+    pilot = Pilot(Autopilot(k_max=16), START)
+    ran = fly([pilot], step_s=0.05, link_s=lambda rung: 0.005, rounds=30, wait_s=0.05)
+    assert ran[-1] == Choice(16, "float32", 1)  # (0.005 + 0.05) s · 0.95 / (0.05 · 0.05 s) = 20.9 steps: k_max
+    assert {c.rung for c in ran} == {Rung("float32", 1)}  # the link's own share at k = 16 is 0.6%: no rung tried
 
 
 @pytest.mark.fast
@@ -134,7 +143,7 @@ def test_every_rank_applies_rank_0s_decision_whatever_it_measured() -> None:
     assert len({p.choice for p in pilots}) == 1 and ran[-1] == pilots[1].choice
     assert [c.choice for c in pilots[2].changes] == [c.choice for c in pilots[0].changes]
     stray = Pilot(Autopilot(), Choice(4, "float32", 1))  # a worker that ran another k than the others
-    summed = [a + b for a, b in zip(pilots[0].header(0.1, 0.0, True), stray.header(0.1, 0.0, False))]
+    summed = [a + b for a, b in zip(pilots[0].header(0.1, 0.0, 0.0, True), stray.header(0.1, 0.0, 0.0, False))]
     with pytest.raises(RuntimeError, match=r"^the autopilot's workers ran round 9 with different choices .*: a bug; set a fixed k"):
         stray.landed(summed, 8, 2, 9)
 
@@ -238,6 +247,7 @@ def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equa
     fast_choices, slow_choices = fast[0][0], slow[0][0]
     fast_end, slow_end = fast_choices[1], slow_choices[1]
     assert {c.payload for c in fast_choices} == {"float32"} and fast_end.k > 1, fast_choices  # never tried another payload
+    # (the dealt batches' wait for the slower worker grows with k: it moves k, never the payload)
     assert slow_end.k == 32 and slow_end.payload == "int8", slow_choices
     assert [c.payload for c in slow_choices[2:]] == ["bfloat16", "int8"]  # tried in turn, each kept: fewer bytes, faster
 

@@ -67,6 +67,7 @@ class Rounds:
         self.pilot = None if config.autopilot is None else Pilot(config.autopilot, start)
         self._exchange_s = 0.0  # the last averaging's seconds, when a fair measure of its rung (the autopilot's)
         self._waited = 0.0  # of this round's exchange, the seconds in the autopilot's barrier: waiting for the others
+        self._wait_s = 0.0  # ... the last averaging's, when a fair measure
 
     @property
     def _averaging(self) -> bool:
@@ -231,7 +232,7 @@ class Rounds:
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
         elif self.pilot is not None:
-            work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, decides=self.rank == 0)
+            work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, self._wait_s, decides=self.rank == 0)
             # Every worker arrives first: the exchange's seconds after it are the link's and the
             # codec's, not the wait for a slower worker, which no k or payload shortens.
             start = time.perf_counter()
@@ -290,7 +291,8 @@ class Rounds:
         if self.pilot is None:
             return None
         change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
-        self._exchange_s = exchange_s - self._waited if self._sync.steady else 0.0
+        steady = self._sync.steady
+        self._exchange_s, self._wait_s = (exchange_s - self._waited, self._waited) if steady else (0.0, 0.0)
         if change is not None:
             self._use(change.choice)
         return change
