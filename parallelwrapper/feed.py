@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -41,7 +42,29 @@ from .slots import SlotReader, SlotWriter
 from .types import END, EndOfEpoch
 
 Batches = Iterable[Any] | Callable[[], Iterable[Any]]
-_SENTINEL = None  # what ends a worker's epoch in a queue; batches travel as (index, batch)
+class EndMark:
+    """What ends a worker's epoch `epoch` in a queue (one per worker); batches travel as (index,
+    batch). It names its epoch, so that a replacement can tell which epoch's ends a queue holds
+    (recovery.refeed)."""
+
+    __slots__ = ("epoch",)
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return EndMark, (self.epoch,)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EndMark) and other.epoch == self.epoch
+
+    def __hash__(self) -> int:
+        return hash(("EndMark", self.epoch))
+
+    def __repr__(self) -> str:
+        return f"EndMark({self.epoch})"
+
+
 END_SLOT = -1  # a ledger's slot for an end of epoch (hosts/ledger.py)
 _NOTHING = object()  # Feeder._put_one: only the front
 _POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
@@ -111,6 +134,18 @@ def check_epoch_length(count: int, skip: int, epoch: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Unput:
+    """What a paused feeder has put (Feeder.take_back): `sent`, each slot's last batch as (epoch,
+    queue, (index, packed)); `ends`, the ends of epochs it has put, by (queue, epoch); `current`,
+    the (queue, item) it is putting, and `front`, the (queue, item) pairs it had yet to put first."""
+
+    sent: dict[int, tuple[int, int, Any]]
+    ends: collections.Counter[tuple[int, int]]
+    current: tuple[int, Any] | None
+    front: list[tuple[Any, Any]]
+
+
 class Feeder:
     """A daemon thread that puts epochs `first_epoch` to `until_epoch - 1` of batches into the
     workers' queues, skipping the first `skip` batches of the first (already trained, when
@@ -132,9 +167,11 @@ class Feeder:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="parallelwrapper-feeder", daemon=True)
-        # For the replacement of a lost worker: what each slot holds, and a pause during which the
-        # main process puts a lost round's batches back in front (`refeed`).
-        self.sent: dict[int, tuple[int, Any]] = {}  # slot -> (index, packed) of its last batch
+        # For the replacement of a lost worker (recovery.refeed): what the feeder has put, and a
+        # pause during which the main process puts a lost round's batches back in front.
+        self.sent: dict[int, tuple[int, int, Any]] = {}  # slot -> (epoch, queue, (index, packed)) of its last batch
+        self.ends: collections.Counter[tuple[int, int]] = collections.Counter()  # (queue, epoch) -> ends put
+        self._current: tuple[int, Any] | None = None  # (queue, item): the one being put, after the front
         self._front: collections.deque[tuple[Any, Any]] = collections.deque()  # (queue, item), before any other
         self._lock = threading.Lock()
         self._paused = False
@@ -151,6 +188,16 @@ class Feeder:
         """Put nothing more into the queues until `resume`; returns once no put is under way."""
         with self._lock:
             self._paused = True
+
+    def take_back(self) -> Unput:
+        """While paused: what the feeder has put so far, and the front it has not put yet, taken
+        back (recovery.refeed puts it in again, after what the queues hold: a second loss soon
+        after a replacement finds the first one's lost round still partly here)."""
+        with self._lock:
+            assert self._paused, "take_back while the feeder runs"
+            front = list(self._front)
+            self._front.clear()
+            return Unput(dict(self.sent), collections.Counter(self.ends), self._current, front)
 
     def resume(self, front: Sequence[tuple[Any, Any]] = ()) -> None:
         """Carry on, putting `front`'s (queue, item) pairs first, in their order."""
@@ -179,6 +226,7 @@ class Feeder:
                 except queue.Full:
                     return False
                 if not front:
+                    self._current = None  # in the queue now: under the lock, so that take_back never sees it in both
                     return True
                 self._front.popleft()
                 return False
@@ -200,15 +248,22 @@ class Feeder:
                         packed = self._slots.pack(batch, lambda: self._put(None, _NOTHING))
                         if packed is None:
                             return
-                        self.sent[packed[0]] = (index, packed)
-                        if not self._put(self._queues[index % len(self._queues)], (index, packed)):
+                        q = index % len(self._queues)
+                        with self._lock:
+                            self.sent[packed[0]] = (epoch, q, (index, packed))
+                            self._current = (q, (index, packed))
+                        if not self._put(self._queues[q], (index, packed)):
                             return
                 except Exception as e:
                     raise data_raised(e, epoch, count) from e
                 check_epoch_length(count, skip, epoch)
                 # One sentinel per worker: in shared mode all N go into the one queue.
                 for rank in range(self._workers):
-                    if not self._put(self._queues[rank % len(self._queues)], _SENTINEL):
+                    q, end = rank % len(self._queues), EndMark(epoch)
+                    with self._lock:
+                        self.ends[q, epoch] += 1
+                        self._current = (q, end)
+                    if not self._put(self._queues[q], end):
                         return
             while self._put(None, _NOTHING):  # a replacement may yet put a lost round in front
                 time.sleep(_POLL_S)
@@ -234,6 +289,14 @@ class Aborted(RuntimeError):
     """The main process called the worker away from its wait for a batch: a peer failed."""
 
 
+class CallAway:
+    """Put into a queue by the main process when a peer failed (with the abort event set): a
+    worker waiting for a batch takes it and leaves at once, not at its next look at the event."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return CallAway, ()
+
+
 class QueueSource:
     """A worker's view of its queue. Gives up if the parent process is gone, so that a worker
     never outlives the trainer that spawned it, and when `abort` is set. With a `ledger`
@@ -252,10 +315,12 @@ class QueueSource:
                 if self._abort is not None and self._abort.is_set():
                     raise Aborted("called away from its wait for a batch: another worker failed") from None
                 continue
+            if isinstance(item, CallAway):
+                raise Aborted("called away from its wait for a batch: another worker failed")
             keep = self.ledger is not None
             if keep:
-                self.ledger.take(END_SLOT if item is _SENTINEL else item[1][0])
-            if item is _SENTINEL:
+                self.ledger.take(END_SLOT if isinstance(item, EndMark) else item[1][0])
+            if isinstance(item, EndMark):
                 return END
             index, (slot, name, skeleton) = item
             return index, self._slots.unpack(slot, name, skeleton, keep=keep)

@@ -5,6 +5,7 @@ queue, the board and the shared events. A standby (a process spawned ahead, for
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import queue
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..checkpoint import make_checkpointer
 from ..claims import StoreCounter, source_for
@@ -28,7 +30,7 @@ from ..processes import adopt_environment, main_process_gone
 from ..slots import SlotReader
 from ..types import BatchSource, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger
-from .recovery import Keeper, Regroup
+from .recovery import FORM_S, Keeper, Regroup, assemble
 from .runtime import Worker, claim_device, stage_worker, summary
 from .supervisor import ProgressBoard
 
@@ -116,9 +118,19 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
 
         def join(generation: int) -> None:  # a replacement starts a new group under a new prefix
             prefixed = PrefixStore(f"generation-{generation}", store)
-            dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=placement.processes, timeout=collective_timeout(config))
+            timeout = collective_timeout(config)
+            if generation == 0:
+                dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=placement.processes, timeout=timeout)
+                return
+            # A regroup: every member has come (or the main process gave the generation up), so the
+            # rendezvous that follows waits on live processes only, and for FORM_S at most (a member
+            # lost in it), after which the collectives get their own timeout again.
+            assemble(prefixed, placement.processes, generation)
+            dist.init_process_group(placement.backend, store=prefixed, rank=rank, world_size=placement.processes, timeout=min(timeout, datetime.timedelta(seconds=FORM_S)))
+            _set_pg_timeout(timeout)
 
-        join(generation)
+        if generation == 0:
+            join(0)  # the first members; a replacement joins at the Regroup that follows its start
         job = _unpickle_job(_get(c.commands))
         hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
         worker, relay = (Worker(job, config, placement, rank, rank, hooks=hooks, own_model=True), _as_is) if config.pipeline is None else stage_worker(job, config, placement, rank, rank, hooks, True)
@@ -128,7 +140,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
         source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), c.abort, ledger)
         keeper = hooks.keeper = None if ledger is None else Keeper(worker, source, ledger)
         report = _Reports(c.results, rank) if rank == 0 else _ignore
-        c.results.put(("ready", rank, None))
+        c.results.put(("ready", rank, (os.getpid(), None)))  # (pid, nothing), as a park's
         while True:
             command: FitCommand | Regroup | None = _get(c.commands)
             if command is None:
@@ -142,6 +154,8 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
                 counter = None if command.claims is None else StoreCounter(store, command.claims)
                 fed = relay(source if command.shards is None else source_for(command.shards, me, world, counters, command.until_epoch, counter))
                 until_epoch = worker.start(command)
+                if keeper is not None:
+                    keeper.started()
                 command = None  # loaded: its shared memory goes back now, not at the fit's end
                 worker.train(until_epoch, fed, report)
             except Stopped:
@@ -149,6 +163,9 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
             except WorkerError as e:
                 if keeper is None:
                     raise
+                # Parked, it trains on no batch: a death from now on is not one on its last batch
+                # (which would count that batch as failed: Recovery.admit).
+                c.board.write(rank, Phase.IDLE, -1, -1, 0)
                 keeper.park(rank, e, c.results)
                 continue
             finally:

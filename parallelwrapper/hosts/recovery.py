@@ -5,27 +5,39 @@ A process group cannot take a new member, so a replacement starts a new one, `ge
    process calls away from its wait for a batch) reports it, leaves the process group, which
    ends every peer's collective at once, and parks: it reports the round it kept the state of
    (`Keeper.park`). The main process kills the worker that failed first, whichever it was.
-2. The main process pauses the feed and puts back in front of every queue the batches that any
-   worker had taken for the round in progress, or later (their ledgers, ledger.py), and frees the
-   slots of the landed ones (`refeed`); then it spawns a fresh process for the lost rank.
+2. The main process pauses the feed and puts back in front of every queue the batches it had
+   fed from the round in progress on that the queue no longer holds, whoever took them (what the
+   feeder put, feed.Unput), and frees the slots of the landed ones (the workers' ledgers,
+   ledger.py; `refeed`); then it spawns a fresh process for the lost rank.
 3. Every worker joins generation g. The survivor that kept the latest round sends its state to
    all (a survivor holds it: nothing goes through the disk or the main process), and every
    worker redoes that round from it (`Keeper.regroup`). So each batch counts once.
 A batch on which two workers failed is not fed a third time: fit() raises naming it (`Recovery`).
+
+A loss while generation g forms (a member killed or stopped, the fresh process among them) is
+one more loss: the main process gives g up (`abandon`), so that no member waits for ever on one
+that will not come (`assemble`), every member parks again, and it starts over from step 1 with
+the members still alive, each loss counted against max_replacements.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
-from ..feed import END_SLOT, QueueSource, drain
+from ..feed import END_SLOT, CallAway, EndMark, QueueSource, Unput, drain
 from ..types import Counters, FitCommand, WorkerError
 from .ledger import Ledger, split
-from .runtime import Worker
+from .runtime import Kept, Worker, one_traceback, summary
+
+FORM_S = 5.0  # the most a regroup's members wait for each other's gloo addresses once all have come (8 form in 0.02 s)
+_GO, _GIVEN_UP = "go", "given up"
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class Keeper:
 
     def __init__(self, worker: Worker, source: QueueSource, ledger: Ledger) -> None:
         self.worker, self.source, self.ledger = worker, source, ledger
+        self._redo: Kept | None = None  # a regroup's round, kept once its fit has started
 
     def took_ahead(self, tag: int) -> None:
         self.ledger.retag_last(tag)
@@ -65,22 +78,60 @@ class Keeper:
         if dist.is_initialized():
             dist.destroy_process_group()
         kept = self.worker.kept
-        results.put(("parked", rank, None if kept is None else (kept.seq, kept.counters)))
+        # With its pid: a message read late, from a process put down since, is told from its successor's.
+        results.put(("parked", rank, (os.getpid(), None if kept is None else (kept.seq, kept.counters))))
 
     def regroup(self, command: Regroup, rank: int, join: Callable[[int], None]) -> FitCommand:
-        """Join generation `command.generation` (a new worker joined it when it started) and
-        return the fit that redoes the source's kept round."""
-        if not dist.is_initialized():
-            join(command.generation)
-        box = [self.worker.kept if rank == command.source else None]
-        dist.broadcast_object_list(box, src=command.source)
+        """Join generation `command.generation` and return the fit that redoes the source's kept
+        round. A failure (a member lost as the group forms, or before the state reached every
+        one) is a WorkerError at no batch, which parks this worker as any other loss does."""
+        try:
+            if not dist.is_initialized():
+                join(command.generation)
+            box = [self.worker.kept if rank == command.source else None]
+            dist.broadcast_object_list(box, src=command.source)
+        except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout, a group given up: one more loss
+            raise WorkerError(
+                rank,
+                f"lost its peers while regrouping (process group generation {command.generation}): {summary(e)}; "
+                "another worker was lost as the group formed, and the main process starts the regroup again without it",
+                one_traceback(e),
+            ) from None
         kept = box[0]
         assert kept is not None, "the source of a regroup kept a round"
         mine = self.worker.kept
         # A survivor that kept the same round goes back to its RNG from then; one whose last round
         # landed for the others only (the failure cut its collective) has the RNG it would have.
         own = mine.own if mine is not None and mine.seq == kept.seq else None
-        return self.worker.redo(kept, command.until_epoch, own)
+        redo = self.worker.redo(kept, command.until_epoch, own)
+        # What this worker keeps while it redoes the round, until the round's start keeps it anew:
+        # a loss before then parks it with this round, its own RNG with it (not the source's).
+        self._redo = dataclasses.replace(kept, own=self.worker.own_state())
+        return redo
+
+    def started(self) -> None:
+        """The fit has loaded its state (Worker.start drops what was kept): a regroup's round is
+        kept again, so that a loss before the round's start redoes it, not an older one whose
+        batches have landed."""
+        if self._redo is not None:
+            self.worker.kept, self._redo = self._redo, None
+
+
+def assemble(store: Any, members: int, generation: int) -> None:
+    """Wait until every one of `members` has come to form generation `generation` (`store` is its
+    prefix of the store), or until the main process gave it up (`abandon`): a member lost before it
+    came would otherwise hold the others in gloo's rendezvous for the collective timeout."""
+    if store.add("arrived", 1) == members:
+        store.compare_set("formed", "", _GO)  # unless given up first: the first word stays
+    store.wait(["formed"])
+    if store.get("formed") != _GO.encode():
+        raise RuntimeError(f"the main process gave up generation {generation}: a member was lost before every one had come")
+
+
+def abandon(store: Any, generation: int) -> None:
+    """Give up generation `generation` (`store`: the whole store) unless every member came already:
+    those waiting in `assemble`, and those yet to come, fail at once and park again."""
+    PrefixStore(f"generation-{generation}", store).compare_set("formed", "", _GIVEN_UP)
 
 
 class Recovery:
@@ -108,47 +159,65 @@ class Recovery:
         self.left -= 1
 
 
-def newest(parked: dict[int, tuple[int, Counters] | None], error: WorkerError) -> tuple[int, int, Counters]:
-    """(source rank, round, counters) of the latest round a survivor kept: the one every worker redoes."""
+def newest(parked: dict[int, tuple[int, Counters] | None], lost: Sequence[WorkerError]) -> tuple[int, int, Counters]:
+    """(source rank, round, counters) of the latest round a survivor kept: the one every worker
+    redoes. None kept one: the first loss raises when no survivor had started a round; after
+    losses during the regroup, the last survivor that held the state was among them."""
     kept = {r: v for r, v in parked.items() if v is not None}
+    if not kept and len(lost) == 1:
+        raise lost[0]  # no survivor had started a round: nothing to go back to
     if not kept:
-        raise error  # no survivor had started a round: nothing to go back to
+        last = lost[-1]
+        raise WorkerError(
+            last.rank,
+            f"{last.summary}; it was the last worker that held the state to redo the round from ({len(lost)} losses in one "
+            f"replacement, the first worker {lost[0].rank}'s: {lost[0].summary}): fit() cannot go on; "
+            "with .checkpoint(dir) a new fit() resumes from the last checkpoint",
+            last.details,
+            last.where,
+        )
     source = max(kept, key=lambda r: (kept[r][0], -r))
     seq, counters = kept[source]
     return source, seq, counters
 
 
-def refeed(
-    ledgers: Sequence[Ledger],
-    seq: int,
-    epoch: int,
-    sent: dict[int, tuple[int, Any]],
-    queues: Sequence[Any],
-    free_slots: Any,
-) -> list[tuple[Any, Any]]:
+def refeed(ledgers: Sequence[Ledger], seq: int, counters: Counters, unput: Unput, queues: Sequence[Any], free_slots: Any) -> list[tuple[Any, Any]]:
     """Empty the queues (the feed is paused, every worker parked or dead) and return what goes
-    back into them, in order: the batches taken for round `seq` or later (by batch number), then
-    the ends of the epoch taken, then what the queues held. The slots of landed batches go back
-    to the feeder, and every ledger is cleared."""
-    again: list[list[tuple[int, Any]]] = [[] for _ in queues]
-    ends = [0 for _ in queues]
-    for rank, ledger in enumerate(ledgers):
-        entries, free = split(ledger.entries(), seq, epoch)
+    back into them for a redo of round `seq`, which starts at batch `counters.position` of epoch
+    `counters.epoch`, in order, queue by queue:
+    - every batch the feeder put there from that one on that no queue holds any more (by epoch and
+      batch number), whoever took it: a worker killed between its take and its ledger's record of
+      it (or while its ledger was rewritten) took one that no ledger names;
+    - as many ends of that epoch as were taken;
+    - what the queue held, then what the feeder had still to put of a previous refeed (a loss
+      soon after a replacement).
+    That is the order the feeder put them in, so each epoch's batches come before its ends, and
+    every worker's epoch holds every one of its batches. The ledgers say which slots hold landed
+    batches: those go back to the feeder, and every ledger is cleared."""
+    for ledger in ledgers:
+        _, free = split(ledger.entries(), seq, counters.epoch)
         ledger.clear()
         for slot in free:
             free_slots.put(slot)
-        q = rank % len(queues)
-        for e in entries:
-            if e.slot == END_SLOT:
-                ends[q] += 1
-            else:
-                again[q].append(sent[e.slot])
+    first = (counters.epoch, counters.position)
+    held = [[item for item in _drain(q) if not isinstance(item, CallAway)] for q in queues]
+    pending: list[list[Any]] = [[item for target, item in unput.front if target is q] for q in queues]
     front: list[tuple[Any, Any]] = []
-    for q, items in enumerate(again):
-        held = _drain(queues[q])
-        front += [(queues[q], item) for item in sorted(items, key=lambda item: item[0])]
-        front += [(queues[q], None)] * ends[q]  # None: the feed's end of an epoch
-        front += [(queues[q], item) for item in held]
+    for q, queue_ in enumerate(queues):
+        there = held[q] + pending[q]
+        # Still on their way to a worker: those, and the item the feeder puts next (after the front).
+        coming = there + ([unput.current[1]] if unput.current is not None and unput.current[0] == q else [])
+        placed = {item[1][0] for item in coming if isinstance(item, tuple)}
+        ends = unput.ends[q, counters.epoch] - sum(1 for item in coming if item == EndMark(counters.epoch))
+        again = sorted(
+            (epoch, item[0], item)
+            for slot, (epoch, target, item) in unput.sent.items()
+            if target == q and (epoch, item[0]) >= first and slot not in placed
+        )  # fmt: skip
+        front += [(queue_, item) for epoch, _, item in again if epoch == counters.epoch]
+        front += [(queue_, EndMark(counters.epoch))] * ends
+        front += [(queue_, item) for epoch, _, item in again if epoch > counters.epoch]
+        front += [(queue_, item) for item in there]
     return front
 
 

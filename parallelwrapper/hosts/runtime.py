@@ -144,6 +144,12 @@ class Worker:
         self.replica.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
         return FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None)
 
+    def own_state(self) -> dict[str, Any]:
+        """This worker's own RNG state and loss scale as they are now (Replica.own_state, with
+        the worker's RNG stream, not the process's)."""
+        with self._own_threads_and_rng():
+            return self.replica.own_state()
+
     def start(self, command: FitCommand) -> int:
         """A fit's first half: load `command`'s state, counters and RNG, and return the epoch to
         train until. Nothing of the command is kept, so a host lets it go before `train` (it is

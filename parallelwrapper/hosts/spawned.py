@@ -14,6 +14,7 @@ import functools
 import io
 import os
 import pickle
+import queue
 import time
 from typing import Any
 
@@ -23,19 +24,23 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from ..claims import claimed
 from ..config import Config, Job
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, Feeder, drain, shardable, shards_of
+from ..feed import Batches, CallAway, Feeder, drain, shardable, shards_of
 from ..pipeline import joined_state
 from ..processes import worker_context
 from ..slots import SlotWriter
-from ..types import FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
+from ..types import Counters, FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
 from .ledger import Ledger
 from .process import Channels, worker_entry
-from .recovery import Recovery, Regroup, newest, refeed
+from .recovery import Recovery, Regroup, abandon, newest, refeed
 from .supervisor import ProgressBoard, Supervisor
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
+
+
+class _Ended(Exception):
+    """A worker ended the fit while another was being replaced."""
 
 
 def _shared_pickle(job: Job) -> torch.Tensor:
@@ -141,7 +146,8 @@ class WorkerPool:
         self._commands: list[Any] = [None] * processes
         # A replacement takes a standby process, spawned ahead: importing torch takes seconds.
         self._standby: tuple[Any, Any] | None = None
-        self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout_s, placement.stages)
+        on_failure = None if self._recovery is None else self._call_away
+        self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout_s, placement.stages, on_failure)
         self._join = None if config.pipeline is None else functools.partial(joined_state, job=job, spec=config.pipeline)
         try:
             for rank in range(processes):
@@ -179,12 +185,14 @@ class WorkerPool:
         standby, self._standby = self._standby, None
         if standby is None or not standby[0].is_alive():
             self._spawn(rank)
+            self._supervisor.gone.discard(rank)
             return
         process, commands = standby
         commands.put((rank, self._generation))
         commands.put(self._job)
         process.name = f"parallelwrapper-worker-{rank}"  # as `_spawn` names a worker: what it is now
         self._processes[rank], self._commands[rank] = process, commands
+        self._supervisor.gone.discard(rank)
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Run one fit on all workers, fed from `data`; return rank 0's final state (model, optimizer, schedule).
@@ -242,38 +250,100 @@ class WorkerPool:
         return finals[0]
 
     def _replace(self, error: WorkerError, feeder: Feeder, until_epoch: int, on_report: Reporter) -> None:
-        """Replace the worker that failed first, and have every worker redo the round (recovery.py)."""
+        """Replace the worker that failed first, and have every worker redo the round (recovery.py).
+        A loss while they regroup (a member killed or stopped as the new group forms, the fresh
+        process among them) is one more: that process goes too, the generation is given up, and
+        the regroup starts again with the members still alive, each loss within max_replacements."""
         assert self._recovery is not None and self._ledgers is not None
-        self._recovery.admit(error)
-        lost = error.rank
-        self._abort.set()
-        feeder.pause()
-        if self._processes[lost].is_alive():
-            self._processes[lost].kill()
-        self._processes[lost].join(timeout=_JOIN_TIMEOUT_S)
-        others = set(range(len(self._processes))) - {lost}
-        recovering = f"recovering from worker {lost}'s failure"
-        parked = self._supervisor.gather("parked", others, self.config.stall_timeout_s, lambda m: self._pass_on(m, on_report), recovering, echoes=True)
-        source, seq, counters = newest(parked, error)
-        front = refeed(self._ledgers, seq, counters.epoch, feeder.sent, self.data_queues, self._free_slots)
-        self._generation += 1
-        self._board.write(lost, Phase.IDLE, counters.epoch, -1, 0)
-        self._take_rank(lost)
-        self._abort.clear()
-        for q in self._commands:
-            q.put(Regroup(self._generation, source, until_epoch))
-        feeder.resume(front)
-        self._supervisor.gather("ready", {lost}, _START_TIMEOUT_S, lambda m: self._pass_on(m, on_report), "starting")
-        on_report(ReplacementReport(counters, lost, error, counters.rounds + 1))
-        if self._recovery.left > 0:
+        parked: dict[int, tuple[int, Counters] | None] = {}  # since the last Regroup: the round each kept
+        starting: set[int] = set()  # ranks taken by fresh processes
+        ready: dict[int, None] = {}  # those that have said they are ready
+        lost: list[WorkerError] = []
+
+        def on_other(message: tuple[str, int, Any]) -> None:
+            kind, rank, payload = message
+            if kind == "ready" and rank in starting and payload[0] == self._processes[rank].pid:
+                ready[rank] = None
+            elif kind in ("done", "stopped"):  # a worker ended the fit: nothing is left to redo it with
+                raise _Ended
+            else:
+                self._pass_on(message, on_report)
+
+        while True:
+            self._recovery.admit(error)  # raises when no replacement is left, or on a poison batch
+            lost.append(error)
+            self._call_away()
+            feeder.pause()
+            if self._generation > 0:  # a group that lost a member as it formed: whoever waits for it parks again
+                abandon(self._store, self._generation)
+            self._put_down(error.rank)
+            parked.pop(error.rank, None)
+            starting.discard(error.rank)
+            ready.pop(error.rank, None)
+            others = set(range(len(self._processes))) - self._supervisor.gone
+            try:
+                recovering = f"recovering from worker {lost[0].rank}'s failure"
+                self._supervisor.gather("parked", others, self.config.stall_timeout_s, on_other, recovering, echoes=True, pid=True, got=parked)
+            except WorkerError as again:  # one more loss, while the others park
+                error = again
+                continue
+            except _Ended:
+                raise lost[0] from None
+            source, seq, counters = newest(parked, lost)
+            front = refeed(self._ledgers, seq, counters, feeder.take_back(), self.data_queues, self._free_slots)
+            self._generation += 1
+            for rank in sorted(self._supervisor.gone):
+                self._board.write(rank, Phase.IDLE, counters.epoch, -1, 0)
+                self._take_rank(rank)
+                starting.add(rank)
+            self._abort.clear()
+            for q in self._commands:
+                q.put(Regroup(self._generation, source, until_epoch))
+            parked = {}  # from here, a loss parks every member again
+            feeder.resume(front)
+            try:
+                self._supervisor.gather("ready", starting, _START_TIMEOUT_S, on_other, "starting", pid=True, got=ready)
+            except WorkerError as again:
+                error = again
+                continue
+            except _Ended:
+                raise lost[0] from None
+            break
+        for e in lost:
+            on_report(ReplacementReport(counters, e.rank, e, counters.rounds + 1))
+        if self._recovery.left > 0 and self._standby is None:
             self._standby = self._spawn(None)  # for the next one
+
+    def _call_away(self) -> None:
+        """A worker failed: every worker leaves its wait for a batch (the abort event), at once
+        (feed.CallAway, one for each worker that reads a queue; a full queue has no one waiting).
+        refeed drains what no one took."""
+        if self._abort.is_set():
+            return
+        self._abort.set()
+        readers = self._placement.world_size // len(self.data_queues)
+        for q in self.data_queues:
+            for _ in range(readers):
+                try:
+                    q.put_nowait(CallAway())
+                except queue.Full:
+                    break
+
+    def _put_down(self, rank: int) -> None:
+        """Kill the process of `rank` (a late SIGCONT finds nothing), and have the supervisor
+        pass it over until a fresh one takes the rank."""
+        process = self._processes[rank]
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=_JOIN_TIMEOUT_S)
+        self._supervisor.gone.add(rank)
 
     def _drain(self) -> None:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
         not find them, and their slots go back to the feeder."""
         for q in self.data_queues:
             for item in drain(q, settle=False):
-                if item is not None:
+                if isinstance(item, tuple):  # a batch, not an end of epoch
                     self._free_slots.put(item[1][0])
 
     def _stop_gracefully(self, on_report: Reporter) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..processes import exit_message, stopped
@@ -38,13 +39,20 @@ class ProgressBoard:
 class Supervisor:
     """Reads the workers' result queue; raises a WorkerError for an error, a death or a stall."""
 
-    def __init__(self, processes: list[Any], results: Any, board: ProgressBoard, stall_timeout_s: float, stages: int = 1) -> None:
+    def __init__(
+        self, processes: list[Any], results: Any, board: ProgressBoard, stall_timeout_s: float, stages: int = 1, on_failure: Callable[[], None] | None = None
+    ) -> None:
         """`stages`: each worker is a pipeline of that many processes, process p being stage
-        p % stages of worker p // stages (pipeline/); messages and the board are by process."""
+        p % stages of worker p // stages (pipeline/); messages and the board are by process.
+        `on_failure`: called when a failure is first seen, before the wait for its echoes (a
+        replacement calls every worker away from its wait for a batch, so that each speaks soon)."""
         self._processes, self._results, self._board, self._stall_s = processes, results, board, stall_timeout_s
+        self._on_failure = on_failure
         self._stages = stages
         self._held: list[tuple[str, int, Any]] = []  # read while waiting for errors, not yet returned
         self._stopped: dict[int, float] = {}  # process -> when it was first seen stopped by a signal
+        # Processes put down during a replacement and not replaced yet: dead, and already handled.
+        self.gone: set[int] = set()
 
     def next(self, stage: str) -> tuple[str, int, Any] | None:
         """The next message, or None after a short poll."""
@@ -68,7 +76,7 @@ class Supervisor:
 
     def _raise_if_dead(self, stage: str) -> None:
         for rank, p in enumerate(self._processes):
-            if p.exitcode is not None:
+            if p.exitcode is not None and rank not in self.gone:
                 # It may have sent an error just before exiting; that says more than the exit code.
                 raise self._root_cause(self._death(rank, stage)) from None
 
@@ -93,7 +101,7 @@ class Supervisor:
         now = time.monotonic()
         for rank in processes:
             pid = self._processes[rank].pid
-            if pid is None or not stopped(pid):
+            if pid is None or rank in self.gone or not stopped(pid):
                 self._stopped.pop(rank, None)
                 continue
             since = self._stopped.setdefault(rank, now)
@@ -114,7 +122,7 @@ class Supervisor:
         stuck = []
         for rank in range(len(self._processes)):
             phase, where, since = self._board.read(rank)
-            if phase in (Phase.WAITING, Phase.TRAINING) and now - since > self._stall_s:
+            if rank not in self.gone and phase in (Phase.WAITING, Phase.TRAINING) and now - since > self._stall_s:
                 # A worker stuck in its own step is the cause; the others then wait for it.
                 stuck.append((phase is not Phase.TRAINING, since, rank, phase, where))
         if not stuck:
@@ -134,6 +142,8 @@ class Supervisor:
         nothing, and its peers then report broken connections), then the root cause, with one line
         for each peer's echo of it, for the caller to raise (from None: the main process's own
         exceptions say nothing about the worker's)."""
+        if self._on_failure is not None:
+            self._on_failure()
         errors = {self._process(error): error}
         deadline = time.monotonic() + _ERROR_GRACE_S
         while time.monotonic() < deadline:
@@ -148,7 +158,7 @@ class Supervisor:
                 errors.setdefault(self._process(message[2]), message[2])
             else:
                 self._held.append(message)
-        killed = [r for r, p in enumerate(self._processes) if p.exitcode is not None and p.exitcode < 0]
+        killed = [r for r, p in enumerate(self._processes) if p.exitcode is not None and p.exitcode < 0 and r not in self.gone]
         root = next((r for r in killed if r not in errors), None)
         if root is not None:
             errors[root] = self._death(root, "training")
@@ -156,13 +166,18 @@ class Supervisor:
             root = self._process(min(errors.values(), key=lambda e: e.at))
         return errors[root].with_echoes({r: e.summary for r, e in errors.items()}, self._stages)
 
-    def gather(self, kind: str, ranks: set[int], timeout_s: float, on_other: Any, stage: str, echoes: bool = False) -> dict[int, Any]:
+    def gather(
+        self, kind: str, ranks: set[int], timeout_s: float, on_other: Any, stage: str, echoes: bool = False, pid: bool = False, got: dict[int, Any] | None = None
+    ) -> dict[int, Any]:
         """The payloads of a `kind` message from each of `ranks`, within `timeout_s`, while `stage`;
         other messages go to `on_other`. An error raises, unless `echoes` (peers' echoes of a
-        failure being handled: dropped); so do a death or a silence among `ranks`, naming the worker."""
-        got: dict[int, Any] = {}
+        failure being handled: dropped); so do a death or a silence among `ranks`, naming the worker.
+        With `pid`, a payload is (sender's pid, payload), and one from an earlier process of the
+        rank (put down since, its message read late) goes to `on_other`. `got`: the payloads had
+        already, which the gather adds to as they come, so that they outlive a raise."""
+        got = {} if got is None else got
         deadline = time.monotonic() + timeout_s
-        while len(got) < len(ranks):
+        while not ranks <= got.keys():
             try:
                 message = self._take()
             except queue.Empty:
@@ -174,8 +189,8 @@ class Supervisor:
                     missing = sorted(ranks - got.keys())
                     raise self._error(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}") from None  # the silence is the error, not the empty queue
                 continue
-            if message[0] == kind and message[1] in ranks:
-                got[message[1]] = message[2]
+            if message[0] == kind and message[1] in ranks and (not pid or message[2][0] == self._processes[message[1]].pid):
+                got[message[1]] = message[2][1] if pid else message[2]
             elif message[0] == "error" and not echoes:
                 raise self._root_cause(message[2]) from None
             elif message[0] != "error":
