@@ -8,7 +8,8 @@ last: the workers' start-up is left out, the faults are all in).
     python benchmarks/fault_soak.py [--workers 8] [--every 10] [--epochs 6] [--out benchmarks/results/fault_soak.json]
 
 Checked as it goes: every epoch's sample count is the data's (no batch lost or trained twice:
-the counters are the workers' sums), and no worker process is left after close().
+the counters are the workers' sums), and no worker process is left after close(); a check that
+fails ends the script with a message and exit status 1, after the results are written.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def mlp() -> nn.Module:
 class Injector(threading.Thread):
     """Every `every` seconds, one fault on a random training worker, the kinds in turn."""
 
-    def __init__(self, every: float, folder: Path) -> None:
+    def __init__(self, every: float, folder: Path, kinds: tuple[str, ...] = FAULTS) -> None:
         super().__init__(daemon=True)
-        self.every, self.folder, self.done = every, folder, threading.Event()
+        self.every, self.folder, self.kinds, self.done = every, folder, kinds, threading.Event()
         self.struck: list[tuple[float, str, int]] = []  # (seconds since start, fault, pid)
 
     def run(self) -> None:
@@ -62,7 +63,7 @@ class Injector(threading.Thread):
             if not workers:
                 continue
             victim = workers[torch.randint(len(workers), ()).item()]
-            fault = FAULTS[n % len(FAULTS)]
+            fault = self.kinds[n % len(self.kinds)]
             n += 1
             assert victim.pid is not None
             try:
@@ -85,11 +86,11 @@ def _continue(pid: int) -> None:
         pass
 
 
-def run(batches: list[Any], workers: int, epochs: int, every: float | None) -> dict[str, Any]:
+def run(batches: list[Any], workers: int, epochs: int, every: float | None, kinds: tuple[str, ...] = FAULTS) -> dict[str, Any]:
     scores: list[Score] = []
     with tempfile.TemporaryDirectory() as folder:
         os.environ["PW_SOAK_DIR"] = folder
-        injector = Injector(every, Path(folder)) if every else None
+        injector = Injector(every, Path(folder), kinds) if every else None
         builder = (
             ParallelWrapper.builder(mlp()).workers(workers).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
             .training_step(step).averaging_frequency(8).on_worker_failure("replace", max_replacements=1000).listeners(scores.append)
@@ -103,14 +104,14 @@ def run(batches: list[Any], workers: int, epochs: int, every: float | None) -> d
             if injector is not None:
                 injector.done.set()
         left = [p.name for p in multiprocessing.active_children() if p.name.startswith("parallelwrapper")]
-    per_epoch = sum(len(y) for _, y in batches)
+    per_epoch_ = per_epoch(batches)
     counts = [e.samples for e in history.epochs]
     first = next(s for s in scores if s.epoch >= 1)  # from the second epoch: the workers' start-up excluded
     return {
         "seconds": seconds,
         "samples_per_s": (scores[-1].samples - first.samples) / (scores[-1].seconds - first.seconds),
-        "epochs_right": counts == [per_epoch * (i + 1) for i in range(epochs)],
-        "epochs_wrong": [(i, c, per_epoch * (i + 1)) for i, c in enumerate(counts) if c != per_epoch * (i + 1)][:20],
+        "epochs_right": counts == [per_epoch_ * (i + 1) for i in range(epochs)],
+        "epochs_wrong": [(i, c, per_epoch_ * (i + 1)) for i, c in enumerate(counts) if c != per_epoch_ * (i + 1)][:20],
         "epoch_reports": len(counts),
         "samples": w.samples,
         "replacements": len(history.replacements),
@@ -124,23 +125,49 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--every", type=float, default=10.0, help="seconds between faults")
     parser.add_argument("--epochs", type=int, default=6, help="epochs of MNIST (batches of 128); choose them to last minutes")
+    parser.add_argument("--faults", default=",".join(FAULTS), help=f"the kinds struck in turn, of {', '.join(FAULTS)} (to time each alone)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/fault_soak.json")
     args = parser.parse_args()
     batches = mnist_batches(args.data_dir)
     free = run(batches, args.workers, args.epochs, None)
     print(f"fault-free: {free['seconds']:.1f} s, {free['samples_per_s']:.0f} samples/s", flush=True)
-    faulted = run(batches, args.workers, args.epochs, args.every)
+    kinds = tuple(args.faults.split(","))
+    if not set(kinds) <= set(FAULTS):
+        parser.error(f"--faults {args.faults}: each kind must be one of {', '.join(FAULTS)}")
+    faulted = run(batches, args.workers, args.epochs, args.every, kinds)
     kept = faulted["samples_per_s"] / free["samples_per_s"]
-    kinds = {k: sum(f[1] == k for f in faulted["faults"]) for k in FAULTS}
+    struck = {k: sum(f[1] == k for f in faulted["faults"]) for k in kinds}
     print(table(
         ["run", "seconds", "samples/s", "kept", "faults", "replacements", "epochs' samples right", "processes left"],
         [["fault-free", f"{free['seconds']:.1f}", f"{free['samples_per_s']:.0f}", "1", "0", free["replacements"], free["epochs_right"], len(free["left_processes"])],
-         [f"a fault every {args.every:g} s", f"{faulted['seconds']:.1f}", f"{faulted['samples_per_s']:.0f}", f"{kept:.3f}", f"{len(faulted['faults'])} {kinds}",
+         [f"a fault every {args.every:g} s", f"{faulted['seconds']:.1f}", f"{faulted['samples_per_s']:.0f}", f"{kept:.3f}", f"{len(faulted['faults'])} {struck}",
           faulted["replacements"], faulted["epochs_right"], len(faulted["left_processes"])]],
     ))  # fmt: skip
     write_results(args.out, {"machine": machine(), "workers": args.workers, "every_s": args.every, "epochs": args.epochs,
-                             "fault_free": free, "faulted": faulted, "kept": kept})  # fmt: skip
+                             "faults": kinds, "fault_free": free, "faulted": faulted, "kept": kept})  # fmt: skip
+    wrong = [f"{name}: {problem}" for name, run_ in (("fault-free", free), ("faulted", faulted)) for problem in failures(run_, per_epoch(batches), args.epochs)]
+    if wrong:
+        raise SystemExit(f"fault soak failed its checks ({args.out} has the runs): " + "; ".join(wrong))
+
+
+def per_epoch(batches: list[Any]) -> int:
+    return sum(len(y) for _, y in batches)
+
+
+def failures(result: dict[str, Any], samples: int, epochs: int) -> list[str]:
+    """What a run got wrong: an epoch whose samples are not the data's, a total that is not every
+    epoch's, a process left behind."""
+    wrong = []
+    if not result["epochs_right"]:
+        wrong.append(f"epochs whose cumulative samples are not the data's (epoch, got, expected): {result['epochs_wrong']}")
+    if result["epoch_reports"] != epochs:
+        wrong.append(f"{result['epoch_reports']} epoch ends reported of {epochs}")
+    if result["samples"] != samples * epochs:
+        wrong.append(f"{result['samples']} samples trained in all, not {samples * epochs}")
+    if result["left_processes"]:
+        wrong.append(f"processes left after close(): {result['left_processes']}")
+    return wrong
 
 
 if __name__ == "__main__":
