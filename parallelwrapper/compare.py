@@ -8,14 +8,13 @@ every k local steps (local SGD; Lin et al., 2020, "Don't Use Large Mini-Batches,
 The test set is evaluated at the same sample counts in every run, so the curves line up. With
 an outer optimizer in the base options (DiLoCo, Douillard et al., 2023; SlowMo, Wang et al., 2020)
 each k also runs with it ("outer k=..."), beside plain averaging. A frequency "auto" races the
-autopilot (`.averaging_frequency("auto")`), first-come since it steers by measured times, and
-plots the k it chose over the run.
+autopilot (first-come: it steers by measured times).
 
     results = compare(CompareOptions(RunOptions(data_dir=Path("../shared/data/mnist")), out=Path("runs/compare")))
 
 writes `compare.csv` (one row per run and evaluation point), `compare.md` (one row per run) and
-`compare.png` (test accuracy against samples and against seconds, one line per run; with "auto",
-a third panel: the k of each round of the auto run).
+`compare.png` (test accuracy against samples and against seconds, one line per run; the
+autopilot's k round by round).
 
 Seconds count training only: the workers are started before the clock runs (by a warm-up fit
 of one batch per worker, whose effect is then undone) and evaluations are left out.
@@ -26,6 +25,7 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -164,22 +164,13 @@ def _start_workers(wrapper: ParallelWrapper, batches: list[Batch]) -> None:
         o.load_state_dict(state)
 
 
-def run_one(
-    spec: RunSpec,
-    options: CompareOptions,
-    pieces: Sequence[list[Batch]],
-    test: list[Batch],
-    echo: Callable[[str], None] | None = None,
-) -> RunResult:
+def run_one(spec: RunSpec, options: CompareOptions, pieces: Sequence[list[Batch]], test: list[Batch], echo: Callable[[str], None] | None = None) -> RunResult:
     """Train one configuration over `pieces`, evaluating before the first and after each."""
     run_options = spec.options(options.base)
-    costs: dict[str, Communication] = {}  # by payload: the autopilot's rounds change it
 
-    def cost_of(payload: str) -> Communication:
-        if payload not in costs:
-            fixed = run_options if spec.averaging_frequency != "auto" else dataclasses.replace(run_options, averaging_frequency=1)
-            costs[payload] = estimated_communication(dataclasses.replace(fixed, payload_dtype=payload))
-        return costs[payload]
+    @functools.cache
+    def cost_of(payload: str) -> Communication:  # by payload: the autopilot's rounds change it
+        return estimated_communication(dataclasses.replace(run_options, payload_dtype=payload))
 
     cost = cost_of(run_options.payload_dtype)
     model = initial_model(run_options)  # the same initial weights in every run
@@ -296,10 +287,8 @@ def markdown(results: Sequence[RunResult], options: CompareOptions, wall_seconds
         f, hit = r.final, r.first_reaching(target)
         rate = f.samples / f.seconds if f.seconds > 0 else math.nan
         reached = (f"{hit.samples:,}", f"{hit.seconds:.1f}") if hit else ("not reached", "not reached")
-        lines.append(
-            f"| {r.spec.label} | {f.test_accuracy:.4f} | {f.test_loss:.4f} | {f.seconds:.1f} | {rate:,.0f} "
-            f"| {reached[0]} | {reached[1]} | {f.collectives:,} | {f.bytes_per_worker / 1e6:,.1f} | {f.exchange_share:.1%} |"
-        )
+        cells = (f"{f.test_accuracy:.4f}", f"{f.test_loss:.4f}", f"{f.seconds:.1f}", f"{rate:,.0f}", *reached, f"{f.collectives:,}", f"{f.bytes_per_worker / 1e6:,.1f}", f"{f.exchange_share:.1%}")
+        lines.append(f"| {r.spec.label} | {' | '.join(cells)} |")
     training = sum(r.final.seconds for r in results)
     evaluations = sum(len(r.points) for r in results)
     lines.append(
@@ -396,9 +385,7 @@ def figure(results: Sequence[RunResult], options: CompareOptions) -> Figure:
     for r in auto:  # the autopilot's k, round by round
         axes[2].step([n for n, _ in r.ks], [k for _, k in r.ks], where="post", color=_style(r.spec, ks)["color"], label=r.spec.label)
         axes[2].set_yscale("log", base=2)
-        axes[2].set_xlabel("training samples seen (all workers)")
-        axes[2].set_ylabel("k of each round")
-        axes[2].set_title("the autopilot's k")
+        axes[2].set(xlabel="training samples seen (all workers)", ylabel="k of each round", title="the autopilot's k")
         axes[2].grid(True, alpha=0.3)
     fig.suptitle(describe_setup(options, results), fontsize=11)
     return fig
