@@ -42,27 +42,15 @@ from .slots import SlotReader, SlotWriter
 from .types import END, EndOfEpoch
 
 Batches = Iterable[Any] | Callable[[], Iterable[Any]]
+
+
+@dataclass(frozen=True)
 class EndMark:
     """What ends a worker's epoch `epoch` in a queue (one per worker); batches travel as (index,
     batch). It names its epoch, so that a replacement can tell which epoch's ends a queue holds
     (recovery.refeed)."""
 
-    __slots__ = ("epoch",)
-
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return EndMark, (self.epoch,)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, EndMark) and other.epoch == self.epoch
-
-    def __hash__(self) -> int:
-        return hash(("EndMark", self.epoch))
-
-    def __repr__(self) -> str:
-        return f"EndMark({self.epoch})"
+    epoch: int
 
 
 END_SLOT = -1  # a ledger's slot for an end of epoch (hosts/ledger.py)
