@@ -126,12 +126,11 @@ def check_epoch_length(count: int, skip: int, epoch: int) -> None:
 class Unput:
     """What a paused feeder has put (Feeder.take_back): `sent`, each slot's last batch as (epoch,
     queue, (index, packed)); `ends`, the ends of epochs it has put, by (queue, epoch); `current`,
-    the (queue, item) it is putting, and `front`, the (queue, item) pairs it had yet to put first."""
+    the (queue, item) it puts next, after any front it is given."""
 
     sent: dict[int, tuple[int, int, Any]]
     ends: collections.Counter[tuple[int, int]]
     current: tuple[int, Any] | None
-    front: list[tuple[Any, Any]]
 
 
 class Feeder:
@@ -178,14 +177,13 @@ class Feeder:
             self._paused = True
 
     def take_back(self) -> Unput:
-        """While paused: what the feeder has put so far, and the front it has not put yet, taken
-        back (recovery.refeed puts it in again, after what the queues hold: a second loss soon
-        after a replacement finds the first one's lost round still partly here)."""
+        """While paused: what the feeder has put so far; the front it had yet to put is dropped
+        (recovery.refeed puts everything again from this: a second loss soon after a replacement
+        finds the first one's lost round still partly there)."""
         with self._lock:
             assert self._paused, "take_back while the feeder runs"
-            front = list(self._front)
             self._front.clear()
-            return Unput(dict(self.sent), collections.Counter(self.ends), self._current, front)
+            return Unput(dict(self.sent), collections.Counter(self.ends), self._current)
 
     def resume(self, front: Sequence[tuple[Any, Any]] = ()) -> None:
         """Carry on, putting `front`'s (queue, item) pairs first, in their order."""

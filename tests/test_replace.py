@@ -86,7 +86,8 @@ class RegroupFaults:
     unpickles the job (a fresh process too): at generation g, the member whose process name ends
     with a given word ("worker-0"; a standby taken for a rank keeps "standby") kills itself
     before it comes ("before": the others wait for it) or once the group has formed, before the
-    kept state is sent ("formed": the others' broadcast breaks). `spec`: "1:worker-0:before,2:standby:formed"."""
+    kept state is sent ("formed": the others' broadcast breaks). `spec`: "1:worker-0:before,2:standby:formed".
+    And "end0:worker-0:report": it kills itself as it reports epoch 0's end, before the report leaves."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
@@ -125,8 +126,17 @@ def _arm(faults: dict[str, tuple[str, str]]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         broadcast(*args, **kwargs)
 
-    striking_assemble.striking = True  # type: ignore[attr-defined]
+    striking_assemble.striking = True
     process.assemble, dist.broadcast_object_list = striking_assemble, striking_broadcast
+    reports = process._Reports.__call__
+
+    def striking_report(self: Any, report: Any) -> None:
+        name, _ = faults.get(f"end{getattr(report, 'complete', None) and report.epoch}", ("", ""))
+        if name and multiprocessing.current_process().name.endswith(name) and _first(f"end-{report.epoch}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        reports(self, report)
+
+    process._Reports.__call__ = striking_report  # type: ignore[method-assign]
 
 
 def _first(name: str) -> bool:
@@ -268,6 +278,15 @@ def test_a_member_lost_while_the_new_group_forms_is_replaced_too_and_every_batch
     assert len(history.replacements) == 3
     assert history.scores[-1].iteration == BATCHES
     assert counts(model, 3) == [1] * BATCHES  # not one batch lost or counted twice
+
+
+def test_an_epochs_end_that_rank_0_took_with_it_is_reported_from_another_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 0 lands epoch 0's last round and is killed as it reports its end: the others, in
+    # epoch 1 already, redo its first round, and epoch 0 is not redone. Its end comes from worker 1.
+    model, history, heard = train(tmp_path, monkeypatch, training_step=RegroupFaults("end0:worker-0:report"))
+    assert [(rank, reason.batch) for rank, reason, _ in heard.replaced] == [(0, None)]
+    assert [(e.epoch, e.samples) for e in history.epochs] == [(0, BATCHES * SIZE), (1, 2 * BATCHES * SIZE)]
+    assert counts(model, 2) == [2] * BATCHES
 
 
 def test_a_poison_batch_raises_naming_it_after_two_workers_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -419,6 +438,25 @@ def test_a_batch_taken_by_a_worker_killed_before_its_ledger_recorded_it_is_fed_a
 
 
 @pytest.mark.fast
+def test_a_worker_killed_in_the_middle_of_a_take_leaves_a_queue_that_reads_again_after_a_refeed() -> None:
+    """A soak of SIGSTOPs ended in EOFError at the refeed's read of the queue: a worker stopped,
+    then killed, after it had read a message's length and not its bytes (holding the queue's read
+    lock). The refeed reads the pipe's bytes off as they are, and feeds everything again."""
+    fed = _FedQueue()
+    try:
+        assert fed.take() == 0
+        deadline = time.monotonic() + 10
+        while fed.q.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fed.q._rlock.acquire()  # the worker's get, up to its death: the lock, and the length
+        os.read(fed.q._reader.fileno(), 4)
+        fed.lose(full=False)
+        assert fed.rest() == [0, 1, 2, 3, 4, 5, EndMark(0)]
+    finally:
+        fed.close()
+
+
+@pytest.mark.fast
 def test_a_worker_waiting_for_a_batch_is_called_away_at_once_and_refeed_drops_the_marks_no_one_took() -> None:
     """A failure puts a CallAway in the queue for each worker that reads it: one waiting for a
     batch leaves at once (Aborted, its ledger untouched), not at its next look at the abort event
@@ -438,7 +476,7 @@ def test_a_worker_waiting_for_a_batch_is_called_away_at_once_and_refeed_drops_th
         with pytest.raises(Aborted, match="called away from its wait for a batch"):
             source.next_batch()
         assert time.monotonic() - start < 0.5 and ledger.entries() == []
-        unput = Unput({}, collections.Counter(), None, [])
+        unput = Unput({}, collections.Counter(), None)
         assert refeed([ledger], 1, Counters(), unput, [q], free) == []  # the second mark: drained, not fed
     finally:
         reader.close()

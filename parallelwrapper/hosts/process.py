@@ -139,7 +139,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
         ledger = None if c.ledgers is None else c.ledgers[rank]
         source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), c.abort, ledger)
         keeper = hooks.keeper = None if ledger is None else Keeper(worker, source, ledger)
-        report = _Reports(c.results, rank) if rank == 0 else _ignore
+        report = _Reports(c.results, rank) if rank == 0 else _ignore if keeper is None else _EpochEnds(c.results, rank)
         c.results.put(("ready", rank, (os.getpid(), None)))  # (pid, nothing), as a park's
         while True:
             command: FitCommand | Regroup | None = _get(c.commands)
@@ -204,6 +204,19 @@ def _unpickle_job(payload: torch.Tensor) -> Job:
 
 def _ignore(report: Report) -> None:
     """Only rank 0 reports: every worker holds the same totals."""
+
+
+class _EpochEnds:
+    """A replaceable worker other than rank 0 sends its epochs' ends too (the main process passes
+    on the first of each): rank 0 lost after an epoch's last round landed, before its report left,
+    would take the epoch's end with it, and the epoch is not redone."""
+
+    def __init__(self, results: Any, rank: int) -> None:
+        self._results, self._rank = results, rank
+
+    def __call__(self, report: Report) -> None:
+        if isinstance(report, EpochReport):
+            self._results.put(("reports", self._rank, [report]))
 
 
 class _Reports:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,13 +32,14 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
-from ..feed import END_SLOT, CallAway, EndMark, QueueSource, Unput, drain
+from ..feed import END_SLOT, EndMark, QueueSource, Unput
 from ..types import Counters, FitCommand, WorkerError
 from .ledger import Ledger, split
 from .runtime import Kept, Worker, one_traceback, summary
 
 FORM_S = 5.0  # the most a regroup's members wait for each other's gloo addresses once all have come (8 form in 0.02 s)
 _GO, _GIVEN_UP = "go", "given up"
+_SETTLE_S = 0.05  # a queue emptied by refeed: nothing more has come for this long
 
 
 @dataclass(frozen=True)
@@ -184,48 +186,60 @@ def newest(parked: dict[int, tuple[int, Counters] | None], lost: Sequence[Worker
 def refeed(ledgers: Sequence[Ledger], seq: int, counters: Counters, unput: Unput, queues: Sequence[Any], free_slots: Any) -> list[tuple[Any, Any]]:
     """Empty the queues (the feed is paused, every worker parked or dead) and return what goes
     back into them for a redo of round `seq`, which starts at batch `counters.position` of epoch
-    `counters.epoch`, in order, queue by queue:
-    - every batch the feeder put there from that one on that no queue holds any more (by epoch and
-      batch number), whoever took it: a worker killed between its take and its ledger's record of
-      it (or while its ledger was rewritten) took one that no ledger names;
-    - as many ends of that epoch as were taken;
-    - what the queue held, then what the feeder had still to put of a previous refeed (a loss
-      soon after a replacement).
-    That is the order the feeder put them in, so each epoch's batches come before its ends, and
-    every worker's epoch holds every one of its batches. The ledgers say which slots hold landed
-    batches: those go back to the feeder, and every ledger is cleared."""
+    `counters.epoch`: everything the feeder put from that batch on, from what it put (`unput`),
+    not from what the workers took or the queues held. Queue by queue, epoch by epoch, the
+    batches (by batch number), then the epoch's ends, which is the order the feeder put them in.
+    - A worker killed between its take and its ledger's record of it took a batch no ledger names.
+    - One killed in the middle of a take may have left a message's bytes in the pipe without its
+      length, after which the queue no longer reads (`_discard`).
+    - A previous refeed's batches that the feeder had still to put are among them, in their place.
+    The feeder's next item (`unput.current`) it puts itself, after these. The ledgers say which
+    slots hold landed batches: those go back to the feeder, and every ledger is cleared."""
     for ledger in ledgers:
         _, free = split(ledger.entries(), seq, counters.epoch)
         ledger.clear()
         for slot in free:
             free_slots.put(slot)
+    for q in queues:
+        _discard(q)
     first = (counters.epoch, counters.position)
-    held = [[item for item in _drain(q) if not isinstance(item, CallAway)] for q in queues]
-    pending: list[list[Any]] = [[item for target, item in unput.front if target is q] for q in queues]
     front: list[tuple[Any, Any]] = []
     for q, queue_ in enumerate(queues):
-        there = held[q] + pending[q]
-        # Still on their way to a worker: those, and the item the feeder puts next (after the front).
-        coming = there + ([unput.current[1]] if unput.current is not None and unput.current[0] == q else [])
-        placed = {item[1][0] for item in coming if isinstance(item, tuple)}
-        ends = unput.ends[q, counters.epoch] - sum(1 for item in coming if item == EndMark(counters.epoch))
-        again = sorted(
+        current = unput.current[1] if unput.current is not None and unput.current[0] == q else None
+        put_next = current[1][0] if isinstance(current, tuple) else None  # its slot
+        batches = sorted(
             (epoch, item[0], item)
             for slot, (epoch, target, item) in unput.sent.items()
-            if target == q and (epoch, item[0]) >= first and slot not in placed
+            if target == q and (epoch, item[0]) >= first and slot != put_next
         )  # fmt: skip
-        front += [(queue_, item) for epoch, _, item in again if epoch == counters.epoch]
-        front += [(queue_, EndMark(counters.epoch))] * ends
-        front += [(queue_, item) for epoch, _, item in again if epoch > counters.epoch]
-        front += [(queue_, item) for item in there]
+        # No worker can have taken an end of a later epoch: none has landed this epoch's last round.
+        epochs = sorted({epoch for epoch, _, _ in batches} | {epoch for target, epoch in unput.ends if target == q and epoch >= counters.epoch})
+        for epoch in epochs:
+            front += [(queue_, item) for e, _, item in batches if e == epoch]
+            front += [(queue_, EndMark(epoch))] * (unput.ends[q, epoch] - (current == EndMark(epoch)))
     return front
 
 
-def _drain(q: Any) -> list[Any]:
-    """Every item in `q`. A worker killed while waiting on it held its read lock (a semaphore of
-    multiprocessing's Queue, which no one else would release): with every worker parked or dead,
-    a lock held is a dead worker's."""
-    lock = q._rlock  # multiprocessing.Queue keeps no public handle on it
+def _discard(q: Any) -> None:
+    """Empty `q` (a multiprocessing Queue) without reading its items: a worker killed in the middle
+    of a get may have read a message's length and not its bytes (a SIGSTOP, then the kill: the
+    next get raised EOFError), so its bytes are read off the pipe as they are, until none has come
+    for a while (what the feeder put just before its pause may still be flushing), and its count
+    of items goes back to none. Its read lock, held by a worker killed while it waited, is
+    released: with every worker parked or dead, a lock held is a dead worker's. (multiprocessing
+    keeps no public handle on the lock, the pipe or the count.)"""
+    lock = q._rlock
     lock.acquire(False)  # free: now ours; held: by a dead worker. Released either way.
     lock.release()
-    return drain(q, settle=True)  # what the feeder put just before its pause may still be flushing
+    while q._buffer:  # the queue's own thread has yet to write these into the pipe
+        time.sleep(0.001)
+    reader, quiet = q._reader, time.monotonic()
+    while time.monotonic() - quiet < _SETTLE_S:
+        if reader.poll(_SETTLE_S / 5):
+            os.read(reader.fileno(), 1 << 16)
+            quiet = time.monotonic()
+    while True:  # every item put took one from the count; a get gives it back
+        try:
+            q._sem.release()
+        except ValueError:  # back to the queue's size: empty
+            return

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import os
-import pickle
 import queue
 import time
 from typing import Any
@@ -28,7 +26,8 @@ from ..feed import Batches, CallAway, Feeder, drain, shardable, shards_of
 from ..pipeline import joined_state
 from ..processes import worker_context
 from ..slots import SlotWriter
-from ..types import Counters, FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
+from ..types import Counters, EpochReport, FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
+from .jobs import shared_pickle as _shared_pickle
 from .ledger import Ledger
 from .process import Channels, worker_entry
 from .recovery import Recovery, Regroup, abandon, newest, refeed
@@ -41,60 +40,6 @@ _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round a
 
 class _Ended(Exception):
     """A worker ended the fit while another was being replaced."""
-
-
-def _shared_pickle(job: Job) -> torch.Tensor:
-    """The job's pickle, as bytes in shared memory (process.py unpickles it): the model's
-    structure, not its weights. Every worker loads the fit's starting state (or a kept round's)
-    into the model before it trains, so the tensors of its state dict go as blanks of their shape;
-    a copy of the weights here would be one more model's size in the main process, twice over
-    while pickle builds its bytes."""
-    buffer = io.BytesIO()
-    _StructurePickler(buffer, job.model).dump(job)
-    data = buffer.getbuffer()
-    out: torch.Tensor = torch.empty(len(data), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
-    out.numpy().data[:] = data
-    return out
-
-
-class _StructurePickler(pickle.Pickler):
-    """Pickles the tensors of `model`'s state dict (the objects themselves: a view kept
-    elsewhere goes by value, as plain pickle sends it) as uninitialised tensors of the same shape, strides,
-    dtype and device; a Parameter keeps its class, requires_grad and attributes."""
-
-    def __init__(self, file: io.BytesIO, model: torch.nn.Module) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._blank = {id(t) for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor) and _blankable(t)}
-
-    def reducer_override(self, obj: Any) -> Any:
-        if id(obj) not in self._blank:
-            return NotImplemented
-        spec = (tuple(obj.size()), obj.stride(), obj.dtype, str(obj.device), obj.requires_grad)
-        if type(obj) is torch.nn.Parameter:
-            rebuild, args = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[no-untyped-call]
-            return rebuild, (_Blank(spec), *args[1:])  # (data, requires_grad, hooks[, state])
-        return _blank_tensor, spec
-
-
-def _blankable(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided and not t.is_quantized
-
-
-def _blank_tensor(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: str, requires_grad: bool) -> torch.Tensor:
-    """Uninitialised, not zeros: the worker loads a state into every one of these before it reads
-    any, and the pages of a layer it never keeps (a pipeline stage's process drops the others'
-    layers) are never touched, so they take no memory."""
-    return torch.empty_strided(size, stride, dtype=dtype, device=device).requires_grad_(requires_grad)
-
-
-class _Blank:
-    """A Parameter's data, pickled as `_blank_tensor(*spec)`."""
-
-    def __init__(self, spec: tuple[Any, ...]) -> None:
-        self.spec = spec
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _blank_tensor, self.spec
 
 
 class WorkerPool:
@@ -134,6 +79,8 @@ class WorkerPool:
         self._ledgers = [Ledger(ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)] if replaces else None
         self._recovery = Recovery(config.max_replacements) if replaces else None
         self._generation = 0
+        self._spare_ends: dict[int, EpochReport] = {}  # epoch -> its end, from a worker other than rank 0
+        self._ended: set[int] = set()  # this fit's epochs whose end was passed on
         self._fits = 0  # fits read in shards, each claiming from a key of its own
         self._results = ctx.Queue()
         self._stop = ctx.Event()
@@ -202,6 +149,8 @@ class WorkerPool:
         With on_worker_failure("replace"), a worker's failure replaces it (recovery.py).
         """
         self._stop.clear()
+        self._spare_ends.clear()
+        self._ended.clear()
         c, until_epoch = command.counters, command.until_epoch
         feeder = None
         if shardable(data, self.config.feed, self._recovery is not None):
@@ -309,6 +258,9 @@ class WorkerPool:
             except _Ended:
                 raise lost[0] from None
             break
+        for epoch in sorted(e for e in self._spare_ends if e < counters.epoch):  # ended, and rank 0's report of it lost with it
+            self._ended.add(epoch)
+            on_report(self._spare_ends.pop(epoch))
         for e in lost:
             on_report(ReplacementReport(counters, e.rank, e, counters.rounds + 1))
         if self._recovery.left > 0 and self._standby is None:
@@ -361,12 +313,20 @@ class WorkerPool:
         message = self._supervisor.next(stage)
         return None if message is None else self._pass_on(message, on_report)
 
-    @staticmethod
-    def _pass_on(message: tuple[str, int, Any], on_report: Reporter) -> tuple[str, int, Any] | None:
-        """A batch of reports goes to `on_report` (None); any other message comes back."""
+    def _pass_on(self, message: tuple[str, int, Any], on_report: Reporter) -> tuple[str, int, Any] | None:
+        """A batch of reports goes to `on_report` (None); any other message comes back. Rank 0
+        reports; every other replaceable worker sends its epochs' ends too (process._EpochEnds),
+        kept aside until rank 0's comes, or until rank 0 is replaced without sending it (`_replace`)."""
         if message[0] != "reports":
             return message
         for report in message[2]:
+            if isinstance(report, EpochReport) and (message[1] != 0 or report.epoch in self._ended):
+                if report.epoch not in self._ended:
+                    self._spare_ends.setdefault(report.epoch, report)
+                continue
+            if isinstance(report, EpochReport):
+                self._spare_ends.pop(report.epoch, None)
+                self._ended.add(report.epoch)
             on_report(report)
         return None
 
