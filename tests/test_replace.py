@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -218,7 +219,7 @@ def test_a_worker_stopped_by_sigstop_is_lost_after_a_bounded_wait_and_replaced(
     assert time.monotonic() - start < 45
     [(rank, reason, lost_round)] = heard.replaced
     assert (rank, lost_round, reason.batch) == (1, 2, 5)
-    assert "stopped by a signal (SIGSTOP) for 2 s" in reason.summary
+    assert re.search(r"stopped by a signal \(SIGSTOP\) for 0\.\d s.*send SIGCONT within 0\.5 s", reason.summary)
     assert counts(model, 2) == [2] * BATCHES
     assert_same_model(model, fault_free)
 

@@ -13,7 +13,8 @@ from ..processes import exit_message, stopped
 from ..types import Phase, Where, WorkerError
 
 _POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment
-STOPPED_S = 2.0  # a worker stopped by a signal this long is lost: its peers wait on it, and it cannot answer
+STOPPED_S = 0.5  # a worker stopped by a signal this long is lost: its peers wait on it, and it cannot answer
+_SEEN_GAP_S = 1.0  # two sightings of a stopped worker further apart start the count again (the main process was stopped too)
 _ERROR_GRACE_S = 2.0  # after a first error, the most to wait for the one that caused it (a killed worker's exit is seen late on a loaded machine)
 
 
@@ -50,7 +51,7 @@ class Supervisor:
         self._on_failure = on_failure
         self._stages = stages
         self._held: list[tuple[str, int, Any]] = []  # read while waiting for errors, not yet returned
-        self._stopped: dict[int, float] = {}  # process -> when it was first seen stopped by a signal
+        self._stopped: dict[int, tuple[float, float]] = {}  # process -> when it was first and last seen stopped by a signal
         # Processes put down during a replacement and not replaced yet: dead, and already handled.
         self.gone: set[int] = set()
 
@@ -97,20 +98,25 @@ class Supervisor:
 
     def _raise_if_stopped(self, processes: Any) -> None:
         """A worker process stopped by a signal (SIGSTOP) for STOPPED_S: lost, as if killed, so
-        that a replacement takes its rank (it is killed then: a late SIGCONT finds nothing)."""
+        that a replacement takes its rank (it is killed then: a late SIGCONT finds nothing). The
+        whole fleet waits on it meanwhile, so the wait is short. Sightings further apart than
+        _SEEN_GAP_S count from the later: the main process, stopped with the whole job (Ctrl-Z),
+        may look again before its workers have their SIGCONT."""
         now = time.monotonic()
         for rank in processes:
             pid = self._processes[rank].pid
             if pid is None or rank in self.gone or not stopped(pid):
                 self._stopped.pop(rank, None)
                 continue
-            since = self._stopped.setdefault(rank, now)
+            since, last = self._stopped.get(rank, (now, now))
+            since = now if now - last > _SEEN_GAP_S else since
+            self._stopped[rank] = (since, now)
             if now - since >= STOPPED_S:
                 del self._stopped[rank]
                 phase, where, _ = self._board.read(rank)
                 raise self._error(
                     rank,
-                    f"the process was stopped by a signal (SIGSTOP) for {now - since:.0f} s, while its peers waited on it: "
+                    f"the process was stopped by a signal (SIGSTOP) for {now - since:.1f} s, while its peers waited on it: "
                     f"taken as lost (send SIGCONT within {STOPPED_S:g} s, or use .on_worker_failure('replace') to go on without it)",
                     where if phase is Phase.TRAINING else None,
                 ) from None
