@@ -3,9 +3,11 @@
 `--every` seconds, in turn with SIGKILL, SIGSTOP for 5 s (then SIGCONT), and an error raised in
 its training step. The same fit without faults runs first; the figure is the share of its
 samples/s kept under faults, over the same epochs (from the second epoch's first score to the
-last: the workers' start-up is left out, the faults are all in).
+last: the workers' start-up is left out, the faults are all in). This shared machine's pace
+drifts by several percent between runs minutes apart, so each run's samples/s are also given
+against its own pace (the median of its seconds), and each fault's cost in seconds of it.
 
-    python benchmarks/fault_soak.py [--workers 8] [--every 10] [--epochs 6] [--out benchmarks/results/fault_soak.json]
+    python benchmarks/fault_soak.py [--workers 8] [--every 10] [--epochs 6] [--faults SIGKILL,raise] [--out benchmarks/results/fault_soak.json]
 
 Checked as it goes: every epoch's sample count is the data's (no batch lost or trained twice:
 the counters are the workers' sums), and no worker process is left after close(); a check that
@@ -15,9 +17,12 @@ fails ends the script with a message and exit status 1, after the results are wr
 from __future__ import annotations
 
 import argparse
+import bisect
+import math
 import multiprocessing
 import os
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -110,6 +115,7 @@ def run(batches: list[Any], workers: int, epochs: int, every: float | None, kind
     return {
         "seconds": seconds,
         "samples_per_s": (scores[-1].samples - first.samples) / (scores[-1].seconds - first.seconds),
+        "pace": pace([(s.seconds, s.samples) for s in scores if s.epoch >= 1]),
         "epochs_right": counts == [per_epoch_ * (i + 1) for i in range(epochs)],
         "epochs_wrong": [(i, c, per_epoch_ * (i + 1)) for i, c in enumerate(counts) if c != per_epoch_ * (i + 1)][:20],
         "epoch_reports": len(counts),
@@ -118,6 +124,22 @@ def run(batches: list[Any], workers: int, epochs: int, every: float | None, kind
         "faults": [] if injector is None else injector.struck,
         "left_processes": left,
     }
+
+
+def pace(points: list[tuple[float, int]]) -> float:
+    """The run's own undisturbed samples/s: the median over its whole seconds of the samples
+    trained in each (interpolated between scores). A fault every 10 s touches one second in ten:
+    the median is a second without one. Against it, a run's samples/s say what its faults cost,
+    whatever the machine's pace was that day (the fault-free run's came minutes before)."""
+    times = [t for t, _ in points]
+
+    def at(t: float) -> float:
+        i = min(max(bisect.bisect_right(times, t), 1), len(points) - 1)
+        (t1, s1), (t2, s2) = points[i - 1], points[i]
+        return s1 + (s2 - s1) * (t - t1) / (t2 - t1) if t2 > t1 else s1
+
+    per_second = [at(t + 1) - at(t) for t in range(math.ceil(times[0]), math.floor(times[-1]))]
+    return statistics.median(per_second) if per_second else float("nan")
 
 
 def main() -> None:
@@ -137,15 +159,19 @@ def main() -> None:
         parser.error(f"--faults {args.faults}: each kind must be one of {', '.join(FAULTS)}")
     faulted = run(batches, args.workers, args.epochs, args.every, kinds)
     kept = faulted["samples_per_s"] / free["samples_per_s"]
+    per_fault = faulted["seconds"] * (1 - faulted["samples_per_s"] / faulted["pace"]) / max(1, len(faulted["faults"]))
     struck = {k: sum(f[1] == k for f in faulted["faults"]) for k in kinds}
     print(table(
-        ["run", "seconds", "samples/s", "kept", "faults", "replacements", "epochs' samples right", "processes left"],
-        [["fault-free", f"{free['seconds']:.1f}", f"{free['samples_per_s']:.0f}", "1", "0", free["replacements"], free["epochs_right"], len(free["left_processes"])],
-         [f"a fault every {args.every:g} s", f"{faulted['seconds']:.1f}", f"{faulted['samples_per_s']:.0f}", f"{kept:.3f}", f"{len(faulted['faults'])} {struck}",
-          faulted["replacements"], faulted["epochs_right"], len(faulted["left_processes"])]],
+        ["run", "seconds", "samples/s", "kept", "kept of its own pace", "faults", "replacements", "epochs' samples right", "processes left"],
+        [["fault-free", f"{free['seconds']:.1f}", f"{free['samples_per_s']:.0f}", "1", f"{free['samples_per_s'] / free['pace']:.3f}", "0",
+          free["replacements"], free["epochs_right"], len(free["left_processes"])],
+         [f"a fault every {args.every:g} s", f"{faulted['seconds']:.1f}", f"{faulted['samples_per_s']:.0f}", f"{kept:.3f}", f"{faulted['samples_per_s'] / faulted['pace']:.3f}",
+          f"{len(faulted['faults'])} {struck}", faulted["replacements"], faulted["epochs_right"], len(faulted["left_processes"])]],
     ))  # fmt: skip
+    print(f"each fault cost the fleet {per_fault:.2f} s of its own pace ({faulted['pace']:.0f} samples/s, the median of its seconds); "
+          f"kept, each run against its own pace: {faulted['samples_per_s'] / faulted['pace'] / (free['samples_per_s'] / free['pace']):.3f}")
     write_results(args.out, {"machine": machine(), "workers": args.workers, "every_s": args.every, "epochs": args.epochs,
-                             "faults": kinds, "fault_free": free, "faulted": faulted, "kept": kept})  # fmt: skip
+                             "faults": kinds, "fault_free": free, "faulted": faulted, "kept": kept, "seconds_per_fault": per_fault})  # fmt: skip
     wrong = [f"{name}: {problem}" for name, run_ in (("fault-free", free), ("faulted", faulted)) for problem in failures(run_, per_epoch(batches), args.epochs)]
     if wrong:
         raise SystemExit(f"fault soak failed its checks ({args.out} has the runs): " + "; ".join(wrong))
