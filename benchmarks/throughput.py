@@ -94,8 +94,8 @@ def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap:
     `.averaging_frequency("auto")`, its window cut at steps (k = 1), its rounds' k varying."""
     if auto:
         timed = timed_fit(world, 1, steps, warmup, data_dir, lambda b: b.averaging_frequency("auto"))
-        return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"], "exchange_share": timed["exchange_share"]}
-    timed = timed_fit(world, k, steps, warmup, data_dir, lambda b: b.overlap_averaging(overlap).average_updaters(updaters))
+    else:
+        timed = timed_fit(world, k, steps, warmup, data_dir, lambda b: b.overlap_averaging(overlap).average_updaters(updaters))
     return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"], "exchange_share": timed["exchange_share"]}
 
 

@@ -100,6 +100,10 @@ class Rung:
     def __str__(self) -> str:
         return self.payload + ("" if self.updaters_every == 1 else f", optimizer state every {self.updaters_every} rounds")
 
+    def at(self, k: int) -> Choice:
+        """This rung with k local steps a round."""
+        return Choice(k, self.payload, self.updaters_every)
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -157,9 +161,9 @@ class Pilot:
     def header(self, compute_s: float, exchange_s: float, waited_s: float, decides: bool) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's
         and its wait for the others before it (0 when that exchange rebuilt its buffers, or none
-        was in this fit: no fair measure); from the
-        rank that `decides` (rank 0), the decision every rank applies when the round lands; and
-        the choice it runs the round with, which every worker's must equal."""
+        was in this fit: no fair measure); from the rank that `decides` (rank 0), the decision
+        every rank applies when the round lands; and the choice it runs the round with, which
+        every worker's must equal."""
         decision = [float(self._decided.k), float(self.rungs.index(self._decided.rung) + 1)] if decides else [0.0, 0.0]
         return [compute_s, exchange_s, waited_s, *decision, float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
 
@@ -175,7 +179,7 @@ class Pilot:
                 f"the sums: k {k_sum:g}, rung {rung_sum:g} over {workers} workers): a bug; set a fixed k and report it"
             )
         if k >= 1 and rung >= 1:
-            carried = Choice(round(k), self.rungs[round(rung) - 1].payload, self.rungs[round(rung) - 1].updaters_every)
+            carried = self.rungs[round(rung) - 1].at(round(k))
             if carried != self.choice:
                 change = Change(rounds + 1, carried, self._why)
                 self.changes.append(change)
@@ -211,7 +215,7 @@ class Pilot:
             self._trial = here
             self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: at k = {spec.k_max} exchanges "
                          f"still take {share:.0%} of the time (aim: {rho:.2g}); trying {self.rungs[nxt]}")
-            return Choice(spec.k_max, self.rungs[nxt].payload, self.rungs[nxt].updaters_every)
+            return self.rungs[nxt].at(spec.k_max)
         if self._k_for(x + w, step) == now.k:
             return now
         self._why = f"an exchange takes {x:.3g} s after {w:.3g} s waiting for the others, and a step {step:.3g} s"
@@ -223,7 +227,7 @@ class Pilot:
         k, rho = self._k_for(exchange_s, step_s), self.spec.exchange_share
         bound = " (k_max)" if k == self.spec.k_max and exchange_s * (1 - rho) > rho * step_s * k else ""
         self._why += f": k = {k}{bound} keeps exchanges under {rho:.2g} of the time"
-        return Choice(k, rung.payload, rung.updaters_every)
+        return rung.at(k)
 
     def _k_for(self, exchange_s: float, step_s: float) -> int:
         """The smallest of k_min·2^i that keeps exchanges under ρ of the time, within the bounds;

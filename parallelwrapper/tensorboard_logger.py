@@ -7,10 +7,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .codec import codec
 from .listeners import EpochEnd, History, Score, Validation
 from .types import WorkerError
-
-PAYLOAD_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}  # bits a number, scales aside
 
 
 class TensorBoardLogger:
@@ -59,7 +58,7 @@ class TensorBoardLogger:
         self.writer.add_scalar("train/skipped_workers", score.skipped, step)
         if score.k:  # what the round ran with (the autopilot's choice), and its measured times
             self.writer.add_scalar("rounds/k", score.k, step)
-            self.writer.add_scalar("rounds/payload_bits", PAYLOAD_BITS.get(score.payload, 32), step)
+            self.writer.add_scalar("rounds/payload_bits", 32 if score.payload == "float32" else codec(score.payload).bits, step)
             self.writer.add_scalar("rounds/updaters_every", score.updaters_every, step)
             for name, value in (("rounds/step_s", score.step_s), ("rounds/exchange_s", score.link_s)):
                 if math.isfinite(value):
