@@ -71,7 +71,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from common import DEFAULT_DATA_DIR, LR, MOMENTUM, rotated, run_processes, table, write_results
 from parallelwrapper import ParallelWrapper, Score
-from parallelwrapper.data import load_mnist
+from parallelwrapper.app.mnist import load_mnist
 from parallelwrapper.listeners import exchange_share
 from parallelwrapper.processes import keep_heap
 

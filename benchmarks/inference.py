@@ -32,7 +32,7 @@ import torch
 
 from common import DEFAULT_DATA_DIR, lenet, table, write_results
 from parallelwrapper import InferenceMode, ParallelInference
-from parallelwrapper.data import load_mnist
+from parallelwrapper.app.mnist import load_mnist
 
 CALLERS = (1, 8, 32)
 MIB = 2**20

@@ -54,7 +54,7 @@ def once(tree: Path, flags: list[str], seed: int, deterministic: bool, data_dir:
     with tempfile.TemporaryDirectory() as out:
         args = [*RECIPE, *flags, "--seed", str(seed), "--data-dir", data_dir, "--no-download", "--out", out]
         args += ["--deterministic"] if deterministic else []
-        command = [sys.executable, "-c", "from parallelwrapper.cli import main; main()", *args]
+        command = [sys.executable, "-c", "from parallelwrapper.app.cli import main; main()", *args]
         command = ["flock", lock, *command] if lock else command
         env = {**os.environ, "PYTHONPATH": str(tree)}  # that tree's package, for the spawned workers too
         start = time.monotonic()

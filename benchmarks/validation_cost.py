@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from common import BATCH, DEFAULT_DATA_DIR, lenet, mnist_batches, nesterov, table, write_results
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.data import load_mnist
+from parallelwrapper.app.mnist import load_mnist
 
 
 class RankZeroSampler(DistributedSampler):  # type: ignore[type-arg]

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from parallelwrapper.compare import CompareOptions, compare
-from parallelwrapper.options import RunOptions
+from parallelwrapper.app.compare import CompareOptions, compare
+from parallelwrapper.app.options import RunOptions
 
 
 def main() -> None:

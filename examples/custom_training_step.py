@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelwrapper import ParallelWrapper, ProgressBar
-from parallelwrapper.data import MnistSplit, load_mnist
+from parallelwrapper.app.mnist import MnistSplit, load_mnist
 
 NOISE = 0.5  # std of the Gaussian noise added to images in [0, 1]
 

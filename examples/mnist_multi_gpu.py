@@ -7,7 +7,7 @@ Line by line:
     new MnistDataSetIterator(128, true, 12345)          load_mnist(dir, "train").batches(128, shuffle=True, seed=12345)
     new MnistDataSetIterator(128, false, 12345)         load_mnist(dir, "test").batches(128)
     NeuralNetConfiguration.Builder().seed(123)          torch.manual_seed(123)
-      .weightInit(XAVIER) ... conv/pool/dense/output    LeNet()  (parallelwrapper/models.py: the same layers)
+      .weightInit(XAVIER) ... conv/pool/dense/output    LeNet()  (parallelwrapper/app/models.py: the same layers)
       .updater(Updater.NESTEROVS)                       .optimizer(torch.optim.SGD, lr=0.04, momentum=0.9, nesterov=True)
       LossFunction.NEGATIVELOGLIKELIHOOD + SOFTMAX      .loss_fn(F.cross_entropy)  (LeNet returns logits)
     new ParallelWrapper.Builder(model)                  ParallelWrapper.builder(model)
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from parallelwrapper import ParallelWrapper, ScoreLogger
-from parallelwrapper.data import load_mnist
-from parallelwrapper.models import LeNet
+from parallelwrapper.app.mnist import load_mnist
+from parallelwrapper.app.models import LeNet
 
 
 def main() -> None:

@@ -5,15 +5,18 @@
         history = wrapper.fit(batches, epochs=1)
 """
 
-from .config import Config, NanPolicy, TrainingMode
+from .checkpoint import CheckpointError
+from .config import PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, NanPolicy, TrainingMode
 from .inference import InferenceError, InferenceMode, ParallelInference
-from .listeners import CsvWriter, EarlyStopping, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation
+from .listeners import CsvWriter, EarlyStopping, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation, autopilot_changes, exchange_share
 from .tensorboard_logger import TensorBoardLogger
+from .traffic import RoundPayload, round_payload
 from .types import TrainingError, WorkerError
 from .wrapper import Builder, ParallelWrapper
 
 __all__ = [
     "Builder",
+    "CheckpointError",
     "Config",
     "CsvWriter",
     "EarlyStopping",
@@ -23,9 +26,13 @@ __all__ = [
     "InferenceMode",
     "JsonlWriter",
     "NanPolicy",
+    "PAYLOAD_DTYPES",
+    "PIPELINE_SCHEDULES",
+    "PRECISIONS",
     "ParallelInference",
     "ParallelWrapper",
     "ProgressBar",
+    "RoundPayload",
     "Score",
     "ScoreLogger",
     "TensorBoardLogger",
@@ -33,5 +40,8 @@ __all__ = [
     "TrainingMode",
     "Validation",
     "WorkerError",
+    "autopilot_changes",
+    "exchange_share",
+    "round_payload",
 ]
 __version__ = "0.1.0"

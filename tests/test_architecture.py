@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,7 +73,7 @@ def test_the_import_graph_has_no_cycle() -> None:
         visit(name, [])
 
 
-@pytest.mark.parametrize("leaf", ["naming", "types", "batches", "codec", "models", "data.mnist"])
+@pytest.mark.parametrize("leaf", ["naming", "types", "batches", "codec", "app.models", "app.mnist"])
 def test_bottom_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[f"parallelwrapper.{leaf}"] == set()
 
@@ -108,3 +110,73 @@ def test_the_design_guides_layout_names_every_module() -> None:
         if f"`{path.relative_to(PACKAGE.parent)}`" not in layout and path.name != "__init__.py"
     ]
     assert not missing, f"docs/design.md's Layout table does not name: {missing}"
+
+
+# The application (parallelwrapper/app/: pw-fit, its runs, compare, predict, MNIST, models) on the
+# library's public API. The private names it may still import, each with why.
+APP = "parallelwrapper.app"
+PRIVATE_IMPORTS = {
+    "parallelwrapper.checkpoint.peek": "a checkpoint's counters (where --resume starts) have no public name yet: checkpoint.py is being rewritten",
+}
+
+
+def public_names() -> set[str]:
+    """`parallelwrapper.__all__`, read from the source."""
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("parallelwrapper/__init__.py has no __all__")
+
+
+def library_names_imported(name: str) -> set[str]:
+    """What app module `name` imports from outside the app: `parallelwrapper.X` for a public name,
+    `parallelwrapper.module.X` (or the module) otherwise."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "parallelwrapper" and not a.name.startswith(APP))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base.split(".")[0] == "parallelwrapper" and not (base + ".").startswith(APP + "."):
+                found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def test_the_library_never_imports_the_application() -> None:
+    wrong = {name: sorted(t for t in targets if (t + ".").startswith(APP + ".")) for name, targets in GRAPH.items() if not (name + ".").startswith(APP + ".")}
+    assert not {k: v for k, v in wrong.items() if v}, "library modules that import parallelwrapper.app"
+
+
+def test_the_application_imports_only_the_public_api() -> None:
+    public = {f"parallelwrapper.{n}" for n in public_names()}
+    app = [name for name in MODULES if (name + ".").startswith(APP + ".")]
+    assert "parallelwrapper.app.cli" in app
+    private = {name: sorted(library_names_imported(name) - public - PRIVATE_IMPORTS.keys()) for name in app}
+    assert not {k: v for k, v in private.items() if v}, "app modules importing what parallelwrapper.__all__ does not export"
+    used = set().union(*(library_names_imported(name) for name in app))
+    assert PRIVATE_IMPORTS.keys() <= used, f"allowed but no longer imported (drop them): {sorted(PRIVATE_IMPORTS.keys() - used)}"
+
+
+def test_only_the_application_imports_click_or_matplotlib() -> None:
+    def imports_ui(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n.split(".")[0] in ("click", "matplotlib") for n in names):
+                return True
+        return False
+
+    users = {name for name, path in MODULES.items() if imports_ui(path)}
+    assert "parallelwrapper.app.cli" in users
+    assert {name for name in users if not (name + ".").startswith(APP + ".")} == set()
+
+
+def test_importing_the_library_loads_neither_click_nor_matplotlib() -> None:
+    loaded = "sorted(m for m in sys.modules if m.split('.')[0] in ('click', 'matplotlib') or m.startswith('parallelwrapper.app'))"
+    code = f"import sys, parallelwrapper; print({loaded})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=PACKAGE.parent, check=True).stdout
+    assert out.strip() == "[]"

@@ -25,14 +25,15 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from parallelwrapper import TrainingMode, checkpoint, cli
-from parallelwrapper.communication import estimated_communication
-from parallelwrapper.compare import CSV_FIELDS, CompareOptions
+from parallelwrapper import TrainingMode, checkpoint
+from parallelwrapper.app import cli
+from parallelwrapper.app.communication import estimated_communication
+from parallelwrapper.app.compare import CSV_FIELDS, CompareOptions
+from parallelwrapper.app.mnist import FILES
+from parallelwrapper.app.models import LeNet
+from parallelwrapper.app.options import RunOptions, builder, with_lr_schedule
+from parallelwrapper.app.run import Summary
 from parallelwrapper.config import Pipeline
-from parallelwrapper.data.mnist import FILES
-from parallelwrapper.models import LeNet
-from parallelwrapper.options import RunOptions, builder, with_lr_schedule
-from parallelwrapper.run import Summary
 from test_faults import interruptible
 
 SUMMARY_TYPES: dict[str, type | tuple[type, ...]] = {

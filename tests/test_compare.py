@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from parallelwrapper import TrainingMode, averaging, rounds
-from parallelwrapper.communication import HEADER_BYTES, Communication, estimated_communication
-from parallelwrapper.compare import (
+from parallelwrapper.app.communication import HEADER_BYTES, Communication, estimated_communication
+from parallelwrapper.app.compare import (
     CompareOptions,
     Point,
     RunResult,
@@ -23,7 +23,7 @@ from parallelwrapper.compare import (
     markdown,
     run_specs,
 )
-from parallelwrapper.options import RunOptions
+from parallelwrapper.app.options import RunOptions
 
 pytestmark = pytest.mark.fast
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from click.testing import CliRunner
 from torch import nn
 
-from parallelwrapper import ParallelWrapper, checkpoint, cli
+from parallelwrapper import ParallelWrapper, checkpoint
+from parallelwrapper.app import cli
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.config import Config, Job
 from parallelwrapper.delta_averaging import DeltaAverager

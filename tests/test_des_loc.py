@@ -192,8 +192,8 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path: Path) -> None:
 def test_pw_fit_maps_its_flag_to_the_builder_and_compare_refuses_it() -> None:
     from click.testing import CliRunner
 
-    from parallelwrapper import cli
-    from parallelwrapper.options import RunOptions, builder
+    from parallelwrapper.app import cli
+    from parallelwrapper.app.options import RunOptions, builder
 
     assert builder(mlp(), RunOptions(optimizer="adam", average_updaters_every=4))._options["average_updaters_every"] == 4
     with pytest.raises(ValueError, match="--no-average-updaters never: drop one"):

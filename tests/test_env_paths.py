@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from parallelwrapper import cli
-from parallelwrapper.data import MnistError, load_mnist
-from parallelwrapper.data import mnist as mnist_module
+from parallelwrapper.app import cli
+from parallelwrapper.app import mnist as mnist_module
+from parallelwrapper.app.mnist import MnistError, load_mnist
 
 pytestmark = pytest.mark.fast
 

@@ -19,18 +19,19 @@ import torch.distributed as dist
 from click.testing import CliRunner
 from torch import nn
 
-from parallelwrapper import ParallelWrapper, TrainingMode, cli
-from parallelwrapper.communication import estimated_communication
-from parallelwrapper.compare import CompareOptions, run_specs
-from parallelwrapper.config import GradientEncoding
-from parallelwrapper.listeners import CsvWriter, Score
-from parallelwrapper.options import (
+from parallelwrapper import ParallelWrapper, TrainingMode
+from parallelwrapper.app import cli
+from parallelwrapper.app.communication import estimated_communication
+from parallelwrapper.app.compare import CompareOptions, run_specs
+from parallelwrapper.app.options import (
     RunOptions,
     builder,
     epoch_batches,
     initial_model,
     load_splits,
 )
+from parallelwrapper.config import GradientEncoding
+from parallelwrapper.listeners import CsvWriter, Score
 from parallelwrapper.threshold import (
     CLIP_EVERY,
     FACTOR,

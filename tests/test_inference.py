@@ -21,8 +21,10 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from parallelwrapper import ParallelWrapper, cli
-from parallelwrapper.data import load_mnist
+from parallelwrapper import ParallelWrapper
+from parallelwrapper.app import cli
+from parallelwrapper.app.mnist import load_mnist
+from parallelwrapper.app.models import LeNet
 from parallelwrapper.inference import (
     InferenceBuilder,
     InferenceError,
@@ -30,7 +32,6 @@ from parallelwrapper.inference import (
     ParallelInference,
 )
 from parallelwrapper.inference.pool import DEPTH
-from parallelwrapper.models import LeNet
 
 WAIT_S = 60.0  # the longest any test waits for an answer: a worker started again imports torch first
 

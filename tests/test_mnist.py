@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from parallelwrapper.data import DEFAULT_CACHE_DIR, MnistError, MnistSplit, load_mnist
-from parallelwrapper.data import mnist as mnist_module
+from parallelwrapper.app import mnist as mnist_module
+from parallelwrapper.app.mnist import DEFAULT_CACHE_DIR, MnistError, MnistSplit, load_mnist
 
 pytestmark = pytest.mark.fast
 

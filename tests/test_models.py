@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallelwrapper.models import MLP, LeNet, build_model
+from parallelwrapper.app.models import MLP, LeNet, build_model
 
 pytestmark = pytest.mark.fast
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 USER_SCRIPT = """\
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.models import LeNet
+from parallelwrapper.app.models import LeNet
 
 builder = ParallelWrapper.builder(LeNet())
 reveal_type(builder)

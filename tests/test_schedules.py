@@ -78,7 +78,7 @@ def test_pytorch_examples_recipe_steps_every_worker_per_epoch(mnist_dir: Path, t
     """Their Net, Adadelta lr 1.0, StepLR(step_size=1, gamma=0.7) per epoch; 2 workers, 2 epochs:
     every local step of epoch e runs at 1.0 * 0.7**e on both workers, and after the fit the
     wrapper's optimizer and scheduler are at 0.7**2."""
-    from parallelwrapper.data import load_mnist
+    from parallelwrapper.app.mnist import load_mnist
 
     train = load_mnist(mnist_dir, "train", download=False).batches(32, shuffle=True, seed=0)[:16]
     log = LrLog(tmp_path)

@@ -12,7 +12,8 @@ import torch
 from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from parallelwrapper import TensorBoardLogger, WorkerError, cli
+from parallelwrapper import TensorBoardLogger, WorkerError
+from parallelwrapper.app import cli
 
 
 def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.models import LeNet
+from parallelwrapper.app.models import LeNet
 from parallelwrapper.wrapper import Builder
 
 

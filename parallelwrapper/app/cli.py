@@ -15,17 +15,15 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from . import checkpoint
-from .checkpoint import CheckpointError
+from parallelwrapper import PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, CheckpointError, InferenceError, InferenceMode, TrainingMode, WorkerError
+from parallelwrapper.checkpoint import peek
+
 from .compare import CompareOptions, compare
-from .config import PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, TrainingMode
-from .data.mnist import MnistFilesMissing
-from .inference import InferenceError, InferenceMode
+from .mnist import MnistFilesMissing
 from .models import MODEL_NAMES
 from .options import DEVICES, LR_SCHEDULES, OPTIMIZERS, RunOptions
 from .predict import PredictOptions, predict_mnist
 from .run import train_mnist
-from .types import WorkerError
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -156,7 +154,7 @@ def _resume_hint(ctx: click.Context, directory: Path) -> str:
     """Where an interrupted run's checkpoint is, and the command that carries on from it: this
     one's options as given, with --resume."""
     try:
-        at = checkpoint.peek(directory)
+        at = peek(directory)
     except CheckpointError:
         return f"Interrupted before the first checkpoint was saved in {directory}: nothing to resume, run the command again."
     args = [ctx.command_path]

@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from .config import PAYLOAD_DTYPES, PRECISIONS, TrainingMode, check_int
-from .data.mnist import MnistSplit, load_mnist
-from .env import gpu_count, gpu_devices
+from parallelwrapper import PAYLOAD_DTYPES, PRECISIONS, Builder, ParallelWrapper, TrainingMode
+
+from .mnist import MnistSplit, load_mnist
 from .models import MODEL_NAMES, build_model
-from .wrapper import Builder, ParallelWrapper
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 
@@ -148,7 +147,7 @@ class RunOptions:
             raise ValueError(f"gradient_threshold must be a positive number, e.g. 1e-3; got {self.gradient_threshold!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
-        if self.device == "cuda" and gpu_count() == 0:
+        if self.device == "cuda" and torch.cuda.device_count() == 0:
             raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device here; use device 'cpu' or 'auto'")
 
     @property
@@ -160,8 +159,15 @@ class RunOptions:
         if self.device == "cpu":
             return ("cpu",) * self.workers
         if self.device == "cuda":
-            return gpu_devices(self.workers, gpu_count())
+            gpus = torch.cuda.device_count()  # shared round-robin when the workers outnumber them
+            return tuple(f"cuda:{i % gpus}" for i in range(self.workers))
         return None
+
+
+def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> None:
+    """A ValueError naming the option unless `value` is an int (not a bool) >= `minimum`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}" + (f"; {hint}" if hint else ""))
 
 
 def options_json(options: RunOptions) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """What a run of `pw-fit compare` sends: the bytes and collectives of its rounds, computed (not
-measured) from the same flat-buffer layout the workers build (averaging.FlatAverager).
+measured) from the same flat-buffer layout the workers build (`parallelwrapper.round_payload`).
 
 A round of SHARED_GRADIENTS sends gradients | buffers; of AVERAGING, params | buffers (| the
 optimizer's state with average_updaters), one all-reduce per dtype, the first carrying the round's
@@ -18,13 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .averaging import FlatAverager
-from .config import TrainingMode
-from .options import OPTIMIZERS, RunOptions, initial_model
-from .rounds import HEADER_LEN
-from .rounds.state import holds_state, later_tensors, optimizer_state_tensors
+from parallelwrapper import RoundPayload, TrainingMode, round_payload
 
-HEADER_BYTES = HEADER_LEN * 8  # averaging.all_reduce_values, float64: a fit()'s first round (checked by a test)
+from .options import OPTIMIZERS, RunOptions, initial_model
+
+HEADER_BYTES = RoundPayload.header_bytes  # the header's all-reduce, float64: a fit()'s first round (checked by a test)
 
 
 @dataclass(frozen=True)
@@ -80,30 +78,21 @@ def estimated_communication(options: RunOptions) -> Communication:
     plain SGD: none)."""
     model = initial_model(options)
     params = [p for p in model.parameters() if p.requires_grad]
-    later: list[torch.Tensor] = []  # the optimizer's state, in buffers (and collectives) of its own
+    optimizer = None
     full_fits: int | None = None if options.overlap_averaging else 0  # streamed rounds start coding after a first one
-    if options.mode is TrainingMode.SHARED_GRADIENTS:
-        tensors = [torch.zeros_like(p) for p in params] + list(model.buffers())
-    else:
-        tensors = params + list(model.buffers())
-        if options.average_updaters:
-            optimizer = OPTIMIZERS[options.optimizer].make(params, options.learning_rate)
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            tensors += optimizer_state_tensors(optimizer)
-            later = later_tensors(optimizer, True, options.replace_workers > 0)
-            if not holds_state(optimizer, params):  # plain SGD: a state that never exists
-                full_fits = None
-            elif full_fits is not None:  # the state exists once the first fit() has stepped
-                full_fits = 1
-    wired = options.mode is TrainingMode.AVERAGING and options.payload_dtype != "float32"
-    flat = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN, later=[] if wired else later)  # a coded payload's goes at once
+    if options.mode is not TrainingMode.SHARED_GRADIENTS and options.average_updaters:
+        optimizer = OPTIMIZERS[options.optimizer].make(params, options.learning_rate)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        if not all(optimizer.state.get(p) for p in params):  # plain SGD: a state that never exists
+            full_fits = None
+        elif full_fits is not None:  # the state exists once the first fit() has stepped
+            full_fits = 1
+    payload = round_payload(model, optimizer, mode=options.mode, payload_dtype=options.payload_dtype, replace=options.replace_workers > 0)
     fragments = options.fragments if options.mode is TrainingMode.AVERAGING else 1
-    if not wired:
-        return Communication(flat.nbytes, flat.collectives, options.workers, fragments=fragments)
-    cast = FlatAverager(tensors, torch.device("cpu"), HEADER_LEN, options.payload_dtype)
-    return Communication(flat.nbytes, flat.collectives, options.workers, cast.nbytes - HEADER_BYTES, fragments, full_fits)
-
+    if payload.wire_bytes is None:
+        return Communication(payload.nbytes, payload.collectives, options.workers, fragments=fragments)
+    return Communication(payload.nbytes, payload.collectives, options.workers, payload.wire_bytes, fragments, full_fits)
 
 __all__ = ["HEADER_BYTES", "Communication", "estimated_communication"]

@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from parallelwrapper import ParallelWrapper, Score, TrainingMode, exchange_share
+
 from .communication import HEADER_BYTES, Communication, estimated_communication
-from .config import TrainingMode
-from .listeners import Score, exchange_share
 from .options import Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
-from .wrapper import ParallelWrapper
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
-from .listeners import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, Validation, autopilot_changes, exchange_share
+from parallelwrapper import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, TensorBoardLogger, Validation, WorkerError, autopilot_changes, exchange_share
+from parallelwrapper.checkpoint import peek
+
 from .options import RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits, options_json, with_lr_schedule
-from .tensorboard_logger import TensorBoardLogger
-from .types import WorkerError
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
     model = initial_model(options)
     train, test = load_splits(options)
     # Resuming: fit() counts `epochs` from the run's start and goes on from the checkpoint's place.
-    restored = checkpoint.peek(options.resume) if options.resume is not None else {"epoch": 0, "samples": 0}
+    restored = peek(options.resume) if options.resume is not None else {"epoch": 0, "samples": 0}
     if restored["epoch"] >= options.epochs:
         raise ValueError(
             f"the checkpoint in {options.resume} has trained {restored['epoch']} epochs already: pass --epochs > {restored['epoch']}"

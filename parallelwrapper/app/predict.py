@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .config import check_int, parse_enum
-from .data.mnist import load_mnist
-from .inference import InferenceMode, ParallelInference
+from parallelwrapper import InferenceMode, ParallelInference
+
+from .mnist import load_mnist
 from .models import MODEL_NAMES, build_model
-from .options import RunOptions
+from .options import RunOptions, check_int
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,10 @@ class PredictOptions:
     def __post_init__(self) -> None:
         if self.model not in MODEL_NAMES:
             raise ValueError(f"model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
-        parse_enum(InferenceMode, self.mode, "mode")
+        try:
+            InferenceMode(self.mode)
+        except ValueError:
+            raise ValueError(f"mode must be one of {[m.value for m in InferenceMode]} or a InferenceMode, got {self.mode!r}") from None
         check_int("workers", self.workers)
         check_int("request_size", self.request_size)
         check_int("batch_limit", self.batch_limit)
