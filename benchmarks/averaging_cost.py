@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from common import lenet, run_processes, table, write_results
-from parallelwrapper.config import Config, Job, OuterSpec
+from parallelwrapper.config import Config
+from parallelwrapper.job import Job, OuterSpec
 from parallelwrapper.rounds.header import Work
 from parallelwrapper.worker import Replica
 

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from common import run_processes, table, write_results
-from parallelwrapper.config import Config, GradientEncoding, Job, TrainingMode
+from parallelwrapper.config import Config, GradientEncoding, TrainingMode
+from parallelwrapper.job import Job
 from parallelwrapper.rounds.encoded import EncodedGradients
 from parallelwrapper.rounds.header import HEADER_LEN, Work
 from parallelwrapper.worker import Replica

@@ -28,8 +28,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from common import DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, table, write_results
-from parallelwrapper.config import Config, Job
+from parallelwrapper.config import Config
 from parallelwrapper.feed import Feeder, QueueSource
+from parallelwrapper.job import Job
 from parallelwrapper.slots import SlotReader, SlotWriter
 from parallelwrapper.worker import Replica
 

@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as mp
 
 from common import DEFAULT_DATA_DIR, lenet, mnist_batches, nesterov, table, write_results
-from parallelwrapper.config import Job
+from parallelwrapper.job import Job
 from parallelwrapper.parts import Parts
 
 CONTENDERS = ("raise", "replace", "replace+kill")

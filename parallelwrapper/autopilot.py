@@ -78,6 +78,12 @@ class Autopilot:
         if not self.rungs:
             raise ValueError(f"averaging_frequency('auto'): payloads {self.payloads} and optimizer-state periods {self.updater_periods} leave nothing to send with; {fix}")
 
+    def check_payloads(self, names: Sequence[str]) -> None:
+        """A ValueError unless every payload it may choose is one of `names` (config.PAYLOAD_DTYPES)."""
+        unknown = [p for p in self.payloads if p not in names]
+        if unknown:
+            raise ValueError(f"averaging_frequency('auto'): payloads {unknown} are not payloads; choose among {list(names)}")
+
     @property
     def rungs(self) -> tuple[Rung, ...]:
         """Every way it may send a round, the most faithful first: the optimizer's state less
@@ -279,22 +285,4 @@ def levers(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "autopilot": spec, "averaging_frequency": spec.k_min, "payload_dtype": start.payload, "average_updaters_every": start.updaters_every}
 
 
-def refusal(spec: Autopilot, config: Any, payload_names: Sequence[str]) -> str | None:
-    """Why the autopilot cannot run with a config (None: it can): a config.Config, read by its
-    options' names (this module imports nothing of the package)."""
-    unknown = [p for p in spec.payloads if p not in payload_names]
-    for bad, why in (
-        (unknown, f"payloads {unknown}: choose among {list(payload_names)}"),
-        (config.training_mode.value == "shared-gradients", "TrainingMode.SHARED_GRADIENTS, which averages every step: there is no k to choose"),
-        (config.deterministic, "deterministic(True): it chooses from measured times, which differ from run to run; set a fixed k"),
-        (config.overlap_averaging, "overlap_averaging, whose fragments are placed by a fixed k in this version; set a fixed k"),
-        (config.hierarchy != "none", "hierarchy('node'), whose node groups it does not measure in this version; set a fixed k"),
-        (config.pipeline is not None, "a pipeline, whose stages it does not measure in this version; set a fixed k"),
-        (config.on_worker_failure == "replace", "on_worker_failure('replace'), whose replacement and slots it does not size in this version; set a fixed k"),
-    ):  # fmt: skip
-        if bad:
-            return f"averaging_frequency('auto') does not go with {why}"
-    return None
-
-
-__all__ = ["PAYLOADS", "PILOT_LEN", "UPDATER_PERIODS", "Autopilot", "Change", "Choice", "Pilot", "Rung", "levers", "refusal"]
+__all__ = ["PAYLOADS", "PILOT_LEN", "UPDATER_PERIODS", "Autopilot", "Change", "Choice", "Pilot", "Rung", "levers"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .codec import DeltaCoder, codec
+from .codec import DeltaCoder, codec, uncoded_or
 from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, wait_trailer
 
 ProcessGroup = dist.ProcessGroup | None  # None: the default group
@@ -167,8 +167,8 @@ class FlatAverager:
         shards: Shards | None = None,
         later: Sequence[torch.Tensor] = (),
     ) -> None:
-        self._wire, self._trailer_len, self._shards = None if wire is None else str(wire).removeprefix("torch."), trailer, shards
-        deferred = {id(t) for t in later} if wire is None and shards is None else set()
+        self._wire, self._trailer_len, self._shards = uncoded_or(wire), trailer, shards
+        deferred = {id(t) for t in later} if self._wire is None and shards is None else set()
         if all(id(t) in deferred for t in tensors):
             deferred = set()  # the trailer's group lands at once
         first = [t for t in tensors if id(t) not in deferred]

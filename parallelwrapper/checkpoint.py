@@ -8,11 +8,11 @@ one, so a crash while saving leaves the last good checkpoint whole.
 The file is a `torch.save`d dict:
 
     format       1
-    fingerprint  what must match to resume: the options that change the arithmetic (workers,
-                 averaging_frequency, training_mode, average_updaters, deterministic,
-                 warmup_sync_steps, gradient_encoding, average_updaters_every when not 1, the autopilot's
-                 bounds when set), the optimizer class and arguments, the scheduler's, the
-                 outer optimizer's, and every parameter and buffer's name, shape, dtype
+    fingerprint  what must match to resume: the options declared with fingerprint=True (those
+                 that change the arithmetic: workers, averaging_frequency, training_mode, ...),
+                 each only where not at its default, a pipeline's stages, the optimizer class
+                 and arguments, the scheduler's, the outer optimizer's, and every parameter and
+                 buffer's name, shape, dtype
     config       the whole config, for people
     model        the averaged model's state_dict
     optimizer    the optimizer's state_dict (averaged; worker 0's with average_updaters(False))
@@ -35,6 +35,7 @@ never interrupted.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import pickle
 import tempfile
@@ -44,16 +45,17 @@ from typing import Any
 
 import torch
 
-from .config import Config, Job, describe_config
+from .config import Config, describe_config
+from .job import Job
 from .naming import short
+from .registry import declared
 from .types import Counters, TrainingState
 
 FILENAME = "checkpoint.pt"
 FORMAT = 1
-_FINGERPRINT_OPTIONS = (
-    "workers", "averaging_frequency", "training_mode", "average_updaters", "overlap_averaging", "deterministic",
-    "warmup_sync_steps", "gradient_encoding", "average_updaters_every", "autopilot",
-)  # fmt: skip
+# The options a resumed run must match (those declared with fingerprint=True), and their defaults:
+# a key a fingerprint lacks is an option at its default (as checkpoints from before it have it).
+_FINGERPRINTED = {d.name: d.default for d in declared(Config) if d.option.fingerprint}
 
 
 class CheckpointError(ValueError):
@@ -61,17 +63,9 @@ class CheckpointError(ValueError):
 
 
 def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
-    options = {k: v for k, v in describe_config(config).items() if k in _FINGERPRINT_OPTIONS}
-    if not options["warmup_sync_steps"]:
-        del options["warmup_sync_steps"]  # as checkpoints from before warm-ups have it
-    if options["gradient_encoding"] is None:
-        del options["gradient_encoding"]  # as checkpoints from before gradient encoding have it
-    if options["average_updaters_every"] == 1:
-        del options["average_updaters_every"]  # as checkpoints from before average_updaters(every=m) have it
-    if options["autopilot"] is None:
-        del options["autopilot"]  # as checkpoints from before the autopilot have it
+    options = {k: v for k, v in describe_config(config).items() if k in _FINGERPRINTED and getattr(config, k) != _FINGERPRINTED[k]}
     options["workers"] = world_size
-    if config.pipeline is not None:  # its own states are by process (absent without a pipeline, as before pipelines)
+    if config.pipeline is not None:  # its own states are by process
         options["stages"] = config.pipeline.stages
     return {
         **options,
@@ -156,10 +150,9 @@ def load(location: str | os.PathLike[str], expected: dict[str, Any], accept: Ite
         raise ValueError(f"fit(accept_changes=...): {unknown} cannot be accepted; only {list(ACCEPTABLE)} can (the rest shape the saved state)")
     path, payload = _read(location)
     found = payload["fingerprint"]
-    # A key either side lacks is an option at its default (the fingerprint leaves those out, as
-    # checkpoints from before the option have it): compared both ways, a change to or from it shows.
+    # A key either side lacks is an option at its default: compared both ways, a change to or from it shows.
     keys = [*expected, *(key for key in found if key not in expected)]
-    differing = [key for key in keys if found.get(key) != expected.get(key) and key not in accept]
+    differing = [key for key in keys if _value(found, key) != _value(expected, key) and key not in accept]
     if differing:
         lines = [f"{key}: checkpoint has {_said(found, key)}, this run has {_said(expected, key)}" for key in differing]
         fields = [key for key in differing if key in ACCEPTABLE]
@@ -172,6 +165,12 @@ def load(location: str | os.PathLike[str], expected: dict[str, Any], accept: Ite
             f"resume with the same ones, or start afresh without resume{anyway}:\n  " + "\n  ".join(lines)
         )
     return payload
+
+
+def _value(fingerprint: dict[str, Any], key: str) -> Any:
+    """A fingerprint's value for `key`, an option it leaves out being at its default."""
+    default = _FINGERPRINTED.get(key)
+    return fingerprint.get(key, default.value if isinstance(default, enum.Enum) else default)
 
 
 def _said(fingerprint: dict[str, Any], key: str) -> str:

@@ -148,6 +148,12 @@ class Blocks(Codec):
         total.addcmul_(decoded, scales, value=alpha)
 
 
+def uncoded_or(payload: str | torch.dtype | None) -> str | None:
+    """A payload dtype's codec name, or None for float32 (and None): what travels uncoded."""
+    name = None if payload is None else str(payload).removeprefix("torch.")
+    return None if name in (None, "float32") else name
+
+
 def codec(name: str | torch.dtype) -> Codec:
     """The codec of a payload dtype: "bfloat16", "float16", "int8", "int4" (or the torch dtype)."""
     name = str(name).removeprefix("torch.")
@@ -273,4 +279,4 @@ class DeltaCoder:
         self.start[: self.state.numel()].copy_(self.state)
 
 
-__all__ = ["BLOCK", "CHUNK", "CODECS", "Blocks", "Cast", "Codec", "DeltaCoder", "Scratch", "codec"]
+__all__ = ["BLOCK", "CHUNK", "CODECS", "Blocks", "Cast", "Codec", "DeltaCoder", "Scratch", "codec", "uncoded_or"]

@@ -1,9 +1,9 @@
-"""Configuration of a ParallelWrapper: a frozen dataclass, validated on construction.
+"""The options of a ParallelWrapper, each declared once, and the table of those that cannot go together.
 
-Config is data. Runtime objects (the model, the optimizer class, the loss function, listeners)
-are handed to the builder (wrapper.Builder) and travel beside the config in a `Job`, never inside
-it, so a config can be printed, compared and stored in a checkpoint. What the config means on this
-machine (devices, backend, threads) is env.resolve's to say. Imports only naming and autopilot.
+Config is data: a frozen dataclass whose fields are the options (registry.option), validated on
+construction, so it can be printed, compared and stored in a checkpoint. Runtime objects (the
+model, the optimizer, the loss) travel beside it in a job.Job. What the config means on this
+machine (devices, backend, threads) is env.resolve's to say. Imports only registry and autopilot.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .autopilot import Autopilot, refusal
-from .naming import describe, qualified, short
+from .autopilot import Autopilot
+from .registry import boolean, choice, count, instance, option, positive, validate
 
 
 class TrainingMode(enum.Enum):
@@ -46,8 +46,13 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PAYLOAD_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # the averaging's wire format (codec.py)
 FAILURE_POLICIES = ("raise", "replace")  # what a spawned worker's failure does (hosts/spawned.py)
 FEEDS = ("auto", "queue")  # how spawned workers get a list of batches (feed.py)
-INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.py)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zbv")  # a pipeline's (pipeline/stage.py; "zbv": zero bubble, V)
+
+
+def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> None:
+    """A ValueError naming the option unless `value` is an int (not a bool) >= `minimum`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}" + (f"; {hint}" if hint else ""))
 
 
 @dataclass(frozen=True)
@@ -89,296 +94,254 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class Config:
-    """Every option of a ParallelWrapper, with its default. Validated on construction."""
+    """Every option of a ParallelWrapper, each declared once (registry.option): its default, what it
+    does, what a value must be, the builder's setter, pw-fit's flag, and whether a checkpoint's
+    fingerprint holds it. Validated on construction: each value, then CONFLICTS."""
 
-    workers: int = 2
-    prefetch_buffer: int = 24
-    averaging_frequency: int = 1
-    report_score_after_averaging: bool = True
-    average_updaters: bool = True
-    average_updaters_every: int = 1  # with average_updaters: the optimizer state travels every m-th round (DES-LOC), and where replicas must be equal
-    overlap_averaging: bool = False  # average in the background during the next round's steps
-    fragments: int = 1  # with overlap: the state in n fragments, each averaged at its own point of the round
-    training_mode: TrainingMode = TrainingMode.AVERAGING
-    deterministic: bool = False
-    feed: str = "auto"  # auto: spawned workers read a list or tuple of batches in shards; queue: the main process feeds every batch
-    seed: int = 0
-    devices: tuple[str, ...] | None = None  # None: a GPU per worker when there are GPUs, else the CPU (env.resolve)
-    backend: str = "auto"  # auto: NCCL when every worker has a GPU of its own, else gloo (env.resolve)
-    stall_timeout_s: float = 300.0  # a worker without progress this long fails fit(), named
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 50  # rounds; a checkpoint is also saved at every epoch's end
-    nan_policy: NanPolicy = NanPolicy.RAISE
-    threads_per_worker: int | None = None  # None: the machine's cores shared out among workers
-    gradient_clip_norm: float | None = None  # clip_grad_norm_ of each step's gradients to this
-    precision: str = "32"  # or "bf16-mixed", "16-mixed"
-    validation_every: int | None = 50  # averagings between validations (None: epoch ends only), with .validation(data)
-    warmup_sync_steps: int = 0  # post-local SGD: steps of SHARED_GRADIENTS before the averaging rounds
-    payload_dtype: str = "float32"  # or "bfloat16", "float16", "int8", "int4": what an averaging's floats travel as
-    hierarchy: str = "none"  # or "node": under torchrun, a node's ranks share gradients each step, nodes average
-    on_worker_failure: str = "raise"  # or "replace": a spawned worker that fails is replaced from the last average
-    max_replacements: int = 3  # with "replace": replacements over the wrapper's life before a failure raises
-    auto_resume: bool = True  # under torchrun with checkpoints: a restarted group resumes from the last checkpoint
-    peer_timeout_s: float = 30.0  # under torchrun: a rank that hears nothing from a peer this long exits, naming it
-    gradient_encoding: GradientEncoding | None = None  # SHARED_GRADIENTS: updates sent threshold-encoded (None: dense)
-    pipeline: Pipeline | None = None  # .pipeline(...): each worker a pipeline of stage processes (pipeline/)
-    autopilot: Autopilot | None = None  # .averaging_frequency("auto"): k, payload and optimizer-state period chosen each round
-
-    @property
-    def wire_dtype(self) -> str | None:
-        """The codec an averaging's floats travel in (codec.py), when not float32."""
-        return None if self.payload_dtype == "float32" else self.payload_dtype
+    workers: int = option(
+        2, "Workers, one process and device each; one worker on the CPU trains in this process.",
+        count(1), "workers", example=4, flag="--workers", fingerprint=True)
+    prefetch_buffer: int = option(
+        24, "Batches read ahead into the spawned workers' shared queue.",
+        count(1), "prefetch_buffer", example=48, flag="--prefetch-buffer")
+    averaging_frequency: int = option(
+        1, "Local iterations per worker between averagings.",
+        count(1), "averaging_frequency", example=8, flag="--averaging-frequency", fingerprint=True)
+    autopilot: Autopilot | None = option(
+        None, "averaging_frequency('auto'): k, the payload and the optimizer state's period chosen each round from measured times.",
+        instance(Autopilot, optional=True), "averaging_frequency", example="auto", fingerprint=True)
+    report_score_after_averaging: bool = option(
+        True, "Report the averaged score after every averaging, or once per epoch.",
+        boolean(), "report_score_after_averaging", example=False, flag="--report-score-after-averaging", fingerprint=False)
+    average_updaters: bool = option(
+        True, "Average optimizer state (momentum, Adam moments) with the parameters.",
+        boolean(), "average_updaters", example=False, flag="--average-updaters", fingerprint=True)
+    average_updaters_every: int = option(
+        1, "With average_updaters: the optimizer state travels every M-th round only (DES-LOC), and at every epoch's end, "
+           "checkpoint, validation and stop; each worker keeps its own in between.",
+        count(1), "average_updaters", keyword="every", example=4, flag="--average-updaters-every", fingerprint=True)
+    overlap_averaging: bool = option(
+        False, "Run each averaging in the background during the next round's steps.",
+        boolean(), "overlap_averaging", example=True, flag="--overlap-averaging", fingerprint=True)
+    fragments: int = option(
+        1, "With overlap_averaging: the state averaged in N fragments of about equal bytes, each sent at its own point "
+           "of the round and landed a round later.",
+        count(1), "fragments", example=2, flag="--fragments")
+    training_mode: TrainingMode = option(
+        TrainingMode.AVERAGING, "averaging: local steps, then average; shared-gradients: average gradients every step.",
+        instance(TrainingMode), "training_mode", example=TrainingMode.SHARED_GRADIENTS, flag="--training-mode", fingerprint=True)
+    deterministic: bool = option(
+        False, "Deal batch i to worker i mod N: the same run gives the same model, and a resumed run ends as an uninterrupted one.",
+        boolean(), "deterministic", example=True, flag="--deterministic", fingerprint=True)
+    feed: str = option(
+        "auto", "How spawned workers get a list of batches: auto, each worker reads its share itself; queue, the main process feeds every batch.",
+        choice(*FEEDS), "feed", example="queue")
+    seed: int = option(
+        0, "Worker i seeds its RNGs with seed + i.",
+        count(None), "seed", example=123, flag="--seed")
+    devices: tuple[str, ...] | None = option(
+        None, "One device per worker (None: a GPU per worker when there are GPUs, else the CPU).",
+        instance(tuple, optional=True), "devices", example=("cpu", "cpu"))
+    backend: str = option(
+        "auto", "auto: NCCL when every worker has a GPU of its own, else gloo.",
+        choice(*BACKENDS), "backend", example="gloo")
+    stall_timeout: float = option(
+        300.0, "Seconds a spawned worker may go without progress before fit() fails, naming it.",
+        positive(), "stall_timeout", example=60.0)
+    checkpoint_dir: str | None = option(
+        None, "Save a checkpoint here every checkpoint_every rounds, at each epoch's end and on Ctrl-C.",
+        instance(str, optional=True), "checkpoint", example="checkpoints", flag="--checkpoint-dir")
+    checkpoint_every: int = option(
+        50, "Rounds between checkpoints.",
+        count(1), "checkpoint", keyword="every", example=100, flag="--checkpoint-every")
+    nan_policy: NanPolicy = option(
+        NanPolicy.RAISE, "raise: a non-finite loss fails fit(); skip: that worker's round is dropped.",
+        instance(NanPolicy), "nan_policy", example=NanPolicy.SKIP)
+    threads_per_worker: int | None = option(
+        None, "torch threads in each worker (None: the machine's cores shared out among the workers).",
+        count(1, optional=True), "threads_per_worker", example=1)
+    gradient_clipping: float | None = option(
+        None, "Clip each step's gradients to this total norm (None: no clipping).",
+        positive(optional=True), "gradient_clipping", example=1.0, flag="--gradient-clipping")
+    precision: str = option(
+        "32", "bf16-mixed: forward and loss under autocast to bfloat16 (16-mixed: float16, loss scaled); weights and averaging stay float32.",
+        choice(*PRECISIONS), "precision", example="bf16-mixed", flag="--precision")
+    validation_every: int | None = option(
+        50, "With .validation(data): averagings between validations (None: at epoch ends only).",
+        count(1, optional=True), "validation", keyword="every", example=10)
+    warmup_sync_steps: int = option(
+        0, "Post-local SGD: share gradients every step for the first N steps, then average every averaging_frequency.",
+        count(0), "warmup_sync_steps", example=200, flag="--warmup-sync-steps", fingerprint=True)
+    payload_dtype: str = option(
+        "float32", "What an averaging sends: bfloat16/float16 the change since the last average cast, int8/int4 block-quantized "
+                   "(a scale per 256 numbers); what is lost goes with the next round.",
+        choice(*PAYLOAD_DTYPES), "payload_dtype", example="int8", flag="--payload-dtype")
+    hierarchy: str = option(
+        "none", "node: under torchrun, a node's ranks share gradients every step and nodes average every k steps.",
+        choice("none", "node"), "hierarchy", example="node")
+    on_worker_failure: str = option(
+        "raise", "raise: a worker's failure fails fit(); replace: a fresh process takes its place from the last average.",
+        choice(*FAILURE_POLICIES), "on_worker_failure", example="replace")
+    max_replacements: int = option(
+        3, "With on_worker_failure('replace'): replacements over the wrapper's life before a failure raises.",
+        count(0), "on_worker_failure", keyword="max_replacements", example=5)
+    auto_resume: bool = option(
+        True, "Under torchrun with checkpoints: a restarted group resumes from the last checkpoint.",
+        boolean(), "auto_resume", example=False)
+    peer_timeout: float = option(
+        30.0, "Under torchrun: seconds a rank may hear nothing from a peer before it exits, naming it.",
+        positive(), "peer_timeout", example=10.0)
+    gradient_encoding: GradientEncoding | None = option(
+        None, "SHARED_GRADIENTS' updates sent threshold-encoded (None: dense).",
+        instance(GradientEncoding, optional=True), "gradient_encoding", example=GradientEncoding(), fingerprint=True)
+    pipeline: Pipeline | None = option(
+        None, "Each worker a pipeline of stage processes (None: none).",
+        instance(Pipeline, optional=True), "pipeline", example=Pipeline())  # its stages are in the fingerprint (checkpoint.py)
 
     def __post_init__(self) -> None:
-        check_int("workers", self.workers, 1, "ParallelWrapper.builder(model).workers(2)")
-        check_int("prefetch_buffer", self.prefetch_buffer, 1, "a few batches per worker, e.g. .prefetch_buffer(24)")
-        check_int("averaging_frequency", self.averaging_frequency, 1, "1 averages after every iteration, e.g. .averaging_frequency(3)")
-        if not isinstance(self.training_mode, TrainingMode):
-            raise ValueError(f"training_mode must be a TrainingMode, got {self.training_mode!r}; use one of {[m.name for m in TrainingMode]}, e.g. .training_mode(TrainingMode.AVERAGING)")
-        if self.overlap_averaging and self.training_mode is TrainingMode.SHARED_GRADIENTS:
-            raise ValueError("overlap_averaging applies to TrainingMode.AVERAGING only: with SHARED_GRADIENTS every step "
-                             "needs the averaged gradients before it can be taken; drop .overlap_averaging(True)")
-        if not isinstance(self.nan_policy, NanPolicy):
-            raise ValueError(f"nan_policy must be one of {[p.value for p in NanPolicy]}, got {self.nan_policy!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if not self.stall_timeout_s > 0:
-            raise ValueError(f"stall_timeout_s must be > 0 seconds, got {self.stall_timeout_s}")
-        check_int("checkpoint_every", self.checkpoint_every, 1, "the rounds between checkpoints, e.g. .checkpoint(dir, every=50)")
-        if self.threads_per_worker is not None:
-            check_int("threads_per_worker", self.threads_per_worker, 1, "or leave it unset to share the cores out")
-        if self.gradient_clip_norm is not None and not (isinstance(self.gradient_clip_norm, (int, float)) and 0 < self.gradient_clip_norm < float("inf")):
-            raise ValueError(f"gradient_clip_norm must be a positive number, got {self.gradient_clip_norm!r}; e.g. .gradient_clipping(max_norm=1.0)")
-        if self.validation_every is not None:
-            check_int("validation_every", self.validation_every, 1, "e.g. .validation(data, every=50), or every=None for epoch ends only")
-        check_int("warmup_sync_steps", self.warmup_sync_steps, 0, "the synchronous steps before averaging, e.g. .warmup_sync_steps(200)")
-        if self.warmup_sync_steps and self.training_mode is not TrainingMode.AVERAGING:
-            raise ValueError("warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING; "
-                             "drop .warmup_sync_steps() or .training_mode(TrainingMode.SHARED_GRADIENTS)")
-        check_int("fragments", self.fragments, 1, "a few, e.g. .fragments(4); 1 averages the state whole")
-        if self.fragments > 1 and not self.overlap_averaging:
-            raise ValueError(f"fragments({self.fragments}) spreads each round's averaging through the next round's steps, fragment by fragment: it needs .overlap_averaging(True)")
-        if self.fragments > 1 and self.on_worker_failure == "replace":
-            raise ValueError(f'on_worker_failure("replace") restarts every worker from one landed average, which fragments({self.fragments}) '
-                             "reach only at an epoch's end, a checkpoint or a validation: drop one of them")
-        if self.payload_dtype not in PAYLOAD_DTYPES:
-            raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
-        if self.hierarchy not in ("none", "node"):
-            raise ValueError(f"hierarchy must be 'none' or 'node', got {self.hierarchy!r}")
-        if self.hierarchy == "node" and self.training_mode is not TrainingMode.AVERAGING:
-            raise ValueError("hierarchy('node') averages gradients within a node and the state across nodes: it needs "
-                             "TrainingMode.AVERAGING (SHARED_GRADIENTS averages gradients over every rank already); drop one")
-        if self.feed not in FEEDS:
-            raise ValueError(f"feed must be one of {list(FEEDS)}, got {self.feed!r}")
-        if self.on_worker_failure not in FAILURE_POLICIES:
-            raise ValueError(f"on_worker_failure must be one of {list(FAILURE_POLICIES)}, got {self.on_worker_failure!r}")
-        check_int("max_replacements", self.max_replacements, 0, 'e.g. .on_worker_failure("replace", max_replacements=3)')
-        if not self.peer_timeout_s > 0:
-            raise ValueError(f"peer_timeout_s must be > 0 seconds, got {self.peer_timeout_s}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
-        if self.gradient_encoding is not None:
-            _check_encoding(self)
-        check_int("average_updaters(every=...)", self.average_updaters_every, 1, "how many rounds apart the optimizer state travels, e.g. .average_updaters(every=4)")
-        if self.average_updaters_every > 1:
-            _check_updaters_every(self)
-        if self.autopilot is not None and (refused := refusal(self.autopilot, self, PAYLOAD_DTYPES)):
-            raise ValueError(refused)
+        validate(self)
+        if self.autopilot is not None:
+            self.autopilot.check_payloads(PAYLOAD_DTYPES)
         for d in self.devices or ():  # how many there must be is env.resolve's to check
             try:
                 torch.device(d)
             except RuntimeError as e:
                 raise ValueError(f"devices: {d!r} is not a torch device ({e})") from None
-
-
-def _check_encoding(config: Config) -> None:
-    """Gradient encoding has a meaning in SHARED_GRADIENTS, on its own wire, in float32 or bf16."""
-    for bad, fix in (
-        (config.training_mode is not TrainingMode.SHARED_GRADIENTS,
-         "the training_mode: it encodes each step's update, which only TrainingMode.SHARED_GRADIENTS shares; add .training_mode(TrainingMode.SHARED_GRADIENTS)"),
-        (config.payload_dtype != "float32", "payload_dtype, which casts averagings (the encoded updates are signs already): drop .payload_dtype()"),
-        (config.precision == "16-mixed", "precision 16-mixed, whose loss scale would go into each worker's residual: use .precision('bf16-mixed')"),
-        (config.on_worker_failure == "replace", "on_worker_failure('replace'): a worker's residual (what it has not sent yet) is lost with it; use .checkpoint(dir) and resume"),
-    ):  # fmt: skip
-        if bad:
-            raise ValueError(f"gradient_encoding does not go with {fix}")
-
-
-def _check_updaters_every(config: Config) -> None:
-    """`.average_updaters(every=m)` sends the optimizer state in buffers of its own, landed at once; the options that carry it with the parameters refuse it."""
-    m = config.average_updaters_every
-    for bad, why in (
-        (not config.average_updaters, "average_updaters(False), which never sends the optimizer state: drop every="),
-        (config.overlap_averaging, "overlap_averaging, whose rounds average the whole state in the background a round later: drop one"),
-        (config.wire_dtype is not None, f"payload_dtype {config.payload_dtype!r}, which codes the optimizer state with the parameters, one residual for both: use float32 or every=1"),
-        (config.hierarchy == "node", "hierarchy('node'), whose shards carry the optimizer state with the parameters: drop one"),
-        (config.on_worker_failure == "replace", "on_worker_failure('replace'), which redoes a round from any survivor's copy: between averagings the workers' optimizer states differ; drop one"),
-        (config.pipeline is not None, "a pipeline, which this version does not run it with: drop one"),
-    ):  # fmt: skip
-        if bad:
-            raise ValueError(f"average_updaters(every={m}) does not go with {why}")
-
-
-def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> None:
-    """A ValueError naming the option unless `value` is an int (not a bool) >= `minimum`."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}" + (f"; {hint}" if hint else ""))
-
-
-LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
-TrainingStep = Callable[[torch.nn.Module, Any], torch.Tensor]
-OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
-BeforeStep = Callable[[torch.nn.Module, torch.optim.Optimizer], None]
-ValidationStep = Callable[[torch.nn.Module, Any], dict[str, Any]]
+        refuse(self)
 
 
 @dataclass(frozen=True)
-class SchedulerSpec:
-    """`.lr_scheduler(...)`: a torch.optim.lr_scheduler class and its keyword arguments, or a
-    function optimizer -> scheduler (kwargs empty), which each worker calls on its own optimizer;
-    when it steps (INTERVALS), and the metric a ReduceLROnPlateau watches."""
+class Conflict:
+    """Options that cannot go together (or one that needs another), and why.
 
-    factory: Callable[..., Any]
-    kwargs: dict[str, Any]
-    interval: str = "epoch"
-    monitor: str | None = None
+    Args:
+        options: the two it names, the one whose message it is first.
+        when: whether a config (and a job, where `job` is set) has them together.
+        message: the error, naming both and the fix; `{c}` in it is the config.
+        example: the builder calls that make it (the tests run them).
+        job: whether `when` needs the job, so that it is checked at build() only.
+    """
 
-    def build(self, optimizer: torch.optim.Optimizer) -> Any:
-        return self.factory(optimizer, **self.kwargs)
-
-    @property
-    def name(self) -> str:
-        """The scheduler as a checkpoint's fingerprint and error messages name it."""
-        qualname = getattr(self.factory, "__qualname__", type(self.factory).__name__)
-        return short(f"{qualname}(optimizer, **{describe(self.kwargs)}) per {self.interval}")
+    options: tuple[str, str]
+    when: Callable[[Config, Any], bool]
+    message: str
+    example: str
+    job: bool = False
 
 
-@dataclass(frozen=True)
-class OuterSpec:
-    """`.outer_optimizer(cls, **kwargs)`: the optimizer that steps on each round's pseudo-gradient
-    (outer.py), built on copies of the trainable parameters."""
-
-    cls: type[torch.optim.Optimizer]
-    kwargs: dict[str, Any]
-
-    def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return self.cls(params, **self.kwargs)
-
-    @property
-    def name(self) -> str:
-        return short(f"{qualified(self.cls)}({describe(self.kwargs)})")
+def _shared(c: Config) -> bool:
+    return c.training_mode is TrainingMode.SHARED_GRADIENTS
 
 
-@dataclass(frozen=True)
-class Job:
-    """What a worker needs besides the config: the objects it rebuilds in its own process. The
-    optimizer is a class and its keyword arguments, or `optimizer_fn(model) -> optimizer` (for
-    parameter groups), which each worker calls on its own copy of the model."""
+_AUTO = "averaging_frequency('auto') does not go with "
+_EVERY = "average_updaters(every={c.average_updaters_every}) does not go with "
+_CODED = "gradient_encoding does not go with "
+_STAGES = "pipeline(stages={c.pipeline.stages}) does not go with "
+CONFLICTS: tuple[Conflict, ...] = (
+    Conflict(("overlap_averaging", "training_mode"), lambda c, j: c.overlap_averaging and _shared(c),
+             "overlap_averaging applies to TrainingMode.AVERAGING only: with SHARED_GRADIENTS every step needs the averaged "
+             "gradients before it can be taken; drop .overlap_averaging(True)",
+             ".training_mode('shared-gradients').overlap_averaging(True)"),
+    Conflict(("warmup_sync_steps", "training_mode"), lambda c, j: c.warmup_sync_steps > 0 and _shared(c),
+             "warmup_sync_steps switches from shared gradients to averaging rounds: it needs TrainingMode.AVERAGING; "
+             "drop .warmup_sync_steps() or .training_mode(TrainingMode.SHARED_GRADIENTS)",
+             ".training_mode('shared-gradients').warmup_sync_steps(10)"),
+    Conflict(("hierarchy", "training_mode"), lambda c, j: c.hierarchy == "node" and _shared(c),
+             "hierarchy('node') averages gradients within a node and the state across nodes: it needs "
+             "TrainingMode.AVERAGING (SHARED_GRADIENTS averages gradients over every rank already); drop one",
+             ".training_mode('shared-gradients').hierarchy('node')"),
+    Conflict(("outer_optimizer", "training_mode"), lambda c, j: j.outer_optimizer is not None and _shared(c),
+             "outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not: use TrainingMode.AVERAGING",
+             ".training_mode('shared-gradients').outer_optimizer(torch.optim.SGD, lr=0.7)", job=True),
+    Conflict(("fragments", "overlap_averaging"), lambda c, j: c.fragments > 1 and not c.overlap_averaging,
+             "fragments({c.fragments}) spreads each round's averaging through the next round's steps, fragment by fragment: "
+             "it needs .overlap_averaging(True)",
+             ".fragments(2)"),
+    Conflict(("fragments", "on_worker_failure"), lambda c, j: c.fragments > 1 and c.on_worker_failure == "replace",
+             'on_worker_failure("replace") restarts every worker from one landed average, which fragments({c.fragments}) '
+             "reach only at an epoch's end, a checkpoint or a validation: drop one of them",
+             ".overlap_averaging(True).fragments(2).on_worker_failure('replace')"),
+    Conflict(("gradient_encoding", "training_mode"), lambda c, j: c.gradient_encoding is not None and not _shared(c),
+             _CODED + "the training_mode: it encodes each step's update, which only TrainingMode.SHARED_GRADIENTS shares; "
+             "add .training_mode(TrainingMode.SHARED_GRADIENTS)",
+             ".gradient_encoding()"),
+    Conflict(("gradient_encoding", "payload_dtype"), lambda c, j: c.gradient_encoding is not None and c.payload_dtype != "float32",
+             _CODED + "payload_dtype, which casts averagings (the encoded updates are signs already): drop .payload_dtype()",
+             ".training_mode('shared-gradients').gradient_encoding().payload_dtype('int8')"),
+    Conflict(("gradient_encoding", "precision"), lambda c, j: c.gradient_encoding is not None and c.precision == "16-mixed",
+             _CODED + "precision 16-mixed, whose loss scale would go into each worker's residual: use .precision('bf16-mixed')",
+             ".training_mode('shared-gradients').gradient_encoding().precision('16-mixed')"),
+    Conflict(("gradient_encoding", "on_worker_failure"), lambda c, j: c.gradient_encoding is not None and c.on_worker_failure == "replace",
+             _CODED + "on_worker_failure('replace'): a worker's residual (what it has not sent yet) is lost with it; "
+             "use .checkpoint(dir) and resume",
+             ".training_mode('shared-gradients').gradient_encoding().on_worker_failure('replace')"),
+    Conflict(("average_updaters_every", "average_updaters"), lambda c, j: c.average_updaters_every > 1 and not c.average_updaters,
+             _EVERY + "average_updaters(False), which never sends the optimizer state: drop every=",
+             ".average_updaters(False, every=4)"),
+    Conflict(("average_updaters_every", "overlap_averaging"), lambda c, j: c.average_updaters_every > 1 and c.overlap_averaging,
+             _EVERY + "overlap_averaging, whose rounds average the whole state in the background a round later: drop one",
+             ".average_updaters(every=4).overlap_averaging(True)"),
+    Conflict(("average_updaters_every", "payload_dtype"), lambda c, j: c.average_updaters_every > 1 and c.payload_dtype != "float32",
+             _EVERY + "payload_dtype {c.payload_dtype!r}, which codes the optimizer state with the parameters, one residual for "
+             "both: use float32 or every=1",
+             ".average_updaters(every=4).payload_dtype('int8')"),
+    Conflict(("average_updaters_every", "hierarchy"), lambda c, j: c.average_updaters_every > 1 and c.hierarchy == "node",
+             _EVERY + "hierarchy('node'), whose shards carry the optimizer state with the parameters: drop one",
+             ".average_updaters(every=4).hierarchy('node')"),
+    Conflict(("average_updaters_every", "on_worker_failure"), lambda c, j: c.average_updaters_every > 1 and c.on_worker_failure == "replace",
+             _EVERY + "on_worker_failure('replace'), which redoes a round from any survivor's copy: between averagings the "
+             "workers' optimizer states differ; drop one",
+             ".average_updaters(every=4).on_worker_failure('replace')"),
+    Conflict(("average_updaters_every", "pipeline"), lambda c, j: c.average_updaters_every > 1 and c.pipeline is not None,
+             _EVERY + "a pipeline, which this version does not run it with: drop one",
+             ".average_updaters(every=4).pipeline(stages=2)"),
+    Conflict(("autopilot", "training_mode"), lambda c, j: c.autopilot is not None and _shared(c),
+             _AUTO + "TrainingMode.SHARED_GRADIENTS, which averages every step: there is no k to choose",
+             ".averaging_frequency('auto').training_mode('shared-gradients')"),
+    Conflict(("autopilot", "deterministic"), lambda c, j: c.autopilot is not None and c.deterministic,
+             _AUTO + "deterministic(True): it chooses from measured times, which differ from run to run; set a fixed k",
+             ".averaging_frequency('auto').deterministic(True)"),
+    Conflict(("autopilot", "overlap_averaging"), lambda c, j: c.autopilot is not None and c.overlap_averaging,
+             _AUTO + "overlap_averaging, whose fragments are placed by a fixed k in this version; set a fixed k",
+             ".averaging_frequency('auto').overlap_averaging(True)"),
+    Conflict(("autopilot", "hierarchy"), lambda c, j: c.autopilot is not None and c.hierarchy != "none",
+             _AUTO + "hierarchy('node'), whose node groups it does not measure in this version; set a fixed k",
+             ".averaging_frequency('auto').hierarchy('node')"),
+    Conflict(("autopilot", "pipeline"), lambda c, j: c.autopilot is not None and c.pipeline is not None,
+             _AUTO + "a pipeline, whose stages it does not measure in this version; set a fixed k",
+             ".averaging_frequency('auto').pipeline(stages=2)"),
+    Conflict(("autopilot", "on_worker_failure"), lambda c, j: c.autopilot is not None and c.on_worker_failure == "replace",
+             _AUTO + "on_worker_failure('replace'), whose replacement and slots it does not size in this version; set a fixed k",
+             ".averaging_frequency('auto').on_worker_failure('replace')"),
+    Conflict(("pipeline", "on_worker_failure"), lambda c, j: c.pipeline is not None and c.on_worker_failure == "replace",
+             _STAGES + "on_worker_failure(\"replace\"): a lost stage would take its whole pipeline with it; drop it",
+             ".pipeline(stages=2).on_worker_failure('replace')"),
+    Conflict(("pipeline", "precision"), lambda c, j: c.pipeline is not None and c.precision == "16-mixed",
+             _STAGES + "precision('16-mixed'): its loss scaling needs the loss before the backward, which the pipeline's "
+             "schedule runs itself; use .precision('bf16-mixed')",
+             ".pipeline(stages=2).precision('16-mixed')"),
+    Conflict(("pipeline", "hierarchy"), lambda c, j: c.pipeline is not None and c.hierarchy != "none",
+             _STAGES + "hierarchy: its node groups are not stage groups; drop .hierarchy()",
+             ".pipeline(stages=2).hierarchy('node')"),
+    Conflict(("pipeline", "validation"), lambda c, j: c.pipeline is not None and j.validation_step is not None,
+             _STAGES + "validation(step=fn): fn(model, batch) takes the whole model, which no stage holds; drop step= for "
+             "val_loss and val_accuracy",
+             ".pipeline(stages=2).validation(data, step=fn)", job=True),
+    Conflict(("pipeline", "training_step"), lambda c, j: c.pipeline is not None and (j.training_step is not None or j.loss_fn is None),
+             _STAGES + "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss_fn(fn)",
+             ".pipeline(stages=2).training_step(fn)", job=True),
+    Conflict(("pipeline", "before_step"), lambda c, j: c.pipeline is not None and j.before_step is not None,
+             _STAGES + "before_step: each stage holds only a part of the model; drop .before_step(fn)",
+             ".pipeline(stages=2).before_step(fn)", job=True),
+)  # fmt: skip
 
-    model: torch.nn.Module
-    optimizer_cls: type[torch.optim.Optimizer]
-    optimizer_kwargs: dict[str, Any]
-    loss_fn: LossFn | None
-    training_step: TrainingStep | None
-    optimizer_fn: OptimizerFn | None = None
-    before_step: BeforeStep | None = None  # fn(model, optimizer) between backward and step
-    validation_data: Any = None  # batches (or a function returning them) the averaged model is scored on
-    validation_step: ValidationStep | None = None  # fn(model, batch) -> {name: batch mean}
-    early_stopping: Any = None  # a listeners.EarlyStopping, which every worker applies to its validations
-    lr_scheduler: SchedulerSpec | None = None
-    outer_optimizer: OuterSpec | None = None  # DiLoCo / SlowMo
 
-    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        return self.optimizer_fn(model) if self.optimizer_fn is not None else self.optimizer_cls(model.parameters(), **self.optimizer_kwargs)
-
-    @property
-    def optimizer_name(self) -> str:
-        """The optimizer as a checkpoint's fingerprint and error messages name it."""
-        if self.optimizer_fn is not None:
-            return short(f"{qualified(self.optimizer_fn)}(model)")
-        return short(f"{qualified(self.optimizer_cls)}({describe(self.optimizer_kwargs)})")
-
-
-def check_job(job: Job, config: Config, world_size: int) -> list[str]:
-    """A ValueError naming the fix for a job that cannot train (an optimizer that fails or trains
-    another model, parts that need what the config or job lacks); the warnings for one that
-    trains but loses something on the way (parameter hooks). What a spawned worker cannot
-    receive is sendable.py's to say."""
-    if job.outer_optimizer is not None and config.training_mode is not TrainingMode.AVERAGING:
-        raise ValueError("outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not: use TrainingMode.AVERAGING")
-    if job.early_stopping is not None and job.validation_data is None:
-        raise ValueError("EarlyStopping stops on validation metrics: add .validation(data, every=...)")
-    if job.validation_data is not None and job.validation_step is None and job.loss_fn is None:
-        raise ValueError("validation: with .training_step(fn) the default metrics (val_loss, val_accuracy) have no "
-                         "loss to use; pass .validation(data, step=fn) with fn(model, batch) -> {name: value}")
-    optimizer = _check_optimizer(job)
-    if job.lr_scheduler is not None:
-        _check_scheduler(job.lr_scheduler, optimizer, job.validation_data is not None, world_size)
-    if job.outer_optimizer is not None:
-        try:
-            job.outer_optimizer.build([torch.nn.Parameter(torch.zeros(1))])
-        except Exception as e:  # noqa: BLE001 - any failure here is a bad outer optimizer argument
-            cause = (str(e).strip().splitlines() or [""])[0][:300]
-            raise ValueError(f"outer_optimizer: {job.outer_optimizer.name} failed: {type(e).__name__}: {cause}") from None
-    notes = []
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    left_out = [name for name, p in job.model.named_parameters() if p.requires_grad and id(p) not in held]
-    if left_out:
-        notes.append(f"optimizer: {len(left_out)} trainable parameters are in no param group ({_names(left_out)}): they never "
-                     f"move, and are treated as frozen (not averaged); add them to a group, or set requires_grad=False")
-    hooked = [name for name, p in job.model.named_parameters() if getattr(p, "_backward_hooks", None)]
-    if hooked:
-        notes.append(f"parameters {_names(hooked)} carry hooks (Parameter.register_hook), which do not reach the workers' "
-                     f"copies of the model; do that gradient work in .before_step(fn) with fn(model, optimizer) instead")
-    return notes
-
-
-def _names(names: list[str]) -> str:
-    """The first three names, then how many more."""
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _check_optimizer(job: Job) -> torch.optim.Optimizer:
-    """The optimizer builds, and optimizes the model it was given: a function that reached for
-    another model (a global, a closure) would train nothing on the workers."""
-    name = job.optimizer_name
-    try:
-        optimizer = job.make_optimizer(job.model)
-    except Exception as e:  # noqa: BLE001 - any failure here is a bad optimizer argument
-        cause = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ValueError(f"optimizer: {name} failed: {type(e).__name__}: {cause}") from None
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer: {name} returned a {type(optimizer).__name__}, not a torch optimizer")
-    own = {id(p) for p in job.model.parameters()}
-    foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
-    if foreign:
-        raise ValueError(f"optimizer: {name} optimizes {foreign} tensors that are not the parameters of the model it was given; build the groups from its `model` argument")
-    return optimizer
-
-
-def _check_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, validates: bool, world_size: int) -> None:
-    """The scheduler builds on the optimizer it is given, and has what it steps on."""
-    if spec.interval not in INTERVALS:
-        raise ValueError(f"lr_scheduler: interval must be one of {list(INTERVALS)}, got {spec.interval!r}")
-    try:
-        scheduler = spec.build(optimizer)
-    except Exception as e:  # noqa: BLE001 - any failure here is a bad scheduler argument
-        cause = (str(e).strip().splitlines() or [""])[0][:300]
-        n = world_size  # per step the count is the global step: a length sized for N workers is N times shorter
-        split = f"; per step, each of {n} workers takes ceil(batches / {n}) steps an epoch (builder.steps_per_epoch(data)): too few here?" if spec.interval == "step" else ""
-        raise ValueError(f"lr_scheduler: {spec.name} failed: {type(e).__name__}: {cause}{split}") from None
-    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        raise ValueError(f"lr_scheduler: {spec.name} returned a {type(scheduler).__name__}, not a torch.optim.lr_scheduler scheduler")
-    if scheduler.optimizer is not optimizer:
-        raise ValueError(f"lr_scheduler: {spec.name} schedules another optimizer; build it on its `optimizer` argument")
-    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if spec.monitor is not None and not plateau:
-        raise ValueError(f"lr_scheduler: monitor= is for ReduceLROnPlateau, which steps on a metric; {spec.name} steps by a counter")
-    if spec.monitor is not None and not validates:
-        raise ValueError(f"lr_scheduler: ReduceLROnPlateau monitors {spec.monitor!r}, a validation metric: add "
-                         f".validation(data, every=...), or drop monitor= to step on the averaged training loss")
+def refuse(config: Config, job: Any = None) -> None:
+    """A ValueError with the message of the first of CONFLICTS that `config` has (with `job`, the
+    ones that need a job too)."""
+    for conflict in CONFLICTS:
+        if (job is not None or not conflict.job) and conflict.when(config, job):
+            raise ValueError(conflict.message.format(c=config))
 
 
 def parse_enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
@@ -397,4 +360,7 @@ def describe_config(config: Config) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in out.items()}
 
 
-__all__ = ["Config", "GradientEncoding", "Job", "NanPolicy", "OuterSpec", "PIPELINE_SCHEDULES", "Pipeline", "SchedulerSpec", "TrainingMode", "check_int", "check_job", "describe_config", "parse_enum"]
+__all__ = [
+    "CONFLICTS", "PAYLOAD_DTYPES", "PIPELINE_SCHEDULES", "PRECISIONS", "Config", "Conflict", "GradientEncoding", "NanPolicy",
+    "Pipeline", "TrainingMode", "check_int", "describe_config", "parse_enum", "refuse",
+]  # fmt: skip

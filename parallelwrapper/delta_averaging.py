@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .averaging import ProcessGroup, by_dtype, flat_buffer, put_trailer, views
-from .codec import DeltaCoder
+from .codec import DeltaCoder, uncoded_or
 from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, wait_trailer
 
 
@@ -50,7 +50,7 @@ class DeltaAverager:
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: str | None = None) -> None:
-        self._wire, self._trailer_len = wire, trailer
+        self._wire, self._trailer_len = uncoded_or(wire), trailer
         self._groups: list[_Snapshots] = []
         for dtype, members in by_dtype(tensors):
             snapshot, total = flat_buffer(members, dtype, device), flat_buffer(members, dtype, device, 0 if self._groups else trailer)

@@ -236,9 +236,9 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
 
 
 def collective_timeout(config: Config) -> datetime.timedelta:
-    """The collectives' own timeout: stall_timeout_s + 30 s, past the stall watchdog's, so that the watchdog,
+    """The collectives' own timeout: stall_timeout + 30 s, past the stall watchdog's, so that the watchdog,
     which can name the stalled worker, speaks first; it is the only guard under torchrun."""
-    return datetime.timedelta(seconds=config.stall_timeout_s + _COLLECTIVE_MARGIN_S)
+    return datetime.timedelta(seconds=config.stall_timeout + _COLLECTIVE_MARGIN_S)
 
 
 

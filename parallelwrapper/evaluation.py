@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from .batches import batch_size, describe, move_to
-from .config import Job
 from .feed import epoch_iterable
+from .job import Job
 
 Metrics = Callable[[torch.nn.Module, Any], dict[str, Any]]  # (model, batch) -> {name: batch mean}
 

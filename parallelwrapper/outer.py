@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .config import OuterSpec
+from .job import OuterSpec
 
 
 class OuterStep:

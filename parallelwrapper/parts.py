@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .batches import to_cpu
-from .config import Job
+from .job import Job
 from .outer import OuterStep
 from .rounds.state import optimizer_state_tensors, trained_parameters
 from .schedule import Schedule, make_schedule

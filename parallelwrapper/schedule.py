@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .config import SchedulerSpec
+from .job import SchedulerSpec
 from .types import Counters
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler

@@ -9,7 +9,7 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
-from .config import Job
+from .job import Job
 
 
 class _NullWriter(io.RawIOBase):

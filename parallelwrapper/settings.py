@@ -18,8 +18,9 @@ else:  # Python 3.10: typing_extensions comes with torch
     from typing_extensions import Self
 
 from .autopilot import Autopilot
-from .config import BeforeStep, GradientEncoding, LossFn, NanPolicy, OptimizerFn, OuterSpec, Pipeline, SchedulerSpec, TrainingMode, TrainingStep, ValidationStep, parse_enum
+from .config import GradientEncoding, NanPolicy, Pipeline, TrainingMode, parse_enum
 from .feed import Batches, compact
+from .job import BeforeStep, LossFn, OptimizerFn, OuterSpec, SchedulerSpec, TrainingStep, ValidationStep
 
 
 class Settings:
@@ -115,7 +116,7 @@ class Settings:
         """Clip each step's gradients to a total norm of `max_norm` (clip_grad_norm_), after
         backward and `before_step`, before the optimizer's step; in SHARED_GRADIENTS, the averaged
         gradients. Default: no clipping."""
-        return self._set("gradient_clip_norm", max_norm)
+        return self._set("gradient_clipping", max_norm)
 
     def precision(self, name: str) -> Self:
         """"32" (default), "bf16-mixed" or "16-mixed": each worker's forward and loss under autocast
@@ -192,8 +193,6 @@ class Settings:
         the wrapper's life, each worker keeping its own in between, and wherever replicas must be
         equal: at an epoch's end, a checkpoint, a validation and a stop. E.g. `.average_updaters(every=4)`.
         Not with overlap_averaging, a coded payload, a hierarchy, replacement or a pipeline."""
-        if not flag and every != 1:
-            raise ValueError(f"average_updaters(False, every={every!r}): False never sends the optimizer state, every= says how often it does; drop one")
         return self._set("average_updaters", bool(flag))._set("average_updaters_every", every)
 
     def overlap_averaging(self, flag: bool = True) -> Self:
@@ -264,7 +263,7 @@ class Settings:
     def stall_timeout(self, seconds: float) -> Self:
         """How long a spawned worker may go without progress (a batch, a step, an averaging) before fit()
         fails naming it and where it was. Default: 300 s."""
-        return self._set("stall_timeout_s", float(seconds))
+        return self._set("stall_timeout", float(seconds))
 
     def checkpoint(self, directory: str | os.PathLike[str], every: int = 50) -> Self:
         """Save a checkpoint to `directory` every `every` rounds, at each epoch's end, and on
@@ -290,7 +289,7 @@ class Settings:
         """Under torchrun: how long a rank may hear nothing from a peer (a dead process, a cut link)
         before it exits with an error naming that peer, so that torchrun can restart the group.
         Default: 30 s."""
-        return self._set("peer_timeout_s", float(seconds))
+        return self._set("peer_timeout", float(seconds))
 
     def nan_policy(self, policy: NanPolicy | str) -> Self:
         """NanPolicy.RAISE (default) fails fit(); NanPolicy.SKIP drops that worker from the round."""

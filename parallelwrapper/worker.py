@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from .batches import batch_size, describe, move_to
 from .checkpoint import rng_state
-from .config import Config, Job, NanPolicy
+from .config import Config, NanPolicy
 from .evaluation import autocast, metric_sums, validation_metrics
 from .feed import rank_share
+from .job import Job
 from .parts import Parts
 from .rounds import Node, Rounds
 from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, TrainingState, Where
@@ -74,6 +75,11 @@ class Replica:
     def state_dicts(self) -> TrainingState:
         """Every part's state on the CPU: a copy (Parts.state)."""
         return self.parts.state()
+
+    def whole_state(self) -> TrainingState:
+        """The whole model's state on every process of this worker: its own (a pipeline's stage
+        gathers its stages')."""
+        return self.state_dicts()
 
     def shipped_state(self) -> TrainingState:
         """Every part's own state, moved into shared memory to go to the main process at a fit's
@@ -213,8 +219,8 @@ class Replica:
             self.scaler.unscale_(self.optimizer)
         if self.job.before_step is not None:
             self.job.before_step(self.model, self.optimizer)
-        if self.config.gradient_clip_norm is not None:
-            self.clip(self.config.gradient_clip_norm)
+        if self.config.gradient_clipping is not None:
+            self.clip(self.config.gradient_clipping)
         if self.scaler is None:
             self.optimizer.step()
         else:

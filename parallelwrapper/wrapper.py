@@ -19,11 +19,12 @@ import torch
 
 from . import checkpoint, pipeline
 from .autopilot import levers
-from .config import Config, Job, check_job
+from .config import Config, refuse
 from .env import Placement, resolve, torchrun_env
 from .evaluation import check_validation, classification_metrics, metric_sums
 from .feed import Batches, check_epochs, epoch_iterable
 from .hosts import Host, TorchrunWorker, start_host
+from .job import Job, check_job
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
 from .parts import Parts
 from .schedule import sizing_warning, steps_per_epoch
@@ -279,9 +280,10 @@ class Builder(Settings):
             self._optimizer_fn, self._before_step, self._validation, self._validation_step, early_stopping_of(self._listeners),
             self._lr_scheduler, self._outer,
         )  # fmt: skip
+        refuse(config, job)
         torchrun = torchrun_env()
         placement = resolve(config, torchrun, explicit=self._options.keys())
-        notes = check_job(job, config, placement.world_size)
+        notes = check_job(job, placement.world_size)
         pipeline.check(config, job)
         if torchrun is None:  # under torchrun nothing travels
             check_sendable(job)

@@ -1,5 +1,5 @@
 """The module map holds: imports point one way (no cycle, even inside a function or behind
-TYPE_CHECKING), `naming`, `types`, `batches` and `autopilot` import nothing of the package (`config` only `naming` and `autopilot`), `averaging` knows
+TYPE_CHECKING), `naming`, `types`, `batches`, `registry` and `autopilot` import nothing of the package (`config` only `registry` and `autopilot`, `job` only `naming`), `averaging` knows
 nothing of the protocol, no module outgrows a read, and the Layout table of the design guide (docs/design.md) names every module.
 Fast tier: reads the source, runs none of it."""
 
@@ -78,9 +78,10 @@ def test_bottom_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[f"parallelwrapper.{leaf}"] == set()
 
 
-def test_config_imports_only_how_things_are_named_and_the_autopilots_bounds() -> None:
-    assert GRAPH["parallelwrapper.config"] <= {"parallelwrapper.naming", "parallelwrapper.autopilot"}
-    assert GRAPH["parallelwrapper.autopilot"] == set()
+def test_config_imports_only_the_registry_and_the_autopilots_bounds() -> None:
+    assert GRAPH["parallelwrapper.config"] <= {"parallelwrapper.registry", "parallelwrapper.autopilot"}
+    assert GRAPH["parallelwrapper.job"] <= {"parallelwrapper.naming"}
+    assert GRAPH["parallelwrapper.autopilot"] == GRAPH["parallelwrapper.registry"] == set()
 
 
 def test_averaging_imports_only_the_codecs_and_their_exchange() -> None:

@@ -27,7 +27,8 @@ from torch import nn
 from groups import run_group
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.autopilot import Autopilot, Choice, Pilot, Rung, levers
-from parallelwrapper.config import Config, Job, Pipeline, TrainingMode
+from parallelwrapper.config import Config, Pipeline, TrainingMode
+from parallelwrapper.job import Job
 from parallelwrapper.listeners import autopilot_changes
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource
@@ -161,7 +162,7 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
     ):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^averaging_frequency\('auto'\) does not go with {reason}"):
             Config(autopilot=Autopilot(), **options)
-    with pytest.raises(ValueError, match=r"does not go with payloads \['int3'\]: choose among"):
+    with pytest.raises(ValueError, match=r"payloads \['int3'\] are not payloads; choose among"):
         Config(autopilot=Autopilot(payloads=("float32", "int3")))
     with pytest.raises(ValueError, match=r"^averaging_frequency\('auto'\): k_min 8 is above k_max 4; e\.g\."):
         b.averaging_frequency("auto", k_min=8, k_max=4)

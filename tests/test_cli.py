@@ -153,7 +153,7 @@ def test_recipe_options_reach_the_run_and_the_builder(captured: dict[str, Any]) 
     options = captured["train"]
     assert options == RunOptions(precision="bf16-mixed", clip_grad_norm=0.5)
     with builder(LeNet(), options).build() as w:
-        assert (w.config.precision, w.config.gradient_clip_norm) == ("bf16-mixed", 0.5)
+        assert (w.config.precision, w.config.gradient_clipping) == ("bf16-mixed", 0.5)
     assert invoke("--precision", "fp8").exit_code != 0 and invoke("--clip-grad-norm", "0").exit_code != 0
 
 

@@ -52,7 +52,7 @@ def test_fluent_builder_sets_every_option() -> None:
     assert (c.workers, c.prefetch_buffer, c.averaging_frequency, c.seed) == (3, 7, 5, 9)
     assert not c.report_score_after_averaging and not c.average_updaters and c.deterministic
     assert c.training_mode is TrainingMode.SHARED_GRADIENTS and c.nan_policy is NanPolicy.SKIP
-    assert c.devices == ("cpu",) * 3 and c.stall_timeout_s == 30.0
+    assert c.devices == ("cpu",) * 3 and c.stall_timeout == 30.0
     assert (c.checkpoint_dir, c.checkpoint_every) == ("ckpt", 7)
     assert isinstance(w.optimizer, torch.optim.SGD) and w.optimizer.defaults["nesterov"]
     w.close()
@@ -72,9 +72,9 @@ def test_fluent_builder_sets_every_option() -> None:
         ("devices", ["cpu"], r"devices names 1 devices for 2 workers"),
         ("devices", "cpu", r"one device per worker"),
         ("devices", ["cpu", "tpu:9"], r"not a torch device"),
-        ("stall_timeout", 0, r"stall_timeout_s must be > 0"),
+        ("stall_timeout", 0, r"stall_timeout must be a positive number, got 0.0; e.g. .stall_timeout\(60.0\)"),
         ("on_worker_failure", "retry", r"on_worker_failure must be one of \['raise', 'replace'\], got 'retry'"),
-        ("peer_timeout", 0, r"peer_timeout_s must be > 0"),
+        ("peer_timeout", 0, r"peer_timeout must be a positive number"),
     ],
 )
 def test_bad_values_are_refused_with_the_fix(setter: str, value: object, match: str) -> None:

@@ -20,10 +20,11 @@ from torch import nn
 from parallelwrapper import ParallelWrapper, checkpoint
 from parallelwrapper.app import cli
 from parallelwrapper.averaging import FlatAverager
-from parallelwrapper.config import Config, Job
+from parallelwrapper.config import Config
 from parallelwrapper.delta_averaging import DeltaAverager
 from parallelwrapper.env import Placement
 from parallelwrapper.hosts.runtime import Worker
+from parallelwrapper.job import Job
 from parallelwrapper.rounds import HEADER_LEN, RoundTotals, make_header, read_header
 from parallelwrapper.rounds.scores import ScoreBook
 from parallelwrapper.types import Counters, EpochReport, RoundReport, TrainingState, Where, WorkerError

@@ -308,7 +308,7 @@ def test_placement_default_has_no_notes() -> None:
 @pytest.mark.parametrize(("stall", "seconds"), [(300.0, 330.0), (10.0, 40.0), (0.5, 30.5)])
 def test_collective_timeout_outlasts_the_stall_watchdog(stall: float, seconds: float) -> None:
     """The watchdog names the stalled worker, so it must speak before the collective gives up."""
-    assert collective_timeout(Config(stall_timeout_s=stall)) == datetime.timedelta(seconds=seconds)
+    assert collective_timeout(Config(stall_timeout=stall)) == datetime.timedelta(seconds=seconds)
 
 
 @pytest.mark.fast

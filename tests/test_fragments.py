@@ -14,7 +14,8 @@ from torch import nn
 
 from groups import run_group
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.config import Config, Job, OuterSpec
+from parallelwrapper.config import Config
+from parallelwrapper.job import Job, OuterSpec
 from parallelwrapper.rounds.streaming import cut_fragments
 from parallelwrapper.worker import Replica
 from test_composition import SaveState

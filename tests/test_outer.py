@@ -17,8 +17,9 @@ from torch import nn
 from groups import run_group
 from parallelwrapper import ParallelWrapper, TrainingMode
 from parallelwrapper.averaging import FlatAverager
-from parallelwrapper.config import Config, Job, OuterSpec
+from parallelwrapper.config import Config
 from parallelwrapper.delta_averaging import DeltaAverager
+from parallelwrapper.job import Job, OuterSpec
 from parallelwrapper.outer import OuterStep
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource, batches, bn_model, one_thread

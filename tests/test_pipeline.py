@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import torchrun_pipeline
 from parallelwrapper import ParallelWrapper, TrainingMode, WorkerError
 from parallelwrapper.app.models import LeNet
-from parallelwrapper.config import Config, Job, OuterSpec, Pipeline
+from parallelwrapper.config import Config, Pipeline
 from parallelwrapper.env import resolve
+from parallelwrapper.job import Job, OuterSpec
 from parallelwrapper.pipeline import joined_state, stage_module
 from parallelwrapper.pipeline.split import Names, boundaries, held, pieces_in, pieces_of, scorer, stage_state
 from parallelwrapper.pipeline.stage import microbatches

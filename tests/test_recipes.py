@@ -153,7 +153,7 @@ def test_parameter_hooks_that_cannot_reach_the_workers_are_named() -> None:
     model[0].weight.register_hook(lambda g: g * 2)
     with pytest.warns(UserWarning, match=r"parameters 0.weight carry hooks.*\.before_step\(fn\)"):
         ParallelWrapper.builder(model).workers(1).build().close()
-    with pytest.raises(ValueError, match=r"gradient_clip_norm must be a positive number"):
+    with pytest.raises(ValueError, match=r"gradient_clipping must be a positive number"):
         ParallelWrapper.builder(mlp()).gradient_clipping(0).build()
 
 

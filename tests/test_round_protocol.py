@@ -21,7 +21,8 @@ from groups import run_group
 from parallelwrapper import rounds
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.averaging import all_reduce_values as reduce_header
-from parallelwrapper.config import Config, Job
+from parallelwrapper.config import Config
+from parallelwrapper.job import Job
 from parallelwrapper.rounds import make_header, read_header
 from parallelwrapper.types import END
 from parallelwrapper.worker import Replica

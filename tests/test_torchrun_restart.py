@@ -1,4 +1,4 @@
-"""A torchrun group that loses a rank: its peers name it within peer_timeout_s and exit, torchrun
+"""A torchrun group that loses a rank: its peers name it within peer_timeout and exit, torchrun
 restarts the group (--max-restarts), and the restarted group resumes from the last checkpoint and
 ends bitwise equal to a run that never stopped. Real torchrun agents, on loopback and in two
 network namespaces whose link is cut."""

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..config import Config, Job
+from ..config import Config
 from ..env import Placement
 from ..feed import Batches
+from ..job import Job
 from ..types import FitCommand, Reporter, TrainingState
 from .inprocess import InProcessWorker
 from .spawned import WorkerPool

@@ -1,11 +1,11 @@
-"""A torchrun rank's watch over its peers: a lost peer ends this process within `peer_timeout_s`.
+"""A torchrun rank's watch over its peers: a lost peer ends this process within `peer_timeout`.
 
 A rank killed with SIGKILL closes its sockets, and gloo fails its peers' collective at once. A rank
 that is stopped (SIGSTOP, a hung host) or whose link is cut closes nothing: without this watch its
-peers would wait out the collective timeout (stall_timeout_s + 30 s) before torchrun could restart
+peers would wait out the collective timeout (stall_timeout + 30 s) before torchrun could restart
 the group. So every rank runs a daemon thread that bumps its own counter in the group's store every
-`peer_timeout_s / 6` seconds (at most every 2 s) and reads its peers', and a second one that judges.
-A peer whose counter has not moved for `peer_timeout_s`, or a store that has not answered for that
+`peer_timeout / 6` seconds (at most every 2 s) and reads its peers', and a second one that judges.
+A peer whose counter has not moved for `peer_timeout`, or a store that has not answered for that
 long, is lost: the main thread may be blocked in a collective, so the judge prints one line naming
 the lost ranks to stderr and ends the process with `os._exit(1)`; torchrun's agent then restarts the
 group (--max-restarts) or stops. The threads go on while the main thread works (a validation, a

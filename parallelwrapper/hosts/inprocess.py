@@ -24,9 +24,10 @@ import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from ..checkpoint import make_checkpointer
-from ..config import Config, Job
+from ..config import Config
 from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, ShardSource
+from ..job import Job
 from ..types import FitCommand, Reporter, TrainingState
 from .runtime import SignalHooks, Worker, stop_on_signals
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from collections.abc import Callable
+from types import NotImplementedType
+from typing import cast
 
 import torch
 
-from ..config import Job
+from ..job import Job
 
 
 def shared_pickle(job: Job) -> torch.Tensor:
@@ -35,14 +37,18 @@ class _StructurePickler(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._blank = {id(t) for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor) and _blankable(t)}
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> tuple[Callable[..., object], tuple[object, ...]] | NotImplementedType:
         if id(obj) not in self._blank:
-            return NotImplemented
-        spec = (tuple(obj.size()), obj.stride(), obj.dtype, str(obj.device), obj.requires_grad)
+            return NotImplemented  # type: ignore[no-any-return]  # (typeshed types NotImplemented loosely)
+        obj = cast(torch.Tensor, obj)  # one of the state dict's tensors, by its id
+        spec: _Spec = (tuple(obj.size()), obj.stride(), obj.dtype, str(obj.device), obj.requires_grad)
         if type(obj) is torch.nn.Parameter:
             rebuild, args = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[no-untyped-call]
             return rebuild, (_Blank(spec), *args[1:])  # (data, requires_grad, hooks[, state])
         return _blank_tensor, spec
+
+
+_Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, str, bool]  # _blank_tensor's arguments
 
 
 def _blankable(t: torch.Tensor) -> bool:
@@ -59,8 +65,8 @@ def _blank_tensor(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.d
 class _Blank:
     """A Parameter's data, pickled as `_blank_tensor(*spec)`."""
 
-    def __init__(self, spec: tuple[Any, ...]) -> None:
+    def __init__(self, spec: _Spec) -> None:
         self.spec = spec
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[..., torch.Tensor], _Spec]:
         return _blank_tensor, self.spec

@@ -14,7 +14,9 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -23,16 +25,23 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..checkpoint import make_checkpointer
 from ..claims import StoreCounter, source_for
-from ..config import Config, Job
+from ..config import Config
 from ..env import Placement, collective_timeout
-from ..feed import QueueSource
+from ..feed import Item, QueueSource
+from ..job import Job
 from ..processes import adopt_environment, main_process_gone
 from ..slots import SlotReader
-from ..types import BatchSource, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
+from ..types import BatchSource, CheckpointWriter, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger
 from .recovery import FORM_S, Keeper, Regroup, assemble
 from .runtime import Worker, claim_device, stage_worker, summary
-from .supervisor import ProgressBoard
+from .supervisor import Message, ProgressBoard
+
+# What the main process puts on a worker's command queue, in this order: to a standby, (the rank
+# it takes, its generation); the job's pickle (jobs.shared_pickle); then a fit (FitCommand), a
+# replacement's Regroup, or None: close.
+Command = tuple[int, int] | torch.Tensor | FitCommand | Regroup | None
+T = TypeVar("T")
 
 _REPORT_S = 0.25  # how long rank 0 may hold scores back to send them together
 
@@ -41,7 +50,7 @@ class _SpawnedHooks(Hooks):
     """Progress on the shared board (the supervisor's stall watchdog reads it); a stop when the
     main process sets the shared event (Ctrl-C)."""
 
-    def __init__(self, board: ProgressBoard, rank: int, stop: Any, checkpointer: Any) -> None:
+    def __init__(self, board: ProgressBoard, rank: int, stop: Event, checkpointer: CheckpointWriter | None) -> None:
         super().__init__(checkpointer)
         self._board, self._rank, self._stop = board, rank, stop
         self.keeper: Keeper | None = None  # with on_worker_failure("replace")
@@ -74,13 +83,13 @@ class _SpawnedHooks(Hooks):
 class Channels:
     """What a spawned worker shares with the main process."""
 
-    data: list[Any]  # the queues of batches: rank r takes from data[r % len(data)]
-    free_slots: Any
-    commands: Any
-    results: Any
-    stop: Any  # Ctrl-C: finish the round, checkpoint, stop
+    data: list[Queue[Item]]  # the queues of batches: rank r takes from data[r % len(data)]
+    free_slots: Queue[int]
+    commands: Queue[Command]
+    results: Queue[Message]
+    stop: Event  # Ctrl-C: finish the round, checkpoint, stop
     board: ProgressBoard
-    abort: Any  # a peer failed: leave the wait for a batch
+    abort: Event  # a peer failed: leave the wait for a batch
     ledgers: list[Ledger] | None  # with on_worker_failure("replace"): rank r's is ledgers[r]
 
 
@@ -111,7 +120,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
         called = _get(c.commands)
         if called is None:
             return
-        rank, generation = called
+        rank, generation = cast("tuple[int, int]", called)  # a standby's first command
     try:
         claim_device(placement, rank, config.deterministic)
         store = TCPStore("127.0.0.1", store_port, is_master=False, timeout=collective_timeout(config))
@@ -131,7 +140,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
 
         if generation == 0:
             join(0)  # the first members; a replacement joins at the Regroup that follows its start
-        job = _unpickle_job(_get(c.commands))
+        job = _unpickle_job(cast(torch.Tensor, _get(c.commands)))  # the second
         hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
         worker, relay = (Worker(job, config, placement, rank, rank, hooks=hooks, own_model=True), _as_is) if config.pipeline is None else stage_worker(job, config, placement, rank, rank, hooks, True)
         del job  # a stage's process holds its own layers only
@@ -142,7 +151,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
         report = _Reports(c.results, rank) if rank == 0 else _ignore if keeper is None else _EpochEnds(c.results, rank)
         c.results.put(("ready", rank, (os.getpid(), None)))  # (pid, nothing), as a park's
         while True:
-            command: FitCommand | Regroup | None = _get(c.commands)
+            command = cast("FitCommand | Regroup | None", _get(c.commands))  # and every one after
             if command is None:
                 break
             stopped = False
@@ -211,12 +220,13 @@ class _EpochEnds:
     on the first of each): rank 0 lost after an epoch's last round landed, before its report left,
     would take the epoch's end with it, and the epoch is not redone."""
 
-    def __init__(self, results: Any, rank: int) -> None:
+    def __init__(self, results: Queue[Message], rank: int) -> None:
         self._results, self._rank = results, rank
 
     def __call__(self, report: Report) -> None:
         if isinstance(report, EpochReport):
-            self._results.put(("reports", self._rank, [report]))
+            reports: list[Report] = [report]
+            self._results.put(("reports", self._rank, reports))
 
 
 class _Reports:
@@ -224,7 +234,7 @@ class _Reports:
     main process, which then takes a core from a worker for a moment (and with few cores, a
     worker held up holds every worker up at the next averaging). An epoch's end goes at once."""
 
-    def __init__(self, results: Any, rank: int) -> None:
+    def __init__(self, results: Queue[Message], rank: int) -> None:
         self._results, self._rank = results, rank
         self._pending: list[Report] = []
         self._last = time.monotonic()
@@ -241,7 +251,7 @@ class _Reports:
         self._last = time.monotonic()
 
 
-def _get(q: Any) -> Any:
+def _get(q: Queue[T]) -> T | None:
     while True:
         try:
             return q.get(timeout=1.0)

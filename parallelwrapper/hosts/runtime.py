@@ -21,26 +21,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import pipeline
 from ..checkpoint import rng_state, set_rng_state
-from ..config import Config, Job
+from ..config import Config
 from ..env import Placement, deterministic_kernels
 from ..feed import FeedError
-from ..pipeline import Position, RelaySource, StageReplica, join_groups, stage_module
-from ..pipeline.split import Layout
+from ..job import Job
 from ..rounds import Node
-from ..types import BatchSource, Counters, FitCommand, Hooks, Reporter, Stopped, TrainingError, TrainingState, WorkerError
+from ..types import BatchSource, CheckpointWriter, Counters, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, TrainingState, WorkerError
 from ..worker import Replica
 
 _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
@@ -70,7 +68,7 @@ class Kept:
     state: TrainingState
     counters: Counters
     seq: int  # the round, counted over the worker's life (Rounds.seq)
-    own: dict[str, Any]  # this worker's RNG state and loss scale
+    own: StateDict  # this worker's RNG state and loss scale
 
 
 class Worker:
@@ -94,7 +92,7 @@ class Worker:
     ) -> None:
         """`own_model`: `job.model` is this worker's alone (a spawned worker unpickled it), so it
         trains that one instead of a copy; elsewhere it is the user's, which the wrapper holds.
-        `make_replica`, `stage` and `process`: a pipeline's stage (pipeline.StageReplica), named in
+        `make_replica`, `stage` and `process`: a pipeline's stage (pipeline.plan), named in
         errors, and the process of the group it is (a checkpoint's own states go by process)."""
         self.rank, self.stage, self._threads = rank, stage, placement.threads
         self.process = rank if process is None else process
@@ -108,7 +106,7 @@ class Worker:
             torch.manual_seed(config.seed + rank)
             self._rng = rng_state()
         self.kept: Kept | None = None  # with `keep`: the state a redo of the oldest round not landed starts from
-        self._begun: tuple[Any, dict[str, Any]] | None = None  # at the last round's start: its schedule and RNG
+        self._begun: tuple[StateDict | None, StateDict] | None = None  # at the last round's start: its schedule and RNG
         self._average: TrainingState | None = None  # held by `hold_average` at an overlapped landing
 
     def keep(self, tag: int, landed: int) -> None:
@@ -135,7 +133,7 @@ class Worker:
         """The replica holds a landed average, for this call only (overlap_averaging)."""
         self._average = self.replica.state_dicts()
 
-    def redo(self, kept: Kept, until_epoch: int, own: dict[str, Any] | None) -> FitCommand:
+    def redo(self, kept: Kept, until_epoch: int, own: StateDict | None) -> FitCommand:
         """The fit that redoes round `kept.seq` from `kept` (a survivor's copy), with this worker's
         own RNG and loss scale from then (`own`), or as they are (None)."""
         if own is not None:
@@ -144,7 +142,7 @@ class Worker:
         self.replica.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
         return FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None)
 
-    def own_state(self) -> dict[str, Any]:
+    def own_state(self) -> StateDict:
         """This worker's own RNG state and loss scale as they are now (Replica.own_state, with
         the worker's RNG stream, not the process's)."""
         with self._own_threads_and_rng():
@@ -201,14 +199,10 @@ def stage_worker(job: Job, config: Config, placement: Placement, process: int, l
     """The worker of a pipeline's stage (pipeline/) in process `process` of the group: its
     layers, their optimizer, its groups; and what makes the batches it trains on of the source
     its worker reads: the batches its pipeline's first stage takes from it and relays."""
-    assert config.pipeline is not None
-    spec, position = config.pipeline, Position.of(process, placement.stages)
-    group, pipe = join_groups(position, placement.world_size)
-    whole = Layout.of(job.model, job.make_optimizer(job.model))
-    job = dataclasses.replace(job, model=stage_module(job.model, spec, position.stage))
-    make = functools.partial(StageReplica, position=position, pipe=pipe, whole=whole)
-    worker = Worker(job, config, placement, position.worker, local_rank, group=group, hooks=hooks, own_model=own_model, make_replica=make, stage=position.stage, process=process)
-    return worker, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe)
+    stage = pipeline.plan(job, config, placement.world_size, process)
+    worker = Worker(stage.job, config, placement, stage.worker, local_rank, group=stage.group, hooks=hooks, own_model=own_model,
+                    make_replica=stage.make_replica, stage=stage.stage, process=process)  # fmt: skip
+    return worker, stage.relay
 
 
 def one_traceback(error: BaseException) -> str:
@@ -245,7 +239,7 @@ class SignalHooks(Hooks):
     """Hooks of a worker in a process that the user signals directly (in-process, torchrun): the
     first signal asks for a stop after the round in flight, which is then checkpointed."""
 
-    def __init__(self, checkpointer: Any = None) -> None:
+    def __init__(self, checkpointer: CheckpointWriter | None = None) -> None:
         super().__init__(checkpointer)
         self.signalled: int | None = None  # the signal that asked for the stop
 

@@ -14,28 +14,39 @@ import functools
 import os
 import queue
 import time
-from typing import Any
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from typing import Protocol, cast
 
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ..claims import claimed
-from ..config import Config, Job
+from ..config import Config
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, CallAway, Feeder, drain, shardable, shards_of
+from ..feed import Batches, CallAway, Feeder, Item, drain, shardable, shards_of
+from ..job import Job
 from ..pipeline import joined_state
 from ..processes import worker_context
 from ..slots import SlotWriter
 from ..types import Counters, EpochReport, FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
 from .jobs import shared_pickle as _shared_pickle
 from .ledger import Ledger
-from .process import Channels, worker_entry
+from .process import Channels, Command, worker_entry
 from .recovery import Recovery, Regroup, abandon, newest, refeed
-from .supervisor import ProgressBoard, Supervisor
+from .supervisor import Message, ProgressBoard, Supervisor
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
+
+
+class _Closes(Protocol):
+    """A multiprocessing queue, of any items, as `kill` closes it."""
+
+    def cancel_join_thread(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class _Ended(Exception):
@@ -65,7 +76,7 @@ class WorkerPool:
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout(config))
         if config.deterministic:
             per_worker = max(1, config.prefetch_buffer // n)
-            self.data_queues = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
+            self.data_queues: list[Queue[Item]] = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
         else:
             self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
         replaces = config.on_worker_failure == "replace"
@@ -74,7 +85,7 @@ class WorkerPool:
         # and one taken ahead each, beyond the prefetched ones. One worker may take all of a round
         # (first-come), then one ahead and an end of epoch.
         k, in_flight = config.averaging_frequency, 2 if config.overlap_averaging else 1
-        self._free_slots = ctx.Queue()
+        self._free_slots: Queue[int] = ctx.Queue()
         self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (n * (in_flight * k + 1) if replaces else 0))
         self._ledgers = [Ledger(ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)] if replaces else None
         self._recovery = Recovery(config.max_replacements) if replaces else None
@@ -82,19 +93,21 @@ class WorkerPool:
         self._spare_ends: dict[int, EpochReport] = {}  # epoch -> its end, from a worker other than rank 0
         self._ended: set[int] = set()  # this fit's epochs whose end was passed on
         self._fits = 0  # fits read in shards, each claiming from a key of its own
-        self._results = ctx.Queue()
+        self._results: Queue[Message] = ctx.Queue()
         self._stop = ctx.Event()
         self._abort = ctx.Event()
         # With a pipeline each worker is `stages` processes (pipeline/): process p is stage
         # p % stages of worker p // stages; the board, commands and results are by process.
         processes = placement.processes
         self._board = ProgressBoard(ctx, processes)
-        self._processes: list[Any] = [None] * processes
-        self._commands: list[Any] = [None] * processes
+        # Filled by `_spawn` before any other reads them (the supervisor holds the same list): only
+        # `kill`, after a start that failed, may find a None.
+        self._processes = cast("list[BaseProcess]", [None] * processes)
+        self._commands = cast("list[Queue[Command]]", [None] * processes)
         # A replacement takes a standby process, spawned ahead: importing torch takes seconds.
-        self._standby: tuple[Any, Any] | None = None
+        self._standby: tuple[BaseProcess, Queue[Command]] | None = None
         on_failure = None if self._recovery is None else self._call_away
-        self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout_s, placement.stages, on_failure)
+        self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout, placement.stages, on_failure)
         self._join = None if config.pipeline is None else functools.partial(joined_state, job=job, spec=config.pipeline)
         try:
             for rank in range(processes):
@@ -108,9 +121,9 @@ class WorkerPool:
             self.kill()
             raise
 
-    def _spawn(self, rank: int | None) -> tuple[Any, Any]:
+    def _spawn(self, rank: int | None) -> tuple[BaseProcess, Queue[Command]]:
         """Start the worker of `rank`, or a standby (None), with a command queue of its own."""
-        commands = self._ctx.Queue()
+        commands: Queue[Command] = self._ctx.Queue()
         channels = Channels(
             self.data_queues, self._free_slots, commands, self._results, self._stop, self._board,
             self._abort, self._ledgers,
@@ -209,11 +222,10 @@ class WorkerPool:
         ready: dict[int, None] = {}  # those that have said they are ready
         lost: list[WorkerError] = []
 
-        def on_other(message: tuple[str, int, Any]) -> None:
-            kind, rank, payload = message
-            if kind == "ready" and rank in starting and payload[0] == self._processes[rank].pid:
-                ready[rank] = None
-            elif kind in ("done", "stopped"):  # a worker ended the fit: nothing is left to redo it with
+        def on_other(message: Message) -> None:
+            if message[0] == "ready" and message[1] in starting and message[2][0] == self._processes[message[1]].pid:
+                ready[message[1]] = None
+            elif message[0] in ("done", "stopped"):  # a worker ended the fit: nothing is left to redo it with
                 raise _Ended
             else:
                 self._pass_on(message, on_report)
@@ -232,7 +244,7 @@ class WorkerPool:
             others = set(range(len(self._processes))) - self._supervisor.gone
             try:
                 recovering = f"recovering from worker {lost[0].rank}'s failure"
-                self._supervisor.gather("parked", others, self.config.stall_timeout_s, on_other, recovering, echoes=True, pid=True, got=parked)
+                self._supervisor.gather("parked", others, self.config.stall_timeout, on_other, recovering, echoes=True, pid=True, got=parked)
             except WorkerError as again:  # one more loss, while the others park
                 error = again
                 continue
@@ -308,12 +320,12 @@ class WorkerPool:
             if message is not None and message[0] in ("stopped", "done"):
                 stopped.add(message[1])
 
-    def _receive(self, stage: str, on_report: Reporter) -> tuple[str, int, Any] | None:
+    def _receive(self, stage: str, on_report: Reporter) -> Message | None:
         """The next message that is not a batch of reports; those go to `on_report` on the way."""
         message = self._supervisor.next(stage)
         return None if message is None else self._pass_on(message, on_report)
 
-    def _pass_on(self, message: tuple[str, int, Any], on_report: Reporter) -> tuple[str, int, Any] | None:
+    def _pass_on(self, message: Message, on_report: Reporter) -> Message | None:
         """A batch of reports goes to `on_report` (None); any other message comes back. Rank 0
         reports; every other replaceable worker sends its epochs' ends too (process._EpochEnds),
         kept aside until rank 0's comes, or until rank 0 is replaced without sending it (`_replace`)."""
@@ -351,7 +363,8 @@ class WorkerPool:
                 p.kill()
         for p in started:
             p.join(timeout=_JOIN_TIMEOUT_S)
-        for q in [*self.data_queues, self._free_slots, *self._commands, *(commands for _, commands in standby), self._results]:
+        queues: list[_Closes | None] = [*self.data_queues, self._free_slots, *self._commands, *(commands for _, commands in standby), self._results]
+        for q in queues:
             if q is None:
                 continue
             q.cancel_join_thread()

@@ -6,11 +6,24 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from typing import Literal, TypeVar, cast
 
 from ..processes import exit_message, stopped
-from ..types import Phase, Where, WorkerError
+from ..types import Counters, Phase, Report, TrainingState, Where, WorkerError
+
+# A worker's message to the main process, on the results queue: (kind, process, payload).
+Message = (
+    tuple[Literal["ready"], int, tuple[int, None]]  # started, or regrouped: (its pid, nothing)
+    | tuple[Literal["parked"], int, tuple[int, tuple[int, Counters] | None]]  # after a loss: (its pid, the round it kept: (seq, counters)), recovery.py
+    | tuple[Literal["done", "stopped"], int, TrainingState | None]  # a fit ended (stopped: by a stop request), worker 0's final state
+    | tuple[Literal["error"], int, WorkerError]
+    | tuple[Literal["reports"], int, list[Report]]
+)
+P = TypeVar("P")  # a gathered message's payload
 
 _POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment
 STOPPED_S = 0.5  # a worker stopped by a signal this long is lost: its peers wait on it, and it cannot answer
@@ -24,7 +37,7 @@ class ProgressBoard:
 
     FIELDS = 5  # phase, epoch, batch index, local step, monotonic time (system-wide on Linux)
 
-    def __init__(self, ctx: Any, workers: int) -> None:
+    def __init__(self, ctx: BaseContext, workers: int) -> None:
         self.array = ctx.Array("d", workers * self.FIELDS, lock=False)
 
     def write(self, rank: int, phase: Phase, epoch: int, index: int, step: int) -> None:
@@ -41,21 +54,21 @@ class Supervisor:
     """Reads the workers' result queue; raises a WorkerError for an error, a death or a stall."""
 
     def __init__(
-        self, processes: list[Any], results: Any, board: ProgressBoard, stall_timeout_s: float, stages: int = 1, on_failure: Callable[[], None] | None = None
+        self, processes: list[BaseProcess], results: Queue[Message], board: ProgressBoard, stall_timeout: float, stages: int = 1, on_failure: Callable[[], None] | None = None
     ) -> None:
         """`stages`: each worker is a pipeline of that many processes, process p being stage
         p % stages of worker p // stages (pipeline/); messages and the board are by process.
         `on_failure`: called when a failure is first seen, before the wait for its echoes (a
         replacement calls every worker away from its wait for a batch, so that each speaks soon)."""
-        self._processes, self._results, self._board, self._stall_s = processes, results, board, stall_timeout_s
+        self._processes, self._results, self._board, self._stall_s = processes, results, board, stall_timeout
         self._on_failure = on_failure
         self._stages = stages
-        self._held: list[tuple[str, int, Any]] = []  # read while waiting for errors, not yet returned
+        self._held: list[Message] = []  # read while waiting for errors, not yet returned
         self._stopped: dict[int, tuple[float, float]] = {}  # process -> when it was first and last seen stopped by a signal
         # Processes put down during a replacement and not replaced yet: dead, and already handled.
         self.gone: set[int] = set()
 
-    def next(self, stage: str) -> tuple[str, int, Any] | None:
+    def next(self, stage: str) -> Message | None:
         """The next message, or None after a short poll."""
         try:
             message = self._take()
@@ -64,16 +77,14 @@ class Supervisor:
             self._raise_if_stopped(range(len(self._processes)))
             self._raise_if_stalled()
             return None
-        kind, rank, payload = message
-        if kind == "error":
+        if message[0] == "error":
             # From None, here and below: what the main process was handling is not its context.
-            raise self._root_cause(payload) from None
-        return kind, rank, payload
-
-    def _take(self) -> tuple[str, int, Any]:
-        """A message held back while waiting for errors, else the next one (queue.Empty after a poll)."""
-        message: tuple[str, int, Any] = self._held.pop(0) if self._held else self._results.get(timeout=_POLL_S)
+            raise self._root_cause(message[2]) from None
         return message
+
+    def _take(self) -> Message:
+        """A message held back while waiting for errors, else the next one (queue.Empty after a poll)."""
+        return self._held.pop(0) if self._held else self._results.get(timeout=_POLL_S)
 
     def _raise_if_dead(self, stage: str) -> None:
         for rank, p in enumerate(self._processes):
@@ -96,7 +107,7 @@ class Supervisor:
     def _process(self, error: WorkerError) -> int:
         return error.rank * self._stages + (error.stage or 0)
 
-    def _raise_if_stopped(self, processes: Any) -> None:
+    def _raise_if_stopped(self, processes: Iterable[int]) -> None:
         """A worker process stopped by a signal (SIGSTOP) for STOPPED_S: lost, as if killed, so
         that a replacement takes its rank (it is killed then: a late SIGCONT finds nothing). The
         whole fleet waits on it meanwhile, so the wait is short. Sightings further apart than
@@ -173,8 +184,9 @@ class Supervisor:
         return errors[root].with_echoes({r: e.summary for r, e in errors.items()}, self._stages)
 
     def gather(
-        self, kind: str, ranks: set[int], timeout_s: float, on_other: Any, stage: str, echoes: bool = False, pid: bool = False, got: dict[int, Any] | None = None
-    ) -> dict[int, Any]:
+        self, kind: str, ranks: set[int], timeout_s: float, on_other: Callable[[Message], None], stage: str, echoes: bool = False, pid: bool = False,
+        got: dict[int, P] | None = None,
+    ) -> dict[int, P]:
         """The payloads of a `kind` message from each of `ranks`, within `timeout_s`, while `stage`;
         other messages go to `on_other`. An error raises, unless `echoes` (peers' echoes of a
         failure being handled: dropped); so do a death or a silence among `ranks`, naming the worker.
@@ -195,10 +207,15 @@ class Supervisor:
                     missing = sorted(ranks - got.keys())
                     raise self._error(missing[0], f"did not answer within {timeout_s:.0f} s while {stage}") from None  # the silence is the error, not the empty queue
                 continue
-            if message[0] == kind and message[1] in ranks and (not pid or message[2][0] == self._processes[message[1]].pid):
-                got[message[1]] = message[2][1] if pid else message[2]
+            if message[0] == kind and message[1] in ranks and (not pid or _sender(message) == self._processes[message[1]].pid):
+                got[message[1]] = cast(P, cast("tuple[int, object]", message[2])[1] if pid else message[2])  # `kind`'s payload
             elif message[0] == "error" and not echoes:
                 raise self._root_cause(message[2]) from None
             elif message[0] != "error":
                 on_other(message)
         return got
+
+
+def _sender(message: Message) -> int:
+    """The pid in a payload that carries one ("ready", "parked": Supervisor.gather's `pid`)."""
+    return cast("tuple[int, object]", message[2])[0]

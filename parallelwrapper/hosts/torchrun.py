@@ -5,7 +5,7 @@ first fit() starts every rank from rank 0's state (`_from_rank_0`).
 
 Every incarnation of a group that torchrun restarts (--max-restarts) joins under keys of its own
 in torchrun's store (`_join`), agrees whether to resume from the last checkpoint, and watches its
-peers (heartbeat.py): a lost peer ends this process within peer_timeout_s.
+peers (heartbeat.py): a lost peer ends this process within peer_timeout.
 
 The signals torchrun sends its workers when it stops them (SIGTERM; SIGINT from a terminal)
 finish the round in flight and save it when checkpoints are on, as Ctrl-C does for spawned
@@ -21,7 +21,6 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,10 +29,10 @@ from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[
 from ..batches import map_leaves
 from ..checkpoint import make_checkpointer, path_of
 from ..claims import StoreCounter, claimed, source_for
-from ..config import Config, Job
+from ..config import Config
 from ..env import Placement, TorchrunEnv, collective_timeout
 from ..feed import Batches
-from ..pipeline import StageReplica, gathered_state
+from ..job import Job
 from ..rounds import Node
 from ..types import BatchSource, FitCommand, Reporter, TrainingState, WorkerError
 from .heartbeat import Heartbeat
@@ -119,7 +118,7 @@ def _digest(state: TrainingState) -> bytes:
     equal digests), so that ranks compare 32 bytes instead of sending the state."""
     tensors: list[torch.Tensor] = []
 
-    def meta(leaf: Any) -> Any:
+    def meta(leaf: object) -> object:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         tensors.append(leaf)
@@ -156,7 +155,7 @@ class TorchrunWorker:
             )  # fmt: skip
             self.resume_point = config.checkpoint_dir if resume else None
             if env.world_size > 1:  # alone, there is no peer to lose
-                self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout_s)
+                self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout)
         self._hooks = SignalHooks(make_checkpointer(config, job, placement.world_size))
         self._job, self._workers = job, placement.world_size
         if config.pipeline is None:
@@ -191,8 +190,7 @@ class TorchrunWorker:
                     "--max-restarts with .checkpoint(dir) restarts the group and resumes from the last checkpoint"
                 )
                 raise WorkerError(e.rank, e.summary + hint, e.details, e.where, e.at, e.stage) from None  # the same error, with the hint: its traceback once
-        replica = self._worker.replica
-        return gathered_state(replica) if isinstance(replica, StageReplica) else replica.state_dicts()
+        return self._worker.replica.whole_state()
 
     def close(self) -> None:
         """Leave the group, if this host joined it."""

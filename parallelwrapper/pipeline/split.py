@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..config import Job, Pipeline
+from ..config import Pipeline
+from ..job import Job
 from ..rounds.state import trained_parameters
 from ..types import TrainingState
 

@@ -26,9 +26,10 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..batches import move_to
-from ..config import Config, Job, Pipeline
+from ..config import Config, Pipeline
 from ..evaluation import scored_outputs, validation_of
 from ..feed import rank_share
+from ..job import Job
 from ..types import END, BatchSource, EndOfEpoch, TrainingState
 from ..worker import Replica
 from .split import Layout, Names, held, joined, pieces_in, pieces_of, scorer, stage_state
@@ -116,6 +117,13 @@ class StageReplica(Replica):
         parts: list[Any] | None = [None] * self.position.stages if writes else None
         dist.gather_object(self.part(), parts, dst=self.position.first, group=self.pipe)
         return None if parts is None else self.joined(parts)
+
+    def whole_state(self) -> TrainingState:
+        """The whole model's state, on every stage of this pipeline: each stage's part, gathered
+        over the pipeline's group and joined."""
+        parts: list[Any] = [None] * self.position.stages
+        dist.all_gather_object(parts, self.part(), group=self.pipe)
+        return self.joined(parts)
 
     def part(self) -> tuple[TrainingState, Names]:
         """This stage's state and its parameters' names, for `joined` on another stage."""
@@ -247,9 +255,3 @@ def microbatches(n: int, most: int) -> int:
     return max(m for m in range(1, min(n, most) + 1) if n % m == 0)
 
 
-def gathered_state(replica: StageReplica) -> TrainingState:
-    """The whole model's state, on every stage of the replica's pipeline: each stage's part,
-    gathered over the pipeline's group and joined."""
-    parts: list[Any] = [None] * replica.position.stages
-    dist.all_gather_object(parts, replica.part(), group=replica.pipe)
-    return replica.joined(parts)

@@ -68,7 +68,7 @@ def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards
     with_state = config.average_updaters and config.average_updaters_every == 1  # else in moment_buffers
     tensors = averaged_tensors(trainer.model, trainer.optimizer, with_state)
     later = later_tensors(trainer.optimizer, with_state, config.on_worker_failure == "replace")
-    return FlatAverager(tensors, device, HEADER_LEN, config.wire_dtype, shards, later)
+    return FlatAverager(tensors, device, HEADER_LEN, config.payload_dtype, shards, later)
 
 
 def moment_buffers(trainer: Trainer, config: Config, device: torch.device) -> FlatAverager | None:
@@ -172,7 +172,7 @@ class SyncExchange:
         optimizer creates its state at a parameter's first step, so a first fit() that averages
         it builds its buffers after the first round, in full precision, as does plain SGD."""
         trainer, config = self.trainer, self.config
-        if config.wire_dtype is None or config.overlap_averaging or self._anew:
+        if config.payload_dtype == "float32" or config.overlap_averaging or self._anew:
             return False
         return not config.average_updaters or holds_state(trainer.optimizer, trained_parameters(trainer.model, trainer.optimizer))
 

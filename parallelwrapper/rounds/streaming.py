@@ -106,7 +106,7 @@ class StreamExchange:
             agree_on_optimizer_layout(self.trainer.optimizer, self.group)
         self._layout = self._state_layout()
         runs = cut_fragments(averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters), self.config.fragments)
-        k, wire = self.config.averaging_frequency, self.config.wire_dtype
+        k, wire = self.config.averaging_frequency, self.config.payload_dtype
         self._fragments = [_Fragment(DeltaAverager(run, self.device, 1, wire), max(1, round((p + 1) * k / len(runs)))) for p, run in enumerate(runs[:-1])]
         self._delta = DeltaAverager(runs[-1], self.device, HEADER_LEN, wire)
         return self._delta

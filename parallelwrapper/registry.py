@@ -1,0 +1,130 @@
+"""Options declared once: each option's check, help, builder setter, pw-fit flag and fingerprint.
+
+An option is a field of a frozen dataclass (config.Config) declared with `option(...)`: its name
+and type are the field's, its default the field's default, and the rest rides in the field's
+metadata as an `Option`. Everything else reads the declaration: the config's validation, the
+checkpoint's fingerprint, pw-fit's flags, and the tests that hold the builder's setters and the
+docs' options table against it. Imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Check:
+    """What a value must be: an int (`integer`; >= `minimum` unless None), a number > 0 (`positive`), one of
+    `choices`, a bool (`boolean`), an instance of `kind`; or None where `optional`. pw-fit maps
+    it to a click type; the config calls it on every value."""
+
+    integer: bool = False
+    minimum: int | None = None
+    positive: bool = False
+    choices: tuple[Any, ...] = ()
+    boolean: bool = False
+    kind: type | None = None
+    optional: bool = False
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with `value`, as the end of "must be ...", or None when it is right."""
+        if value is None:
+            return None if self.optional else "set (not None)"
+        if self.integer and (not isinstance(value, int) or isinstance(value, bool) or (self.minimum is not None and value < self.minimum)):
+            return "an int" if self.minimum is None else f"an int >= {self.minimum}"
+        if self.positive and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
+            return "a positive number"
+        if self.choices and value not in self.choices:
+            return f"one of {list(self.choices)}"
+        if self.boolean and not isinstance(value, bool):
+            return "True or False"
+        if self.kind is not None and not isinstance(value, self.kind):
+            return f"a {self.kind.__name__}"
+        return None
+
+
+def count(minimum: int | None = 1, *, optional: bool = False) -> Check:
+    return Check(integer=True, minimum=minimum, optional=optional)
+
+
+def positive(*, optional: bool = False) -> Check:
+    return Check(positive=True, optional=optional)
+
+
+def choice(*choices: Any) -> Check:
+    return Check(choices=tuple(choices))
+
+
+def boolean() -> Check:
+    return Check(boolean=True)
+
+
+def instance(kind: type, *, optional: bool = False) -> Check:
+    return Check(kind=kind, optional=optional)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option's declaration beside its field (name, type, default).
+
+    Args:
+        help: what it does, one or two sentences; pw-fit's help for its flag.
+        check: what a value must be.
+        setter: the builder's method that sets it, e.g. "workers".
+        keyword: the setter's keyword argument that carries it, where not its first argument
+            (e.g. "every" of `.checkpoint(directory, every=50)`).
+        example: a right value other than the default, for error messages and tests.
+        flag: pw-fit's flag for it, or None where pw-fit has none.
+        fingerprint: whether a checkpoint holds it as something a resumed run must match.
+    """
+
+    help: str
+    check: Check
+    setter: str
+    keyword: str | None = None
+    example: Any = None
+    flag: str | None = None
+    fingerprint: bool = False
+
+    def call(self, value: Any) -> str:
+        """The builder call that sets `value`, as a user would write it."""
+        given = repr(value.value if hasattr(value, "value") and not isinstance(value, (int, float, str)) else value)
+        return f".{self.setter}(..., {self.keyword}={given})" if self.keyword else f".{self.setter}({given})"
+
+
+def option(default: Any, help: str, check: Check, setter: str, **declared: Any) -> Any:
+    """A dataclass field that is an option: `default`, and the rest of `Option`'s arguments."""
+    return dataclasses.field(default=default, metadata={"option": Option(help, check, setter, **declared)})
+
+
+@dataclass(frozen=True)
+class Declared:
+    """An option as declared: its field's name and default, and its `Option`."""
+
+    name: str
+    default: Any
+    option: Option
+
+
+def declared(cls: type) -> Iterator[Declared]:
+    """The options of a dataclass declared with `option(...)`, in their order."""
+    for f in dataclasses.fields(cls):
+        if "option" in f.metadata:
+            yield Declared(f.name, f.default, f.metadata["option"])
+
+
+def validate(instance: Any) -> None:
+    """A ValueError naming the first option of `instance` whose value its check refuses, with a
+    right value to write instead."""
+    for d in declared(type(instance)):
+        value = getattr(instance, d.name)
+        wrong = d.option.check.problem(value)
+        if wrong is not None:
+            raise ValueError(f"{d.name} must be {wrong}, got {value!r}; e.g. {d.option.call(d.option.example)}")
+
+
+__all__ = ["Check", "Declared", "Option", "boolean", "choice", "count", "declared", "instance", "option", "positive", "validate"]
