@@ -1,5 +1,4 @@
-"""One walker over batch structures: tuples, named tuples, lists, dicts (any nesting); every other
-object is a leaf.
+"""One walker over batch structures: tuples, named tuples, lists and dicts in any nesting, every other object a leaf.
 
 `map_leaves` is the only code in the package that decides what a container is and how to rebuild
 it. Everything that moves, measures, describes or copies a batch (or a state dict) goes through it,

@@ -1,4 +1,6 @@
-"""Codecs for an averaging's payload: a flat float buffer's change since the last average,
+"""The payload codecs: a flat buffer's change since the last average, encoded with error feedback, decoded and summed.
+
+Codecs for an averaging's payload: a flat float buffer's change since the last average,
 encoded with error feedback, and every rank's encoding decoded and summed onto that average.
 
     bfloat16, float16   the change cast, 2 bytes a number

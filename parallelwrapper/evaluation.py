@@ -1,5 +1,5 @@
-"""Scoring a model on batches, without training it: the sample-weighted sums of per-batch metrics,
-in eval mode. The workers' validation and `ParallelWrapper.evaluate` both score this way, and
+"""Scoring a model on batches without training it: the sample-weighted sums of per-batch metrics, in eval mode.
+The workers' validation and `ParallelWrapper.evaluate` both score this way, and
 both default to the same metrics for `(inputs, targets)` batches; `check_validation` tries a
 validation on its first batch before training starts."""
 

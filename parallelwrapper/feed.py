@@ -1,4 +1,4 @@
-"""The feed: one thread reads the user's iterable ahead into a bounded queue that workers pull from.
+"""The feed: how each worker gets its batches, from a shared queue, a queue of its own, or a shard it reads itself.
 
 Shared mode (default): one queue of `prefetch_buffer` batches; whichever worker is free first
 takes the next batch, so a slow worker never holds the others up. Batches travel through

@@ -1,4 +1,4 @@
-"""What the main process hears during fit(): averaged scores and epoch ends, as plain records.
+"""What the main process hears during fit(), and who listens: scores, validations, history, writers, early stopping.
 
 A listener is any object with some of `on_fit_start(config, epochs)`, `on_score(score)`,
 `on_validation(validation)`, `on_epoch_end(epoch)`, `on_worker_replaced(rank, reason, lost_round)`,

@@ -1,4 +1,6 @@
-"""How a user's functions, classes and arguments are named in a checkpoint's fingerprint and in
+"""How a user's functions, classes and arguments are named in fingerprints and messages, the same in every process.
+
+How a user's functions, classes and arguments are named in a checkpoint's fingerprint and in
 error messages: the same text in every process that runs the same script.
 
 A function defined in the script being run lives in module `__main__` in the process that ran

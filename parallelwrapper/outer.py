@@ -1,5 +1,4 @@
-"""The outer optimizer of DiLoCo and SlowMo: after each averaging, one step of a second optimizer
-on the round's pseudo-gradient.
+"""The outer optimizer of DiLoCo and SlowMo: one step of a second optimizer on each round's pseudo-gradient.
 
 At a round's start every worker holds the same parameters θ_start (the anchor). After the round's
 local steps and the averaging, each worker sets Δ = θ_start − average(θ) as the anchor's gradient

@@ -1,4 +1,6 @@
-"""Worker processes, for training (hosts/spawned.py) and for inference (inference/pool.py): how
+"""Worker processes, for training and inference: how they start, take the main process's environment, and learn it is gone.
+
+Worker processes, for training (hosts/spawned.py) and for inference (inference/pool.py): how
 they start, what they take from the main process, and how they learn that it is gone.
 
 Both pools start their workers from one `forkserver`, never a global start method: every worker

@@ -1,4 +1,6 @@
-"""Threshold encoding of a flat update, after Strom (2015, "Scalable distributed DNN training
+"""Threshold encoding's maths on a flat buffer (Strom, 2015; DL4J): encode, decode, the adaptive threshold, the residual.
+
+Threshold encoding of a flat update, after Strom (2015, "Scalable distributed DNN training
 using commodity GPU cloud computing") and DL4J's `EncodingHandler`, `AdaptiveThresholdAlgorithm`
 and `ResidualClippingPostProcessor`: the maths on one worker's flat buffers, vectorized torch;
 rounds/encoded.py sends the messages.

@@ -1,5 +1,4 @@
-"""`pw-fit`: train on MNIST (`pw-fit [OPTIONS]`) or compare synchronisation schemes
-(`pw-fit compare [OPTIONS]`).
+"""`pw-fit`: train on MNIST, compare synchronisation schemes (`pw-fit compare`) or score a saved model (`pw-fit predict`).
 
 Parsing only: the work is `run.train_mnist` and `compare.compare`. Errors in the input (a bad
 option, a missing data directory) become click errors, without a traceback.

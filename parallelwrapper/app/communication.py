@@ -1,4 +1,6 @@
-"""What a run of `pw-fit compare` sends: the bytes and collectives of its rounds, computed (not
+"""What a run of `pw-fit compare` sends: the bytes and collectives of its rounds, computed, not measured.
+
+What a run of `pw-fit compare` sends: the bytes and collectives of its rounds, computed (not
 measured) from the same flat-buffer layout the workers build (`parallelwrapper.round_payload`).
 
 A round of SHARED_GRADIENTS sends gradients | buffers; of AVERAGING, params | buffers (| the

@@ -1,5 +1,4 @@
-"""Synchronous gradients against model averaging, measured on MNIST: the function behind
-`pw-fit compare`.
+"""Synchronous gradients against model averaging, measured on MNIST: the function behind `pw-fit compare`.
 
 Every run trains the same model from the same initial weights on the same batches (dealt to the
 same workers: `deterministic`) for the same sample budget; only the synchronisation differs:

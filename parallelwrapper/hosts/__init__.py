@@ -1,4 +1,6 @@
-"""Where workers run, behind one interface: spawned processes on this machine (spawned.py, with
+"""Where workers run, behind one `Host` interface: spawned processes, the caller's process, or a torchrun rank.
+
+Where workers run, behind one interface: spawned processes on this machine (spawned.py, with
 process.py the worker's side, supervisor.py watching them, and recovery.py and ledger.py replacing
 one that is lost), the caller's own process for one CPU worker (inprocess.py), or this process as
 one rank of a torchrun group (torchrun.py). All three run a worker by the same path

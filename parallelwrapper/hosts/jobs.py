@@ -1,4 +1,6 @@
-"""The job a spawned worker unpickles (hosts/process.py): its pickle in shared memory, once for
+"""The job a spawned worker unpickles: one pickle in shared memory, with the model's structure and not its weights.
+
+The job a spawned worker unpickles (hosts/process.py): its pickle in shared memory, once for
 every worker, with the model's structure and not its weights."""
 
 from __future__ import annotations

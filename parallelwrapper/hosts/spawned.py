@@ -1,4 +1,6 @@
-"""Spawned workers: N local processes that live as long as the wrapper, fed from one shared queue,
+"""Spawned workers: N local processes that live as long as the wrapper, fed from the main process and supervised.
+
+Spawned workers: N local processes that live as long as the wrapper, fed from one shared queue,
 and supervised, so that an error, a death or a stall becomes a `WorkerError` naming the worker.
 
 Process discipline (after Lightning Fabric and torchft): a `forkserver` context (processes.py), never a global

@@ -1,5 +1,5 @@
-"""torchrun: this process is one worker of a group that torchrun started, on this machine or on
-many. torchrun's variables say the rank and the node's share of processes (env.resolve); the
+"""torchrun: this process as one rank of a group that torchrun started, on this machine or on many.
+torchrun's variables say the rank and the node's share of processes (env.resolve); the
 worker reads its own shard of the data (feed.ShardSource), and runs the shared runtime. Its
 first fit() starts every rank from rank 0's state (`_from_rank_0`).
 

@@ -1,5 +1,5 @@
-"""ParallelInference: a trained model served by N workers, one device each, with dynamic
-batching (DL4J's ParallelInference). docs/guides/serving.md is the guide.
+"""ParallelInference: a trained model served by N workers, one device each, with dynamic batching (DL4J's).
+docs/guides/serving.md is the guide.
 
     with ParallelInference.builder(model).workers(2).input_shape(1, 28, 28).build() as pi:
         logits = pi.output(image)  # thread-safe, blocking; pi.submit(image) gives a Future

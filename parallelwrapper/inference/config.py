@@ -1,4 +1,6 @@
-"""What a ParallelInference is built from: its modes and the frozen `InferenceConfig`, validated on
+"""What a ParallelInference is built from: its modes, the frozen `InferenceConfig`, and where its workers run.
+
+What a ParallelInference is built from: its modes and the frozen `InferenceConfig`, validated on
 construction with the fix in the message; and where its workers run, which the training's
 placement (env.resolve) decides the same way: GPU i for worker i when there are GPUs, else the
 CPU with the cores shared out among the workers."""

@@ -1,4 +1,6 @@
-"""Requests to spawned workers (BATCHED and SEQUENTIAL): a bounded queue in the caller's process,
+"""Requests to spawned inference workers (BATCHED and SEQUENTIAL): a bounded queue, a batching thread, an answering thread.
+
+Requests to spawned workers (BATCHED and SEQUENTIAL): a bounded queue in the caller's process,
 a thread that sends each idle worker its next batch, and a thread that hears the workers and
 answers the futures.
 

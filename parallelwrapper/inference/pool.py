@@ -1,4 +1,6 @@
-"""The main process's side of the inference workers: one spawned process per device (process.py
+"""The main process's side of the inference workers: one spawned process per device, and its shared-memory segments.
+
+The main process's side of the inference workers: one spawned process per device (process.py
 is the other side), a pipe to each for a few small messages, and two shared-memory segments per
 worker that this process owns (slots.Segments): one its batches' inputs are written into, one
 the worker writes their outputs into. A tensor never travels as a pickle: the pipe carries the

@@ -1,4 +1,6 @@
-"""One request to a ParallelInference, from the caller's input to its future's answer, and what
+"""One request to a ParallelInference, from the caller's input to its future's answer, and how each one fails.
+
+One request to a ParallelInference, from the caller's input to its future's answer, and what
 every mode says when it fails: the input taken as one sample or a batch, the outputs cut back
 into requests, the model's failure named by the request's shape, and the state dict
 `update_model` may swap in."""

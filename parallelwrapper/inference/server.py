@@ -1,5 +1,5 @@
-"""ParallelInference, the object users hold, and its builder's `build()` (the setters are in
-settings.py). It turns inputs into requests (requests.py) and hands them to the mode's engine:
+"""ParallelInference, the object users hold, and its builder's `build()` (the setters are in settings.py).
+It turns inputs into requests (requests.py) and hands them to the mode's engine:
 spawned workers behind a queue (dispatch.py, pool.py, process.py) or replicas in the caller's
 thread (inplace.py)."""
 

@@ -1,4 +1,6 @@
-"""A gradient round's payload threshold-encoded (`Builder.gradient_encoding`; the maths is
+"""A gradient round's payload threshold-encoded (`.gradient_encoding`), behind the same calls as a FlatAverager's.
+
+A gradient round's payload threshold-encoded (`Builder.gradient_encoding`; the maths is
 threshold.py's): the same calls as averaging.FlatAverager's, so exchange.SyncExchange runs it as
 it runs the dense gradients, and the engine does not know which one runs.
 

@@ -1,4 +1,6 @@
-"""A round's exchange, landed at once: the header and the payload go out after the round's local
+"""A round's exchange landed at once: every replica ends the round holding the average.
+
+A round's exchange, landed at once: the header and the payload go out after the round's local
 work, and every replica ends the round holding the average (SHARED_GRADIENTS: the averaged
 gradients, on which the engine then steps).
 

@@ -1,4 +1,6 @@
-"""A round's local work under `.hierarchy("node")`: the ranks of one node step in lockstep, each
+"""A round's local work under `.hierarchy("node")`: a node's ranks step in lockstep on gradients averaged over the node.
+
+A round's local work under `.hierarchy("node")`: the ranks of one node step in lockstep, each
 step on the gradients averaged over the node, so that the node's replicas stay equal and only the
 nodes average, once a round, across the slow link.
 

@@ -1,4 +1,6 @@
-"""A round's exchange, landed one round later (`overlap_averaging`): the header and a snapshot of
+"""A round's exchange landed one round later (`overlap_averaging`), the steps since kept on top of the average.
+
+A round's exchange, landed one round later (`overlap_averaging`): the header and a snapshot of
 the state go out after the round's local work, without waiting, and land after the next round's
 steps, which are kept on top of the average (DeltaAverager).
 
