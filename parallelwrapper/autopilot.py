@@ -1,7 +1,6 @@
 """The autopilot (`.averaging_frequency("auto")`): k, the payload and the optimizer state's period, chosen round by round.
 
-The autopilot: `.averaging_frequency("auto")` chooses k, the payload and how often the
-optimizer's state travels, round by round, from what the rounds measure.
+It chooses from what the rounds measure.
 
 What it measures, over every worker (each round's header carries each worker's numbers, summed):
     c   seconds per local step: a round's local work over its batches

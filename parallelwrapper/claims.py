@@ -1,8 +1,5 @@
 """First-come batches with no feeder: each worker claims the fit's next batch from one shared counter and loads it itself.
 
-First-come batches with no feeder: every worker claims the next batch of the fit from one
-counter that all of them share, and loads that batch itself.
-
 A claim is a number, 0, 1, 2, ... over the whole fit, each handed to exactly one worker by one
 `add` on a key of the group's store (`StoreCounter`): the main process's store for spawned
 workers, torchrun's for ranks on any number of machines, with no data between them. Claim c

@@ -1,7 +1,6 @@
 """The payload codecs: a flat buffer's change since the last average, encoded with error feedback, decoded and summed.
 
-Codecs for an averaging's payload: a flat float buffer's change since the last average,
-encoded with error feedback, and every rank's encoding decoded and summed onto that average.
+Every rank's encoding is decoded and summed onto that average.
 
     bfloat16, float16   the change cast, 2 bytes a number
     int8, int4          block-quantized: a float32 scale per BLOCK numbers (absmax / 127 or / 7,

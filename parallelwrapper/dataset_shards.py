@@ -1,9 +1,8 @@
 """A map-style DataLoader's epochs as batches of sample indices, which spawned workers load and collate themselves.
 
-A DataLoader over a map-style dataset, read by spawned workers in shards (feed.py): the main
-process draws each epoch's batches as sample indices from the loader's batch sampler (shuffling
-as iterating the loader would), and each worker loads and collates only the batches dealt to it,
-from its own copy of the dataset, which goes to the workers once per fit().
+The main process draws each epoch's batches as sample indices from the loader's batch sampler
+(shuffling as iterating the loader would), and each worker loads and collates only the batches dealt
+to it (feed.py), from its own copy of the dataset, which goes to the workers once per fit().
 
 Validation data goes the same way, but each worker draws the indices itself, where it used to
 iterate the whole loader (`loader_share`): every worker draws the same batches, as iterating the

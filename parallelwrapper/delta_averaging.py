@@ -1,9 +1,8 @@
 """Averaging in the background (`.overlap_averaging(True)`): a snapshot summed while the worker trains on, landed a round later.
 
-Averaging in the background, for `Builder.overlap_averaging(True)`: a snapshot of the tensors
-is summed over the process group while the worker trains on, and the average lands later with the
-steps taken since kept on top of it. Flat buffers per dtype and an opaque trailer, as in
-averaging.py; knows no queue and no protocol flag."""
+The snapshot's tensors are summed over the process group, and the average lands with the steps taken
+since kept on top of it. Flat buffers per dtype and an opaque trailer, as in averaging.py; knows no
+queue and no protocol flag."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """What the environment means to the library: torchrun's variables, the GPUs and cores, made into devices, backend, threads and timeouts.
 
-The only reader of the environment: torchrun's variables, the GPUs and cores of this machine, and the
-policy that turns them and the config into devices, a backend, threads and timeouts. An explicit option
-wins over what the environment suggests.
+An explicit option wins over what the environment suggests.
 
 `resolve` reads nothing itself when it is given `gpus` and `cores`: tests fake a machine that way, and
 it never warns, it returns `notes` for the caller to show once.

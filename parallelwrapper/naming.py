@@ -1,8 +1,5 @@
 """How a user's functions, classes and arguments are named in fingerprints and messages, the same in every process.
 
-How a user's functions, classes and arguments are named in a checkpoint's fingerprint and in
-error messages: the same text in every process that runs the same script.
-
 A function defined in the script being run lives in module `__main__` in the process that ran
 it, in `__mp_main__` in a spawned worker (which imports the script under that name), and in
 `__main__` again under torchrun or in a later process resuming the run. They are one module, so

@@ -1,7 +1,7 @@
 """The parts of one copy of the training (model, optimizer, schedule, outer optimizer) and their one `TrainingState`.
 
-The parts of one copy of the training: a model, its optimizer, and what `.lr_scheduler(...)` and
-`.outer_optimizer(...)` add to it, with the one `TrainingState` they are saved and loaded as.
+`.lr_scheduler(...)` and `.outer_optimizer(...)` add the schedule and the outer optimizer; the
+`TrainingState` is what they are saved and loaded as.
 
 Each worker holds one (worker.Replica, on its copy of the model), and the wrapper holds one on
 the user's model: a fit() starts every worker from the wrapper's state and ends by loading rank

@@ -1,7 +1,6 @@
 """Worker processes, for training and inference: how they start, take the main process's environment, and learn it is gone.
 
-Worker processes, for training (hosts/spawned.py) and for inference (inference/pool.py): how
-they start, what they take from the main process, and how they learn that it is gone.
+hosts/spawned.py starts the training's, inference/pool.py the inference's.
 
 Both pools start their workers from one `forkserver`, never a global start method: every worker
 is a fresh process that imports your main module, as with spawn, but forked from a server that

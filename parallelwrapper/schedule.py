@@ -1,7 +1,6 @@
 """Learning-rate schedules in lockstep: every worker's scheduler follows one step count that all workers agree on.
 
-Learning-rate schedules in lockstep: every worker's scheduler follows one step count that all
-workers agree on, and a per-step schedule moves at every local step, as in a one-process loop.
+A per-step schedule moves at every local step, as in a one-process loop.
 
 The rule (README, "Learning-rate schedules"):
 - interval "epoch": the count is the number of completed epochs; the scheduler steps at each

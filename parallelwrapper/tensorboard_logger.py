@@ -1,8 +1,7 @@
 """A listener that writes what fit() reports as TensorBoard scalars (`TensorBoardLogger`).
 
-A listener that writes what fit() reports as TensorBoard scalars, through
-`torch.utils.tensorboard` (the `tensorboard` package is an optional extra:
-`pip install -e ".[tensorboard]"`). `pw-fit --tensorboard DIR` adds one."""
+It writes through `torch.utils.tensorboard` (the `tensorboard` package is an optional extra: `pip
+install -e ".[tensorboard]"`). `pw-fit --tensorboard DIR` adds one."""
 
 from __future__ import annotations
 

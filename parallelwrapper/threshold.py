@@ -1,9 +1,8 @@
 """Threshold encoding's maths on a flat buffer (Strom, 2015; DL4J): encode, decode, the adaptive threshold, the residual.
 
-Threshold encoding of a flat update, after Strom (2015, "Scalable distributed DNN training
-using commodity GPU cloud computing") and DL4J's `EncodingHandler`, `AdaptiveThresholdAlgorithm`
-and `ResidualClippingPostProcessor`: the maths on one worker's flat buffers, vectorized torch;
-rounds/encoded.py sends the messages.
+After Strom (2015, "Scalable distributed DNN training using commodity GPU cloud computing") and
+DL4J's `EncodingHandler`, `AdaptiveThresholdAlgorithm` and `ResidualClippingPostProcessor`:
+vectorized torch on one worker's flat buffers; rounds/encoded.py sends the messages.
 
     residual   what a worker has not sent yet: each step's update (lr × gradient) is added to it
     encode     every entry with |r| >= τ goes as ±τ, and ±τ leaves the residual; the message is

@@ -1,7 +1,7 @@
 """The records, sentinels and errors that several modules share: reports, counters, hooks, `WorkerError`.
 
-The records and sentinels that several modules share: what a worker reports, where it is, the
-end of its epoch, and the errors a user can meet from a worker. Imports nothing of the package."""
+What a worker reports, where it is, the end of its epoch, and the errors a user can meet from a
+worker. Imports nothing of the package."""
 
 from __future__ import annotations
 

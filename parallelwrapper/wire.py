@@ -1,9 +1,8 @@
 """A coded payload's exchange over a process group: each rank's pieces sent to every other rank, decoded once all are in.
 
-A coded payload's exchange over a process group (codec.py encodes and decodes): each piece of
-a rank's payload goes to every other rank by sends and receives (on gloo, twice as fast as an
-all_gather of the same bytes), and is decoded once every rank's copy of it is in; the few numbers
-of a round's trailer go beside it, summed exactly in float64. Knows nothing of the protocol."""
+codec.py encodes and decodes. The pieces go by sends and receives (on gloo, twice as fast as an
+all_gather of the same bytes); the few numbers of a round's trailer go beside them, summed exactly
+in float64. Knows nothing of the protocol."""
 
 from __future__ import annotations
 

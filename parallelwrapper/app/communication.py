@@ -1,7 +1,6 @@
 """What a run of `pw-fit compare` sends: the bytes and collectives of its rounds, computed, not measured.
 
-What a run of `pw-fit compare` sends: the bytes and collectives of its rounds, computed (not
-measured) from the same flat-buffer layout the workers build (`parallelwrapper.round_payload`).
+From the same flat-buffer layout the workers build (`parallelwrapper.round_payload`).
 
 A round of SHARED_GRADIENTS sends gradients | buffers; of AVERAGING, params | buffers (| the
 optimizer's state with average_updaters), one all-reduce per dtype, the first carrying the round's

@@ -1,7 +1,6 @@
 """pw-fit's options, validated, and what they make: MNIST batches, the seeded model and the configured builder.
 
-pw-fit's options, validated, and what they make: the MNIST splits and their batches, the
-seeded model, and the builder they configure. Shared by `run.py` (one run) and `compare.py`.
+Shared by `run.py` (one run) and `compare.py`.
 
 Defaults follow DL4J's multi-GPU MNIST example: LeNet, batch 128, prefetch 24, 2 workers,
 averaging every 3 iterations, Nesterov momentum, seed 123.

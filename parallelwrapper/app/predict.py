@@ -1,7 +1,6 @@
 """Scoring a saved model on the MNIST test set with a ParallelInference: the function behind `pw-fit predict`.
 
-Scoring a saved model on the MNIST test set with a ParallelInference: the plain function behind
-`pw-fit predict`, usable from Python.
+Usable from Python:
 
     result = predict_mnist(PredictOptions(Path("out/model.pt"), data_dir=Path("../shared/data/mnist")))
 

@@ -1,7 +1,6 @@
 """The job a spawned worker unpickles: one pickle in shared memory, with the model's structure and not its weights.
 
-The job a spawned worker unpickles (hosts/process.py): its pickle in shared memory, once for
-every worker, with the model's structure and not its weights."""
+One pickle serves every worker; hosts/process.py reads it."""
 
 from __future__ import annotations
 

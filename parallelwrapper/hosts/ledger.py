@@ -1,7 +1,6 @@
 """A replaceable worker's takes since its round started, in shared memory: what to feed again when it is lost.
 
-What a spawned worker has taken from the feed since its last round started, in shared memory,
-so that the main process can feed it again when the worker is lost (`.on_worker_failure("replace")`).
+The main process feeds them again when the worker is lost (`.on_worker_failure("replace")`).
 
 Each entry is (tag, slot, epoch): the round the batch was taken for (a count of rounds over the
 wrapper's life, the same on every worker), the shared-memory slot that still holds it, and its

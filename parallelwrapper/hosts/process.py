@@ -1,9 +1,9 @@
 """A spawned worker's process: join the group, run the fits the main process sends, report; or wait as a standby.
 
-The spawned worker's process (hosts/spawned.py starts it): join the process group, then run
-the fit commands that come from the main process until told to close; report through the result
-queue, the board and the shared events. A standby (a process spawned ahead, for
-`.on_worker_failure("replace")`) waits with its imports done until told which rank it takes."""
+hosts/spawned.py starts it. It runs the fit commands that come from the main process until told to
+close, and reports through the result queue, the board and the shared events. A standby (a process
+spawned ahead, for `.on_worker_failure("replace")`) waits with its imports done until told which
+rank it takes."""
 
 from __future__ import annotations
 

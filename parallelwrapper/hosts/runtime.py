@@ -1,8 +1,6 @@
 """The one path by which every host runs a worker: build, restore, train, stop, and fail as a `WorkerError`.
 
-The one path by which every host runs a worker: build its replica on its device, restore a
-fit's state, train the epochs, stop when asked, and turn a failure into a `WorkerError` that says
-who failed, where, and why.
+The `WorkerError` says who failed, where, and why.
 
 The hosts (spawned.py, inprocess.py, torchrun.py) differ only in where the worker's process is,
 how batches reach it, how it is asked to stop and how its reports travel; what a worker does is

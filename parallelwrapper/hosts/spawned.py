@@ -1,7 +1,7 @@
 """Spawned workers: N local processes that live as long as the wrapper, fed from the main process and supervised.
 
-Spawned workers: N local processes that live as long as the wrapper, fed from one shared queue,
-and supervised, so that an error, a death or a stall becomes a `WorkerError` naming the worker.
+They are fed from one shared queue, and an error, a death or a stall becomes a `WorkerError` naming
+the worker.
 
 Process discipline (after Lightning Fabric and torchft): a `forkserver` context (processes.py), never a global
 start method; a module-level worker entry; a timeout on every wait; worker errors sent back as values

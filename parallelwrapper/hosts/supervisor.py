@@ -1,8 +1,7 @@
 """The main process's watch over spawned workers: their errors, deaths and stalls, each made one `WorkerError`.
 
-Supervision of spawned workers from the main process: their messages, their deaths and their
-stalls, each made one `WorkerError` that names the worker that caused it. A peer that failed
-only because that worker was gone (a collective whose connection closed) adds one line to it."""
+Each `WorkerError` names the worker that caused it. A peer that failed only because that worker was
+gone (a collective whose connection closed) adds one line to it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """What a ParallelInference is built from: its modes, the frozen `InferenceConfig`, and where its workers run.
 
-What a ParallelInference is built from: its modes and the frozen `InferenceConfig`, validated on
-construction with the fix in the message; and where its workers run, which the training's
-placement (env.resolve) decides the same way: GPU i for worker i when there are GPUs, else the
-CPU with the cores shared out among the workers."""
+The config is validated on construction with the fix in the message; the training's placement
+(env.resolve) decides where the workers run: GPU i for worker i when there are GPUs, else the CPU
+with the cores shared out among the workers."""
 
 from __future__ import annotations
 

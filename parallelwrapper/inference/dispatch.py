@@ -1,8 +1,7 @@
 """Requests to spawned inference workers (BATCHED and SEQUENTIAL): a bounded queue, a batching thread, an answering thread.
 
-Requests to spawned workers (BATCHED and SEQUENTIAL): a bounded queue in the caller's process,
-a thread that sends each idle worker its next batch, and a thread that hears the workers and
-answers the futures.
+The queue is in the caller's process; one thread sends each idle worker its next batch, and another
+hears the workers and answers the futures.
 
 Batching (BATCHED): while every worker is busy, requests wait in the queue. When a worker is
 free, it takes the oldest request and those after it of the same dtype and sample shape, up to

@@ -1,8 +1,7 @@
 """INPLACE: each request runs in the caller's thread, on one of N replicas in this process, each behind a lock.
 
-INPLACE: each request runs in the caller's own thread, on one of N replicas of the model in
-this process (one per device), each behind a lock: a caller takes the first free replica, or
-waits for one. Nothing is spawned and nothing is copied but the model, once per replica."""
+A caller takes the first free replica (one per device), or waits for one. Nothing is spawned and
+nothing is copied but the model, once per replica."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The main process's side of the inference workers: one spawned process per device, and its shared-memory segments.
 
-The main process's side of the inference workers: one spawned process per device (process.py
-is the other side), a pipe to each for a few small messages, and two shared-memory segments per
-worker that this process owns (slots.Segments): one its batches' inputs are written into, one
-the worker writes their outputs into. A tensor never travels as a pickle: the pipe carries the
-segments' names, dtypes and shapes.
+process.py is the other side. Each worker has a pipe for a few small messages and two shared-memory
+segments that this process owns (slots.Segments): one its batches' inputs are written into, one the
+worker writes their outputs into. A tensor never travels as a pickle: the pipe carries the segments'
+names, dtypes and shapes.
 
 A worker holds up to DEPTH batches: while it runs one, the next is written into its other pair
 of segments and waits in its pipe, so it never waits for this process between two batches.

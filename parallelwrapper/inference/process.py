@@ -1,8 +1,6 @@
 """An inference worker's process: its replica on its device, forward passes on the batches in shared memory.
 
-An inference worker's process (inference/pool.py starts it): its replica of the model on its
-device, then forward passes on the batches the main process writes into shared memory, until
-told to close or its parent is gone.
+inference/pool.py starts it; it serves until told to close or its parent is gone.
 
 Messages on its pipe, from the main process:
     ("model", pickle, state)  first: the model's pickle (bytes in shared memory) and the state

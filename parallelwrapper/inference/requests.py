@@ -1,9 +1,7 @@
 """One request to a ParallelInference, from the caller's input to its future's answer, and how each one fails.
 
-One request to a ParallelInference, from the caller's input to its future's answer, and what
-every mode says when it fails: the input taken as one sample or a batch, the outputs cut back
-into requests, the model's failure named by the request's shape, and the state dict
-`update_model` may swap in."""
+The input is taken as one sample or a batch, the outputs are cut back into requests, the model's
+failure is named by the request's shape, and `update_model` may swap in a state dict."""
 
 from __future__ import annotations
 

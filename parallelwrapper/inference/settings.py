@@ -1,8 +1,7 @@
 """The setters of `ParallelInference.builder(model)`, after DL4J's `ParallelInference.Builder`: one per option.
 
-The setters of `ParallelInference.builder(model)`, after DL4J's `ParallelInference.Builder`:
-one per option, with its default and meaning. They only record what they are given;
-`InferenceBuilder.build()` (server.py) validates the whole and starts the workers."""
+Each has its default and meaning. They only record what they are given; `InferenceBuilder.build()`
+(server.py) validates the whole and starts the workers."""
 
 from __future__ import annotations
 

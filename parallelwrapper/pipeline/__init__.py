@@ -1,7 +1,6 @@
 """Model parallelism inside each worker (`.pipeline(stages=S)`): every worker a pipeline of S stage processes.
 
-Model parallelism inside each worker (`.pipeline(stages=S, ...)`): every data-parallel worker is
-a pipeline of S stage processes, stage s holding only its layers and their optimizer state.
+Stage s holds only its layers and their optimizer state.
 
 - split.py cuts the model into stages, and a fit's state along the same lines;
 - stage.py is a stage's process-side: its groups, the batches it takes, its schedule step.

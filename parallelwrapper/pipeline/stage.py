@@ -1,7 +1,6 @@
 """One stage of a worker's pipeline, in a process of its own: its groups, its batches, its part of the schedule.
 
-One stage of a worker's pipeline, in a process of its own: its process groups, the batches it
-takes (from its pipeline's first stage), and its step, which is its part of the pipeline schedule.
+Its batches come from its pipeline's first stage.
 
 Process p is stage p % S of worker p // S. Two kinds of groups, made by every process in the same
 order (`new_group` is collective over the world):

@@ -1,7 +1,6 @@
 """The round protocol, one worker's side of it: rounds, their header, epoch ends, checkpoints, stops and reports.
 
-The round protocol of docs/design.md, one worker's side of it: what a round is, what goes in its
-header, when the epoch ends, when to checkpoint and stop, and what the score reports say.
+docs/design.md describes the protocol.
 
 A round, in both modes:
     batches      the epoch's next N·k by index (SHARED_GRADIENTS: N), so every run splits an epoch

@@ -1,8 +1,7 @@
 """A gradient round's payload threshold-encoded (`.gradient_encoding`), behind the same calls as a FlatAverager's.
 
-A gradient round's payload threshold-encoded (`Builder.gradient_encoding`; the maths is
-threshold.py's): the same calls as averaging.FlatAverager's, so exchange.SyncExchange runs it as
-it runs the dense gradients, and the engine does not know which one runs.
+The maths is threshold.py's; exchange.SyncExchange runs it as it runs the dense gradients, and the
+engine does not know which one runs.
 
     send    a worker that trained adds lr × its gradients (each parameter at its group's lr) to
             its residual and encodes it; then one float64 all-reduce of [the round's header |

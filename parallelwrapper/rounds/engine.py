@@ -1,11 +1,9 @@
 """The round engine: one worker's side of every round, from its local work to what follows the landed average.
 
-The round engine: one worker's side of every round, from its local work to the bookkeeping
-after the average lands (see the package's docstring). A round is its local work, then its
-exchange launched, then landed: at once (exchange.py), or, with overlap_averaging, after the next
-round's local work (streaming.py). When a round lands is the only thing overlap changes, so every
-option that shapes the local work (a hierarchy's node steps, a warm-up's synchronous rounds) or
-what a landing does (an outer step) composes with it."""
+A round is its local work, then its exchange launched, then landed: at once (exchange.py), or, with
+overlap_averaging, after the next round's local work (streaming.py). When a round lands is the only
+thing overlap changes, so every option that shapes the local work (a hierarchy's node steps, a
+warm-up's synchronous rounds) or what a landing does (an outer step) composes with it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A round's exchange landed at once: every replica ends the round holding the average.
 
-A round's exchange, landed at once: the header and the payload go out after the round's local
-work, and every replica ends the round holding the average (SHARED_GRADIENTS: the averaged
-gradients, on which the engine then steps).
+The header and the payload go out after the round's local work (SHARED_GRADIENTS: the average is of
+the gradients, on which the engine then steps).
 
 Pre-scaling: each worker sends w_i / ref · x_i, where ref is the last round's Σw, which every
 worker knows. When this round's Σw is the same (every round but an epoch's last), the sum is the

@@ -1,9 +1,8 @@
 """A round's header: what every worker says about its round, summed exactly in the same all-reduce as the state.
 
-A round's header: what every worker says about its round, summed in the same all-reduce as the
-state (it rides in the payload's trailer, see averaging.py): samples, loss, batches, the finished,
-skipped and stop flags, the autopilot's measures and decision (autopilot.py; zeros without it),
-and a check that every worker sends the same state layout."""
+It rides in the payload's trailer (averaging.py): samples, loss, batches, the finished, skipped and
+stop flags, the autopilot's measures and decision (autopilot.py; zeros without it), and a check that
+every worker sends the same state layout."""
 
 from __future__ import annotations
 

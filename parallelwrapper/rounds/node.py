@@ -1,8 +1,6 @@
 """A round's local work under `.hierarchy("node")`: a node's ranks step in lockstep on gradients averaged over the node.
 
-A round's local work under `.hierarchy("node")`: the ranks of one node step in lockstep, each
-step on the gradients averaged over the node, so that the node's replicas stay equal and only the
-nodes average, once a round, across the slow link.
+The node's replicas stay equal, and only the nodes average, once a round, across the slow link.
 
 Each step every rank of the node sends its gradients (and buffers) scaled by its batch's sample
 count, with a trailer of [samples, has a batch, loss·n, its feed ended]; a rank without a batch

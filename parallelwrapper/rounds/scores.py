@@ -1,8 +1,8 @@
 """Score windows and the reports a worker makes of them, and the validation's shares combined.
 
-Score windows: the sample-weighted mean loss since the last report and over the epoch, and
-the reports a worker makes of them (every round, every k steps, or once per epoch); and the
-validation: every worker's share scored, combined and reported."""
+A score is the sample-weighted mean loss since the last report and over the epoch, reported every
+round, every k steps or once per epoch; every worker's share of a validation is scored, combined and
+reported."""
 
 from __future__ import annotations
 

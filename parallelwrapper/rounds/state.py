@@ -1,7 +1,6 @@
 """What an averaging averages and the layout every worker agrees on, and what a synchronous step averages.
 
-What an averaging round averages, and the layout every worker must agree on before it does;
-and what a synchronous step averages (SHARED_GRADIENTS, a warm-up, a node's steps).
+Synchronous steps are SHARED_GRADIENTS', a warm-up's and a node's.
 
 AVERAGING's state is the trained parameters, the buffers and (with average_updaters) the
 optimizer's state. Frozen parameters (requires_grad=False), those that no param group of the

@@ -1,8 +1,7 @@
 """A round's exchange landed one round later (`overlap_averaging`), the steps since kept on top of the average.
 
-A round's exchange, landed one round later (`overlap_averaging`): the header and a snapshot of
-the state go out after the round's local work, without waiting, and land after the next round's
-steps, which are kept on top of the average (DeltaAverager).
+The header and a snapshot of the state go out after the round's local work, without waiting, and
+land after the next round's steps (DeltaAverager).
 
 With an outer optimizer this is Streaming DiLoCo's overlapped outer step (Douillard et al., 2025,
 arXiv 2501.18512, τ = one round): when round r lands, every worker computes the same outer step

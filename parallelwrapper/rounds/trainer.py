@@ -1,8 +1,7 @@
 """What the round protocol asks of a worker: the `Trainer` protocol, which worker.Replica implements.
 
-What the round protocol asks of a worker (worker.Replica implements it): its model and
-optimizer, its steps, the NaN policy, its state, its share of a validation, and what it does
-when a round lands (its learning-rate schedule catches up)."""
+A worker holds its model and optimizer, its steps, the NaN policy, its state, its share of a
+validation, and what it does when a round lands (its learning-rate schedule catches up)."""
 
 from __future__ import annotations
 
