@@ -113,7 +113,7 @@ def inference(train: list[Any], test: list[Any]) -> str:
     with _builder(lenet()).build() as w:
         w.fit(train[:200])
         model = w.model
-    with ParallelInference.builder(model).workers(1).devices([DEVICE]).mode(InferenceMode.BATCHED).build() as server:
+    with ParallelInference.builder(model).workers(1).devices([DEVICE]).inference_mode(InferenceMode.BATCHED).build() as server:
         x, y = test[0]
         out = server.output(x)
     accuracy = float((out.argmax(1) == y).float().mean())

@@ -95,7 +95,7 @@ def offline(model: torch.nn.Module, images: torch.Tensor, batch: int = 256, repe
 
 
 def served(model: torch.nn.Module, mode: InferenceMode) -> ParallelInference:
-    return ParallelInference.builder(model).workers(2).devices(["cpu", "cpu"]).mode(mode).input_shape(1, 28, 28).build()
+    return ParallelInference.builder(model).workers(2).devices(["cpu", "cpu"]).inference_mode(mode).input_shape(1, 28, 28).build()
 
 
 def soak(model: torch.nn.Module, images: torch.Tensor, requests: int, sample_every: int) -> list[dict[str, float]]:

@@ -2,9 +2,9 @@
 --deterministic) three ways, alternating, `--repeats` times each:
 
 - raise: the default, no fault;
-- replace: `--replace-workers 1`, no fault: what keeping each round's starting state (a copy in
+- replace: `--max-replacements 1`, no fault: what keeping each round's starting state (a copy in
   every worker) and holding each round's slots until it lands cost;
-- replace+kill: `--replace-workers 1`, and worker 1's process SIGKILLed once
+- replace+kill: `--max-replacements 1`, and worker 1's process SIGKILLed once
   `--kill-after` score records are written (the kernel's OOM killer would do the same).
 
 For the kill: the seconds from the kill to the first score written after the replacement's
@@ -63,7 +63,7 @@ def run(contender: str, data_dir: str, kill_after: int) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="pw-recovery-"))
     args = [pw_fit(), "--data-dir", data_dir, "--deterministic", "--out", str(out)]
     if contender != "raise":
-        args += ["--replace-workers", "1"]
+        args += ["--max-replacements", "1"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     result: dict[str, Any] = {"contender": contender}
     try:

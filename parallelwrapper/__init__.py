@@ -6,7 +6,7 @@
 """
 
 from .checkpoint import CheckpointError
-from .config import PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, NanPolicy, TrainingMode
+from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, NanPolicy, TrainingMode, check_option
 from .inference import InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation, autopilot_changes, exchange_share
 from .tensorboard_logger import TensorBoardLogger
@@ -16,6 +16,7 @@ from .wrapper import Builder, ParallelWrapper
 
 __all__ = [
     "Builder",
+    "CONFLICTS",
     "CheckpointError",
     "Config",
     "CsvWriter",
@@ -26,6 +27,7 @@ __all__ = [
     "InferenceMode",
     "JsonlWriter",
     "NanPolicy",
+    "OPTIONS",
     "PAYLOAD_DTYPES",
     "PIPELINE_SCHEDULES",
     "PRECISIONS",
@@ -41,6 +43,7 @@ __all__ = [
     "Validation",
     "WorkerError",
     "autopilot_changes",
+    "check_option",
     "exchange_share",
     "round_payload",
 ]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .autopilot import Autopilot
-from .registry import boolean, choice, count, instance, option, positive, validate
+from .registry import Declared, boolean, choice, count, declared, instance, option, positive, validate
 
 
 class TrainingMode(enum.Enum):
@@ -100,7 +100,7 @@ class Config:
 
     workers: int = option(
         2, "Workers, one process and device each; one worker on the CPU trains in this process.",
-        count(1), "workers", example=4, flag="--workers", fingerprint=True)
+        count(1), "workers", example=1, flag="--workers", fingerprint=True)
     prefetch_buffer: int = option(
         24, "Batches read ahead into the spawned workers' shared queue.",
         count(1), "prefetch_buffer", example=48, flag="--prefetch-buffer")
@@ -208,6 +208,15 @@ class Config:
             except RuntimeError as e:
                 raise ValueError(f"devices: {d!r} is not a torch device ({e})") from None
         refuse(self)
+
+
+OPTIONS: dict[str, Declared] = {d.name: d for d in declared(Config)}  # every option, by name, as declared
+
+
+def check_option(name: str, value: Any) -> None:
+    """A ValueError naming option `name` unless its declaration takes `value` (for a value checked
+    before the builder is: pw-fit's flags)."""
+    OPTIONS[name].check(value)
 
 
 @dataclass(frozen=True)
@@ -361,6 +370,6 @@ def describe_config(config: Config) -> dict[str, Any]:
 
 
 __all__ = [
-    "CONFLICTS", "PAYLOAD_DTYPES", "PIPELINE_SCHEDULES", "PRECISIONS", "Config", "Conflict", "GradientEncoding", "NanPolicy",
-    "Pipeline", "TrainingMode", "check_int", "describe_config", "parse_enum", "refuse",
+    "CONFLICTS", "OPTIONS", "PAYLOAD_DTYPES", "PIPELINE_SCHEDULES", "PRECISIONS", "Config", "Conflict", "GradientEncoding", "NanPolicy",
+    "Pipeline", "TrainingMode", "check_int", "check_option", "describe_config", "parse_enum", "refuse",
 ]  # fmt: skip

@@ -109,6 +109,12 @@ class Declared:
     default: Any
     option: Option
 
+    def check(self, value: Any) -> None:
+        """A ValueError naming the option unless its check takes `value`, with a right call."""
+        wrong = self.option.check.problem(value)
+        if wrong is not None:
+            raise ValueError(f"{self.name} must be {wrong}, got {value!r}; e.g. {self.option.call(self.option.example)}")
+
 
 def declared(cls: type) -> Iterator[Declared]:
     """The options of a dataclass declared with `option(...)`, in their order."""
@@ -118,13 +124,9 @@ def declared(cls: type) -> Iterator[Declared]:
 
 
 def validate(instance: Any) -> None:
-    """A ValueError naming the first option of `instance` whose value its check refuses, with a
-    right value to write instead."""
+    """A ValueError naming the first option of `instance` whose value its check refuses."""
     for d in declared(type(instance)):
-        value = getattr(instance, d.name)
-        wrong = d.option.check.problem(value)
-        if wrong is not None:
-            raise ValueError(f"{d.name} must be {wrong}, got {value!r}; e.g. {d.option.call(d.option.example)}")
+        d.check(getattr(instance, d.name))
 
 
 __all__ = ["Check", "Declared", "Option", "boolean", "choice", "count", "declared", "instance", "option", "positive", "validate"]

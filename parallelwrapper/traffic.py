@@ -38,7 +38,7 @@ def round_payload(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    mode: TrainingMode = TrainingMode.AVERAGING,
+    training_mode: TrainingMode = TrainingMode.AVERAGING,
     payload_dtype: str = "float32",
     replace: bool = False,
 ) -> RoundPayload:
@@ -49,13 +49,13 @@ def round_payload(
             in place of its parameters with SHARED_GRADIENTS).
         optimizer: with `.average_updaters`, the optimizer whose state goes too, as it stands (an
             optimizer builds its state at its first step: step it once on zero gradients first).
-        mode: the training mode.
+        training_mode: the training mode.
         payload_dtype: `.payload_dtype`: with AVERAGING, anything but float32 is a coded round.
         replace: `.replace_workers`: the optimizer's state then goes with the parameters, not
             in buffers of its own.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    if mode is TrainingMode.SHARED_GRADIENTS:
+    if training_mode is TrainingMode.SHARED_GRADIENTS:
         tensors = [torch.zeros_like(p) for p in params] + [b.detach().clone() for b in model.buffers()]
         later: list[torch.Tensor] = []
     else:
@@ -64,7 +64,7 @@ def round_payload(
         copies = {id(t): t.detach().clone() for t in [*params, *model.buffers(), *state]}
         tensors = [copies[id(t)] for t in [*params, *model.buffers(), *state]]
         later = [copies[id(t)] for t in settled]
-    wired = mode is TrainingMode.AVERAGING and payload_dtype != "float32"
+    wired = training_mode is TrainingMode.AVERAGING and payload_dtype != "float32"
     cpu = torch.device("cpu")
     flat = FlatAverager(tensors, cpu, HEADER_LEN, later=[] if wired else later)  # a coded payload's goes at once
     if not wired:

@@ -46,7 +46,7 @@ SUMMARY_TYPES: dict[str, type | tuple[type, ...]] = {
     "epochs": int,
     "workers": int,
     "averaging_frequency": int,
-    "mode": str,
+    "training_mode": str,
     "samples": int,
     "session_samples": int,
     "iterations": int,
@@ -97,7 +97,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return Summary(
             test_accuracy=0.99, test_loss=0.03, train_samples_per_second=1000.0, wall_samples_per_second=500.0,
             train_seconds=1.0, wall_seconds=2.0, epochs=options.epochs, workers=options.workers,
-            averaging_frequency=options.averaging_frequency, mode=options.mode.value, samples=1000, session_samples=1000,
+            averaging_frequency=options.averaging_frequency, training_mode=options.training_mode.value, samples=1000, session_samples=1000,
             iterations=8, rounds=1, final_epoch_loss=0.1, last_round_score=0.09, final_lr=0.04,
         )  # fmt: skip
 
@@ -116,7 +116,7 @@ def test_defaults_follow_dl4j_example(captured: dict[str, Any]) -> None:
     assert captured["train"] == RunOptions()
     o = captured["train"]
     assert (o.workers, o.prefetch_buffer, o.averaging_frequency, o.batch_size, o.seed) == (2, 24, 3, 128, 123)
-    assert o.report_score_after_averaging and o.average_updaters and o.mode is TrainingMode.AVERAGING
+    assert o.report_score_after_averaging and o.average_updaters and o.training_mode is TrainingMode.AVERAGING
     assert (o.optimizer, o.model, o.device, o.data_dir, o.out) == ("nesterov", "lenet", "auto", None, None)
     assert "test accuracy 0.9900" in result.output
     assert "1,000 samples/s while training (start-up and validation excluded)" in result.output
@@ -132,29 +132,29 @@ def test_overlap_averaging_reaches_the_run(captured: dict[str, Any]) -> None:
 def test_every_option_reaches_the_run(captured: dict[str, Any], tmp_path: Path, mnist_dir: Path) -> None:
     result = invoke(
         "--workers", "3", "--prefetch-buffer", "7", "--averaging-frequency", "5",
-        "--no-report-score-after-averaging", "--no-average-updaters", "--mode", "shared-gradients",
+        "--no-report-score-after-averaging", "--no-average-updaters", "--training-mode", "shared-gradients",
         "--epochs", "4", "--batch-size", "64", "--lr", "0.2", "--optimizer", "adamw", "--model", "mlp",
         "--device", "cpu", "--seed", "9", "--data-dir", str(mnist_dir), "--no-download",
-        "--out", str(tmp_path / "o"), "--train-samples", "100", "--test-samples", "50", "--val-every", "6",
+        "--out", str(tmp_path / "o"), "--train-samples", "100", "--test-samples", "50", "--validation-every", "6",
         "--early-stopping-patience", "2",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert captured["train"] == RunOptions(
         workers=3, prefetch_buffer=7, averaging_frequency=5, report_score_after_averaging=False,
-        average_updaters=False, mode=TrainingMode.SHARED_GRADIENTS, epochs=4, batch_size=64, lr=0.2,
+        average_updaters=False, training_mode=TrainingMode.SHARED_GRADIENTS, epochs=4, batch_size=64, lr=0.2,
         optimizer="adamw", model="mlp", device="cpu", seed=9, data_dir=mnist_dir, download=False,
-        out=tmp_path / "o", train_samples=100, test_samples=50, val_every=6, early_stopping_patience=2,
+        out=tmp_path / "o", train_samples=100, test_samples=50, validation_every=6, early_stopping_patience=2,
     )  # fmt: skip
 
 
 def test_recipe_options_reach_the_run_and_the_builder(captured: dict[str, Any]) -> None:
-    result = invoke("--precision", "bf16-mixed", "--clip-grad-norm", "0.5")
+    result = invoke("--precision", "bf16-mixed", "--gradient-clipping", "0.5")
     assert result.exit_code == 0, result.output
     options = captured["train"]
-    assert options == RunOptions(precision="bf16-mixed", clip_grad_norm=0.5)
+    assert options == RunOptions(precision="bf16-mixed", gradient_clipping=0.5)
     with builder(LeNet(), options).build() as w:
         assert (w.config.precision, w.config.gradient_clipping) == ("bf16-mixed", 0.5)
-    assert invoke("--precision", "fp8").exit_code != 0 and invoke("--clip-grad-norm", "0").exit_code != 0
+    assert invoke("--precision", "fp8").exit_code != 0 and invoke("--gradient-clipping", "0").exit_code != 0
 
 
 @pytest.mark.filterwarnings("ignore:4 processes")
@@ -185,7 +185,7 @@ def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, A
     assert invoke("--stages", "2", "--microbatches", "4").exit_code == 0
     with builder(LeNet(), captured["train"]).build() as w:
         assert w.config.pipeline == Pipeline(2, None, 4, "1f1b") and str(w.placement).startswith("2 workers x 2 stages")
-    assert invoke("--stages", "2", "--microbatches", "8", "--schedule", "zbv").exit_code == 0
+    assert invoke("--stages", "2", "--microbatches", "8", "--pipeline-schedule", "zbv").exit_code == 0
     with builder(LeNet(), captured["train"]).build() as w:
         assert w.config.pipeline == Pipeline(2, None, 8, "zbv")
 
@@ -253,7 +253,7 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["--mode", "bogus"], ["--mode", "'bogus' is not one of 'averaging', 'shared-gradients'"]),
+        (["--training-mode", "bogus"], ["--training-mode", "'bogus' is not one of 'averaging', 'shared-gradients'"]),
         (["--optimizer", "rmsprop"], ["--optimizer", "'rmsprop' is not one of"]),
         (["--model", "resnet"], ["--model"]),
         (["--device", "tpu"], ["--device"]),
@@ -266,13 +266,13 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["compare", "--frequencies", "4,4"], ["--frequencies", "distinct"]),
         (["compare", "--frequencies", "", "--no-shared-gradients"], ["nothing to compare"]),
         (["compare", "--target", "1.5"], ["--target"]),
-        (["compare", "--mode", "averaging"], ["No such option", "--mode"]),
+        (["compare", "--training-mode", "averaging"], ["No such option", "--training-mode"]),
         (["--workers", "3", "compare"], ["--workers given before 'compare'", "pw-fit compare --workers"]),
-        (["--early-stopping-patience", "3"], ["early stopping watches the validation loss", "add --val-every N"]),
-        (["--early-stopping-patience", "0", "--val-every", "5"], ["--early-stopping-patience"]),
-        (["--val-every", "-1"], ["--val-every"]),
+        (["--early-stopping-patience", "3"], ["early stopping watches the validation loss", "add --validation-every N"]),
+        (["--early-stopping-patience", "0", "--validation-every", "5"], ["--early-stopping-patience"]),
+        (["--validation-every", "-1"], ["--validation-every"]),
         (["--lr-schedule", "linear"], ["--lr-schedule", "'linear' is not one of 'none', 'step', 'cosine', 'onecycle'"]),
-        (["compare", "--val-every", "5"], ["No such option", "--val-every"]),
+        (["compare", "--validation-every", "5"], ["No such option", "--validation-every"]),
         (["--outer-lr", "0"], ["--outer-lr"]),
         (["--outer-lr", "1", "--outer-momentum", "1"], ["--outer-momentum", "0<=x<1"]),
         (["--outer-momentum", "0.5"], ["outer_momentum 0.5 is the outer optimizer's", "--outer-lr LR"]),
@@ -282,8 +282,8 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["compare", "--outer-lr", "1", "--frequencies", ""], ["give averaging frequencies with --outer-lr"]),
         (["--microbatches", "4"], ["microbatches 4 cut a pipeline's batches", "--stages N"]),
         (["--stages", "0"], ["--stages"]),
-        (["--schedule", "zbv"], ["schedule 'zbv' runs a pipeline", "--stages N"]),
-        (["--stages", "2", "--schedule", "interleaved"], ["--schedule", "'interleaved' is not one of '1f1b', 'gpipe', 'zbv'"]),
+        (["--pipeline-schedule", "zbv"], ["schedule 'zbv' runs a pipeline", "--stages N"]),
+        (["--stages", "2", "--pipeline-schedule", "interleaved"], ["--pipeline-schedule", "'interleaved' is not one of '1f1b', 'gpipe', 'zbv'"]),
     ],
 )
 def test_bad_input_is_a_usage_error(captured: dict[str, Any], args: list[str], fragments: list[str]) -> None:
@@ -324,12 +324,12 @@ def check_types(record: dict[str, Any], types: dict[str, type | tuple[type, ...]
 @pytest.mark.timeout(120)
 def test_fit_writes_metrics_summary_and_model(mnist_dir: Path, tmp_path: Path) -> None:
     """1,024 images = 8 batches of 128 per epoch; 2 workers x k=2: 2 averagings per epoch, each
-    validated (--val-every 1). Dealt (--deterministic): first-come, a fast worker may look ahead
+    validated (--validation-every 1). Dealt (--deterministic): first-come, a fast worker may look ahead
     at a batch the other needed to fill its round, and the epoch then ends with a round more."""
     out = tmp_path / "run"
     result = invoke(
         "--workers", "2", "--epochs", "2", "--averaging-frequency", "2", "--deterministic", "--data-dir", str(mnist_dir),
-        "--train-samples", "1024", "--test-samples", "500", "--out", str(out), "--val-every", "1", "--lr-schedule", "cosine",
+        "--train-samples", "1024", "--test-samples", "500", "--out", str(out), "--validation-every", "1", "--lr-schedule", "cosine",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "lenet on 1,024 MNIST training images: 2 workers on cpu with gloo" in result.output
@@ -355,7 +355,7 @@ def test_fit_writes_metrics_summary_and_model(mnist_dir: Path, tmp_path: Path) -
 
     summary = json.loads((out / "summary.json").read_text())
     check_types(summary, SUMMARY_TYPES)
-    assert (summary["epochs"], summary["workers"], summary["averaging_frequency"], summary["mode"]) == (2, 2, 2, "averaging")
+    assert (summary["epochs"], summary["workers"], summary["averaging_frequency"], summary["training_mode"]) == (2, 2, 2, "averaging")
     assert (summary["samples"], summary["session_samples"], summary["iterations"], summary["rounds"]) == (2048, 2048, 16, 4)
     assert summary["test_accuracy"] == epochs[-1]["test_accuracy"] == summary["epoch_accuracies"][-1]
     assert (summary["final_epoch_loss"], summary["last_round_score"]) == (epochs[-1]["epoch_loss"], scores[-1]["score"])
@@ -380,7 +380,7 @@ def test_early_stopping_ends_the_run_when_val_loss_stops_improving(mnist_dir: Pa
     out = tmp_path / "run"
     result = invoke(
         "--epochs", "6", "--averaging-frequency", "1", "--lr", "0.5", "--deterministic", "--data-dir", str(mnist_dir),
-        "--train-samples", "512", "--test-samples", "300", "--val-every", "1", "--early-stopping-patience", "1", "--out", str(out),
+        "--train-samples", "512", "--test-samples", "300", "--validation-every", "1", "--early-stopping-patience", "1", "--out", str(out),
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
@@ -433,7 +433,7 @@ def pw_fit() -> str:
 def test_installed_entry_point_trains_with_shared_gradients(mnist_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "sg"
     proc = subprocess.run(
-        [pw_fit(), "--mode", "shared-gradients", "--averaging-frequency", "1", "--data-dir", str(mnist_dir),
+        [pw_fit(), "--training-mode", "shared-gradients", "--averaging-frequency", "1", "--data-dir", str(mnist_dir),
          "--train-samples", "512", "--test-samples", "200", "--out", str(out)],
         capture_output=True, text=True, timeout=110,
     )  # fmt: skip
@@ -441,7 +441,7 @@ def test_installed_entry_point_trains_with_shared_gradients(mnist_dir: Path, tmp
     assert "test accuracy" in proc.stdout and "samples/s" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     # 4 batches, 2 workers in lockstep: 2 steps, a score after each.
-    assert (summary["mode"], summary["rounds"], summary["iterations"], summary["samples"]) == ("shared-gradients", 2, 4, 512)
+    assert (summary["training_mode"], summary["rounds"], summary["iterations"], summary["samples"]) == ("shared-gradients", 2, 4, 512)
     assert len([r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "score"]) == 2
 
 
@@ -603,13 +603,13 @@ def spawned_workers(pid: int) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.timeout(150)
-def test_replace_workers_survives_a_killed_worker_and_reports_it(mnist_dir: Path, tmp_path: Path) -> None:
+def test_max_replacements_survives_a_killed_worker_and_reports_it(mnist_dir: Path, tmp_path: Path) -> None:
     """SIGKILL a worker once the first score is written: the run finishes, the bar's line and the
     summary say a worker was replaced, and metrics.jsonl has its record."""
     out = tmp_path / "out"
     args = [
         "--data-dir", str(mnist_dir), "--train-samples", "6000", "--test-samples", "200", "--batch-size", "64",
-        "--replace-workers", "1", "--out", str(out),
+        "--max-replacements", "1", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.Popen([pw_fit(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -61,7 +61,7 @@ def test_fluent_builder_sets_every_option() -> None:
 @pytest.mark.parametrize(
     ("setter", "value", "match"),
     [
-        ("workers", 0, r"workers must be an int >= 1, got 0"),
+        ("workers", 0, r"workers must be an int >= 1, got 0; e.g. .workers\(1\)"),
         ("workers", 1.5, r"workers must be an int"),
         ("averaging_frequency", 0, r"averaging_frequency must be an int >= 1"),
         ("prefetch_buffer", -1, r"prefetch_buffer must be an int >= 1"),

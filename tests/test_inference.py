@@ -110,7 +110,7 @@ def callers(served: ParallelInference, images: torch.Tensor, threads: int = 4) -
 )
 def test_answers_equal_the_model_from_concurrent_callers_and_update_model_loses_nothing(mode: InferenceMode, images: torch.Tensor) -> None:
     old, new = lenet(0), lenet(1)
-    served = ParallelInference.builder(old).workers(2).devices(["cpu", "cpu"]).mode(mode).input_shape(1, 28, 28).build()
+    served = ParallelInference.builder(old).workers(2).devices(["cpu", "cpu"]).inference_mode(mode).input_shape(1, 28, 28).build()
     with served:
         sent = callers(served, images)
         for x, f in sent:
@@ -146,7 +146,7 @@ def test_a_wrong_shape_fails_only_its_own_request(images: torch.Tensor) -> None:
             bad.result(timeout=WAIT_S)
         for i, f in enumerate(good + more):
             torch.testing.assert_close(f.result(timeout=WAIT_S), expected(model, images[i % 8 : i % 8 + 2]), atol=1e-6, rtol=0)
-    inplace = ParallelInference.builder(model).mode("inplace").input_shape(1, 28, 28).build()
+    inplace = ParallelInference.builder(model).inference_mode("inplace").input_shape(1, 28, 28).build()
     with inplace, pytest.raises(ValueError, match=r"input of shape \[28, 28\] is neither one sample \[1, 28, 28\] nor a batch"):
         inplace.output(images[0, 0])
 
@@ -154,7 +154,7 @@ def test_a_wrong_shape_fails_only_its_own_request(images: torch.Tensor) -> None:
 def test_a_killed_worker_fails_only_its_requests_and_is_started_again(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     gate.touch()
-    served = ParallelInference.builder(Gated(gate)).workers(2).devices(["cpu", "cpu"]).mode(InferenceMode.SEQUENTIAL).build()
+    served = ParallelInference.builder(Gated(gate)).workers(2).devices(["cpu", "cpu"]).inference_mode(InferenceMode.SEQUENTIAL).build()
     with served:
         x = [torch.full((1, 3), float(i)) for i in range(6)]
         held = [served.submit(x[0]), served.submit(x[1])]  # one on each worker
@@ -187,7 +187,7 @@ def test_a_killed_worker_fails_only_its_requests_and_is_started_again(tmp_path: 
 def test_a_full_queue_blocks_callers_and_close_fails_what_is_pending(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     gate.touch()
-    served = ParallelInference.builder(Gated(gate)).workers(1).mode(InferenceMode.SEQUENTIAL).queue_limit(2).build()
+    served = ParallelInference.builder(Gated(gate)).workers(1).inference_mode(InferenceMode.SEQUENTIAL).queue_limit(2).build()
     x = [torch.full((1, 3), float(i)) for i in range(DEPTH + 4)]
     futures: list[Future[torch.Tensor]] = []
 
@@ -244,7 +244,7 @@ def test_pw_fit_predict_scores_a_saved_model(tmp_path: Path, mnist_dir: Path) ->
         (lambda b: b.max_wait_ms(-2), r"max_wait_ms must be a number of milliseconds >= 0"),
         (lambda b: b.workers(2).devices(["cpu"]), r"devices names 1 devices for 2 workers"),
         (lambda b: b.devices(["cuda:7"]), r"devices: cuda:7 does not exist"),
-        (lambda b: b.mode("fast"), r"mode must be one of \['batched', 'sequential', 'inplace'\]"),
+        (lambda b: b.inference_mode("fast"), r"mode must be one of \['batched', 'sequential', 'inplace'\]"),
     ],
 )
 def test_build_refuses_bad_options_naming_them(setup: Callable[[InferenceBuilder], InferenceBuilder], message: str) -> None:

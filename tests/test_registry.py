@@ -111,3 +111,21 @@ def test_the_fingerprint_holds_the_declared_options_away_from_their_defaults() -
     assert {k: v for k, v in changed.items() if plain.get(k) != v} == {"deterministic": True, "averaging_frequency": 4}
     assert {d.name for d in OPTIONS if d.option.fingerprint} >= {"workers", "averaging_frequency", "training_mode", "average_updaters"}
     assert ast.literal_eval(repr(plain["workers"])) == 1
+
+
+def test_pw_fits_flags_for_the_builders_options_are_their_declarations() -> None:
+    """Each option declared with a pw-fit flag is that flag of `pw-fit`, with its help first and
+    its values; pw-fit has no other flag for a builder option under another name."""
+    from parallelwrapper.app.cli import main
+
+    params = {opt: p for p in main.params for opt in getattr(p, "opts", [])}
+    flagged = [d for d in OPTIONS if d.option.flag is not None]
+    assert {d.name for d in flagged} >= {"workers", "averaging_frequency", "training_mode", "payload_dtype", "gradient_clipping"}
+    for d in flagged:
+        param = params.get(d.option.flag)
+        assert param is not None, f"pw-fit has no {d.option.flag} for {d.name}"
+        assert (param.help or "").startswith(d.option.help), d.name
+        if d.option.check.choices:
+            assert list(param.type.choices) == [str(c) for c in d.option.check.choices], d.name
+    renamed = {"--mode", "--clip-grad-norm", "--val-every", "--replace-workers", "--schedule"}  # one name per thing (CHANGELOG.md)
+    assert not renamed & params.keys()

@@ -339,7 +339,7 @@ def test_a_redo_feeds_again_what_was_taken_for_its_round_or_later() -> None:
 
 @pytest.mark.fast
 def test_a_feeder_waiting_for_a_slot_puts_back_a_lost_round_that_holds_every_slot() -> None:
-    """pw-fit --replace-workers once hung here: the feeder waited for a free slot before putting
+    """pw-fit --max-replacements once hung here: the feeder waited for a free slot before putting
     anything, and the lost round it was to put back in front held every slot there was."""
     import multiprocessing
 

@@ -27,7 +27,7 @@ def test_pw_fit_tensorboard_scalars_read_back(mnist_dir: Path, tmp_path: Path) -
     out, board = tmp_path / "out", tmp_path / "tb"
     result = CliRunner().invoke(cli.main, [
         "--workers", "1", "--epochs", "2", "--averaging-frequency", "2", "--data-dir", str(mnist_dir),
-        "--train-samples", "512", "--test-samples", "256", "--val-every", "1", "--lr-schedule", "onecycle",
+        "--train-samples", "512", "--test-samples", "256", "--validation-every", "1", "--lr-schedule", "onecycle",
         "--out", str(out), "--tensorboard", str(board),
     ], prog_name="pw-fit")  # fmt: skip
     assert result.exit_code == 0, result.output

@@ -6,6 +6,7 @@ option, a missing data directory) become click errors, without a traceback.
 
 from __future__ import annotations
 
+import enum
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from parallelwrapper import PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, CheckpointError, InferenceError, InferenceMode, TrainingMode, WorkerError
+from parallelwrapper import OPTIONS, PIPELINE_SCHEDULES, CheckpointError, InferenceError, InferenceMode, TrainingMode, WorkerError
 from parallelwrapper.checkpoint import peek
 
 from .compare import CompareOptions, compare
@@ -30,34 +31,54 @@ T = TypeVar("T")
 _LR_DEFAULTS = ", ".join(f"{name} {choice.default_lr:g}" for name, choice in OPTIMIZERS.items())
 
 
+def _declared(name: str, extra: str = "", **override: Any) -> Callable[[F], F]:
+    """pw-fit's flag for the builder's option `name`, made from its declaration
+    (parallelwrapper.OPTIONS): the flag, its help (then `extra`, what pw-fit adds), its default
+    and the values it takes; `override` where pw-fit's own differ (DL4J's example: k 3, seed 123)."""
+    d = OPTIONS[name]
+    check, flag = d.option.check, d.option.flag
+    assert flag is not None, f"{name} has no pw-fit flag in its declaration"
+    kwargs: dict[str, Any] = {"default": d.default, "show_default": d.default is not None, "help": f"{d.option.help} {extra}".strip()}
+    decls = [f"{flag}/--no-{flag.removeprefix('--')}"] if check.boolean else [flag]
+    if check.choices:
+        kwargs["type"] = click.Choice([str(c) for c in check.choices])
+    elif check.integer:
+        kwargs["type"] = int if check.minimum is None else click.IntRange(min=check.minimum)
+    elif check.positive:
+        kwargs["type"] = click.FloatRange(min=0, min_open=True)
+    elif isinstance(d.default, enum.Enum):
+        kwargs["type"], kwargs["default"] = click.Choice([m.value for m in type(d.default)]), d.default.value
+    return click.option(*decls, **{**kwargs, **override})
+
+
 def _run_options(f: F) -> F:
-    """The options `pw-fit` and `pw-fit compare` share; the first four mirror the builder."""
+    """The options `pw-fit` and `pw-fit compare` share: the builder's as declared, then the run's."""
     options = [
-        click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Workers, one process and device each; one worker on the CPU trains in this process."),
-        click.option("--prefetch-buffer", type=click.IntRange(min=1), default=24, show_default=True, help="Batches read ahead into the spawned workers' shared queue."),
-        click.option("--report-score-after-averaging/--no-report-score-after-averaging", default=True, show_default=True, help="Report the averaged score after every averaging, or once per epoch."),
-        click.option("--average-updaters/--no-average-updaters", default=True, show_default=True, help="Average optimizer state (momentum, Adam moments) with the parameters."),
-        click.option("--average-updaters-every", type=click.IntRange(min=1), default=1, show_default=True, help="With --average-updaters: the optimizer state travels every M-th round only (DES-LOC), and at every epoch's end, checkpoint, validation and stop; each worker keeps its own in between."),
+        _declared("workers"),
+        _declared("prefetch_buffer"),
+        _declared("report_score_after_averaging"),
+        _declared("average_updaters"),
+        _declared("average_updaters_every"),
         click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True),
         click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True, help="Samples per batch (one worker step)."),
         click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help=f"Learning rate. Default per optimizer: {_LR_DEFAULTS}."),
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="nesterov", show_default=True, help="nesterov: SGD, momentum 0.9, Nesterov (DL4J's NESTEROVS)."),
         click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="lenet: DL4J's LeNet; mlp: a small MLP."),
         click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any (shared round-robin, over gloo, when the workers outnumber them), else the CPU; cuda: the same, or an error without a GPU."),
-        click.option("--seed", type=int, default=123, show_default=True, help="Model init, shuffling and worker RNGs."),
-        click.option("--clip-grad-norm", type=click.FloatRange(min=0, min_open=True), default=None, help="Clip each step's gradients to this total norm (default: no clipping)."),
-        click.option("--precision", type=click.Choice(list(PRECISIONS)), default="32", show_default=True, help="bf16-mixed: forward and loss under autocast to bfloat16; weights and averaging stay float32."),
+        _declared("seed", "pw-fit also seeds the model's initial weights and the shuffling with it.", default=123),
+        _declared("gradient_clipping"),
+        _declared("precision"),
         click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files (gzipped or not). Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist)."),
         click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir."),
         click.option("--train-samples", type=click.IntRange(min=1), default=None, help="Train on the first N training images only (for smoke tests)."),
         click.option("--test-samples", type=click.IntRange(min=1), default=None, help="Evaluate on the first N test images only (for smoke tests)."),
         click.option("--outer-lr", type=click.FloatRange(min=0, min_open=True), default=None, help="DiLoCo/SlowMo: after each averaging, step an outer SGD at this learning rate on the round's change (1 with no momentum: plain averaging). Default: off."),
         click.option("--outer-momentum", type=click.FloatRange(min=0, max=1, max_open=True), default=0.0, show_default=True, help="The outer SGD's Nesterov momentum (needs --outer-lr)."),
-        click.option("--warmup-sync-steps", type=click.IntRange(min=0), default=0, show_default=True, help="Post-local SGD: share gradients every step for the first N steps, then average every --averaging-frequency."),
-        click.option("--overlap-averaging/--no-overlap-averaging", default=False, show_default=True, help="Run each averaging in the background during the next round's steps (averaging mode only; in pw-fit compare, its averaging runs)."),
-        click.option("--fragments", type=click.IntRange(min=1), default=1, show_default=True, help="Average the state in N fragments of about equal bytes, each sent at its own point of the round and landed a round later (needs --overlap-averaging in pw-fit; pw-fit compare's averaging runs overlap with N > 1)."),
-        click.option("--gradient-threshold", type=click.FloatRange(min=0, min_open=True), default=None, help="Shared gradients threshold-encoded (DL4J, Strom 2015): only entries of lr x gradient past this τ are sent, τ then adapting (needs --mode shared-gradients; in pw-fit compare, the τ its --encoded run starts from, default 1e-3). Default: dense."),
-        click.option("--payload-dtype", type=click.Choice(list(PAYLOAD_DTYPES)), default="float32", show_default=True, help="What an averaging sends: bfloat16/float16 send the change since the last average cast, int8/int4 block-quantized (a scale per 256 numbers); what is lost goes with the next round."),
+        _declared("warmup_sync_steps"),
+        _declared("overlap_averaging", "In pw-fit compare: its averaging runs."),
+        _declared("fragments", "In pw-fit compare, its averaging runs overlap with N > 1."),
+        click.option("--gradient-threshold", type=click.FloatRange(min=0, min_open=True), default=None, help="Shared gradients threshold-encoded (DL4J, Strom 2015): only entries of lr x gradient past this τ are sent, τ then adapting (needs --training-mode shared-gradients; in pw-fit compare, the τ its --encoded run starts from, default 1e-3). Default: dense."),
+        _declared("payload_dtype"),
     ]  # fmt: skip
     for option in reversed(options):
         f = option(f)
@@ -106,23 +127,23 @@ _K = _KOrAuto()
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @_run_options
-@click.option("--averaging-frequency", type=_K, default="3", show_default=True, help="Local iterations per worker between averagings, or auto: the autopilot chooses k (1 to 64), the payload and the optimizer state's period from the measured step and exchange times (a --payload-dtype or --average-updaters-every other than its default is kept).")
-@click.option("--mode", type=click.Choice([m.value for m in TrainingMode]), default=TrainingMode.AVERAGING.value, show_default=True, help="averaging: local steps, then average; shared-gradients: average gradients every step.")
+@_declared("averaging_frequency", "Or auto: the autopilot chooses k (1 to 64), the payload and the optimizer state's period from the measured step and exchange times (a --payload-dtype or --average-updaters-every other than its default is kept).", type=_K, default="3")
+@_declared("training_mode")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
 @click.option("--tensorboard", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write the scores, validations, epoch figures, learning rate and replacements here as TensorBoard scalars (needs the tensorboard package: pip install tensorboard). Default: off.")
-@click.option("--deterministic/--no-deterministic", default=False, show_default=True, help="Deal batch i to worker i mod N: the same run gives the same model, and a resumed run ends as an uninterrupted one.")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save a checkpoint here every --checkpoint-every rounds, at each epoch's end and on Ctrl-C.")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=50, show_default=True, help="Rounds between checkpoints.")
+@_declared("deterministic")
+@_declared("checkpoint_dir", type=click.Path(file_okay=False, path_type=Path))
+@_declared("checkpoint_every")
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Continue the run whose checkpoint is in this directory (same options; --epochs counts from the run's start).")
-@click.option("--val-every", type=click.IntRange(min=0), default=0, show_default=True, help="Also validate on the test set every N averagings (0: at each epoch's end only); val_loss and val_accuracy go to the progress bar and metrics.jsonl.")
+@click.option("--validation-every", type=click.IntRange(min=0), default=0, show_default=True, help="Also validate on the test set every N averagings (0: at each epoch's end only); val_loss and val_accuracy go to the progress bar and metrics.jsonl.")
 @click.option("--lr-schedule", type=click.Choice(list(LR_SCHEDULES)), default="none", show_default=True, help="step: lr x 0.7 after each epoch; cosine: anneal to 0 over the run; onecycle: warm up to --lr and anneal, over the run (steps: ceil(batches / workers) an epoch).")
-@click.option("--replace-workers", type=click.IntRange(min=0), default=0, show_default=True, help="Replace a worker that fails (an error, a death, a stall) up to N times: every worker goes back to the last average and its round's batches are trained again (0: a failure ends the run).")
+@click.option("--max-replacements", type=click.IntRange(min=0), default=0, show_default=True, help="Replace a worker that fails (an error, a death, a stall) up to N times: every worker goes back to the last average and its round's batches are trained again (0: a failure ends the run).")
 @click.option("--stages", type=click.IntRange(min=1), default=1, show_default=True, help="Model parallelism: each worker a pipeline of N stage processes, each holding about 1/N of the model and its optimizer state, averaged stage by stage (1: no pipeline). --workers 2 --stages 2 runs 4 processes.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=1, show_default=True, help="With --stages: cut each batch into M microbatches for the pipeline's schedule (1F1B runs GPipe when M < stages).")
-@click.option("--schedule", type=click.Choice(list(PIPELINE_SCHEDULES)), default="1f1b", show_default=True, help="With --stages: the pipeline's schedule; zbv (zero bubble, V) has each stage hold two pieces of the model and fills the bubbles with weight gradients.")
-@click.option("--early-stopping-patience", type=click.IntRange(min=1), default=None, help="Stop when val_loss has not improved for this many validations (needs --val-every). Default: off.")
+@click.option("--pipeline-schedule", type=click.Choice(list(PIPELINE_SCHEDULES)), default="1f1b", show_default=True, help="With --stages: the pipeline's schedule; zbv (zero bubble, V) has each stage hold two pieces of the model and fills the bubbles with weight gradients.")
+@click.option("--early-stopping-patience", type=click.IntRange(min=1), default=None, help="Stop when val_loss has not improved for this many validations (needs --validation-every). Default: off.")
 @click.pass_context
-def main(ctx: click.Context, /, mode: str, **kwargs: Any) -> None:
+def main(ctx: click.Context, /, training_mode: str, **kwargs: Any) -> None:
     """Train a model on MNIST with a ParallelWrapper (DL4J's multi-GPU LeNet example by default),
     showing where the workers run (devices, backend), the averaged score, each epoch's mean
     training loss and test accuracy and, at the end, the test accuracy, samples per second while
@@ -135,9 +156,9 @@ def main(ctx: click.Context, /, mode: str, **kwargs: Any) -> None:
         if given:
             raise click.UsageError(f"{', '.join(given)} given before '{ctx.invoked_subcommand}': options go after the command, e.g. pw-fit compare --workers 2")
         return
-    if kwargs["gradient_threshold"] is not None and mode != TrainingMode.SHARED_GRADIENTS.value:
-        raise click.UsageError("--gradient-threshold encodes shared gradients: add --mode shared-gradients")
-    options = _make(RunOptions, mode=TrainingMode(mode), **kwargs)
+    if kwargs["gradient_threshold"] is not None and training_mode != TrainingMode.SHARED_GRADIENTS.value:  # in pw-fit compare it is the encoded run's
+        raise click.UsageError("--gradient-threshold encodes shared gradients: add --training-mode shared-gradients")
+    options = _make(RunOptions, training_mode=TrainingMode(training_mode), **kwargs)
     try:
         summary = _call(train_mnist, options)
     except KeyboardInterrupt:
@@ -210,7 +231,7 @@ def compare_command(frequencies: tuple[int | str, ...], shared_gradients: bool, 
 @click.option("--model-path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True, help="The state dict to score, as pw-fit --out DIR saves it (DIR/model.pt).")
 @click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="The architecture it was trained as.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Inference workers, one process and device each.")
-@click.option("--mode", type=click.Choice([m.value for m in InferenceMode]), default=InferenceMode.BATCHED.value, show_default=True, help="batched: requests waiting while the workers are busy go together; sequential: one at a time; inplace: in this process.")
+@click.option("--inference-mode", type=click.Choice([m.value for m in InferenceMode]), default=InferenceMode.BATCHED.value, show_default=True, help="batched: requests waiting while the workers are busy go together; sequential: one at a time; inplace: in this process.")
 @click.option("--request-size", type=click.IntRange(min=1), default=1, show_default=True, help="Test images per request (1: single images, as a server gets them).")
 @click.option("--batch-limit", type=click.IntRange(min=1), default=32, show_default=True, help="batched: the most images in one forward pass.")
 @click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any, else the CPU.")

@@ -73,7 +73,7 @@ class Communication:
 
 
 def estimated_communication(options: RunOptions) -> Communication:
-    """The payload of one round of `options` (its mode, optimizer, average_updaters and
+    """The payload of one round of `options` (its training mode, optimizer, average_updaters and
     payload_dtype). A rank-local throwaway optimizer takes one step on zero gradients to create
     its lazily built state (SGD momentum: one buffer per parameter; Adam: two, and a step count;
     plain SGD: none)."""
@@ -81,7 +81,7 @@ def estimated_communication(options: RunOptions) -> Communication:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None
     full_fits: int | None = None if options.overlap_averaging else 0  # streamed rounds start coding after a first one
-    if options.mode is not TrainingMode.SHARED_GRADIENTS and options.average_updaters:
+    if options.training_mode is not TrainingMode.SHARED_GRADIENTS and options.average_updaters:
         optimizer = OPTIMIZERS[options.optimizer].make(params, options.learning_rate)
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -90,8 +90,8 @@ def estimated_communication(options: RunOptions) -> Communication:
             full_fits = None
         elif full_fits is not None:  # the state exists once the first fit() has stepped
             full_fits = 1
-    payload = round_payload(model, optimizer, mode=options.mode, payload_dtype=options.payload_dtype, replace=options.replace_workers > 0)
-    fragments = options.fragments if options.mode is TrainingMode.AVERAGING else 1
+    payload = round_payload(model, optimizer, training_mode=options.training_mode, payload_dtype=options.payload_dtype, replace=options.max_replacements > 0)
+    fragments = options.fragments if options.training_mode is TrainingMode.AVERAGING else 1
     if payload.wire_bytes is None:
         return Communication(payload.nbytes, payload.collectives, options.workers, fragments=fragments)
     return Communication(payload.nbytes, payload.collectives, options.workers, payload.wire_bytes, fragments, full_fits)

@@ -76,14 +76,14 @@ class CompareOptions:
 
 @dataclass(frozen=True)
 class RunSpec:
-    mode: TrainingMode
+    training_mode: TrainingMode
     averaging_frequency: int | str  # or "auto"
     outer: bool = False  # with the base options' outer optimizer
     encoded: bool = False  # SHARED_GRADIENTS threshold-encoded
 
     @property
     def label(self) -> str:
-        if self.mode is TrainingMode.SHARED_GRADIENTS:
+        if self.training_mode is TrainingMode.SHARED_GRADIENTS:
             return "encoded shared gradients" if self.encoded else "shared gradients"
         return f"{'outer' if self.outer else 'averaging'} k={self.averaging_frequency}"
 
@@ -93,11 +93,11 @@ class RunSpec:
         Dealt (deterministic) but for the autopilot, which steers by measured times."""
         outer = self.outer and base.outer_lr is not None
         return dataclasses.replace(
-            base, mode=self.mode, averaging_frequency=self.averaging_frequency, report_score_after_averaging=True,
+            base, training_mode=self.training_mode, averaging_frequency=self.averaging_frequency, report_score_after_averaging=True,
             deterministic=self.averaging_frequency != "auto", outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0,
-            payload_dtype=base.payload_dtype if self.mode is TrainingMode.AVERAGING else "float32",
-            fragments=base.fragments if self.mode is TrainingMode.AVERAGING else 1,
-            overlap_averaging=self.mode is TrainingMode.AVERAGING and (base.overlap_averaging or base.fragments > 1),
+            payload_dtype=base.payload_dtype if self.training_mode is TrainingMode.AVERAGING else "float32",
+            fragments=base.fragments if self.training_mode is TrainingMode.AVERAGING else 1,
+            overlap_averaging=self.training_mode is TrainingMode.AVERAGING and (base.overlap_averaging or base.fragments > 1),
             gradient_threshold=(base.gradient_threshold or 1e-3) if self.encoded else None,
         )  # fmt: skip
 
@@ -238,7 +238,7 @@ def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = pri
     return results
 
 
-CSV_FIELDS = ["run", "mode", "averaging_frequency", "outer", "encoded", *(f.name for f in dataclasses.fields(Point))]
+CSV_FIELDS = ["run", "training_mode", "averaging_frequency", "outer", "encoded", *(f.name for f in dataclasses.fields(Point))]
 
 
 def write_csv(results: Sequence[RunResult], path: Path) -> None:
@@ -247,7 +247,7 @@ def write_csv(results: Sequence[RunResult], path: Path) -> None:
         writer.writeheader()
         for r in results:
             for p in r.points:
-                row = {"run": r.spec.label, "mode": r.spec.mode.value, "averaging_frequency": r.spec.averaging_frequency, "outer": r.spec.outer, "encoded": r.spec.encoded}
+                row = {"run": r.spec.label, "training_mode": r.spec.training_mode.value, "averaging_frequency": r.spec.averaging_frequency, "outer": r.spec.outer, "encoded": r.spec.encoded}
                 writer.writerow({**row, **dataclasses.asdict(p)})
 
 
@@ -315,7 +315,7 @@ _MARKERS = ("o", "^", "D", "v", "P", "X", "*")
 def _style(spec: RunSpec, ks: list[int]) -> dict[str, Any]:
     import matplotlib.pyplot as plt
 
-    if spec.mode is TrainingMode.SHARED_GRADIENTS:
+    if spec.training_mode is TrainingMode.SHARED_GRADIENTS:
         return {"color": "black", "linestyle": "--", "marker": "s", "markersize": 8, "markerfacecolor": "none", "zorder": 3}
     if spec.averaging_frequency == "auto":
         return {"color": "tab:red", "marker": "*", "markersize": 7, "zorder": 4, "linestyle": "-." if spec.outer else "-"}
@@ -343,7 +343,7 @@ def figure(results: Sequence[RunResult], options: CompareOptions) -> Figure:
     fig.subplots_adjust(left=0.05 if auto else 0.07, right=0.99, bottom=0.1, top=0.86, wspace=0.12 if auto else 0.05)
     axes[1].sharey(axes[0])
     axes[1].tick_params(labelleft=False)
-    ks = sorted({k for r in results if r.spec.mode is TrainingMode.AVERAGING and isinstance(k := r.spec.averaging_frequency, int)})
+    ks = sorted({k for r in results if r.spec.training_mode is TrainingMode.AVERAGING and isinstance(k := r.spec.averaging_frequency, int)})
     target = options.target_accuracy
     for ax, x_name, x_label in (
         (axes[0], "samples", "training samples seen (all workers)"),

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from parallelwrapper import PAYLOAD_DTYPES, PRECISIONS, Builder, ParallelWrapper, TrainingMode
+from parallelwrapper import Builder, ParallelWrapper, TrainingMode, check_option
 
 from .mnist import MnistSplit, load_mnist
 from .models import MODEL_NAMES, build_model
@@ -44,6 +44,12 @@ OPTIMIZERS: dict[str, OptimizerChoice] = {
     "adamw": OptimizerChoice(torch.optim.AdamW, {}, 1e-3),
 }
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+# The builder's options a run sets as they are, under their own names (parallelwrapper.OPTIONS).
+_MIRRORED = (
+    "workers", "prefetch_buffer", "report_score_after_averaging", "average_updaters", "average_updaters_every", "training_mode",
+    "seed", "overlap_averaging", "deterministic", "checkpoint_every", "precision", "gradient_clipping", "warmup_sync_steps",
+    "payload_dtype", "fragments",
+)  # fmt: skip
 LR_SCHEDULES: tuple[str, ...] = ("none", "step", "cosine", "onecycle")
 
 
@@ -58,7 +64,7 @@ class RunOptions:
     report_score_after_averaging: bool = True
     average_updaters: bool = True
     average_updaters_every: int = 1  # with average_updaters: the optimizer state travels every m-th round (Builder.average_updaters(every=m))
-    mode: TrainingMode = TrainingMode.AVERAGING
+    training_mode: TrainingMode = TrainingMode.AVERAGING
     epochs: int = 1
     batch_size: int = 128  # per worker step
     lr: float | None = None  # None: the optimizer's default in OPTIMIZERS
@@ -78,8 +84,8 @@ class RunOptions:
     checkpoint_every: int = 50
     resume: Path | None = None  # a checkpoint directory to continue from (and to keep saving to)
     precision: str = "32"  # or "bf16-mixed" (Builder.precision)
-    clip_grad_norm: float | None = None  # Builder.gradient_clipping(max_norm)
-    val_every: int = 0  # validate on the test set every N averagings too (0: at epoch ends only)
+    gradient_clipping: float | None = None  # Builder.gradient_clipping(max_norm)
+    validation_every: int = 0  # validate on the test set every N averagings too (0: at epoch ends only)
     early_stopping_patience: int | None = None  # stop after this many validations without a better val_loss
     lr_schedule: str = "none"  # or step, cosine, onecycle (see with_lr_schedule)
     outer_lr: float | None = None  # an outer SGD with Nesterov momentum after each averaging (None: none)
@@ -87,34 +93,33 @@ class RunOptions:
     warmup_sync_steps: int = 0  # shared gradients for the first N steps, then averaging (Builder.warmup_sync_steps)
     payload_dtype: str = "float32"  # or bfloat16, float16, int8, int4: what an averaging sends (Builder.payload_dtype)
     fragments: int = 1  # with overlap_averaging: the state averaged in n fragments through the round (Builder.fragments)
-    replace_workers: int = 0  # replace a failed worker up to N times (Builder.on_worker_failure); 0: a failure ends the run
+    max_replacements: int = 0  # replace a failed worker up to N times (Builder.on_worker_failure("replace", max_replacements=N)); 0: a failure ends the run
     gradient_threshold: float | None = None  # shared gradients threshold-encoded, τ starting here (Builder.gradient_encoding); None: dense
     stages: int = 1  # each worker a pipeline of this many stage processes (Builder.pipeline); 1: none
     microbatches: int = 1  # with stages > 1: each batch cut into this many for the pipeline's schedule
-    schedule: str = "1f1b"  # with stages > 1: the pipeline's schedule (Builder.pipeline)
+    pipeline_schedule: str = "1f1b"  # with stages > 1: the pipeline's schedule (Builder.pipeline(schedule=...))
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, TrainingMode):
-            raise ValueError(f"mode must be one of {[m.value for m in TrainingMode]}, got {self.mode!r}")
+        for name in _MIRRORED:  # as the builder will check them, but before the data loads
+            check_option(name, getattr(self, name))
         if self.averaging_frequency != "auto":
-            check_int("averaging_frequency", self.averaging_frequency, 1, "or 'auto'")
+            check_option("averaging_frequency", self.averaging_frequency)
         check_int("epochs", self.epochs)
         check_int("batch_size", self.batch_size)
-        check_int("checkpoint_every", self.checkpoint_every)
-        check_int("val_every", self.val_every, 0)
-        check_int("replace_workers", self.replace_workers, 0)
+        check_int("validation_every", self.validation_every, 0)
+        check_int("max_replacements", self.max_replacements, 0)
         check_int("stages", self.stages)
         check_int("microbatches", self.microbatches)
         if self.microbatches > 1 and self.stages == 1:
             raise ValueError(f"microbatches {self.microbatches} cut a pipeline's batches, which --stages N (stages=N) of 2 or more makes: add it")
-        if self.schedule != "1f1b" and self.stages == 1:
-            raise ValueError(f"schedule {self.schedule!r} runs a pipeline, which --stages N (stages=N) of 2 or more makes: add it")
+        if self.pipeline_schedule != "1f1b" and self.stages == 1:
+            raise ValueError(f"pipeline_schedule {self.pipeline_schedule!r} runs a pipeline, which --stages N (stages=N) of 2 or more makes: add it")
         if self.early_stopping_patience is not None:
             check_int("early_stopping_patience", self.early_stopping_patience)
-            if self.val_every == 0:
+            if self.validation_every == 0:
                 raise ValueError(
                     "early stopping watches the validation loss, which only periodic validations give it: "
-                    "add --val-every N (val_every=N) to --early-stopping-patience"
+                    "add --validation-every N (validation_every=N) to --early-stopping-patience"
                 )
         for name in ("train_samples", "test_samples"):
             if getattr(self, name) is not None:
@@ -125,10 +130,6 @@ class RunOptions:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.model not in MODEL_NAMES:
             raise ValueError(f"model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
-        if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
-            raise ValueError(f"clip_grad_norm must be a positive number, got {self.clip_grad_norm!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.outer_lr is not None and not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
@@ -137,13 +138,6 @@ class RunOptions:
             raise ValueError(f"outer_momentum must be in [0, 1), e.g. 0.5; got {self.outer_momentum!r}")
         if self.outer_momentum and self.outer_lr is None:
             raise ValueError(f"outer_momentum {self.outer_momentum:g} is the outer optimizer's, which --outer-lr LR (outer_lr) turns on: add it")
-        check_int("warmup_sync_steps", self.warmup_sync_steps, 0)
-        if self.payload_dtype not in PAYLOAD_DTYPES:
-            raise ValueError(f"payload_dtype must be one of {list(PAYLOAD_DTYPES)}, got {self.payload_dtype!r}")
-        check_int("fragments", self.fragments, 1)
-        check_int("average_updaters_every", self.average_updaters_every, 1)
-        if not self.average_updaters and self.average_updaters_every != 1:
-            raise ValueError("--average-updaters-every M (average_updaters_every) says how often the optimizer state travels, --no-average-updaters never: drop one")
         if self.gradient_threshold is not None and not (self.gradient_threshold > 0 and math.isfinite(self.gradient_threshold)):
             raise ValueError(f"gradient_threshold must be a positive number, e.g. 1e-3; got {self.gradient_threshold!r}")
         if self.device not in DEVICES:
@@ -174,7 +168,7 @@ def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> Non
 def options_json(options: RunOptions) -> dict[str, Any]:
     """The options as JSON-ready data (enum by value, paths as strings, the lr resolved)."""
     out = dataclasses.asdict(options)
-    out["mode"] = options.mode.value
+    out["training_mode"] = options.training_mode.value
     out["lr"] = options.learning_rate
     return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
 
@@ -210,7 +204,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .prefetch_buffer(options.prefetch_buffer)
         .averaging_frequency(options.averaging_frequency)
         .report_score_after_averaging(options.report_score_after_averaging)
-        .training_mode(options.mode)
+        .training_mode(options.training_mode)
         .optimizer(choice.cls, lr=options.learning_rate, **choice.kwargs)
         .overlap_averaging(options.overlap_averaging)
         .deterministic(options.deterministic)
@@ -231,14 +225,14 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         # Nesterov only where there is momentum: torch's SGD refuses it without.
         nesterov = options.outer_momentum > 0
         b = b.outer_optimizer(torch.optim.SGD, lr=options.outer_lr, momentum=options.outer_momentum, nesterov=nesterov, foreach=True)
-    if options.clip_grad_norm is not None:
-        b = b.gradient_clipping(options.clip_grad_norm)
-    if options.replace_workers:
-        b = b.on_worker_failure("replace", max_replacements=options.replace_workers)
+    if options.gradient_clipping is not None:
+        b = b.gradient_clipping(options.gradient_clipping)
+    if options.max_replacements:
+        b = b.on_worker_failure("replace", max_replacements=options.max_replacements)
     if options.gradient_threshold is not None:
         b = b.gradient_encoding(options.gradient_threshold)
     if options.stages > 1:
-        b = b.pipeline(stages=options.stages, microbatches=options.microbatches, schedule=options.schedule)
+        b = b.pipeline(stages=options.stages, microbatches=options.microbatches, schedule=options.pipeline_schedule)
     checkpoints = options.checkpoint_dir or options.resume
     if checkpoints is not None:
         b = b.checkpoint(checkpoints, every=options.checkpoint_every)

@@ -34,7 +34,7 @@ class PredictOptions:
     model_path: Path  # a state dict, as `pw-fit --out DIR` saves DIR/model.pt
     model: str = "lenet"  # the architecture it was trained as
     workers: int = 2
-    mode: str = "batched"  # an InferenceMode's value
+    inference_mode: str = "batched"  # an InferenceMode's value
     request_size: int = 1  # test images per request
     batch_limit: int = 32  # BATCHED: samples in one forward pass, at most
     device: str = "auto"  # as pw-fit's --device
@@ -46,9 +46,9 @@ class PredictOptions:
         if self.model not in MODEL_NAMES:
             raise ValueError(f"model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
         try:
-            InferenceMode(self.mode)
+            InferenceMode(self.inference_mode)
         except ValueError:
-            raise ValueError(f"mode must be one of {[m.value for m in InferenceMode]} or a InferenceMode, got {self.mode!r}") from None
+            raise ValueError(f"inference_mode must be one of {[m.value for m in InferenceMode]} or an InferenceMode, got {self.inference_mode!r}") from None
         check_int("workers", self.workers)
         check_int("request_size", self.request_size)
         check_int("batch_limit", self.batch_limit)
@@ -103,12 +103,12 @@ def predict_mnist(options: PredictOptions, echo: Callable[[str], None] | None = 
     ((images, labels),) = test.batches(len(test))  # the whole split, normalized as in training
     images, labels = images[:n], labels[:n]
     devices = RunOptions(workers=options.workers, device=options.device).worker_devices()
-    builder = ParallelInference.builder(model).workers(options.workers).mode(options.mode).batch_limit(options.batch_limit)
+    builder = ParallelInference.builder(model).workers(options.workers).inference_mode(options.inference_mode).batch_limit(options.batch_limit)
     with (builder.devices(devices) if devices is not None else builder).build() as served:
         if echo is not None:
             p = served.placement
             threads = f"{p.threads} thread{'s' if p.threads != 1 else ''}"
-            echo(f"{options.model} from {options.model_path}: {options.workers} workers on {', '.join(sorted(set(p.devices)))}, {threads} each, {options.mode}")
+            echo(f"{options.model} from {options.model_path}: {options.workers} workers on {', '.join(sorted(set(p.devices)))}, {threads} each, {options.inference_mode}")
         start = time.perf_counter()
         requests = torch.split(images, options.request_size)
         outputs = torch.cat(list(served.output_batches(requests)))

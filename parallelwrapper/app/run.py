@@ -4,7 +4,7 @@
 
 It builds the model from a seed, configures a `ParallelWrapper` from the options (which mirror
 the builder's) and fits all epochs in one `fit()`, each epoch's batches shuffled by seed + epoch.
-The workers score the averaged model on the test set at each epoch's end (and every `val_every`
+The workers score the averaged model on the test set at each epoch's end (and every `validation_every`
 averagings, for early stopping), as the builder's validation. With `out`, it writes
 `metrics.jsonl` (one record per averaged score, validation and epoch), `summary.json` and the
 trained model's `model.pt`.
@@ -45,7 +45,7 @@ class Summary:
     epochs: int
     workers: int
     averaging_frequency: int | str  # or "auto"
-    mode: str
+    training_mode: str
     samples: int  # training samples seen, all workers together, since the run began (a resumed run's too)
     session_samples: int  # of which this session trained
     iterations: int  # batches trained, all workers together
@@ -54,7 +54,7 @@ class Summary:
     last_round_score: float | None  # the last averaging's score: its round's mean loss
     final_lr: float  # the learning rate at the end (it moves with --lr-schedule)
     stopped_early_at_round: int | None = None  # where early stopping ended the run
-    replacements: int = 0  # workers replaced after a failure (--replace-workers)
+    replacements: int = 0  # workers replaced after a failure (--max-replacements)
     encoded_bytes_per_worker: float | None = None  # --gradient-threshold: the bytes each worker sent, on average, as the scores say
     final_threshold: float | None = None  # --gradient-threshold: τ at the end
     exchange_share: float | None = None  # of rank 0's time in the scores' rounds, the share in exchanges (Score.exchange_s)
@@ -95,7 +95,7 @@ class RunLog:
     τ, density, bytes_sent), a "validation"
     record per validation (val_loss, val_accuracy) and an "epoch" record per epoch (epoch_loss,
     test_loss, test_accuracy), each with step, iteration, samples, epoch and seconds since `start`;
-    with --replace-workers, a "replacement" record (rank, lost_round, reason) per replaced worker.
+    with --max-replacements, a "replacement" record (rank, lost_round, reason) per replaced worker.
 
     The clock counts the time between two reports across which samples were trained: not the
     start-up before the first report, nor the time a validation takes."""
@@ -163,14 +163,14 @@ class RunLog:
 
 # -- the run ---------------------------------------------------------------------------------------
 
-# pw-fit validates at every epoch's end: that is its test accuracy per epoch. Without --val-every,
+# pw-fit validates at every epoch's end: that is its test accuracy per epoch. Without --validation-every,
 # at epoch ends only: no run has this many averagings.
 _EPOCH_ENDS_ONLY = sys.maxsize
 
 
 def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[str], None] = print) -> Summary:
     """Train `options.model` on MNIST with a ParallelWrapper, validating on the test set at each
-    epoch's end (and every `val_every` averagings).
+    epoch's end (and every `validation_every` averagings).
 
     `progress` shows where the workers run, a bar with the averaged score and a line per epoch
     (through `echo`).
@@ -191,7 +191,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
     listeners += [log] if stopper is None else [log, stopper]
     board = TensorBoardLogger(options.tensorboard) if options.tensorboard is not None else None
     listeners += [board] if board is not None else []
-    b = builder(model, options, listeners).validation(eval_batches(test), every=options.val_every or _EPOCH_ENDS_ONLY)
+    b = builder(model, options, listeners).validation(eval_batches(test), every=options.validation_every or _EPOCH_ENDS_ONLY)
     wrapper = with_lr_schedule(b, options, batches_per_epoch).build()
     if progress:
         echo(f"{options.model} on {len(train):,} MNIST training images: {wrapper.placement}")
@@ -218,7 +218,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
         epochs=options.epochs,
         workers=options.workers,
         averaging_frequency=options.averaging_frequency,
-        mode=options.mode.value,
+        training_mode=options.training_mode.value,
         samples=wrapper.samples,
         session_samples=session_samples,
         iterations=wrapper.iterations,

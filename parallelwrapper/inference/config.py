@@ -38,7 +38,7 @@ class InferenceConfig:
 
     workers: int | None = None  # None: one per GPU, or 1 on a machine without one (the CPU is one device)
     devices: tuple[str, ...] | None = None  # one per worker; None: cuda:i for worker i, else the CPU
-    mode: InferenceMode = InferenceMode.BATCHED
+    inference_mode: InferenceMode = InferenceMode.BATCHED
     batch_limit: int = 32  # samples in one forward pass, at most (a larger request goes alone)
     queue_limit: int = 64  # requests waiting for a worker, at most; submit() blocks beyond
     max_wait_ms: float = 2.0  # BATCHED: how long a batch may wait for more requests
@@ -46,8 +46,8 @@ class InferenceConfig:
     threads_per_worker: int | None = None  # None: the cores shared out among the workers
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, InferenceMode):
-            raise TypeError(f"mode must be one of {[m.value for m in InferenceMode]} or an InferenceMode, got {self.mode!r}")
+        if not isinstance(self.inference_mode, InferenceMode):
+            raise TypeError(f"inference_mode must be one of {[m.value for m in InferenceMode]} or an InferenceMode, got {self.inference_mode!r}")
         if self.workers is not None:
             check_int("workers", self.workers, 1, "ParallelInference.builder(model).workers(2)")
         check_int("batch_limit", self.batch_limit, 1, "the most samples in one forward pass, e.g. .batch_limit(32)")

@@ -40,8 +40,8 @@ class Dispatcher:
     """The request queue and the two threads over a Pool of workers."""
 
     def __init__(self, model: torch.nn.Module, config: InferenceConfig, placement: Placement) -> None:
-        self._limit = 1 if config.mode is InferenceMode.SEQUENTIAL else config.batch_limit
-        self._one_each = config.mode is InferenceMode.SEQUENTIAL
+        self._limit = 1 if config.inference_mode is InferenceMode.SEQUENTIAL else config.batch_limit
+        self._one_each = config.inference_mode is InferenceMode.SEQUENTIAL
         self._wait_s = config.max_wait_ms / 1000.0
         self._queue_limit = config.queue_limit
         self._lock = threading.Lock()

@@ -46,7 +46,7 @@ class ParallelInference:
         self.placement = placement(config)
         self._served = {k: v.detach().to("meta") for k, v in model.state_dict().items()}  # the layout update_model checks
         self._engine: Dispatcher | InPlace = (
-            InPlace(model, self.placement) if config.mode is InferenceMode.INPLACE else Dispatcher(model, config, self.placement)
+            InPlace(model, self.placement) if config.inference_mode is InferenceMode.INPLACE else Dispatcher(model, config, self.placement)
         )
         self._closed = False
 
@@ -56,10 +56,10 @@ class ParallelInference:
         return InferenceBuilder(model)
 
     @staticmethod
-    def from_wrapper(wrapper: ParallelWrapper, mode: InferenceMode | str = InferenceMode.BATCHED) -> ParallelInference:
+    def from_wrapper(wrapper: ParallelWrapper, inference_mode: InferenceMode | str = InferenceMode.BATCHED) -> ParallelInference:
         """Serve a ParallelWrapper's model (after fit(), the averaged one) on the wrapper's devices,
         one worker each, with the builder's other defaults."""
-        return ParallelInference.builder(wrapper.model).devices(wrapper.placement.devices).mode(mode).build()
+        return ParallelInference.builder(wrapper.model).devices(wrapper.placement.devices).inference_mode(inference_mode).build()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -141,7 +141,7 @@ class InferenceBuilder(InferenceSettings):
         to a spawned process, and start the workers; return once every one is ready to serve."""
         config = InferenceConfig(**self._options)
         placement(config)  # a device that does not exist fails here, before anything starts
-        if config.mode is not InferenceMode.INPLACE:
+        if config.inference_mode is not InferenceMode.INPLACE:
             check_pickles([("model", self._model)])
         return ParallelInference(config, self._model)
 

@@ -42,9 +42,9 @@ class InferenceSettings:
             raise TypeError(f"devices takes one device per worker, e.g. .devices(['cpu', 'cpu']); got {devices!r}")
         return self._set("devices", tuple(str(d) for d in devices))
 
-    def mode(self, mode: InferenceMode | str) -> Self:
+    def inference_mode(self, mode: InferenceMode | str) -> Self:
         """InferenceMode.BATCHED (default), SEQUENTIAL or INPLACE (see InferenceMode)."""
-        return self._set("mode", parse_enum(InferenceMode, mode, "mode"))
+        return self._set("inference_mode", parse_enum(InferenceMode, mode, "inference_mode"))
 
     def batch_limit(self, n: int) -> Self:
         """BATCHED: the most samples in one forward pass; a request larger than that goes alone,
