@@ -29,7 +29,7 @@ import torch
 from ..env import Placement
 from ..shared_state import shared_copies
 from .config import InferenceConfig, InferenceMode
-from .pool import Flight, Pool, Worker
+from .pool import HeldBatch, InferenceWorker, Pool
 from .requests import InferenceError, Request, answer, model_failed
 
 _RECEIVE_POLL_S = 0.2
@@ -136,7 +136,7 @@ class Dispatcher:
                         break
         return batch, rows >= self._limit
 
-    def _start(self, w: Worker, batch: list[Request]) -> bool:
+    def _start(self, w: InferenceWorker, batch: list[Request]) -> bool:
         """Take `batch` out of the queue and send it to `w` (the requests cancelled meanwhile go),
         with the state it must load first where it does not hold the latest; False when every
         request was cancelled. Under the lock, from either thread: what a worker is sent, and in
@@ -156,7 +156,7 @@ class Dispatcher:
         self.pool.send(w, w.conn, flight, load)
         return True
 
-    def _fail_held(self, error: Callable[[Worker], BaseException]) -> None:
+    def _fail_held(self, error: Callable[[InferenceWorker], BaseException]) -> None:
         """Fail the requests each worker holds with `error(worker)`."""
         for w in self.pool.workers:
             for r in w.requests:
@@ -181,7 +181,7 @@ class Dispatcher:
                 if self._closing and (not any(w.flights for w in self.pool.workers) or time.monotonic() > self._deadline):
                     return
 
-    def _heard(self, w: Worker, message: Any) -> None:
+    def _heard(self, w: InferenceWorker, message: Any) -> None:
         if message is None:
             self._died(w)
             return
@@ -212,7 +212,7 @@ class Dispatcher:
             for r in flight.requests:
                 r.future.set_exception(model_failed(r, str(w), payload))
 
-    def _release(self, w: Worker, flight: Flight) -> None:
+    def _release(self, w: InferenceWorker, flight: HeldBatch) -> None:
         """`w` is done with `flight`: the requests that waited while it was busy go to it at once,
         from this thread (a wake-up of the batching thread would cost the time of a thread
         switch); with none waiting, the batching thread is told."""
@@ -222,7 +222,7 @@ class Dispatcher:
                 return
             self._work.notify()
 
-    def _died(self, w: Worker) -> None:
+    def _died(self, w: InferenceWorker) -> None:
         """Fail the batch `w` was running, queue again the ones it held but had not begun (it runs
         them in order), and start it again (unless it never started, or we are closing)."""
         with self._lock:

@@ -38,7 +38,7 @@ _JOIN_TIMEOUT_S = 10.0
 
 
 @dataclass(eq=False)
-class Flight:
+class HeldBatch:
     """A batch given to a worker: its requests, the pair of segments it uses, and where it lies once written."""
 
     requests: list[Request]
@@ -47,7 +47,7 @@ class Flight:
     sent: Batch | None = None
 
 
-class Worker:
+class InferenceWorker:
     """One worker as the main process sees it: its process and pipe, the batches it holds, and the
     model version it holds."""
 
@@ -56,7 +56,7 @@ class Worker:
         self.process: Any = None
         self.conn: Any = None
         self.ready = False  # built (and not started again since)
-        self.flights: list[Flight] = []  # the batches it holds, oldest first
+        self.flights: list[HeldBatch] = []  # the batches it holds, oldest first
         self.version = 0  # the update_model version it holds or has been sent
         self.lost: str | None = None  # why it could not start: it is not started again
 
@@ -69,13 +69,13 @@ class Worker:
     def requests(self) -> list[Request]:
         return [r for f in self.flights for r in f.requests]
 
-    def flight(self, seq: int) -> Flight | None:
+    def flight(self, seq: int) -> HeldBatch | None:
         return next((f for f in self.flights if f.seq == seq), None)
 
-    def take(self, requests: list[Request], seq: int) -> Flight:
+    def take(self, requests: list[Request], seq: int) -> HeldBatch:
         """A new batch for this worker, in the pair of segments its other batch does not use."""
         used = {f.slot for f in self.flights}
-        flight = Flight(requests, seq, next(s for s in range(DEPTH) if s not in used))
+        flight = HeldBatch(requests, seq, next(s for s in range(DEPTH) if s not in used))
         self.flights.append(flight)
         return flight
 
@@ -97,7 +97,7 @@ class Pool:
         self.version = 0
         # Worker r's inputs of slot s at 2 (DEPTH r + s), their outputs right after.
         self._segments = Segments(2 * DEPTH * len(placement.devices))
-        self.workers = [Worker(rank) for rank in range(len(placement.devices))]
+        self.workers = [InferenceWorker(rank) for rank in range(len(placement.devices))]
         try:
             for w in self.workers:
                 self.start(w)
@@ -110,7 +110,7 @@ class Pool:
         """The shared-memory segments this pool holds now (gone after `close`)."""
         return self._segments.names
 
-    def start(self, w: Worker) -> None:
+    def start(self, w: InferenceWorker) -> None:
         """Start `w`'s process; it answers ("ready", None, None) once its replica is built."""
         ours, theirs = self._ctx.Pipe()
         w.process = self._ctx.Process(
@@ -139,7 +139,7 @@ class Pool:
         if lost is not None:
             raise ValueError(f"{lost} could not start: {lost.lost}")
 
-    def died(self, w: Worker, stage: str) -> str:
+    def died(self, w: InferenceWorker, stage: str) -> str:
         """`w`'s process has ended: what to tell the requests it held. One that never got ready is lost."""
         w.process.join(timeout=_JOIN_TIMEOUT_S)
         why = exit_message(w.process.exitcode or 0, stage)
@@ -148,13 +148,13 @@ class Pool:
         w.ready = False
         return f"{w} died: {why}"
 
-    def receive(self, timeout: float) -> list[tuple[Worker, Any]]:
+    def receive(self, timeout: float) -> list[tuple[InferenceWorker, Any]]:
         """The messages that came within `timeout`, each with its worker; (worker, None) for a
         worker whose process has ended. A worker's messages come before its death."""
         live = [w for w in self.workers if w.process is not None and w.conn is not None]
         handles = {w.conn: w for w in live} | {w.process.sentinel: w for w in live}
-        got: list[tuple[Worker, Any]] = []
-        dead: list[Worker] = []
+        got: list[tuple[InferenceWorker, Any]] = []
+        dead: list[InferenceWorker] = []
         heard: list[Any] = wait(list(handles), timeout)
         for ready in heard:
             w = handles[ready]
@@ -171,7 +171,7 @@ class Pool:
             w.conn = None
         return got
 
-    def send(self, w: Worker, conn: Any, flight: Flight, load: dict[str, torch.Tensor] | None) -> None:
+    def send(self, w: InferenceWorker, conn: Any, flight: HeldBatch, load: dict[str, torch.Tensor] | None) -> None:
         """Write the flight's inputs into its segment, one batch, and have `w` run it, on its pipe
         `conn` (a worker started again has another); first `load` that state, if any."""
         requests = flight.requests
@@ -191,14 +191,14 @@ class Pool:
             self._post(conn, ("load", load))
         self._post(conn, ("run", flight.sent))
 
-    def grow(self, w: Worker, flight: Flight, nbytes: int) -> None:
+    def grow(self, w: InferenceWorker, flight: HeldBatch, nbytes: int) -> None:
         """The flight's outputs need `nbytes`: a larger output segment, and the same batch run again."""
         assert flight.sent is not None
         out = self._segments.get(2 * (DEPTH * w.rank + flight.slot) + 1, nbytes)
         flight.sent = dataclasses.replace(flight.sent, outputs=out.name, capacity=out.size)
         self._post(w.conn, ("run", flight.sent))
 
-    def outputs(self, w: Worker, flight: Flight, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def outputs(self, w: InferenceWorker, flight: HeldBatch, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of the outputs `w` wrote for `flight`: let it go before its slot takes another batch."""
         return view(self._segments.get(2 * (DEPTH * w.rank + flight.slot) + 1, 0), dtype, shape)
 
@@ -235,4 +235,4 @@ class Pool:
         self._segments.close()
 
 
-__all__ = ["DEPTH", "Flight", "Pool", "Worker"]
+__all__ = ["DEPTH", "HeldBatch", "Pool", "InferenceWorker"]
