@@ -351,7 +351,7 @@ def test_an_unknown_payload_dtype_is_refused() -> None:
 def test_hierarchy_needs_averaging_rounds_and_is_noted_outside_torchrun() -> None:
     with pytest.raises(ValueError, match=r"hierarchy\('node'\) averages gradients within a node and the state across nodes"):
         ParallelWrapper.builder(mlp()).workers(1).training_mode(TrainingMode.SHARED_GRADIENTS).hierarchy("node").build()
-    with pytest.raises(ValueError, match=r"hierarchy must be 'none' or 'node', got 'rack'"):
+    with pytest.raises(ValueError, match=r"hierarchy must be one of \['none', 'node'\], got 'rack'; e.g. .hierarchy\('node'\)"):
         ParallelWrapper.builder(mlp()).workers(1).hierarchy("rack").build()
     with pytest.warns(UserWarning, match=r"hierarchy\('node'\) applies under torchrun"):
         ParallelWrapper.builder(mlp()).workers(1).hierarchy("node").build().close()
