@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 
@@ -19,8 +19,10 @@ __all__ = ["map_leaves", "leaves", "tensors", "move_to", "batch_size", "describe
 
 DESCRIBE_MAX_CHARS = 300  # longer descriptions are cut there and end in "..."
 
+T = TypeVar("T")  # a structure that comes back as it went in: moving or copying its tensors keeps its type
 
-def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+
+def map_leaves(obj: object, fn: Callable[[object], object]) -> object:
     """The same structure with fn applied to every leaf. Containers are rebuilt with their own type:
     named tuples as type(obj)(*items), other tuples/lists as type(obj)(items), dicts (and dict
     subclasses such as OrderedDict) as type(obj)((k, v) ...) with keys kept as they are. This is THE
@@ -29,14 +31,14 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
     Leaves are visited depth first, in order (dicts in their iteration order); fn is called once per
     leaf and never on a container. A defaultdict keeps its default_factory.
     """
-    cls = type(obj)
+    cls: Callable[..., object] = type(obj)  # a container's own type rebuilds it
     # Exact builtins first: the common case of every training step, without the subclass checks.
     if cls is tuple:
-        return tuple([map_leaves(x, fn) for x in obj])
+        return tuple([map_leaves(x, fn) for x in cast("tuple[object, ...]", obj)])
     if cls is list:
-        return [map_leaves(x, fn) for x in obj]
+        return [map_leaves(x, fn) for x in cast("list[object]", obj)]
     if cls is dict:
-        return {k: map_leaves(v, fn) for k, v in obj.items()}
+        return {k: map_leaves(v, fn) for k, v in cast("dict[object, object]", obj).items()}
     if isinstance(obj, tuple):
         items = [map_leaves(x, fn) for x in obj]
         # A named tuple takes its fields as arguments; other tuple subclasses (torch.Size,
@@ -52,29 +54,29 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(obj)
 
 
-def leaves(obj: Any) -> list[Any]:
+def leaves(obj: object) -> list[object]:
     """Every leaf of obj, in order."""
-    found: list[Any] = []
+    found: list[object] = []
     map_leaves(obj, found.append)  # append returns None: the rebuilt structure is thrown away
     return found
 
 
-def tensors(obj: Any) -> list[torch.Tensor]:
+def tensors(obj: object) -> list[torch.Tensor]:
     """The tensor leaves of obj, in order."""
     return [leaf for leaf in leaves(obj) if isinstance(leaf, torch.Tensor)]
 
 
-def move_to(batch: Any, device: torch.device) -> Any:
+def move_to(batch: T, device: torch.device) -> T:
     """The batch with every tensor moved to `device` (non-blocking; a tensor already there is kept
     as it is, as Tensor.to does). Every other leaf is kept as it is."""
 
-    def move(leaf: Any) -> Any:
+    def move(leaf: object) -> object:
         return leaf.to(device, non_blocking=True) if isinstance(leaf, torch.Tensor) else leaf
 
-    return map_leaves(batch, move)
+    return cast(T, map_leaves(batch, move))
 
 
-def batch_size(batch: Any) -> int:
+def batch_size(batch: object) -> int:
     """Samples in a batch: dim 0 of its first tensor leaf (the others are not looked at).
 
     Raises ValueError if the batch holds no tensor, or its first tensor has no dimensions.
@@ -90,14 +92,14 @@ class _Label:
 
     __slots__ = ("text",)
 
-    def __init__(self, leaf: Any) -> None:
+    def __init__(self, leaf: object) -> None:
         if isinstance(leaf, torch.Tensor):
             self.text = f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}"
         else:
             self.text = type(leaf).__name__
 
 
-def describe(obj: Any) -> str:
+def describe(obj: object) -> str:
     """A short, readable shape of a batch for error messages, never a tensor's values:
     (float32[128, 1, 28, 28], int64[128]); lists render as tuples, dicts as {x: float32[3]},
     named tuples as Pair(a=float32[2], b=str). Cut to DESCRIBE_MAX_CHARS characters plus "..."."""
@@ -105,7 +107,7 @@ def describe(obj: Any) -> str:
     return text if len(text) <= DESCRIBE_MAX_CHARS else text[:DESCRIBE_MAX_CHARS] + "..."
 
 
-def _render(shape: Any) -> str:
+def _render(shape: object) -> str:
     """Joins a structure whose leaves are all _Labels into one string.
 
     map_leaves rebuilds containers; it cannot fold them into a string, and Python's own repr of the
@@ -117,20 +119,21 @@ def _render(shape: Any) -> str:
         return shape.text
     if isinstance(shape, dict):
         return "{" + ", ".join(f"{k}: {_render(v)}" for k, v in shape.items()) + "}"
+    items = cast("tuple[object, ...] | list[object]", shape)  # what map_leaves leaves besides
     fields = getattr(type(shape), "_fields", None) if isinstance(shape, tuple) else None
     if fields is not None:
-        inner = ", ".join(f"{f}={_render(v)}" for f, v in zip(fields, shape))
+        inner = ", ".join(f"{f}={_render(v)}" for f, v in zip(fields, items))
         return f"{type(shape).__name__}({inner})"
-    return "(" + ", ".join(_render(v) for v in shape) + ")"
+    return "(" + ", ".join(_render(v) for v in items) + ")"
 
 
-def to_cpu(state: Any) -> Any:
+def to_cpu(state: T) -> T:
     """A deep copy of a structure (a model's or an optimizer's state dict, say) with every tensor
     detached and copied to the CPU: a tensor already on the CPU is cloned too, since the sender
     keeps training on its own. Tuples and named tuples are copied like lists and dicts; other
     leaves (numbers, strings, None) are kept as they are."""
 
-    def copy(leaf: Any) -> Any:
+    def copy(leaf: object) -> object:
         return leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf
 
-    return map_leaves(state, copy)
+    return cast(T, map_leaves(state, copy))

@@ -17,12 +17,14 @@ gives the same model), and so do pipelines and a node hierarchy, whose ranks ste
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
+
+from torch.distributed import Store  # type: ignore[attr-defined]
 
 from .config import Config, TrainingMode
-from .dataset_shards import DatasetEpochs
+from .dataset_shards import DatasetEpochs, Indices
 from .feed import ShardSource
-from .types import END, BatchSource, Counters, EndOfEpoch
+from .types import END, Batch, BatchSource, Counters, EndOfEpoch
 
 
 class Counter(Protocol):
@@ -36,13 +38,13 @@ class Indexed(Protocol):
 
     def length(self, epoch: int) -> int: ...
 
-    def batch_at(self, epoch: int, index: int) -> Any: ...
+    def batch_at(self, epoch: int, index: int) -> Batch: ...
 
 
 class StoreCounter:
     """A key of the group's store, one for each fit (a missing key counts from 0)."""
 
-    def __init__(self, store: Any, key: str) -> None:
+    def __init__(self, store: Store, key: str) -> None:
         self._store, self._key = store, key
 
     def claim(self) -> int:
@@ -52,13 +54,13 @@ class StoreCounter:
 class ListEpochs:
     """A list or tuple of batches, the same every epoch."""
 
-    def __init__(self, batches: Sequence[Any]) -> None:
+    def __init__(self, batches: Sequence[Batch]) -> None:
         self._batches = batches
 
     def length(self, epoch: int) -> int:
         return len(self._batches)
 
-    def batch_at(self, epoch: int, index: int) -> Any:
+    def batch_at(self, epoch: int, index: int) -> Batch:
         return self._batches[index]
 
 
@@ -68,9 +70,9 @@ class _DatasetIndexed:
 
     def __init__(self, epochs: DatasetEpochs) -> None:
         self._epochs = epochs
-        self._listed: tuple[int, list[Any]] = (-1, [])
+        self._listed: tuple[int, list[Indices]] = (-1, [])
 
-    def _batches(self, epoch: int) -> list[Any]:
+    def _batches(self, epoch: int) -> list[Indices]:
         if self._listed[0] != epoch:
             self._listed = (epoch, list(self._epochs.indices(epoch)))
         return self._listed[1]
@@ -78,7 +80,7 @@ class _DatasetIndexed:
     def length(self, epoch: int) -> int:
         return len(self._batches(epoch))
 
-    def batch_at(self, epoch: int, index: int) -> Any:
+    def batch_at(self, epoch: int, index: int) -> Batch:
         return self._epochs.batch(self._batches(epoch)[index])
 
 
@@ -92,16 +94,19 @@ def claimed(config: Config) -> bool:
     )  # fmt: skip
 
 
-def source_for(data: Any, rank: int, world_size: int, counters: Counters, until_epoch: int, counter: Counter | None) -> BatchSource:
-    """This worker's batches of the fit: claimed from `counter` where there is one and the data
-    reads by index, else its dealt shard (feed.ShardSource)."""
+def source_for(data: object, rank: int, world_size: int, counters: Counters, until_epoch: int, counter: Counter | None) -> BatchSource:
+    """This worker's batches of the fit, of the shards it was sent (FitCommand.shards: what
+    feed.shards_of gives, a list or tuple of batches, or DatasetEpochs): claimed from `counter`
+    where there is one and the data reads by index, else its dealt shard (feed.ShardSource)."""
+    if not isinstance(data, (list, tuple, DatasetEpochs)):
+        raise TypeError(f"a worker's shards are a list or tuple of batches, or DatasetEpochs; got {type(data).__name__}")
     epochs = None if counter is None else indexed(data)
     if epochs is None or counter is None:
         return ShardSource(data, rank, world_size, counters.epoch, counters.position)
     return ClaimSource(epochs, counter, counters.epoch, counters.position, until_epoch)
 
 
-def indexed(data: Any) -> Indexed | None:
+def indexed(data: object) -> Indexed | None:
     """`data` read by index, where it can be: a list or tuple of batches, or DatasetEpochs."""
     if isinstance(data, (list, tuple)):
         return ListEpochs(data)
@@ -139,7 +144,7 @@ class ClaimSource:
             self._lengths[epoch] = self._epochs.length(epoch)
         return self._lengths[epoch]
 
-    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+    def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         if self._held is None:
             self._held = self._locate(self._counter.claim())
         epoch, index = self._held

@@ -16,14 +16,16 @@ import multiprocessing
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+
+from .types import Batch, Sample
 
 
-def indexed_loader(data: object) -> TypeGuard[DataLoader[Any]]:
+def indexed_loader(data: object) -> TypeGuard[DataLoader[Sample]]:
     """A DataLoader that batches a map-style dataset by its batch sampler: its batches can be drawn
     as sample indices, and loaded wherever its dataset is."""
     return isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and data.batch_sampler is not None
@@ -39,11 +41,11 @@ def map_style_loader(data: object) -> bool:
 class _TensorsAside(pickle.Pickler):
     """A pickler that leaves tensors and arrays out (they always pickle: in shared memory)."""
 
-    def persistent_id(self, obj: Any) -> int | None:
+    def persistent_id(self, obj: object) -> int | None:
         return id(obj) if isinstance(obj, (torch.Tensor, torch.UntypedStorage, np.ndarray)) else None
 
 
-def _pickles(obj: Any) -> bool:
+def _pickles(obj: object) -> bool:
     """Whether `obj` pickles, found without copying its tensors' data (a lambda, an open file or a
     lock inside it does not)."""
     try:
@@ -53,7 +55,8 @@ def _pickles(obj: Any) -> bool:
     return True
 
 
-Epoch = tuple[torch.Tensor, torch.Tensor] | list[list[Any]]  # (its indices end to end, where each batch starts), or lists
+Indices = torch.Tensor | list[object]  # a batch as its samples' keys in the dataset: an int64 tensor, or a list of any keys
+Epoch = tuple[torch.Tensor, torch.Tensor] | list[list[object]]  # (its indices end to end, where each batch starts), or lists
 
 
 @dataclass(frozen=True)
@@ -64,16 +67,16 @@ class DatasetEpochs:
     Integer indices are kept as two int64 tensors an epoch (many epochs of Python ints would
     take some 36 bytes a sample each), any other keys as lists."""
 
-    dataset: Any
-    collate_fn: Callable[[list[Any]], Any]
+    dataset: Dataset[Sample]
+    collate_fn: Callable[[list[Sample]], Batch]
     first: int
     epochs: list[Epoch]
 
     @staticmethod
-    def of(loader: DataLoader[Any], first: int, until: int) -> DatasetEpochs:
+    def of(loader: DataLoader[Sample], first: int, until: int) -> DatasetEpochs:
         return DatasetEpochs(loader.dataset, loader.collate_fn, first, [_epoch_indices(loader) for _ in range(first, until)])
 
-    def indices(self, epoch: int) -> Iterator[Any]:
+    def indices(self, epoch: int) -> Iterator[Indices]:
         """Epoch `epoch`'s batches, each as the indices of its samples (a list, or an int64 tensor)."""
         kept = self.epochs[epoch - self.first]
         if isinstance(kept, list):
@@ -84,7 +87,7 @@ class DatasetEpochs:
         for a, b in zip(bounds[:-1], bounds[1:]):
             yield flat[a:b]
 
-    def batch(self, indices: Any) -> Any:
+    def batch(self, indices: Indices) -> Batch:
         """A batch as the loader makes it: its samples (`__getitems__` where the dataset has it),
         collated. A TensorDataset (not a subclass, which may index its own way) under the default
         collate function is indexed once a tensor: the same tensors, for a fraction of the work."""
@@ -95,7 +98,7 @@ class DatasetEpochs:
         return self.collate_fn(getitems(keys) if getitems is not None else [self.dataset[i] for i in keys])
 
 
-def loader_share(loader: DataLoader[Any], rank: int, world_size: int) -> DataLoader[Any]:
+def loader_share(loader: DataLoader[Sample], rank: int, world_size: int) -> DataLoader[Sample]:
     """One pass over an `indexed_loader`'s batches i ≡ rank (mod world_size), as a loader of their
     own: the pass's batches drawn as sample indices, as iterating `loader` draws them (its random
     streams left where iterating it leaves them), and only this rank's loaded and collated, by
@@ -112,7 +115,7 @@ def loader_share(loader: DataLoader[Any], rank: int, world_size: int) -> DataLoa
     )  # fmt: skip
 
 
-def _drawn(loader: DataLoader[Any]) -> tuple[int, list[list[Any]]]:
+def _drawn(loader: DataLoader[Sample]) -> tuple[int, list[list[object]]]:
     """(base seed, batches): one pass's batches of sample indices, drawn as iterating the loader
     draws them: its iterator takes the base seed of its processes from the generator (the global
     one when None) before the sampler draws its own, so the random streams stay where the loader
@@ -122,7 +125,7 @@ def _drawn(loader: DataLoader[Any]) -> tuple[int, list[list[Any]]]:
     return seed, [list(batch) for batch in loader.batch_sampler]
 
 
-def _epoch_indices(loader: DataLoader[Any]) -> Epoch:
+def _epoch_indices(loader: DataLoader[Sample]) -> Epoch:
     """One epoch's batches of sample indices (`_drawn`), ints packed in tensors."""
     _, batches = _drawn(loader)
     if not all(type(i) is int for batch in batches for i in batch):

@@ -29,19 +29,22 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from typing import Protocol, TypeAlias, TypeVar
 
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from .batches import to_cpu
 from .config import check_int
-from .dataset_shards import DatasetEpochs, indexed_loader, loader_share, map_style_loader
+from .dataset_shards import DatasetEpochs, Indices, indexed_loader, loader_share, map_style_loader
 from .processes import main_process_gone
 from .slots import SlotReader, SlotWriter
-from .types import END, EndOfEpoch
+from .types import END, Batch, EndOfEpoch
 
-Batches = Iterable[Any] | Callable[[], Iterable[Any]]
+Batches = Iterable[Batch] | Callable[[], Iterable[Batch]]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,11 @@ class EndMark:
     epoch: int
 
 
+Packed = tuple[int, str, object]  # a batch in a slot: (slot, segment name, skeleton), as SlotWriter.pack gives it
+Item: TypeAlias = "tuple[int, Packed] | EndMark | CallAway"  # what travels in a data queue: (index, packed batch), an end, a call away
+Put: TypeAlias = "tuple[Queue[Item], Item]"  # an item and the queue it goes into
+
 END_SLOT = -1  # a ledger's slot for an end of epoch (hosts/ledger.py)
-_NOTHING = object()  # Feeder._put_one: only the front
 _POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
 _DRAIN_S = 0.05  # how long `drain` waits for one more item
 
@@ -74,12 +80,12 @@ def shardable(data: Batches, feed: str, replaces: bool) -> bool:
     return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or (map_style_loader(data) and distributed_sampler(data) is None))
 
 
-def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Any:
+def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Batches | DatasetEpochs:
     """What spawned workers get to read their shards of `data` (shardable) from, once per fit()."""
     return DatasetEpochs.of(data, first_epoch, until_epoch) if isinstance(data, DataLoader) else data
 
 
-def epoch_iterable(data: Batches) -> Callable[[], Iterable[Any]]:
+def epoch_iterable(data: Batches) -> Callable[[], Iterable[Batch]]:
     """A function that yields one epoch of batches. A callable (a generator function, a factory)
     is called once per epoch; an iterable is iterated once per epoch."""
     if callable(data) and not isinstance(data, Iterable):
@@ -128,9 +134,9 @@ class Unput:
     queue, (index, packed)); `ends`, the ends of epochs it has put, by (queue, epoch); `current`,
     the (queue, item) it puts next, after any front it is given."""
 
-    sent: dict[int, tuple[int, int, Any]]
+    sent: dict[int, tuple[int, int, tuple[int, Packed]]]
     ends: collections.Counter[tuple[int, int]]
-    current: tuple[int, Any] | None
+    current: tuple[int, Item] | None
 
 
 class Feeder:
@@ -144,7 +150,7 @@ class Feeder:
         first_epoch: int,
         until_epoch: int,
         skip: int,
-        queues: Sequence[Any],
+        queues: Sequence[Queue[Item]],
         workers: int,
         slots: SlotWriter,
     ) -> None:
@@ -156,10 +162,10 @@ class Feeder:
         self._thread = threading.Thread(target=self._run, name="parallelwrapper-feeder", daemon=True)
         # For the replacement of a lost worker (recovery.refeed): what the feeder has put, and a
         # pause during which the main process puts a lost round's batches back in front.
-        self.sent: dict[int, tuple[int, int, Any]] = {}  # slot -> (epoch, queue, (index, packed)) of its last batch
+        self.sent: dict[int, tuple[int, int, tuple[int, Packed]]] = {}  # slot -> (epoch, queue, (index, packed)) of its last batch
         self.ends: collections.Counter[tuple[int, int]] = collections.Counter()  # (queue, epoch) -> ends put
-        self._current: tuple[int, Any] | None = None  # (queue, item): the one being put, after the front
-        self._front: collections.deque[tuple[Any, Any]] = collections.deque()  # (queue, item), before any other
+        self._current: tuple[int, Item] | None = None  # (queue, item): the one being put, after the front
+        self._front: collections.deque[Put] = collections.deque()  # (queue, item), before any other
         self._lock = threading.Lock()
         self._paused = False
 
@@ -185,28 +191,30 @@ class Feeder:
             self._front.clear()
             return Unput(dict(self.sent), collections.Counter(self.ends), self._current)
 
-    def resume(self, front: Sequence[tuple[Any, Any]] = ()) -> None:
+    def resume(self, front: Sequence[Put] = ()) -> None:
         """Carry on, putting `front`'s (queue, item) pairs first, in their order."""
         with self._lock:
             self._front.extend(front)
             self._paused = False
 
-    def _put(self, q: Any, item: Any) -> bool:
-        """Put `item` into `q` after every item of the front; False when stopped."""
+    def _put(self, put: Put | None) -> bool:
+        """Put `put`'s item into its queue after every item of the front (None: only the front);
+        False when stopped."""
         while not self._stop.is_set():
-            if self._put_one(q, item):
+            if self._put_one(put):
                 return True
         return False
 
-    def _put_one(self, q: Any, item: Any) -> bool:
-        """One try, unless paused: the front's first item, or (the front empty) `item`; True
-        when `item` went (or, `_NOTHING`, when the front is empty)."""
+    def _put_one(self, put: Put | None) -> bool:
+        """One try, unless paused: the front's first item, or (the front empty) `put`'s; True
+        when `put`'s went (or, None, when the front is empty)."""
         with self._lock:
             if not self._paused:
                 front = bool(self._front)
-                if not front and item is _NOTHING:
+                pair = self._front[0] if front else put
+                if pair is None:
                     return True
-                target, thing = self._front[0] if front else (q, item)
+                target, thing = pair
                 try:
                     target.put(thing, timeout=_POLL_S)
                 except queue.Full:
@@ -231,14 +239,14 @@ class Feeder:
                             continue
                         # Waiting for a slot, put what waits in front: a replacement's lost round
                         # may hold every slot there is (recovery.refeed).
-                        packed = self._slots.pack(batch, lambda: self._put(None, _NOTHING))
+                        packed = self._slots.pack(batch, lambda: self._put(None))
                         if packed is None:
                             return
                         q = index % len(self._queues)
                         with self._lock:
                             self.sent[packed[0]] = (epoch, q, (index, packed))
                             self._current = (q, (index, packed))
-                        if not self._put(self._queues[q], (index, packed)):
+                        if not self._put((self._queues[q], (index, packed))):
                             return
                 except Exception as e:
                     raise data_raised(e, epoch, count) from e
@@ -249,19 +257,19 @@ class Feeder:
                     with self._lock:
                         self.ends[q, epoch] += 1
                         self._current = (q, end)
-                    if not self._put(self._queues[q], end):
+                    if not self._put((self._queues[q], end)):
                         return
-            while self._put(None, _NOTHING):  # a replacement may yet put a lost round in front
+            while self._put(None):  # a replacement may yet put a lost round in front
                 time.sleep(_POLL_S)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
             self.error = e
 
 
-def drain(q: Any, settle: bool) -> list[Any]:
+def drain(q: Queue[T], settle: bool) -> list[T]:
     """Every item left in `q`, taken until none comes for `_DRAIN_S` (what was put last may still
     be flushing through the queue's pipe). With `settle` false an empty queue is left at once: a
     fit that ended at an epoch's end left nothing, and costs no wait."""
-    items: list[Any] = []
+    items: list[T] = []
     wait = _DRAIN_S if settle else 0.0
     while True:
         try:
@@ -279,8 +287,14 @@ class CallAway:
     """Put into a queue by the main process when a peer failed (with the abort event set): a
     worker waiting for a batch takes it and leaves at once, not at its next look at the event."""
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[CallAway], tuple[()]]:
         return CallAway, ()
+
+
+class Taking(Protocol):
+    """What records a worker's takes (hosts/ledger.Ledger)."""
+
+    def take(self, slot: int) -> None: ...
 
 
 class QueueSource:
@@ -288,10 +302,10 @@ class QueueSource:
     never outlives the trainer that spawned it, and when `abort` is set. With a `ledger`
     (hosts/ledger.py) each take is recorded, and its slot kept until its round lands."""
 
-    def __init__(self, q: Any, slots: SlotReader, abort: Any = None, ledger: Any = None) -> None:
+    def __init__(self, q: Queue[Item], slots: SlotReader, abort: Event | None = None, ledger: Taking | None = None) -> None:
         self._queue, self._slots, self._abort, self.ledger = q, slots, abort, ledger
 
-    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+    def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         while True:
             try:
                 item = self._queue.get(timeout=_POLL_S * 10)
@@ -304,7 +318,7 @@ class QueueSource:
             if isinstance(item, CallAway):
                 raise Aborted("called away from its wait for a batch: another worker failed")
             keep = self.ledger is not None
-            if keep:
+            if self.ledger is not None:
                 self.ledger.take(END_SLOT if isinstance(item, EndMark) else item[1][0])
             if isinstance(item, EndMark):
                 return END
@@ -316,13 +330,13 @@ class QueueSource:
             self._slots.release(slot)
 
 
-def distributed_sampler(data: Batches) -> DistributedSampler[Any] | None:
+def distributed_sampler(data: Batches) -> DistributedSampler[object] | None:
     """The DistributedSampler of a DataLoader that has one: such data is one rank's share already."""
     sampler = getattr(data, "sampler", None)
     return sampler if isinstance(sampler, DistributedSampler) else None
 
 
-def rank_share(data: Batches, rank: int, world_size: int) -> Iterator[Any]:
+def rank_share(data: Batches, rank: int, world_size: int) -> Iterator[Batch]:
     """One pass over `data`, this rank's batches only, as ShardSource deals them. Of a DataLoader
     over a map-style dataset (`indexed_loader`), only this rank's batches are loaded
     (`loader_share`); other data is iterated whole, and the other ranks' batches dropped."""
@@ -349,23 +363,23 @@ class ShardSource:
     def __init__(self, data: Batches | DatasetEpochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
         self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
         self._dataset: DatasetEpochs | None = None
-        self._make_epoch: Callable[[], Iterable[Any]]
-        self._sampler: DistributedSampler[Any] | None = None
+        self._make_epoch: Callable[[], Iterable[Batch]]
+        self._sampler: DistributedSampler[object] | None = None
         if isinstance(data, DatasetEpochs):
             self._dataset, self._make_epoch = data, self._indices
         else:
             self._make_epoch, self._sampler = epoch_iterable(data), distributed_sampler(data)
-        self._it: Iterator[tuple[int, Any]] | None = None
+        self._it: Iterator[tuple[int, Batch]] | None = None
 
     def _mine(self, index: int) -> bool:
         return self._sampler is not None or index % self._world == self._rank
 
-    def _indices(self) -> Iterator[Any]:
+    def _indices(self) -> Iterator[Indices]:
         """Of DatasetEpochs: this epoch's batches, as the indices of their samples."""
         assert self._dataset is not None
         return self._dataset.indices(self._epoch)
 
-    def _shard(self, skip: int) -> Iterator[tuple[int, Any]]:
+    def _shard(self, skip: int) -> Iterator[tuple[int, Batch]]:
         """This rank's batches of an epoch, each with its index in the epoch of all ranks: a
         presharded loader's i-th batch is the epoch's batch i·world_size + rank, as dealt."""
         count = 0
@@ -380,7 +394,7 @@ class ShardSource:
         if self._sampler is None:  # else `count` is this rank's share, which may be empty
             check_epoch_length(count, skip, self._epoch)
 
-    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+    def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         if self._it is None:
             if self._sampler is not None:
                 self._sampler.set_epoch(self._epoch)

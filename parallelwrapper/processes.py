@@ -15,9 +15,12 @@ import ctypes
 import multiprocessing
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext  # not on Windows
 
 # What the forkserver imports before it forks a worker: both workers' code (torch with it), and
 # torch._dynamo, which making any torch optimizer imports (a second, in every worker).
@@ -32,7 +35,7 @@ _PRELOAD = ["parallelwrapper.hosts.process", "parallelwrapper.inference.process"
 _HEAP = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20), "MALLOC_TRIM_THRESHOLD_": (-1, 256 << 20)}  # mallopt's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 
 
-def worker_context() -> Any:
+def worker_context() -> ForkServerContext:
     """The multiprocessing context every worker starts from. (torch's, whose reducers send
     tensors through shared memory.)"""
     ctx = mp.get_context("forkserver")

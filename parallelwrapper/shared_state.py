@@ -28,15 +28,15 @@ torchrun or in one process nothing travels.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 
 from .averaging import views
 from .batches import map_leaves
-from .types import TrainingState
+from .types import StateDict, TrainingState
 
 
 def reside(tensors: Iterable[torch.Tensor]) -> None:
@@ -59,7 +59,7 @@ def ship(state: TrainingState) -> TrainingState:
     index: dict[int, int] = {}
     copied: list[torch.Tensor] = []
 
-    def slot(leaf: Any) -> Any:
+    def slot(leaf: object) -> object:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         storage = leaf.untyped_storage()
@@ -81,19 +81,20 @@ def ship(state: TrainingState) -> TrainingState:
 class _Shipped(TrainingState):
     """A TrainingState that pickles as `_sent`: (skeleton, shared storages, copies)."""
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[..., TrainingState], tuple[object, list[torch.UntypedStorage], list[torch.Tensor]]]:
         return _unpack, self.__dict__["_sent"]
 
 
-def _unpack(skeleton: Any, storages: list[torch.UntypedStorage], copies: list[torch.Tensor]) -> TrainingState:
-    def tensor(leaf: Any) -> Any:
+def _unpack(skeleton: object, storages: list[torch.UntypedStorage], copies: list[torch.Tensor]) -> TrainingState:
+    def tensor(leaf: object) -> object:
         if isinstance(leaf, _Copied):
             return copies[leaf.index]
         if isinstance(leaf, _Slot):
             return torch.empty(0, dtype=leaf.dtype).set_(storages[leaf.storage], leaf.offset, leaf.shape, leaf.stride)
         return leaf
 
-    return TrainingState(*map_leaves(skeleton, tensor))
+    parts = cast("tuple[StateDict, StateDict, StateDict | None, StateDict | None]", map_leaves(skeleton, tensor))  # as ship took them
+    return TrainingState(*parts)
 
 
 @dataclass(frozen=True)

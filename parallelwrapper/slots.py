@@ -19,13 +19,14 @@ segments and unlinks them when the pool closes.
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from multiprocessing import shared_memory
-from typing import Any
+from multiprocessing.queues import Queue
 
 import torch
 
 from .batches import map_leaves
+from .types import Batch
 
 _ALIGN = 64  # every tensor starts on a cache line, so any dtype's view is aligned
 _POLL_S = 0.1
@@ -45,7 +46,7 @@ class TensorMeta:
     def __init__(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...] | None = None) -> None:
         self.offset, self.dtype, self.shape, self.stride = offset, dtype, shape, stride
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[TensorMeta], tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...] | None]]:
         return (TensorMeta, (self.offset, self.dtype, self.shape, self.stride))
 
 
@@ -61,7 +62,7 @@ def memory_order(t: torch.Tensor) -> torch.Tensor | None:
     return permuted.view(-1) if permuted.is_contiguous() else None
 
 
-def _hollow(batch: Any) -> tuple[Any, list[torch.Tensor], int]:
+def _hollow(batch: Batch) -> tuple[object, list[torch.Tensor], int]:
     """(skeleton, sources, size): the batch's structure (as batches.map_leaves walks it) with each
     tensor leaf replaced by a TensorMeta of its place and layout in a slot; each tensor's elements
     as the slot gets them (a 1-D CPU tensor: a view in memory order when it is dense, else a
@@ -69,7 +70,7 @@ def _hollow(batch: Any) -> tuple[Any, list[torch.Tensor], int]:
     sources: list[torch.Tensor] = []
     offset = 0
 
-    def place(leaf: Any) -> Any:
+    def place(leaf: object) -> object:
         nonlocal offset
         if not isinstance(leaf, torch.Tensor):
             return leaf
@@ -84,11 +85,11 @@ def _hollow(batch: Any) -> tuple[Any, list[torch.Tensor], int]:
     return skeleton, sources, offset
 
 
-def _fill(skeleton: Any, buffer: torch.Tensor) -> Any:
+def _fill(skeleton: object, buffer: torch.Tensor) -> Batch:
     """The inverse of _hollow: each TensorMeta becomes a copy of its bytes in the slot, with the
     strides it was sent with."""
 
-    def copy_out(leaf: Any) -> Any:
+    def copy_out(leaf: object) -> object:
         if not isinstance(leaf, TensorMeta):
             return leaf
         numel = torch.Size(leaf.shape).numel()
@@ -140,9 +141,9 @@ class Mappings:
     its owner replaced it by a larger one under a new name."""
 
     def __init__(self) -> None:
-        self._mapped: dict[Any, shared_memory.SharedMemory] = {}
+        self._mapped: dict[Hashable, shared_memory.SharedMemory] = {}
 
-    def get(self, key: Any, name: str) -> shared_memory.SharedMemory:
+    def get(self, key: Hashable, name: str) -> shared_memory.SharedMemory:
         segment = self._mapped.get(key)
         if segment is None or segment.name != name:
             if segment is not None:
@@ -160,13 +161,13 @@ class SlotWriter:
     """The feeder's side: owns the segments; `pack` blocks until a slot is free, or until
     `keep_waiting` says to give up."""
 
-    def __init__(self, free: Any, slots: int) -> None:
+    def __init__(self, free: Queue[int], slots: int) -> None:
         self._free = free  # slot numbers the workers have handed back (a multiprocessing queue)
         self._segments = Segments(slots)
         for slot in range(slots):
             free.put(slot)
 
-    def pack(self, batch: Any, keep_waiting: Callable[[], bool]) -> tuple[int, str, Any] | None:
+    def pack(self, batch: Batch, keep_waiting: Callable[[], bool]) -> tuple[int, str, object] | None:
         """(slot, segment name, skeleton): the batch with each tensor replaced by its place in
         the slot, where it has been copied; None when `keep_waiting`, called whenever no slot came
         for a while, returned False. (It is where the waiting caller does its other work: the
@@ -204,11 +205,11 @@ class SlotWriter:
 class SlotReader:
     """A worker's side: maps each segment once, copies a batch out, hands the slot back."""
 
-    def __init__(self, free: Any) -> None:
+    def __init__(self, free: Queue[int]) -> None:
         self._free = free
         self._mapped = Mappings()
 
-    def unpack(self, slot: int, name: str, skeleton: Any, keep: bool = False) -> Any:
+    def unpack(self, slot: int, name: str, skeleton: object, keep: bool = False) -> Batch:
         """The batch in `slot`, copied out; the slot goes back at once unless `keep` (a worker that
         may be replaced keeps it until its round lands: hosts/ledger.py), then by `release`."""
         segment = self._mapped.get(slot, name)

@@ -14,6 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+# The user's own values: the package carries them, walks them (batches.map_leaves) and hands them
+# back to the user's code, and their types are the user's. Each is named once here.
+Batch = Any  # a batch as the user's data yields it: a tensor, or tuples, lists and dicts of tensors and other leaves, nested
+Output = Any  # what the user's model returns for a batch, as their loss function and metrics take it
+Sample = Any  # an item of the user's map-style dataset, as their DataLoader's collate function takes a list of them
+StateDict = dict[str, Any]  # a state_dict of the user's model, optimizer or schedule (or of torch's RNG, GradScaler), as torch types it
+
 
 class EndOfEpoch:
     """The sentinel a batch source returns when this worker's share of the epoch is done."""
@@ -23,7 +30,7 @@ END = EndOfEpoch()
 
 
 class BatchSource(Protocol):
-    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+    def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         """(batch index in the epoch, batch) or END."""
         ...
 
@@ -135,10 +142,10 @@ class TrainingState:
     """What a fit() starts from and ends with, the same on every worker: state_dicts of the model,
     the optimizer and, when configured, the schedule (schedule.Schedule) and the outer optimizer."""
 
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    lr_scheduler: dict[str, Any] | None = None
-    outer_optimizer: dict[str, Any] | None = None
+    model: StateDict
+    optimizer: StateDict
+    lr_scheduler: StateDict | None = None
+    outer_optimizer: StateDict | None = None
 
 
 @dataclass(frozen=True)
@@ -149,8 +156,8 @@ class FitCommand:
     until_epoch: int
     counters: Counters
     state: TrainingState
-    rng: list[dict[str, Any]] | None  # per rank, when resuming from a checkpoint
-    shards: Any = None  # spawned workers: the list of batches, or feed.DatasetEpochs, each reads its shard of (feed.shardable)
+    rng: list[StateDict] | None  # per rank, when resuming from a checkpoint
+    shards: object = None  # spawned workers: the list or tuple of batches, or dataset_shards.DatasetEpochs, each reads its shard of (feed.shardable)
     claims: str | None = None  # with shards: the store key every worker claims its batches from (claims.py); None: dealt
 
 
@@ -175,7 +182,7 @@ class CheckpointWriter(Protocol):
 
     def due(self, rounds: int) -> bool: ...
 
-    def save(self, state: TrainingState, counters: Counters, rng: list[Any]) -> None: ...
+    def save(self, state: TrainingState, counters: Counters, rng: list[StateDict]) -> None: ...
 
 
 class Hooks:
@@ -276,7 +283,7 @@ class WorkerError(RuntimeError):
         """The worker's local step in its round, or None when it failed outside one."""
         return None if self.where is None else self.where.local_step
 
-    def __reduce__(self) -> tuple[Any, ...]:  # travels from a spawned worker as a value
+    def __reduce__(self) -> tuple[type[WorkerError], tuple[object, ...]]:  # travels from a spawned worker as a value
         return (WorkerError, (self.rank, self.summary, self.details, self.where, self.at, self.stage, self.echoes))
 
     def with_echoes(self, echoes: dict[int, str], stages: int = 1) -> WorkerError:
@@ -301,6 +308,7 @@ def _echo(line: str, limit: int = 160) -> str:
 
 __all__ = [
     "END",
+    "Batch",
     "BatchSource",
     "CheckpointWriter",
     "Counters",
@@ -309,11 +317,14 @@ __all__ = [
     "EpochReport",
     "FitCommand",
     "Hooks",
+    "Output",
     "Phase",
     "Reporter",
     "ReplacementReport",
     "Report",
     "RoundReport",
+    "Sample",
+    "StateDict",
     "Stopped",
     "TrainingError",
     "TrainingState",

@@ -17,7 +17,7 @@ half-written entry; the main process reads a ledger only once its worker is dead
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.context import BaseContext
 
 from ..feed import END_SLOT
 
@@ -36,7 +36,7 @@ class Ledger:
     two rounds' with overlap_averaging, the one taken ahead for the next round, and an end of
     epoch)."""
 
-    def __init__(self, ctx: Any, capacity: int) -> None:
+    def __init__(self, ctx: BaseContext, capacity: int) -> None:
         self._array = ctx.Array("q", 1 + capacity * _FIELDS, lock=False)
         self._capacity = capacity
         self.tag = 0  # the round in progress, which a take is for unless retagged (worker side)

@@ -22,20 +22,25 @@ the members still alive, each loss counted against max_replacements.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import BoundedSemaphore, Lock
+from typing import Protocol, cast
 
 import torch.distributed as dist
-from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
-from ..feed import END_SLOT, EndMark, QueueSource, Unput
+from ..feed import END_SLOT, EndMark, Item, Put, QueueSource, Unput
 from ..types import Counters, FitCommand, WorkerError
 from .ledger import Ledger, split
 from .runtime import Kept, Worker, one_traceback, summary
+from .supervisor import Message
 
 FORM_S = 5.0  # the most a regroup's members wait for each other's gloo addresses once all have come (8 form in 0.02 s)
 _GO, _GIVEN_UP = "go", "given up"
@@ -73,7 +78,7 @@ class Keeper:
         self.source.release([e.slot for e in self.ledger.entries() if e.slot != END_SLOT])
         self.ledger.clear()
 
-    def park(self, rank: int, error: WorkerError, results: Any) -> None:
+    def park(self, rank: int, error: WorkerError, results: Queue[Message]) -> None:
         """Report the failure, leave the process group (every peer's collective ends) and say
         which round's state this worker kept."""
         results.put(("error", rank, error))
@@ -119,7 +124,7 @@ class Keeper:
             self.worker.kept, self._redo = self._redo, None
 
 
-def assemble(store: Any, members: int, generation: int) -> None:
+def assemble(store: Store, members: int, generation: int) -> None:
     """Wait until every one of `members` has come to form generation `generation` (`store` is its
     prefix of the store), or until the main process gave it up (`abandon`): a member lost before it
     came would otherwise hold the others in gloo's rendezvous for the collective timeout."""
@@ -130,7 +135,7 @@ def assemble(store: Any, members: int, generation: int) -> None:
         raise RuntimeError(f"the main process gave up generation {generation}: a member was lost before every one had come")
 
 
-def abandon(store: Any, generation: int) -> None:
+def abandon(store: Store, generation: int) -> None:
     """Give up generation `generation` (`store`: the whole store) unless every member came already:
     those waiting in `assemble`, and those yet to come, fail at once and park again."""
     PrefixStore(f"generation-{generation}", store).compare_set("formed", "", _GIVEN_UP)
@@ -183,7 +188,7 @@ def newest(parked: dict[int, tuple[int, Counters] | None], lost: Sequence[Worker
     return source, seq, counters
 
 
-def refeed(ledgers: Sequence[Ledger], seq: int, counters: Counters, unput: Unput, queues: Sequence[Any], free_slots: Any) -> list[tuple[Any, Any]]:
+def refeed(ledgers: Sequence[Ledger], seq: int, counters: Counters, unput: Unput, queues: Sequence[Queue[Item]], free_slots: Queue[int]) -> list[Put]:
     """Empty the queues (the feed is paused, every worker parked or dead) and return what goes
     back into them for a redo of round `seq`, which starts at batch `counters.position` of epoch
     `counters.epoch`: everything the feeder put from that batch on, from what it put (`unput`),
@@ -200,10 +205,10 @@ def refeed(ledgers: Sequence[Ledger], seq: int, counters: Counters, unput: Unput
         ledger.clear()
         for slot in free:
             free_slots.put(slot)
-    for q in queues:
-        _discard(q)
+    for each in queues:
+        _discard(each)
     first = (counters.epoch, counters.position)
-    front: list[tuple[Any, Any]] = []
+    front: list[Put] = []
     for q, queue_ in enumerate(queues):
         current = unput.current[1] if unput.current is not None and unput.current[0] == q else None
         put_next = current[1][0] if isinstance(current, tuple) else None  # its slot
@@ -220,7 +225,16 @@ def refeed(ledgers: Sequence[Ledger], seq: int, counters: Counters, unput: Unput
     return front
 
 
-def _discard(q: Any) -> None:
+class _QueueInsides(Protocol):
+    """What `_discard` uses of a multiprocessing Queue's private parts (CPython's queues.py)."""
+
+    _rlock: Lock
+    _buffer: collections.deque[object]
+    _reader: Connection[object, object]
+    _sem: BoundedSemaphore
+
+
+def _discard(queue_: Queue[Item]) -> None:
     """Empty `q` (a multiprocessing Queue) without reading its items: a worker killed in the middle
     of a get may have read a message's length and not its bytes (a SIGSTOP, then the kill: the
     next get raised EOFError), so its bytes are read off the pipe as they are, until none has come
@@ -228,6 +242,7 @@ def _discard(q: Any) -> None:
     of items goes back to none. Its read lock, held by a worker killed while it waited, is
     released: with every worker parked or dead, a lock held is a dead worker's. (multiprocessing
     keeps no public handle on the lock, the pipe or the count.)"""
+    q = cast(_QueueInsides, queue_)
     lock = q._rlock
     lock.acquire(False)  # free: now ours; held: by a dead worker. Released either way.
     lock.release()
