@@ -62,7 +62,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from: missing, corrupt, or from another model or config."""
 
 
-def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
+def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, object]:
     options = {k: v for k, v in describe_config(config).items() if k in _FINGERPRINTED and getattr(config, k) != _FINGERPRINTED[k]}
     options["workers"] = world_size
     if config.pipeline is not None:  # its own states are by process
@@ -76,14 +76,14 @@ def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, Any]:
     }
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -141,7 +141,7 @@ def _read(location: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
 ACCEPTABLE = ("optimizer", "lr_scheduler", "outer_optimizer")
 
 
-def load(location: str | os.PathLike[str], expected: dict[str, Any], accept: Iterable[str] = ()) -> dict[str, Any]:
+def load(location: str | os.PathLike[str], expected: dict[str, object], accept: Iterable[str] = ()) -> dict[str, Any]:
     """Read and check a checkpoint against this run's fingerprint; raise naming every mismatch
     that is not in `accept` (fields of ACCEPTABLE the user knows changed harmlessly)."""
     accept = set(accept)
@@ -167,13 +167,13 @@ def load(location: str | os.PathLike[str], expected: dict[str, Any], accept: Ite
     return payload
 
 
-def _value(fingerprint: dict[str, Any], key: str) -> Any:
+def _value(fingerprint: dict[str, object], key: str) -> object:
     """A fingerprint's value for `key`, an option it leaves out being at its default."""
     default = _FINGERPRINTED.get(key)
     return fingerprint.get(key, default.value if isinstance(default, enum.Enum) else default)
 
 
-def _said(fingerprint: dict[str, Any], key: str) -> str:
+def _said(fingerprint: dict[str, object], key: str) -> str:
     return short(repr(fingerprint[key])) if key in fingerprint else "the default"
 
 
@@ -187,7 +187,7 @@ class Checkpointer:
     """Writes a round's state (rounds/ decides when, gathers every worker's RNG state and has
     rank 0 call `save`)."""
 
-    def __init__(self, directory: str, every: int, fingerprint: dict[str, Any], config: Config) -> None:
+    def __init__(self, directory: str, every: int, fingerprint: dict[str, object], config: Config) -> None:
         self.directory, self.every, self.fingerprint = directory, every, fingerprint
         self.config = describe_config(config)
 

@@ -13,12 +13,14 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeVar
 
 import torch
 
 from .autopilot import Autopilot
 from .registry import Declared, boolean, choice, count, declared, instance, option, positive, validate
+
+E = TypeVar("E", bound=enum.Enum)
 
 
 class TrainingMode(enum.Enum):
@@ -213,10 +215,25 @@ class Config:
 OPTIONS: dict[str, Declared] = {d.name: d for d in declared(Config)}  # every option, by name, as declared
 
 
-def check_option(name: str, value: Any) -> None:
+def check_option(name: str, value: object) -> None:
     """A ValueError naming option `name` unless its declaration takes `value` (for a value checked
     before the builder is: pw-fit's flags)."""
     OPTIONS[name].check(value)
+
+
+class JobParts(Protocol):
+    """What CONFLICTS reads of a job.Job: which of its parts are set."""
+
+    @property
+    def outer_optimizer(self) -> object: ...
+    @property
+    def loss_fn(self) -> object: ...
+    @property
+    def training_step(self) -> object: ...
+    @property
+    def before_step(self) -> object: ...
+    @property
+    def validation_step(self) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -232,7 +249,7 @@ class Conflict:
     """
 
     options: tuple[str, str]
-    when: Callable[[Config, Any], bool]
+    when: Callable[[Config, JobParts | None], bool]
     message: str
     example: str
     job: bool = False
@@ -259,7 +276,7 @@ CONFLICTS: tuple[Conflict, ...] = (
              "hierarchy('node') averages gradients within a node and the state across nodes: it needs "
              "TrainingMode.AVERAGING (SHARED_GRADIENTS averages gradients over every rank already); drop one",
              ".training_mode('shared-gradients').hierarchy('node')"),
-    Conflict(("outer_optimizer", "training_mode"), lambda c, j: j.outer_optimizer is not None and _shared(c),
+    Conflict(("outer_optimizer", "training_mode"), lambda c, j: j is not None and j.outer_optimizer is not None and _shared(c),
              "outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not: use TrainingMode.AVERAGING",
              ".training_mode('shared-gradients').outer_optimizer(torch.optim.SGD, lr=0.7)", job=True),
     Conflict(("fragments", "overlap_averaging"), lambda c, j: c.fragments > 1 and not c.overlap_averaging,
@@ -332,20 +349,20 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(("pipeline", "hierarchy"), lambda c, j: c.pipeline is not None and c.hierarchy != "none",
              _STAGES + "hierarchy: its node groups are not stage groups; drop .hierarchy()",
              ".pipeline(stages=2).hierarchy('node')"),
-    Conflict(("pipeline", "validation"), lambda c, j: c.pipeline is not None and j.validation_step is not None,
+    Conflict(("pipeline", "validation"), lambda c, j: j is not None and c.pipeline is not None and j.validation_step is not None,
              _STAGES + "validation(step=fn): fn(model, batch) takes the whole model, which no stage holds; drop step= for "
              "val_loss and val_accuracy",
              ".pipeline(stages=2).validation(data, step=fn)", job=True),
-    Conflict(("pipeline", "training_step"), lambda c, j: c.pipeline is not None and (j.training_step is not None or j.loss_fn is None),
+    Conflict(("pipeline", "training_step"), lambda c, j: j is not None and c.pipeline is not None and (j.training_step is not None or j.loss_fn is None),
              _STAGES + "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss_fn(fn)",
              ".pipeline(stages=2).training_step(fn)", job=True),
-    Conflict(("pipeline", "before_step"), lambda c, j: c.pipeline is not None and j.before_step is not None,
+    Conflict(("pipeline", "before_step"), lambda c, j: j is not None and c.pipeline is not None and j.before_step is not None,
              _STAGES + "before_step: each stage holds only a part of the model; drop .before_step(fn)",
              ".pipeline(stages=2).before_step(fn)", job=True),
 )  # fmt: skip
 
 
-def refuse(config: Config, job: Any = None) -> None:
+def refuse(config: Config, job: JobParts | None = None) -> None:
     """A ValueError with the message of the first of CONFLICTS that `config` has (with `job`, the
     ones that need a job too)."""
     for conflict in CONFLICTS:
@@ -353,7 +370,7 @@ def refuse(config: Config, job: Any = None) -> None:
             raise ValueError(conflict.message.format(c=config))
 
 
-def parse_enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
+def parse_enum(cls: type[E], value: object, name: str) -> E:
     """An option given as an enum member or its value, or a ValueError naming the choices."""
     if isinstance(value, cls):
         return value
@@ -363,7 +380,7 @@ def parse_enum(cls: type[enum.Enum], value: Any, name: str) -> Any:
         raise ValueError(f"{name} must be one of {[m.value for m in cls]} or a {cls.__name__}, got {value!r}") from None
 
 
-def describe_config(config: Config) -> dict[str, Any]:
+def describe_config(config: Config) -> dict[str, object]:
     """The config as JSON-ready data (enums by value), for checkpoints, summaries and people."""
     out = dataclasses.asdict(config)
     return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in out.items()}

@@ -25,12 +25,12 @@ class Check:
     integer: bool = False
     minimum: int | None = None
     positive: bool = False
-    choices: tuple[Any, ...] = ()
+    choices: tuple[object, ...] = ()
     boolean: bool = False
     kind: type | None = None
     optional: bool = False
 
-    def problem(self, value: Any) -> str | None:
+    def problem(self, value: object) -> str | None:
         """What is wrong with `value`, as the end of "must be ...", or None when it is right."""
         if value is None:
             return None if self.optional else "set (not None)"
@@ -55,7 +55,7 @@ def positive(*, optional: bool = False) -> Check:
     return Check(positive=True, optional=optional)
 
 
-def choice(*choices: Any) -> Check:
+def choice(*choices: object) -> Check:
     return Check(choices=tuple(choices))
 
 
@@ -86,19 +86,21 @@ class Option:
     check: Check
     setter: str
     keyword: str | None = None
-    example: Any = None
+    example: object = None
     flag: str | None = None
     fingerprint: bool = False
 
-    def call(self, value: Any) -> str:
+    def call(self, value: object) -> str:
         """The builder call that sets `value`, as a user would write it."""
         given = repr(value.value if hasattr(value, "value") and not isinstance(value, (int, float, str)) else value)
         return f".{self.setter}(..., {self.keyword}={given})" if self.keyword else f".{self.setter}({given})"
 
 
-def option(default: Any, help: str, check: Check, setter: str, **declared: Any) -> Any:
+def option(
+    default: object, help: str, check: Check, setter: str, *, keyword: str | None = None, example: object = None, flag: str | None = None, fingerprint: bool = False
+) -> Any:  # a field's default stands for a value of the field's own type
     """A dataclass field that is an option: `default`, and the rest of `Option`'s arguments."""
-    return dataclasses.field(default=default, metadata={"option": Option(help, check, setter, **declared)})
+    return dataclasses.field(default=default, metadata={"option": Option(help, check, setter, keyword, example, flag, fingerprint)})
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,10 @@ class Declared:
     """An option as declared: its field's name and default, and its `Option`."""
 
     name: str
-    default: Any
+    default: object
     option: Option
 
-    def check(self, value: Any) -> None:
+    def check(self, value: object) -> None:
         """A ValueError naming the option unless its check takes `value`, with a right call."""
         wrong = self.option.check.problem(value)
         if wrong is not None:
@@ -123,7 +125,7 @@ def declared(cls: type) -> Iterator[Declared]:
             yield Declared(f.name, f.default, f.metadata["option"])
 
 
-def validate(instance: Any) -> None:
+def validate(instance: object) -> None:
     """A ValueError naming the first option of `instance` whose value its check refuses."""
     for d in declared(type(instance)):
         d.check(getattr(instance, d.name))

@@ -10,7 +10,6 @@ import contextlib
 import copy
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from .feed import rank_share
 from .job import Job
 from .parts import Parts
 from .rounds import Node, Rounds
-from .types import BatchSource, Counters, Hooks, Phase, Reporter, TrainingError, TrainingState, Where
+from .types import Batch, BatchSource, Counters, Hooks, Phase, Reporter, StateDict, TrainingError, TrainingState, Where
 
 
 class Replica:
@@ -90,15 +89,15 @@ class Replica:
         """What a checkpoint holds, on the process that `writes` it: this worker's state."""
         return self.state_dicts() if writes else None
 
-    def own_state(self) -> dict[str, Any]:
+    def own_state(self) -> StateDict:
         """What is this worker's alone, for a checkpoint: its RNG state, its loss scale and its
         gradient encoding's residual."""
-        own = rng_state() | self.rounds.own_state()  # with gradient encoding: its residual
+        own: StateDict = {**rng_state(), **self.rounds.own_state()}  # with gradient encoding: its residual
         if self.scaler is not None:
             own["grad_scaler"] = self.scaler.state_dict()
         return own
 
-    def load_own_state(self, own: dict[str, Any]) -> None:
+    def load_own_state(self, own: StateDict) -> None:
         if self.scaler is not None and "grad_scaler" in own:
             self.scaler.load_state_dict(own["grad_scaler"])
         self.rounds.load_own_state(own)
@@ -118,7 +117,7 @@ class Replica:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def loss(self, batch: Any) -> torch.Tensor:
+    def loss(self, batch: Batch) -> torch.Tensor:
         if self.job.training_step is not None:
             return self.job.training_step(self.model, batch)
         if not isinstance(batch, (list, tuple)) or len(batch) != 2:
@@ -130,9 +129,9 @@ class Replica:
         assert self.job.loss_fn is not None
         return self.job.loss_fn(self.model(inputs), targets)
 
-    def accumulate(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+    def accumulate(self, epoch: int, index: int, batch: Batch) -> tuple[torch.Tensor, int]:
         """Forward and backward: loss·n (detached, on device) and the sample count n; gradients
-        accumulate in .grad. Any failure is a TrainingError that says where."""
+        accumulate in .grad. Every failure is a TrainingError that says where."""
         self.hooks.progress(Phase.TRAINING, epoch, index, self.local_steps)
         try:
             n = batch_size(batch)
@@ -142,7 +141,7 @@ class Replica:
             raise TrainingError(cause, Where(epoch, index, self.local_steps, describe(batch))) from e
         return loss.detach().float().reshape(()) * n, n
 
-    def forward_backward(self, batch: Any) -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         """The batch's loss (on the device), its gradients added to .grad."""
         with self._autocast():
             loss = self.loss(batch)
@@ -195,14 +194,14 @@ class Replica:
             self._best = self.state_dicts()
         return bool(stop)
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
         return autocast(self.config.precision, self.device)
 
     def clip(self, max_norm: float) -> None:
         """Scale the gradients so that their total norm is at most `max_norm`."""
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
-    def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+    def train_step(self, epoch: int, index: int, batch: Batch) -> tuple[torch.Tensor, int]:
         """AVERAGING's local step: forward, backward and the optimizer's step."""
         self.optimizer.zero_grad(set_to_none=True)
         loss, n = self.accumulate(epoch, index, batch)
