@@ -8,18 +8,20 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import SupportsFloat
 
 import torch
 
 from .batches import batch_size, describe, move_to
 from .feed import epoch_iterable
 from .job import Job
+from .types import Batch, Output
 
-Metrics = Callable[[torch.nn.Module, Any], dict[str, Any]]  # (model, batch) -> {name: batch mean}
+Values = dict[str, SupportsFloat]  # {name: batch mean}: numbers, or tensors of one element
+Metrics = Callable[[torch.nn.Module, Batch], Values]  # (model, batch) -> {name: batch mean}
 
 
-def classification_metrics(model: torch.nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None) -> dict[str, Any]:
+def classification_metrics(model: torch.nn.Module, batch: Batch, loss_fn: Callable[..., torch.Tensor] | None) -> Values:
     """The mean loss (with a loss function) and the share of argmax(outputs) == targets: for a
     classifier, whose outputs are class scores (batch, classes, ...) for targets of class indices
     (batch, ...), as cross_entropy takes them. Other outputs are a ValueError that says to pass a
@@ -28,7 +30,7 @@ def classification_metrics(model: torch.nn.Module, batch: Any, loss_fn: Callable
     return scored_outputs(model(inputs), targets, loss_fn)
 
 
-def scored_outputs(outputs: Any, targets: Any, loss_fn: Callable[..., torch.Tensor] | None) -> dict[str, Any]:
+def scored_outputs(outputs: Output, targets: object, loss_fn: Callable[..., torch.Tensor] | None) -> Values:
     """classification_metrics of a batch's outputs, however they were computed (a pipeline's
     last stage has them, not the model)."""
     classifier = (
@@ -48,10 +50,10 @@ def scored_outputs(outputs: Any, targets: Any, loss_fn: Callable[..., torch.Tens
 @torch.no_grad()
 def metric_sums(
     model: torch.nn.Module,
-    batches: Iterable[Any],
+    batches: Iterable[Batch],
     metrics: Metrics,
     device: torch.device,
-    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> tuple[dict[str, float], int]:
     """Σ metric·n per metric and Σ n over `batches`, each moved to `device` and scored in eval mode
     under `context` (autocast, say); the model's mode is restored after."""
@@ -72,18 +74,18 @@ def metric_sums(
     return sums, count
 
 
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
     """bf16-mixed and 16-mixed: forward and loss in bfloat16 or float16 where autocast deems it
     safe; the parameters, their gradients, the optimizer and the averaging stay float32."""
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
-def _default_validation(model: torch.nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None) -> dict[str, Any]:
+def _default_validation(model: torch.nn.Module, batch: Batch, loss_fn: Callable[..., torch.Tensor] | None) -> Values:
     return validation_of(classification_metrics(model, batch, loss_fn))
 
 
-def validation_of(metrics: dict[str, Any]) -> dict[str, Any]:
+def validation_of(metrics: Values) -> Values:
     """The default validation's names for classification_metrics: val_loss, val_accuracy."""
     return {f"val_{name}": value for name, value in metrics.items()}
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..config import Pipeline
 from ..job import Job
 from ..rounds.state import trained_parameters
-from ..types import TrainingState
+from ..types import StateDict, TrainingState
 
 _HINT = "give an nn.Sequential, or a module whose pipeline_layers() returns its (name, layer) pairs in forward order"
 
@@ -168,7 +167,7 @@ def stage_state(whole: TrainingState, whole_names: Names, stage: torch.nn.Module
     return TrainingState({k: v for k, v in whole.model.items() if k in keys}, inner, whole.lr_scheduler, outer)
 
 
-def _cut(whole: dict[str, Any], whole_names: list[str], names: list[str], sizes: list[int]) -> dict[str, Any]:
+def _cut(whole: StateDict, whole_names: list[str], names: list[str], sizes: list[int]) -> StateDict:
     """An optimizer's state dict restricted to the parameters `names` (numbered as the stage's
     optimizer numbers them, in groups of `sizes`), from the whole's (numbered by `whole_names`).
     Each group's settings are those of the whole's group that holds its first parameter."""
@@ -181,7 +180,7 @@ def _cut(whole: dict[str, Any], whole_names: list[str], names: list[str], sizes:
     return {"state": {i: by_name[name] for i, name in enumerate(names) if name in by_name}, "param_groups": groups}
 
 
-def _join(parts: list[dict[str, Any]], names: list[list[str]], whole_names: list[str], whole_groups: list[dict[str, Any]]) -> dict[str, Any]:
+def _join(parts: list[StateDict], names: list[list[str]], whole_names: list[str], whole_groups: list[StateDict]) -> StateDict:
     """The whole optimizer's state dict (numbered by `whole_names`, in `whole_groups`) from its
     stages' (each numbered by its `names`). Each group's settings are as the stages left them (a
     schedule moves the learning rate), found by the group's first parameter, which is the first
@@ -199,7 +198,7 @@ class Layout:
     pipeline's parts without the whole model."""
 
     names: Names
-    groups: list[dict[str, Any]]
+    groups: list[StateDict]  # the optimizer state dict's param_groups
     keys: list[str]  # the model's state-dict keys, in its order
 
     @staticmethod

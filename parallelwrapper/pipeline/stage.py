@@ -18,22 +18,28 @@ the mean loss is the step on the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from ..batches import move_to
 from ..config import Config, Pipeline
 from ..evaluation import scored_outputs, validation_of
 from ..feed import rank_share
 from ..job import Job
-from ..types import END, BatchSource, EndOfEpoch, TrainingState
+from ..rounds import Node
+from ..types import END, Batch, BatchSource, EndOfEpoch, Hooks, Output, TrainingState
 from ..worker import Replica
 from .split import Layout, Names, held, joined, pieces_in, pieces_of, scorer, stage_state
+
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti  # torch's: one piece a stage, or several (zbv)
+LossFn = Callable[..., torch.Tensor]  # the job's loss function: (outputs, targets) -> loss
 
 
 @dataclass(frozen=True)
@@ -70,9 +76,9 @@ class RelaySource:
     def __init__(self, source: BatchSource | None, position: Position, group: dist.ProcessGroup) -> None:
         self._source, self._position, self._group = source, position, group
 
-    def next_batch(self) -> tuple[int, Any] | EndOfEpoch:
+    def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         item = self._source.next_batch() if self._source is not None else END
-        message: list[Any] = [None if isinstance(item, EndOfEpoch) else (item[0], item[1][1])]
+        message: list[tuple[int, object] | None] = [None if isinstance(item, EndOfEpoch) else (item[0], item[1][1])]
         dist.broadcast_object_list(message, src=self._position.first, group=self._group)
         if self._source is not None:
             return item
@@ -86,14 +92,15 @@ class StageReplica(Replica):
     (`whole`: how the whole model's optimizers lay theirs out)."""
 
     def __init__(self, model: torch.nn.Module, job: Job, config: Config, device: torch.device, rank: int, world_size: int, *,
-                 position: Position, pipe: dist.ProcessGroup, whole: Layout, **kwargs: Any) -> None:  # fmt: skip
-        super().__init__(model, job, config, device, rank, world_size, **kwargs)
+                 position: Position, pipe: dist.ProcessGroup, whole: Layout,
+                 group: dist.ProcessGroup | None = None, hooks: Hooks | None = None, node: Node | None = None) -> None:  # fmt: skip
+        super().__init__(model, job, config, device, rank, world_size, group=group, hooks=hooks, node=node)
         assert config.pipeline is not None and job.loss_fn is not None  # pipeline.check, at build()
         self.position, self.pipe, self.whole, self.spec = position, pipe, whole, config.pipeline
         self.pieces = pieces_in(self.model)
         self.scores = position.stage == scorer(self.spec)  # this stage computes the loss
         self._scorer = dist.get_global_rank(pipe, scorer(self.spec))
-        self._schedules: dict[Any, Any] = {}  # by batch size: a stage's buffers are shaped at its first step
+        self._schedules: dict[int | tuple[str, int], Schedule] = {}  # by batch size (forward only: ("forward", size)): a stage's buffers are shaped at its first step
 
     def load_state(self, state: TrainingState) -> None:
         super().load_state(stage_state(state, self.whole.names, self.model, self.optimizer))
@@ -115,14 +122,14 @@ class StageReplica(Replica):
         on the process that `writes` (its first stage) only. Every stage of worker 0 takes part."""
         if self.position.worker != 0:
             return None
-        parts: list[Any] | None = [None] * self.position.stages if writes else None
+        parts = cast("list[tuple[TrainingState, Names]]", [None] * self.position.stages) if writes else None  # gather_object fills each
         dist.gather_object(self.part(), parts, dst=self.position.first, group=self.pipe)
         return None if parts is None else self.joined(parts)
 
     def whole_state(self) -> TrainingState:
         """The whole model's state, on every stage of this pipeline: each stage's part, gathered
         over the pipeline's group and joined."""
-        parts: list[Any] = [None] * self.position.stages
+        parts = cast("list[tuple[TrainingState, Names]]", [None] * self.position.stages)  # all_gather_object fills each
         dist.all_gather_object(parts, self.part(), group=self.pipe)
         return self.joined(parts)
 
@@ -134,7 +141,7 @@ class StageReplica(Replica):
         """The whole model's state from every stage's `part`, in stage order."""
         return joined([state for state, _ in parts], [names for _, names in parts], self.whole)
 
-    def forward_backward(self, batch: Any) -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         """This stage's part of the schedule on the batch's microbatches, and the batch's mean
         loss, which the last stage computes and sends to the others: every stage then reports the
         same scores and takes the same NaN decisions."""
@@ -174,7 +181,7 @@ class StageReplica(Replica):
         dist.broadcast_object_list(message, src=self._scorer, group=self.pipe)
         return message[0], count
 
-    def _forward(self, inputs: Any, n: int) -> Any:
+    def _forward(self, inputs: Batch, n: int) -> Output | None:
         """Forward only, through the pipeline, of a batch of `n` (`inputs` on the first stage):
         the outputs on the stage that scores, None on the others."""
         if len(self.pieces) > 1:
@@ -186,7 +193,7 @@ class StageReplica(Replica):
         forward = self._schedules[key]
         return forward.step(inputs) if self.position.stage == 0 else forward.step()
 
-    def _down_and_up(self, inputs: Any) -> Any:
+    def _down_and_up(self, inputs: Batch) -> Output | None:
         """Forward only through the V of "zbv"'s pieces, the whole batch at once (torch's V
         schedule runs no forward without a backward): each piece, on the stage that holds it,
         takes the activations from the one before and sends its own on. The outputs end on the
@@ -203,7 +210,7 @@ class StageReplica(Replica):
                 self._send(x, owner[piece + 1])
         return x if self.scores else None
 
-    def _send(self, x: Any, stage: int) -> None:
+    def _send(self, x: object, stage: int) -> None:
         if not isinstance(x, torch.Tensor):
             where = f"a piece on stage {self.position.stage} returned a {type(x).__name__} in validation"
             raise TypeError(f"pipeline(schedule='zbv'): {where}; each piece must return one tensor: cut elsewhere (split=...) or use schedule='1f1b'")
@@ -213,40 +220,42 @@ class StageReplica(Replica):
 
     def _receive(self, stage: int) -> torch.Tensor:
         source = dist.get_global_rank(self.pipe, stage)
-        shape: list[Any] = [None]
+        shape = cast("list[tuple[tuple[int, ...], torch.dtype]]", [None])  # recv_object_list fills it
         dist.recv_object_list(shape, src=source, group=self.pipe, device=self.device)
         x = torch.empty(shape[0][0], dtype=shape[0][1], device=self.device)
         dist.recv(x, src=source, group=self.pipe)
         return x
 
-    def _schedule(self, n: int) -> Any:
+    def _schedule(self, n: int) -> Schedule:
         if n not in self._schedules:
             stages = pipeline_stages(self.pieces, self.spec, self.position.stage, self.device, self.pipe)
             self._schedules[n] = training_schedule(stages, self.spec, microbatches(n, self.spec.microbatches), self.job.loss_fn)
         return self._schedules[n]
 
 
-def pipeline_stages(pieces: list[torch.nn.Module], spec: Pipeline, stage: int, device: torch.device, group: dist.ProcessGroup | None) -> list[Any]:
+def pipeline_stages(pieces: list[torch.nn.Module], spec: Pipeline, stage: int, device: torch.device, group: dist.ProcessGroup | None) -> list[PipelineStage]:
     """torch's PipelineStage of each piece that stage `stage` holds (split.pieces_in), in order."""
     return [PipelineStage(piece, i, pieces_of(spec), device, group=group) for piece, i in zip(pieces, held(spec, stage))]
 
 
-def training_schedule(stages: list[Any], spec: Pipeline, m: int, loss_fn: Any) -> Any:
+def training_schedule(stages: list[PipelineStage], spec: Pipeline, m: int, loss_fn: LossFn | None) -> Schedule:
     """The schedule `spec` names, over a stage's PipelineStages, for batches of `m` microbatches.
     With fewer microbatches than stages, 1F1B's warm-up takes them all: it is GPipe, which torch's
     Schedule1F1B refuses to run, so GPipe runs it."""
     if spec.schedule == "zbv":
-        return pipelining.ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
+        return pipelining.ScheduleZBVZeroBubble(list(stages), m, loss_fn=loss_fn)
     kind = Schedule1F1B if spec.schedule == "1f1b" and m >= spec.stages else ScheduleGPipe
     return kind(stages[0], m, loss_fn=loss_fn)
 
 
-def step(schedule: Any, spec: Pipeline, stage: int, inputs: Any, targets: Any, losses: list[torch.Tensor] | None = None) -> None:
+def step(schedule: Schedule, spec: Pipeline, stage: int, inputs: Batch, targets: object, losses: list[torch.Tensor] | None = None) -> None:
     """Stage `stage`'s part of one batch through `schedule`: the first stage gives the inputs, the
     one that scores the targets (and gets the microbatches' losses in `losses`)."""
     given = (inputs,) if stage == 0 else ()
-    scored = {"target": targets, "losses": losses} if stage == scorer(spec) else {}
-    schedule.step(*given, **scored)
+    if stage == scorer(spec):
+        schedule.step(*given, target=targets, losses=losses)
+    else:
+        schedule.step(*given)
 
 
 def microbatches(n: int, most: int) -> int:

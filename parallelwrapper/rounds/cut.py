@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
-from ..types import END, BatchSource, Counters
+from ..types import END, Batch, BatchSource, Counters
 
 
 class RoundCut:
@@ -33,7 +32,7 @@ class RoundCut:
         self.start = self.end = 0  # the round being trained: the epoch's batches [start, end)
         self.finished = False  # this worker has had its end of the epoch
         self._first = (0, 0)  # (the global step, the index) of the epoch's first batch
-        self._held: tuple[int, Any] | None = None  # a batch taken for a later round
+        self._held: tuple[int, Batch] | None = None  # a batch taken for a later round
         self._source: BatchSource | None = None
 
     def fit_starts(self, source: BatchSource) -> None:
@@ -51,7 +50,7 @@ class RoundCut:
         step, first = self._first
         return step + (index - first) // self.ranks
 
-    def next(self, waiting: Callable[[], None], held_for: Callable[[int], None]) -> tuple[int, Any] | None:
+    def next(self, waiting: Callable[[], None], held_for: Callable[[int], None]) -> tuple[int, Batch] | None:
         """The round's next batch for this worker, or None: at its end of the epoch, or when the
         batch that came is past the round's end. `waiting` is called before a wait for the
         feed; `held_for(rounds)` when a batch is held for the round `rounds` after this one."""

@@ -156,7 +156,7 @@ class EncodedGradients:
                     grad.view(-1).index_add_(0, index[a:b] - lo, sign[a:b], alpha=alpha / lr)
 
     def _decode_dense(self, messages: list[torch.Tensor], alpha: float) -> None:
-        """Any bitmap among the messages: all decoded into one flat sum, then the gradients are it / lr."""
+        """A bitmap among the messages: all decoded into one flat sum, then the gradients are it / lr."""
         if self._update is None:
             self._update = torch.empty(self.numel, device=self.device)
         update = self._update.zero_()

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -19,14 +19,17 @@ import torch.distributed as dist
 from ..autopilot import Change, Choice, Pilot
 from ..averaging import Shards, all_reduce_values
 from ..config import Config, TrainingMode
-from ..types import BatchSource, Counters, EpochReport, Hooks, InForce, Phase, Reporter, Stopped
+from ..types import Batch, BatchSource, Counters, EpochReport, Hooks, InForce, Phase, Reporter, StateDict, Stopped
 from .cut import RoundCut
 from .exchange import Sent, SyncExchange
 from .header import RoundTotals, Work
 from .node import Node, NodeSteps
 from .scores import ScoreBook, validate
-from .streaming import StreamExchange
+from .streaming import Launched, StreamExchange
 from .trainer import Trainer
+
+A = ParamSpec("A")  # a timed function's arguments
+R = TypeVar("R")  # and what it returns
 
 
 class _EarlyStop(Exception):
@@ -80,15 +83,15 @@ class Rounds:
         """The local steps of an averaging round: the autopilot's choice, or averaging_frequency."""
         return self.config.averaging_frequency if self.pilot is None else self.pilot.choice.k
 
-    def own_state(self) -> dict[str, Any]:
+    def own_state(self) -> StateDict:
         """What of the rounds a checkpoint holds per worker: with gradient encoding, its residual
         (and τ and the step count, the same on every worker); the autopilot's state."""
-        own: dict[str, Any] = {} if self.pilot is None else {"autopilot": self.pilot.state_dict()}
+        own: StateDict = {} if self.pilot is None else {"autopilot": self.pilot.state_dict()}
         if self.config.gradient_encoding is not None:
             own["gradient_encoding"] = self._sync.encoding_residual().state_dict()
         return own
 
-    def load_own_state(self, own: dict[str, Any]) -> None:
+    def load_own_state(self, own: StateDict) -> None:
         if self.config.gradient_encoding is not None and "gradient_encoding" in own:
             self._sync.encoding_residual().load_state_dict(own["gradient_encoding"])
         if self.pilot is not None and "autopilot" in own:
@@ -133,7 +136,7 @@ class Rounds:
         every = 1 if self._averaging else self.k
         book = ScoreBook(report, every, self.config.report_score_after_averaging)
         self._cut.epoch_starts(self.counters)
-        in_flight: Any = None  # a round launched and not landed (overlap_averaging)
+        in_flight: Sent | Launched | None = None  # a round launched and not landed (overlap_averaging)
         while True:
             work = self._timed(False, self._local_work, in_flight is not None)
             land_now = not (self._stream is not None and self._averaging)
@@ -153,17 +156,17 @@ class Rounds:
                 if epoch_done:
                     return
 
-    def _timed(self, exchange: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    def _timed(self, exchange: bool, fn: Callable[A, R], *args: A.args, **kwargs: A.kwargs) -> R:
         """fn(*args), its seconds counted as local work or as exchange for the next Score."""
         start = time.perf_counter()
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             self._seconds[exchange] += time.perf_counter() - start
 
     # -- local work ------------------------------------------------------------------------------
 
-    def _next(self) -> tuple[int, Any] | None:
+    def _next(self) -> tuple[int, Batch] | None:
         """The round's next batch for this worker (cut.py), or None."""
 
         def waiting() -> None:
@@ -225,7 +228,7 @@ class Rounds:
         self._sync.settle()
         return totals
 
-    def _launch(self, work: Work) -> Any:
+    def _launch(self, work: Work) -> Sent | Launched:
         stop = self.hooks.stop_requested()
         if self._stream is not None and self._averaging:
             return self._stream.launch(work, stop)
@@ -249,7 +252,7 @@ class Rounds:
         upcoming = self.counters.rounds + 1
         return upcoming % self.config.average_updaters_every == 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
 
-    def _land(self, launched: Any, since: Work, at_once: bool = False) -> RoundTotals:
+    def _land(self, launched: Sent | Launched, since: Work, at_once: bool = False) -> RoundTotals:
         """Land a launched round (`since`: the local work done after it, itself when `at_once`);
         a gradient round then takes its step, the same on every worker."""
         if not isinstance(launched, Sent):
@@ -326,7 +329,7 @@ class Rounds:
                 everyone, size, writes = self.group, self.world_size, self.rank == 0
             else:  # with a hierarchy or a pipeline, every process: the default group
                 everyone, size, writes = None, dist.get_world_size(), dist.get_rank() == 0
-            own: list[Any] = [None] * size
+            own = cast("list[StateDict]", [None] * size)  # all_gather_object fills each
             dist.all_gather_object(own, self.trainer.own_state(), group=everyone)
             state = self.trainer.saved_state(writes)
             if state is not None:

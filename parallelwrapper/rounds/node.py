@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..averaging import FlatAverager
+from ..types import Batch
 from .state import gradient_tensors
 from .trainer import Trainer
 
@@ -62,7 +62,7 @@ class NodeSteps:
             self._payload.release()
             self._payload = None
 
-    def run(self, steps: int, first_step: int, epoch: int, next_batch: Callable[[], tuple[int, Any] | None], finished: Callable[[], bool]) -> NodeWork:
+    def run(self, steps: int, first_step: int, epoch: int, next_batch: Callable[[], tuple[int, Batch] | None], finished: Callable[[], bool]) -> NodeWork:
         """Up to `steps` lockstep steps, global steps `first_step` on; the node's work."""
         work = NodeWork()
         payload = self._gradients()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch.distributed as dist
 
@@ -93,7 +93,7 @@ def validate(trainer: Trainer, counters: Counters, report: Reporter, group: dist
     the metrics are reported and handed to the trainer. True: early stopping ends the fit."""
     local = trainer.validation_sums(rank, world_size)
     assert local is not None, "validated without validation data"
-    shares: list[Any] = [None] * world_size
+    shares = cast("list[tuple[dict[str, float], int]]", [None] * world_size)  # all_gather_object fills each
     dist.all_gather_object(shares, local, group=group)
     metrics = combine_validation(shares)
     report(ValidationReport(dataclasses.replace(counters), metrics))

@@ -13,16 +13,16 @@ changes on every worker alike, and the state is averaged anew.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import SupportsFloat, cast
 
 import torch
 import torch.distributed as dist
 
 
-def _still(group: dict[str, Any]) -> bool:
-    """A param group that no step moves: its learning rate is 0."""
-    return float(group.get("lr", 1.0)) == 0.0
+def _still(group: Mapping[str, object]) -> bool:
+    """A param group that no step moves: its learning rate (a number, or a tensor) is 0."""
+    return float(cast(SupportsFloat, group.get("lr", 1.0))) == 0.0
 
 
 def trained_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -6,11 +6,11 @@ validation, and what it does when a round lands (its learning-rate schedule catc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from ..types import Counters, TrainingState
+from ..types import Batch, Counters, StateDict, TrainingState
 
 
 class OuterParameters(Protocol):
@@ -41,10 +41,10 @@ class Trainer(Protocol):
     def validates(self) -> bool:
         """It has validation data."""
 
-    def train_step(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+    def train_step(self, epoch: int, index: int, batch: Batch) -> tuple[torch.Tensor, int]:
         """AVERAGING: one whole local step; (loss·n, n)."""
 
-    def accumulate(self, epoch: int, index: int, batch: Any) -> tuple[torch.Tensor, int]:
+    def accumulate(self, epoch: int, index: int, batch: Batch) -> tuple[torch.Tensor, int]:
         """SHARED_GRADIENTS: forward and backward into .grad; (loss·n, n)."""
 
     def step(self) -> None:
@@ -59,7 +59,7 @@ class Trainer(Protocol):
         """What a checkpoint holds, on the process that `writes` it (None elsewhere); every
         process of the group calls it (a pipeline's stages gather their parts)."""
 
-    def own_state(self) -> dict[str, Any]:
+    def own_state(self) -> StateDict:
         """This worker's own state for a checkpoint (its RNG's, its loss scale's)."""
 
     def averaged(self, averages: Mapping[int, torch.Tensor] | None = None) -> None:
