@@ -13,10 +13,10 @@ import csv
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Protocol
 
 from .types import EncodingStats, ReplacementReport, Report, RoundReport, ValidationReport, WorkerError
 
@@ -63,7 +63,7 @@ def exchange_share(scores: Sequence[Score]) -> float:
     return sum(s.exchange_s for s in scores) / busy if busy > 0 else math.nan
 
 
-def autopilot_changes(scores: Sequence[Score]) -> list[dict[str, Any]]:
+def autopilot_changes(scores: Sequence[Score]) -> list[dict[str, int | str | None]]:
     """The autopilot's changes over `scores` (`.averaging_frequency("auto")`): from which round
     on, the k, payload and optimizer-state period it chose (as the next score ran them), and why."""
     return [
@@ -128,13 +128,13 @@ class History:
 LISTENER_METHODS = ("on_fit_start", "on_score", "on_validation", "on_epoch_end", "on_worker_replaced", "on_fit_end")
 
 
-def check_listeners(listeners: Sequence[Any]) -> None:
+def check_listeners(listeners: Sequence[object]) -> None:
     for i, listener in enumerate(listeners):
         if not callable(listener) and not any(hasattr(listener, m) for m in LISTENER_METHODS):
             raise ValueError(f"listeners[{i}] ({listener!r}) is neither callable nor has any of {LISTENER_METHODS}")
 
 
-def notify(listeners: Sequence[Any], method: str, *args: Any) -> None:
+def notify(listeners: Sequence[object], method: str, *args: object) -> None:
     for listener in listeners:
         fn = getattr(listener, method, None)
         if fn is not None:
@@ -147,7 +147,7 @@ class Recorder:
     """The workers' reports of one fit(), as History records and listener calls; `start` is
     when the fit began (reports carry the system-wide monotonic time they were made)."""
 
-    def __init__(self, listeners: Sequence[Any], start: float) -> None:
+    def __init__(self, listeners: Sequence[object], start: float) -> None:
         self.listeners, self.start, self.history = listeners, start, History()
 
     def __call__(self, report: Report) -> None:
@@ -174,18 +174,31 @@ class Recorder:
             notify(self.listeners, "on_epoch_end", end)
 
 
+class _Bar(Protocol):
+    """What ProgressBar uses of a tqdm bar."""
+
+    n: float
+    total: float | None
+
+    def update(self, n: float = 1) -> bool | None: ...
+
+    def set_postfix(self, ordered_dict: Mapping[str, object] | None = None, refresh: bool = True) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class ProgressBar:
     """A tqdm bar over an epoch's batches, one bar per epoch, with the last round's averaged loss
     ("round loss"), its k and payload, the latest validation metrics, and at the end the epoch's mean loss ("epoch
     loss"). `batches_per_epoch` sets the bar's total when the data has a length; a resumed fit()
     starts its bar where the epoch was."""
 
-    def __init__(self, batches_per_epoch: int | None = None, **tqdm_kwargs: Any) -> None:
+    def __init__(self, batches_per_epoch: int | None = None, **tqdm_kwargs: object) -> None:
         self._total, self._kwargs = batches_per_epoch, tqdm_kwargs
-        self._bar: Any = None
+        self._bar: _Bar | None = None
         self._postfix: dict[str, str] = {}
 
-    def _open(self, epoch: int) -> Any:
+    def _open(self, epoch: int) -> _Bar:
         from tqdm.auto import tqdm
 
         if self._bar is None:
@@ -193,9 +206,9 @@ class ProgressBar:
             self._postfix = {}
         return self._bar
 
-    def _show(self, values: dict[str, float], refresh: bool = False) -> None:
+    def _show(self, bar: _Bar, values: dict[str, float], refresh: bool = False) -> None:
         self._postfix.update({k.replace("_", " "): f"{v:.4f}" for k, v in values.items()})
-        self._bar.set_postfix(self._postfix, refresh=refresh)
+        bar.set_postfix(self._postfix, refresh=refresh)
 
     def on_score(self, score: Score) -> None:
         """Move the bar to the score's place in the epoch and show its round loss, k and payload."""
@@ -203,12 +216,12 @@ class ProgressBar:
         bar.update(score.position - bar.n)
         if score.k:
             self._postfix["k"], self._postfix["payload"] = str(score.k), score.payload
-        self._show({"round_loss": score.score})
+        self._show(bar, {"round_loss": score.score})
 
     def on_validation(self, validation: Validation) -> None:
         """Show the validation's metrics beside the round loss."""
         if self._bar is not None:  # at an epoch's end the bar is still open: the validation comes first
-            self._show(validation.metrics)
+            self._show(self._bar, validation.metrics)
 
     def on_worker_replaced(self, rank: int, reason: WorkerError, lost_round: int) -> None:
         """Write a line under the bar: which worker was replaced, and why."""
@@ -222,7 +235,7 @@ class ProgressBar:
         if bar.total and epoch.complete:
             bar.update(bar.total - bar.n)
         self._postfix.pop("round loss", None)
-        self._show({"epoch_loss": epoch.score}, refresh=True)
+        self._show(bar, {"epoch_loss": epoch.score}, refresh=True)
         bar.close()
         self._bar = None
 
@@ -236,7 +249,7 @@ class JsonlWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = self.path.open("a", encoding="utf-8")
 
-    def write(self, kind: str, record: dict[str, Any]) -> None:
+    def write(self, kind: str, record: Mapping[str, object]) -> None:
         """Append `record` with `"kind": kind`, and flush."""
         self._file.write(json.dumps({"kind": kind, **record}) + "\n")
         self._file.flush()
@@ -350,7 +363,7 @@ class EarlyStopping:
             self.stopped_round = validation.round
 
 
-def early_stopping_of(listeners: Sequence[Any]) -> EarlyStopping | None:
+def early_stopping_of(listeners: Sequence[object]) -> EarlyStopping | None:
     """The EarlyStopping among the listeners: the workers apply it to their validations."""
     stoppers = [listener for listener in listeners if isinstance(listener, EarlyStopping)]
     if len(stoppers) > 1:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any
 
 import torch
 
@@ -21,7 +20,7 @@ _SCRIPT_MODULES = {"__mp_main__": "__main__"}
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def qualified(obj: Any) -> str:
+def qualified(obj: object) -> str:
     """`module.qualname` of a function or class; a callable object by its class."""
     target = obj if hasattr(obj, "__qualname__") else type(obj)
     module = getattr(target, "__module__", None) or ""
@@ -30,7 +29,7 @@ def qualified(obj: Any) -> str:
     return f"{module}.{name}" if module else name
 
 
-def describe(value: Any) -> str:
+def describe(value: object) -> str:
     """A value as the fingerprint holds it: stable across processes, never a tensor's numbers."""
     if isinstance(value, torch.Tensor):
         return f"tensor(shape={list(value.shape)}, dtype={str(value.dtype).removeprefix('torch.')})"

@@ -13,11 +13,10 @@ overlap_averaging the step lands a round late (docs/design.md, "The outer step w
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .job import OuterSpec
+from .types import StateDict
 
 
 class OuterStep:
@@ -54,10 +53,10 @@ class OuterStep:
         for a in anchors:
             a.grad = None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.optimizer.load_state_dict(state)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -22,7 +21,7 @@ from .outer import OuterStep
 from .rounds.state import optimizer_state_tensors, trained_parameters
 from .schedule import Schedule, make_schedule
 from .shared_state import reside, ship
-from .types import TrainingState
+from .types import StateDict, TrainingState
 
 
 class Parts:
@@ -51,7 +50,7 @@ class Parts:
         reside(optimizer_state_tensors(self.optimizer))
         return ship(self._dicts(lambda tensors: tensors))
 
-    def _dicts(self, tensors: Callable[[Any], Any]) -> TrainingState:
+    def _dicts(self, tensors: Callable[[StateDict], StateDict]) -> TrainingState:
         """Every part's state dict, its tensors through `tensors` (the schedule's lists copied)."""
         return TrainingState(
             tensors(self.model.state_dict()),

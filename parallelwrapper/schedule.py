@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
 
 import torch
 
 from .job import SchedulerSpec
-from .types import Counters
+from .types import Counters, StateDict
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 Plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
@@ -92,10 +91,10 @@ class Schedule:
                 self.scheduler.step()
         self.steps += 1
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {"scheduler": self.scheduler.state_dict(), "steps": self.steps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = state["steps"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sized
+from typing import cast
 
 from .job import Job
 
@@ -18,8 +18,8 @@ class _NullWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b: Any) -> int:
-        return len(b)
+    def write(self, b: object) -> int:
+        return len(cast("Sized", b))  # bytes, or a memoryview: what pickle writes
 
 
 def check_sendable(job: Job) -> None:
