@@ -22,7 +22,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -30,6 +29,7 @@ from ..env import Placement
 from ..shared_state import shared_copies
 from .config import InferenceConfig, InferenceMode
 from .pool import HeldBatch, InferenceWorker, Pool
+from .process import Reply
 from .requests import InferenceError, Request, answer, model_failed
 
 _RECEIVE_POLL_S = 0.2
@@ -81,7 +81,7 @@ class Dispatcher:
         with self._lock:
             self.pool.state, self.pool.version = shared, self.pool.version + 1
 
-    def _guarded(self, loop: Any) -> None:
+    def _guarded(self, loop: Callable[[], None]) -> None:
         """Run one of the two threads' loops; should it fail, no caller may wait for ever: every
         request queued or held fails, saying why, and no more are taken."""
         try:
@@ -181,36 +181,36 @@ class Dispatcher:
                 if self._closing and (not any(w.flights for w in self.pool.workers) or time.monotonic() > self._deadline):
                     return
 
-    def _heard(self, w: InferenceWorker, message: Any) -> None:
+    def _heard(self, w: InferenceWorker, message: Reply | None) -> None:
         if message is None:
             self._died(w)
             return
-        kind, seq, payload = message
-        if kind == "ready":
+        if message[0] == "ready":
             with self._lock:
                 w.ready = True
                 self._work.notify()
             return
-        if kind == "failed":
+        if message[0] == "failed":
             with self._lock:
-                w.lost = payload
+                w.lost = message[2]
                 self._work.notify()
             return
-        flight = w.flight(seq)
+        flight = w.flight(message[1])
         if flight is None:
             return  # given up already (close)
-        if kind == "grow":
+        if message[0] == "grow":
             with self._lock:  # one writer at a time on a worker's pipe
-                self.pool.grow(w, flight, payload)
+                self.pool.grow(w, flight, message[2])
+            return
+        if message[0] == "error":
+            self._release(w, flight)
+            for r in flight.requests:
+                r.future.set_exception(model_failed(r, str(w), message[2]))
             return
         # The outputs are copied out before the slot takes the next batch.
-        outputs = self.pool.outputs(w, flight, *payload).clone() if kind == "done" else None
+        outputs = self.pool.outputs(w, flight, *message[2]).clone()
         self._release(w, flight)
-        if outputs is not None:
-            answer(flight.requests, outputs, str(w))
-        else:
-            for r in flight.requests:
-                r.future.set_exception(model_failed(r, str(w), payload))
+        answer(flight.requests, outputs, str(w))
 
     def _release(self, w: InferenceWorker, flight: HeldBatch) -> None:
         """`w` is done with `flight`: the requests that waited while it was busy go to it at once,

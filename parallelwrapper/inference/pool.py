@@ -21,15 +21,15 @@ import os
 import pickle
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import wait
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 
 import torch
 
 from ..env import Placement
 from ..processes import exit_message, worker_context
 from ..slots import Segments
-from .process import Batch, serve, view
+from .process import Batch, Model, Order, Reply, serve, view
 from .requests import Request
 
 DEPTH = 2  # batches a worker holds at once: the one it runs and the next
@@ -53,8 +53,8 @@ class InferenceWorker:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.process: Any = None
-        self.conn: Any = None
+        self.process: BaseProcess | None = None
+        self.conn: Connection[Model | Order, Reply] | None = None
         self.ready = False  # built (and not started again since)
         self.flights: list[HeldBatch] = []  # the batches it holds, oldest first
         self.version = 0  # the update_model version it holds or has been sent
@@ -141,21 +141,24 @@ class Pool:
 
     def died(self, w: InferenceWorker, stage: str) -> str:
         """`w`'s process has ended: what to tell the requests it held. One that never got ready is lost."""
-        w.process.join(timeout=_JOIN_TIMEOUT_S)
-        why = exit_message(w.process.exitcode or 0, stage)
+        process = w.process
+        assert process is not None, "a worker that died was started"
+        process.join(timeout=_JOIN_TIMEOUT_S)
+        why = exit_message(process.exitcode or 0, stage)
         if not w.ready:
             w.lost = w.lost or why
         w.ready = False
         return f"{w} died: {why}"
 
-    def receive(self, timeout: float) -> list[tuple[InferenceWorker, Any]]:
+    def receive(self, timeout: float) -> list[tuple[InferenceWorker, Reply | None]]:
         """The messages that came within `timeout`, each with its worker; (worker, None) for a
         worker whose process has ended. A worker's messages come before its death."""
-        live = [w for w in self.workers if w.process is not None and w.conn is not None]
-        handles = {w.conn: w for w in live} | {w.process.sentinel: w for w in live}
-        got: list[tuple[InferenceWorker, Any]] = []
+        live = [(w, w.process, w.conn) for w in self.workers if w.process is not None and w.conn is not None]
+        pipes, sentinels = [conn for _, _, conn in live], [p.sentinel for _, p, _ in live]
+        handles: dict[object, InferenceWorker] = {conn: w for w, _, conn in live} | {p.sentinel: w for w, p, _ in live}
+        got: list[tuple[InferenceWorker, Reply | None]] = []
         dead: list[InferenceWorker] = []
-        heard: list[Any] = wait(list(handles), timeout)
+        heard = wait([*pipes, *sentinels], timeout)  # every key of `handles`, in its order
         for ready in heard:
             w = handles[ready]
             if ready is w.conn:
@@ -167,11 +170,12 @@ class Pool:
                 dead.append(w)
         for w in dict.fromkeys(dead):
             got.append((w, None))
-            w.conn.close()
+            if w.conn is not None:  # (it is: `live`)
+                w.conn.close()
             w.conn = None
         return got
 
-    def send(self, w: InferenceWorker, conn: Any, flight: HeldBatch, load: dict[str, torch.Tensor] | None) -> None:
+    def send(self, w: InferenceWorker, conn: Connection[Model | Order, Reply] | None, flight: HeldBatch, load: dict[str, torch.Tensor] | None) -> None:
         """Write the flight's inputs into its segment, one batch, and have `w` run it, on its pipe
         `conn` (a worker started again has another); first `load` that state, if any."""
         requests = flight.requests
@@ -203,7 +207,7 @@ class Pool:
         return view(self._segments.get(2 * (DEPTH * w.rank + flight.slot) + 1, 0), dtype, shape)
 
     @staticmethod
-    def _post(conn: Any, message: Any) -> None:
+    def _post(conn: Connection[Model | Order, Reply] | None, message: Model | Order) -> None:
         if conn is None:
             return  # found dead already
         try:

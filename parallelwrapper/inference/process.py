@@ -23,7 +23,8 @@ import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Literal, TypeVar, cast
 
 import torch
 
@@ -49,13 +50,26 @@ class Batch:
     capacity: int  # bytes of the output segment
 
 
+# The messages of the docstring, as types.
+Model = tuple[Literal["model"], torch.Tensor, dict[str, torch.Tensor] | None]  # the first
+Order = tuple[Literal["run"], Batch] | tuple[Literal["load"], dict[str, torch.Tensor]] | None  # every one after
+Reply = (
+    tuple[Literal["ready"], None, None]
+    | tuple[Literal["done"], int, tuple[torch.dtype, tuple[int, ...]]]
+    | tuple[Literal["grow"], int, int]
+    | tuple[Literal["error"], int, str]
+    | tuple[Literal["failed"], None, str]
+)
+M = TypeVar("M")
+
+
 def view(segment: shared_memory.SharedMemory, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over the first bytes of `segment`. It must be let go before the segment is closed."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     return torch.frombuffer(segment.buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
-def serve(rank: int, placement: Placement, conn: Any, environ: dict[str, str]) -> None:
+def serve(rank: int, placement: Placement, conn: Connection[Reply, Model | Order], environ: dict[str, str]) -> None:
     """The worker of `rank`: build the replica, answer ("ready", None, None), then run what comes
     (in the environment the main process had when it started this worker)."""
     adopt_environment(environ)
@@ -65,18 +79,17 @@ def serve(rank: int, placement: Placement, conn: Any, environ: dict[str, str]) -
         try:
             device = claim_device(placement, rank)
             torch.set_num_threads(placement.threads)
-            model = _replica(_receive(conn), device)
+            model = _replica(cast(Model, _receive(conn)), device)
         except Exception as e:  # noqa: BLE001 - every failure to start goes back to the main process
             conn.send(("failed", None, f"{summary(e)}\n\n{traceback.format_exc()}"))
             return
         conn.send(("ready", None, None))
         with torch.inference_mode():
-            while (message := _receive(conn)) is not None:
+            while (message := cast(Order, _receive(conn))) is not None:
                 if message[0] == "load":
                     model.load_state_dict(message[1])
                 else:
-                    kind, value = _run(model, message[1], mapped, device)
-                    conn.send((kind, message[1].seq, value))
+                    conn.send(_run(model, message[1], mapped, device))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the main process is gone, or closed the pipe: nobody is left to answer
     finally:
@@ -93,27 +106,27 @@ def _replica(message: tuple[str, torch.Tensor, dict[str, torch.Tensor] | None], 
     return model
 
 
-def _run(model: torch.nn.Module, batch: Batch, mapped: Mappings, device: torch.device) -> tuple[str, Any]:
+def _run(model: torch.nn.Module, batch: Batch, mapped: Mappings, device: torch.device) -> Reply:
     """One forward pass: the inputs read where they lie, the outputs written into the output segment."""
     inputs = view(mapped.get(("inputs", batch.slot), batch.inputs), batch.dtype, batch.shape)
     try:
         outputs = model(inputs.to(device))
     except Exception as e:  # noqa: BLE001 - the model's failure is this batch's answer
-        return "error", summary(e)
+        return "error", batch.seq, summary(e)
     finally:
         del inputs  # no view of a segment may outlive this call: the next batch may remap it
     if not isinstance(outputs, torch.Tensor):
-        return "error", NOT_A_TENSOR.format(type(outputs).__name__)
+        return "error", batch.seq, NOT_A_TENSOR.format(type(outputs).__name__)
     nbytes = outputs.numel() * outputs.element_size()
     if nbytes > batch.capacity:
-        return "grow", nbytes
+        return "grow", batch.seq, nbytes
     place = view(mapped.get(("outputs", batch.slot), batch.outputs), outputs.dtype, tuple(outputs.shape))
     place.copy_(outputs)
     del place
-    return "done", (outputs.dtype, tuple(outputs.shape))
+    return "done", batch.seq, (outputs.dtype, tuple(outputs.shape))
 
 
-def _receive(conn: Any) -> Any:
+def _receive(conn: Connection[Reply, M]) -> M | None:
     """The next message; None (close) when the main process is gone."""
     while not conn.poll(_POLL_S):
         if main_process_gone():
@@ -121,4 +134,4 @@ def _receive(conn: Any) -> Any:
     return conn.recv()
 
 
-__all__ = ["Batch", "serve", "view"]
+__all__ = ["Batch", "Model", "Order", "Reply", "serve", "view"]

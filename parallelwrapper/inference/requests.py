@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 
@@ -42,7 +41,7 @@ class Request:
         return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
 
 
-def make_request(x: Any, input_shape: tuple[int, ...] | None) -> Request:
+def make_request(x: object, input_shape: tuple[int, ...] | None) -> Request:
     """The request for input `x`. A tensor of `input_shape` is one sample, one of (B, *input_shape)
     a batch; without `input_shape`, every input is a batch. Another shape, or not a tensor, is a
     request whose future has already failed, saying why."""
@@ -92,7 +91,7 @@ def answer(requests: list[Request], outputs: torch.Tensor, where: str) -> None:
         r.future.set_result(out[0] if r.single else out)
 
 
-def check_state(served: Mapping[str, torch.Tensor], state: Any) -> dict[str, torch.Tensor]:
+def check_state(served: Mapping[str, torch.Tensor], state: object) -> dict[str, torch.Tensor]:
     """`update_model`'s argument as a state dict that fits the served model (a module gives its
     own), or a ValueError naming the first differences."""
     if isinstance(state, torch.nn.Module):

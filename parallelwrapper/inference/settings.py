@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -20,6 +20,19 @@ from ..config import parse_enum
 from .config import InferenceMode
 
 
+class Options(TypedDict, total=False):
+    """The options set so far: InferenceConfig's fields, as the setters take them."""
+
+    workers: int
+    devices: tuple[str, ...]
+    inference_mode: InferenceMode
+    batch_limit: int
+    queue_limit: int
+    max_wait_ms: float
+    input_shape: tuple[int, ...]
+    threads_per_worker: int
+
+
 class InferenceSettings:
     """The builder's setters: each sets one option of the InferenceConfig and returns the builder."""
 
@@ -27,12 +40,13 @@ class InferenceSettings:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ParallelInference.builder() takes a torch.nn.Module, got {type(model).__name__}")
         self._model = model
-        self._options: dict[str, Any] = {}
+        self._options: Options = {}
 
     def workers(self, n: int) -> Self:
         """Workers, one process and device each (INPLACE: replicas in this process). Default:
         one per GPU, or 1 on a machine without one (the CPU is one device: DL4J's default)."""
-        return self._set("workers", n)
+        self._options["workers"] = n
+        return self
 
     def devices(self, devices: Sequence[str | torch.device]) -> Self:
         """One device per worker, e.g. ["cuda:0", "cuda:1"] or ["cpu", "cpu"]. Default: cuda:i for
@@ -40,39 +54,42 @@ class InferenceSettings:
         whose cores the workers share out (.threads_per_worker)."""
         if isinstance(devices, (str, torch.device)):
             raise TypeError(f"devices takes one device per worker, e.g. .devices(['cpu', 'cpu']); got {devices!r}")
-        return self._set("devices", tuple(str(d) for d in devices))
+        self._options["devices"] = tuple(str(d) for d in devices)
+        return self
 
     def inference_mode(self, mode: InferenceMode | str) -> Self:
         """InferenceMode.BATCHED (default), SEQUENTIAL or INPLACE (see InferenceMode)."""
-        return self._set("inference_mode", parse_enum(InferenceMode, mode, "inference_mode"))
+        self._options["inference_mode"] = parse_enum(InferenceMode, mode, "inference_mode")
+        return self
 
     def batch_limit(self, n: int) -> Self:
         """BATCHED: the most samples in one forward pass; a request larger than that goes alone,
         never split. Default: 32."""
-        return self._set("batch_limit", n)
+        self._options["batch_limit"] = n
+        return self
 
     def queue_limit(self, n: int) -> Self:
         """The most requests waiting for a worker; `submit` and `output` block while it is
         reached (back-pressure: a request is never dropped). Default: 64."""
-        return self._set("queue_limit", n)
+        self._options["queue_limit"] = n
+        return self
 
     def max_wait_ms(self, ms: float) -> Self:
         """BATCHED: how long the oldest waiting request may wait for others to fill its batch
         when a worker is free. 0: a free worker takes what is there. Default: 2 ms."""
-        return self._set("max_wait_ms", ms)
+        self._options["max_wait_ms"] = ms
+        return self
 
     def input_shape(self, *shape: int) -> Self:
         """One sample's shape, e.g. .input_shape(1, 28, 28): an input of that shape is one sample
         (its answer has no batch dimension), one of (B, *shape) a batch, any other fails its request
         at once. Default: none, and every input is a batch (B, ...)."""
-        return self._set("input_shape", tuple(shape))
+        self._options["input_shape"] = tuple(shape)
+        return self
 
     def threads_per_worker(self, n: int) -> Self:
         """torch threads in each worker process. Default: the machine's cores divided among the workers."""
-        return self._set("threads_per_worker", n)
-
-    def _set(self, name: str, value: Any) -> Self:
-        self._options[name] = value
+        self._options["threads_per_worker"] = n
         return self
 
 
