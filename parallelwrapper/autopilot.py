@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, cast
 
 PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it tries, in this order, when none is set
 UPDATER_PERIODS = (1, 2, 4)  # every how many rounds the optimizer's state travels, when not set
@@ -132,6 +132,38 @@ class Change:
     round: int  # the first round it is in force for (rounds over the wrapper's life, from 1)
     choice: Choice
     why: str
+
+
+class ChoiceFields(TypedDict):
+    """A Choice as plain values (dataclasses.asdict), as a checkpoint holds it."""
+
+    k: int
+    payload: str
+    updaters_every: int
+
+
+class PilotState(TypedDict):
+    """Pilot.state_dict: the pilot's part of a worker's own state in a checkpoint, in plain values
+    (load_state_dict takes the tuples back as lists too, and the links' keys as strings: JSON's)."""
+
+    choice: ChoiceFields
+    decided: ChoiceFields
+    why: str
+    ran: ChoiceFields | None
+    step: tuple[float, int]  # a _Mean's (value, count)
+    wait: tuple[float, int]
+    links: dict[int, tuple[float, int]]
+    trial: int | None
+    done: bool
+    changes: list[tuple[int, ChoiceFields, str]]  # (round, choice, why)
+
+
+def _fields(choice: Choice) -> ChoiceFields:
+    return cast(ChoiceFields, dataclasses.asdict(choice))
+
+
+def _pair(mean: _Mean) -> tuple[float, int]:
+    return cast("tuple[float, int]", dataclasses.astuple(mean))
 
 
 @dataclass
@@ -250,16 +282,16 @@ class Pilot:
 
     # -- a checkpoint's part ---------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> PilotState:
         return {
-            "choice": dataclasses.asdict(self.choice), "decided": dataclasses.asdict(self._decided), "why": self._why,
-            "ran": None if self._ran is None else dataclasses.asdict(self._ran), "step": dataclasses.astuple(self._step), "wait": dataclasses.astuple(self._wait),
-            "links": {i: dataclasses.astuple(m) for i, m in self._links.items()},
+            "choice": _fields(self.choice), "decided": _fields(self._decided), "why": self._why,
+            "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "wait": _pair(self._wait),
+            "links": {i: _pair(m) for i, m in self._links.items()},
             "trial": self._trial, "done": self._done,
-            "changes": [(c.round, dataclasses.asdict(c.choice), c.why) for c in self.changes],
+            "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
         }  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: PilotState) -> None:
         self.choice, self._decided = Choice(**state["choice"]), Choice(**state["decided"])
         self._why, self._step, self._wait = state["why"], _Mean(*state["step"]), _Mean(*state["wait"])
         self._trial, self._done = state["trial"], state["done"]
