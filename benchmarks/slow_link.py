@@ -38,7 +38,7 @@ from typing import Any
 
 import torchft_peer
 from common import DEFAULT_DATA_DIR, rotated, table, write_results
-from slow_link_worker import WRAPPERS
+from slow_link_worker import AUTO, WRAPPERS
 
 WORKER = Path(__file__).resolve().with_name("slow_link_worker.py")
 ADDRESSES = ("10.213.37.1", "10.213.37.2")  # a private /30 that exists only inside the two namespaces
@@ -181,10 +181,35 @@ def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
         "steps_per_rank": hit["steps"] if hit else None,
         "ms_per_step": 1000 * last["seconds"] / last["steps"],
         "best_accuracy": best,
+        "comm_fraction": result.get("comm_fraction"),
+        "choices": choices(result),
     }
 
 
-FAILED = {"seconds": None, "samples": None, "steps_per_rank": None, "ms_per_step": None, "best_accuracy": None}
+def choices(result: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The autopilot's choices (wrapper-auto), run-length coded over its Scores: from which round
+    on, for how many rounds, k, payload, optimizer-state period, and its step and link seconds
+    then; None for the other contenders."""
+    if result.get("contender") != AUTO:
+        return None
+    runs: list[dict[str, Any]] = []
+    for s in result.get("scores", []):
+        key = (s["k"], s["payload"], s["updaters_every"])
+        if runs and (runs[-1]["k"], runs[-1]["payload"], runs[-1]["updaters_every"]) == key:
+            runs[-1]["rounds"] += 1
+        else:
+            runs.append({"from_round": s["round"], "rounds": 1, "k": s["k"], "payload": s["payload"], "updaters_every": s["updaters_every"]})
+    return runs
+
+
+def choices_text(runs: list[dict[str, Any]] | None) -> str:
+    """e.g. "k=1 float32 x4, k=64 float32/2 x2" (/2: the optimizer's state every 2 rounds)."""
+    if not runs:
+        return "-"
+    return ", ".join(f"k={r['k']} {r['payload']}{'' if r['updaters_every'] == 1 else '/' + str(r['updaters_every'])} x{r['rounds']}" for r in runs)
+
+
+FAILED = {"seconds": None, "samples": None, "steps_per_rank": None, "ms_per_step": None, "best_accuracy": None, "comm_fraction": None, "choices": None}
 
 
 def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -193,6 +218,7 @@ def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = [r["seconds"] for r in repeats]
     reached = all(s is not None for s in seconds)
     paces = [r["ms_per_step"] for r in repeats if r["ms_per_step"] is not None]
+    comms = [r.get("comm_fraction") for r in repeats if r.get("comm_fraction") is not None]
     return {
         "seconds": statistics.median(seconds) if reached else None,
         "seconds_each": seconds,
@@ -200,6 +226,9 @@ def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_per_rank": statistics.median(r["steps_per_rank"] for r in repeats) if reached else None,
         "ms_per_step": statistics.median(paces) if paces else None,
         "ms_per_step_each": [r["ms_per_step"] for r in repeats],
+        "comm_fraction": statistics.median(comms) if comms else None,
+        "comm_fraction_each": [r.get("comm_fraction") for r in repeats],
+        "choices_each": [r.get("choices") for r in repeats],
         "best_accuracy": [r["best_accuracy"] for r in repeats],
         "errors": [r["error"] for r in repeats if "error" in r],
     }
@@ -235,7 +264,8 @@ def report(settings: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> d
     verdict = compare_to_peers(runs, summary)
     rows = [
         (name, _or_dash(s["seconds"]), " / ".join(_fmt(x) for x in s["seconds_each"]), " / ".join(_fmt(x) for x in s["steps_each"]),
-         _or_dash(s["ms_per_step"]), " / ".join(_fmt(x) for x in s["ms_per_step_each"]), _or_dash(s["vs_best_peer"]), _or_dash(s["vs_limit"]))
+         _or_dash(s["ms_per_step"]), " / ".join(_fmt(x) for x in s["ms_per_step_each"]), _or_dash(s["vs_best_peer"]), _or_dash(s["vs_limit"]),
+         _or_dash(s.get("comm_fraction")))
         for name, s in summary.items()
     ]  # fmt: skip
     target = settings["target"]
@@ -245,7 +275,11 @@ def report(settings: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> d
           f"scored every {settings['eval_every']} steps per rank, {len(next(iter(runs.values())))} repeats; "
           f"best peer per repeat: {', '.join(str(b) for b in verdict['best_peer_each'])}")  # fmt: skip
     print(table(["contender", (f"s to loss {target}" if settings.get("arena") == "gpt" else f"s to {target:.0%}") + " (median)", "each repeat", "steps/rank each", "ms/step (median)", "ms/step each",
-                 "speed-up vs best peer (median)", "/ no-comm limit (median)"], rows))  # fmt: skip
+                 "speed-up vs best peer (median)", "/ no-comm limit (median)", "communicating (median)"], rows))  # fmt: skip
+    for name, s in summary.items():
+        for i, runs in enumerate(s.get("choices_each") or []):
+            if runs:
+                print(f"{name}, repeat {i + 1}: {choices_text(runs)}")
     return {**verdict, "summary": summary}
 
 
@@ -256,7 +290,8 @@ def main() -> None:
     parser.add_argument(
         "--contenders",
         default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
-        help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4]:K, none",
+        help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4]:K, "
+             "wrapper-auto (the autopilot: no K; k is at most --eval-every, each score being a fit() of that many steps), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
     parser.add_argument("--procs-per-node", type=int, default=1, help="ranks per namespace (2: a node's ranks share its loopback; for wrapper-node)")
@@ -288,9 +323,9 @@ def main() -> None:
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in contenders:
         kind, _, k = c.partition(":")
-        periodic = ("pma", *WRAPPERS, *torchft_peer.KINDS)
-        if kind not in ("ddp", "none", "powersgd", *periodic) or (kind in (*periodic, "powersgd")) != k.isdigit():
-            parser.error(f"unknown contender {c!r}: use ddp, none, powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in (*torchft_peer.KINDS, *WRAPPERS))}")
+        periodic = ("pma", *(w for w in WRAPPERS if w != AUTO), *torchft_peer.KINDS)
+        if kind not in ("ddp", "none", AUTO, "powersgd", *periodic) or (kind in (*periodic, "powersgd")) != k.isdigit():
+            parser.error(f"unknown contender {c!r}: use ddp, none, {AUTO}, powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in periodic[1:])}")
         if kind in periodic and args.eval_every % int(k):
             parser.error(f"--eval-every {args.eval_every} is not a multiple of k = {k}: the model would be scored between averagings")
     torchft_version = torchft_peer.version() if any(c.startswith("torchft") for c in contenders) else None

@@ -15,6 +15,9 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-encoded 1  this project with SHARED_GRADIENTS and .gradient_encoding(): threshold-encoded updates every step
   wrapper-node K     wrapper K with .hierarchy("node"): a node's ranks average gradients every step,
                      the nodes average every K (run with several ranks per node)
+  wrapper-auto       this project with .averaging_frequency("auto") and no other lever set (no payload,
+                     no average_updaters, default bounds): the autopilot picks k, the payload and the
+                     optimizer state's period; no K. Every Score's choice goes in the JSON ("scores")
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
   torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
@@ -30,7 +33,13 @@ both ranks stop; rank 0 scores its replica on the 10k test images while rank 1 w
 pause is kept off the training clock. After `--budget` seconds of training a run stops at its next
 score, reached or not. The eval period is a multiple of K, so the averaging
 contenders are scored right after an averaging. Rank 0 writes the (seconds, samples, accuracy)
-points as JSON to `--out`.
+points as JSON to `--out`, with where its training seconds went (`rank0_split`) and the share of
+them spent communicating (`comm_fraction`): the wrapper's Scores' exchange seconds, PMA's
+`average_parameters` calls, and for torchft, whose exchange runs inside the k-th step's
+`optimizer.step()`, each sync step's excess over the median of the other steps.
+
+Each score is a `fit()` of the chunk before it (`--eval-every` steps per rank): a fit's rounds
+end with it, so k is at most `--eval-every` for every wrapper contender, auto included.
 """
 
 from __future__ import annotations
@@ -58,8 +67,8 @@ import gpt_arena
 import torchft_peer
 from common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
 from parallelwrapper import ParallelWrapper, TrainingMode
-from parallelwrapper.app.mnist import load_mnist
-from parallelwrapper.app.models import LeNet
+from parallelwrapper.data import load_mnist
+from parallelwrapper.models import LeNet
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 Trainer = Callable[[list[Batch]], None]  # trains this rank on its share of a chunk of batches
@@ -79,7 +88,9 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-params-int4": {"average_updaters": False, "payload_dtype": "int4"},
     "wrapper-encoded": {"gradient_encoding": True},  # SHARED_GRADIENTS, threshold-encoded, the defaults: run as wrapper-encoded:1
     "wrapper-node": {"hierarchy": "node"},  # needs several ranks per node (slow_link.py --procs-per-node 2)
+    "wrapper-auto": {"auto": True},  # .averaging_frequency("auto"), nothing else set: run without :K
 }
+AUTO = "wrapper-auto"
 
 
 def batch_stream(data_dir: str, epochs: int) -> Iterator[Batch]:
@@ -103,6 +114,8 @@ class Split:
 
     def __init__(self) -> None:
         self.steps_s = self.averaging_s = 0.0
+        self.step_s_each: list[float] = []  # the plain loops' steps, each (torchft's sync steps among them)
+        self.scores: list[dict[str, Any]] = []  # the wrapper's Scores: what each round ran with, and its times
 
     def timed(self, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -115,6 +128,8 @@ class Split:
     def on_score(self, score: Any) -> None:  # the wrapper's listener: its own split of each round
         self.steps_s += score.training_s
         self.averaging_s += score.exchange_s
+        fields = ("round", "iteration", "k", "payload", "updaters_every", "step_s", "link_s", "training_s", "exchange_s", "why")
+        self.scores.append({f: getattr(score, f) for f in fields})
 
 
 SPLIT = Split()
@@ -130,7 +145,9 @@ def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Call
             optimizer.zero_grad()
             F.cross_entropy(net(x), y).backward()  # type: ignore[no-untyped-call]
             optimizer.step()
-            SPLIT.steps_s += time.perf_counter() - start
+            took = time.perf_counter() - start
+            SPLIT.steps_s += took
+            SPLIT.step_s_each.append(took)
             after_step()
 
     return train
@@ -149,18 +166,20 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         # Under torchrun fit() runs this process as one worker on its shard, ends with an
         # averaging and loads the average into `model`; it reuses the process group of main().
         change = WRAPPERS[kind]
-        b = (
-            ParallelWrapper.builder(model)
-            .optimizer(inner_optimizer(args)[0], **inner_optimizer(args)[1])
-            .averaging_frequency(k)
-            .average_updaters(change.get("average_updaters", True))
-            .overlap_averaging(change.get("overlap_averaging", False))
-            .payload_dtype(change.get("payload_dtype", torch.float32))
-            .hierarchy(change.get("hierarchy", "none"))
-            .threads_per_worker(1)  # the two "machines" share this machine's cores
-            .seed(SEED)
-            .listeners(SPLIT)
-        )
+        b = ParallelWrapper.builder(model).optimizer(inner_optimizer(args)[0], **inner_optimizer(args)[1])
+        if change.get("auto"):
+            # Nothing else of the autopilot's levers: its payload, optimizer-state period and
+            # bounds are its own (a .payload_dtype() or .average_updaters() call would fix them).
+            b = b.averaging_frequency("auto")
+        else:
+            b = (
+                b.averaging_frequency(k)
+                .average_updaters(change.get("average_updaters", True))
+                .overlap_averaging(change.get("overlap_averaging", False))
+                .payload_dtype(change.get("payload_dtype", torch.float32))
+                .hierarchy(change.get("hierarchy", "none"))
+            )
+        b = b.threads_per_worker(1).seed(SEED).listeners(SPLIT)  # the two "machines" share this machine's cores
         if change.get("gradient_encoding"):
             b = b.training_mode(TrainingMode.SHARED_GRADIENTS).gradient_encoding()
         if change.get("outer"):
@@ -277,7 +296,34 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
                 break
         wall = time.perf_counter() - wall
     split = {"steps_s": SPLIT.steps_s, "averaging_s": SPLIT.averaging_s, "other_s": seconds - SPLIT.steps_s - SPLIT.averaging_s}
-    return {"points": points, "train_seconds": seconds, "eval_seconds": eval_seconds, "wall_seconds": wall, "rank0_split": split}
+    comm, how = communicating(args.contender, args.k, seconds)
+    result = {"points": points, "train_seconds": seconds, "eval_seconds": eval_seconds, "wall_seconds": wall, "rank0_split": split,
+              "comm_fraction": comm, "comm_how": how}  # fmt: skip
+    if SPLIT.scores:
+        result["scores"] = SPLIT.scores
+    if SPLIT.step_s_each:
+        result["step_s_each"] = SPLIT.step_s_each
+    return result
+
+
+def communicating(kind: str, k: int, seconds: float) -> tuple[float | None, str]:
+    """The share of rank 0's training seconds spent communicating, and how it was taken."""
+    if seconds <= 0:
+        return None, "no training seconds"
+    if kind == "none":
+        return 0.0, "no communication"
+    if kind in WRAPPERS or kind == "pma":
+        return SPLIT.averaging_s / seconds, "averaging seconds (Scores' exchange_s; PMA's average_parameters) / training seconds"
+    if kind in torchft_peer.KINDS:
+        # The sync runs inside the k-th step's optimizer.step(): its excess over a plain step.
+        each = SPLIT.step_s_each
+        syncs = [t for i, t in enumerate(each) if (i + 1) % k == 0]
+        plain = sorted(t for i, t in enumerate(each) if (i + 1) % k)
+        if not syncs or not plain:
+            return None, "no sync step or no plain step to compare"
+        median = plain[len(plain) // 2]
+        return sum(max(0.0, t - median) for t in syncs) / seconds, "torchft: each sync step's excess over the median plain step / training seconds"
+    return None, "not measured: the collectives run inside backward()"
 
 
 def measure_link() -> dict[str, float]:
