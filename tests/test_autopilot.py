@@ -305,3 +305,40 @@ def test_torchrun_ranks_agree_on_every_choice(tmp_path: Path) -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["samples"] == 96 * 8
     assert max(out["ks"]) == 4 and len({tuple(r) for r in out["rungs"]}) >= 2  # it changed k and the rung, and no rank disagreed
+
+
+def _state_lands_late_worker(rank: int, world: int, delay: float) -> list[tuple[float, float, float]]:
+    """Adam with its state averaged, whose sums land `delay` s late, as on a slow link where they
+    arrive during the next round's first step: each Score's seconds in local work, in exchanges,
+    and per local step."""
+    import parallelwrapper.averaging as averaging
+    from parallelwrapper.types import RoundReport
+
+    settle = averaging.FlatAverager.settle
+
+    def late(self: averaging.FlatAverager) -> None:
+        if self._later_scale is not None:
+            time.sleep(delay)
+        settle(self)
+
+    averaging.FlatAverager.settle = late  # type: ignore[method-assign]
+    model = _model()
+    job = Job(model, torch.optim.Adam, {"lr": 1e-3}, nn.functional.cross_entropy, None)
+    replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
+    reports: list[RoundReport] = []
+    replica.fit(1, ListSource(_tiny_data(24), rank, world), lambda r: reports.append(r) if isinstance(r, RoundReport) else None)
+    return [(r.training_s, r.exchange_s, r.step_s) for r in reports]
+
+
+def test_a_step_waiting_for_the_last_rounds_state_counts_as_exchange_not_local_work() -> None:
+    """On a slow link the optimizer's averaged state lands during the next round's first step
+    (averaging.FlatAverager's `later`): those seconds are the exchange's. Counted as local work
+    they made the autopilot take a step for 20x its time and keep a payload that was too slow."""
+    scores = run_group(_state_lands_late_worker, 2, 0.5, timeout=120)[0]
+    # The first round averages the state whole (the optimizer has none before its first step);
+    # from the second on it lands late, in the next round's first step; the last is the fit's end.
+    later = scores[2:-1]
+    assert len(later) >= 3, scores
+    for training_s, exchange_s, step_s in later:
+        assert step_s < 0.1 and training_s < 0.2, scores  # two tiny steps, without the 0.5 s wait
+        assert exchange_s >= 0.5, scores  # the wait is the exchange's

@@ -139,6 +139,7 @@ class Rounds:
         in_flight: Sent | Launched | None = None  # a round launched and not landed (overlap_averaging)
         while True:
             work = self._timed(False, self._local_work, in_flight is not None)
+            self._count_settled()
             land_now = not (self._stream is not None and self._averaging)
             if in_flight is not None:
                 totals = self._timed(True, self._land, in_flight, work)
@@ -155,6 +156,16 @@ class Rounds:
                 self._after_landing(totals, epoch_done, book)
                 if epoch_done:
                     return
+
+    def _count_settled(self) -> None:
+        """The seconds this round's first step waited for the last round's optimizer state to land
+        are that round's exchange's, not local work: for the Score, and for the autopilot's measure
+        of the exchange (when it has one), which the next header carries."""
+        moved, self._sync.settled_in_step = self._sync.settled_in_step, 0.0
+        self._seconds[0] -= moved
+        self._seconds[1] += moved
+        if self._exchange_s > 0:
+            self._exchange_s += moved
 
     def _timed(self, exchange: bool, fn: Callable[A, R], *args: A.args, **kwargs: A.kwargs) -> R:
         """fn(*args), its seconds counted as local work or as exchange for the next Score."""

@@ -19,6 +19,7 @@ in, scaled by w_i / Σw (known by then), and land at the optimizer's next step, 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -113,9 +114,17 @@ class SyncExchange:
         self._share = 0.0  # this worker's w / Σw in the last round that trained
         self._anew = False  # the next averaging builds its buffers by averaging anew (another rung: the workers' optimizer states may differ)
         self.steady = False  # the last round landed had its header in the payload's trailer: no buffers built, no header alone
+        self.settled_in_step = 0.0  # seconds a step waited for the last round's state to land: the exchange's (engine.py moves them)
         # The optimizer's averaged state may land after the round (FlatAverager's `later`): before
         # its next step reads it, at the latest.
-        trainer.optimizer.register_step_pre_hook(lambda *_: self.settle())
+        trainer.optimizer.register_step_pre_hook(lambda *_: self._settle_for_step())
+
+    def _settle_for_step(self) -> None:
+        """settle() before the optimizer's step reads its state: the seconds it waits are the
+        last round's exchange's, though they pass inside local work (on a slow link, most of it)."""
+        start = time.perf_counter()
+        self.settle()
+        self.settled_in_step += time.perf_counter() - start
 
     def settle(self) -> None:
         """Land what of the last round's average is still on its way (the optimizer's state)."""
