@@ -67,8 +67,8 @@ import gpt_arena
 import torchft_peer
 from common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
 from parallelwrapper import ParallelWrapper, TrainingMode
-from parallelwrapper.data import load_mnist
-from parallelwrapper.models import LeNet
+from parallelwrapper.app.mnist import load_mnist
+from parallelwrapper.app.models import LeNet
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 Trainer = Callable[[list[Batch]], None]  # trains this rank on its share of a chunk of batches

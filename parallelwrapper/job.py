@@ -1,5 +1,7 @@
-"""The job: what a worker rebuilds in its own process besides the config (model, optimizer,
-loss, schedule, outer optimizer, validation), and the checks that it can train.
+"""The job: what a worker rebuilds besides the config, and the checks that it can train.
+
+Its parts are the model, the optimizer, the loss or training step, the schedule, the outer
+optimizer and the validation.
 
 A Job holds runtime objects, so it is never stored or compared; a checkpoint's fingerprint names
 its parts (`optimizer_name`, the specs' `name`). Imports only naming.

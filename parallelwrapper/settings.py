@@ -1,6 +1,8 @@
-"""The setters of the fluent builder, after DL4J's `ParallelWrapper.Builder`: one per option, with
-its default and meaning. They only record what they are given (and refuse what can never be
-right); `wrapper.Builder.build()` validates the whole and builds the ParallelWrapper."""
+"""The builder's setters, after DL4J's `ParallelWrapper.Builder`: one per option or part of the job.
+
+Each says its option's default and meaning (the option is declared in config.py). They only record
+what they are given (and refuse what can never be right); `wrapper.Builder.build()` validates the
+whole and builds the ParallelWrapper."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""ParallelWrapper, the object users hold, and its Builder's `build()` (the setters are in
-settings.py). It validates, picks a host for the workers and orchestrates; the algorithm lives in
-rounds/ and worker.py, the processes in hosts/, the data in feed.py, and what the environment
-means in env.py."""
+"""ParallelWrapper, the object users hold, and its Builder's `build()` (the setters: settings.py).
+
+It validates, picks a host for the workers and orchestrates; the algorithm lives in rounds/ and
+worker.py, the processes in hosts/, the data in feed.py, and what the environment means in env.py."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ ROW = re.compile(r"^\| ([^|]*) \| `(parallelwrapper/[^`]+\.py)` \| (.+) \|$")
 
 # Modules whose docstring's first sentence runs onto its second line: the map names the sentence.
 # Theirs to make one line (issue 36's options step); drop each once its first line is its sentence.
-FIRST_SENTENCE_ON_TWO_LINES = {"parallelwrapper.job", "parallelwrapper.settings", "parallelwrapper.wrapper"}
+FIRST_SENTENCE_ON_TWO_LINES: set[str] = set()
 
 
 def layout() -> list[tuple[str, str, str]]:
