@@ -5,7 +5,7 @@
         history = wrapper.fit(batches, epochs=1)
 """
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, checkpoint_counters
 from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, NanPolicy, TrainingMode, check_option
 from .inference import InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation, autopilot_changes, exchange_share
@@ -43,6 +43,7 @@ __all__ = [
     "Validation",
     "WorkerError",
     "autopilot_changes",
+    "checkpoint_counters",
     "check_option",
     "exchange_share",
     "round_payload",

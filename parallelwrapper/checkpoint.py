@@ -177,7 +177,7 @@ def _said(fingerprint: dict[str, object], key: str) -> str:
     return short(repr(fingerprint[key])) if key in fingerprint else "the default"
 
 
-def peek(location: str | os.PathLike[str]) -> dict[str, int]:
+def checkpoint_counters(location: str | os.PathLike[str]) -> dict[str, int]:
     """The counters of a checkpoint (where a resumed run starts), its fingerprint unchecked."""
     counters: dict[str, int] = _read(location)[1]["counters"]
     return counters

@@ -466,7 +466,7 @@ def test_ctrl_c_says_where_the_checkpoint_is_and_the_command_that_resumes(mnist_
     assert proc.returncode == 130, stderr
     assert "Aborted!" not in stderr and "Traceback" not in stderr
     hint = stderr[stderr.index("Interrupted: ") :].splitlines()
-    at = checkpoint.peek(ckpt)
+    at = checkpoint.checkpoint_counters(ckpt)
     assert at["rounds"] >= 1 and at["epoch"] == 0
     assert hint[0] == f"Interrupted: the checkpoint in {ckpt} holds epoch 0, {at['position']} batches in ({at['rounds']} averagings). Carry on with:"
     assert shlex.split(hint[1]) == ["pw-fit", *args, "--resume", str(ckpt)]

@@ -280,7 +280,7 @@ def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
     payload = torch.load(tmp_path / checkpoint.FILENAME, weights_only=True)  # tensors and plain values only
     assert set(payload) == {"format", "fingerprint", "config", "model", "optimizer", "lr_scheduler", "outer_optimizer", "counters", "rng"}
     assert payload["format"] == checkpoint.FORMAT and payload["config"]["averaging_frequency"] == 3
-    assert checkpoint.peek(tmp_path) == dataclasses.asdict(counters)
+    assert checkpoint.checkpoint_counters(tmp_path) == dataclasses.asdict(counters)
     assert checkpoint.load(tmp_path, checkpoint.fingerprint(config, job, 2))["counters"]["position"] == 4
     other = checkpoint.fingerprint(Config(workers=2, averaging_frequency=4), job, 3)
     with pytest.raises(checkpoint.CheckpointError) as error:
@@ -313,16 +313,16 @@ class _Payload:
 REFUSED = r"holds more than tensors and plain values, .* not resumed"
 
 
-@pytest.mark.parametrize("reader", ["peek", "fit(resume=...)", "pw-fit --resume"])
+@pytest.mark.parametrize("reader", ["checkpoint_counters", "fit(resume=...)", "pw-fit --resume"])
 def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(reader: str, tmp_path: Path, mnist_dir: Path) -> None:
     """Each way a checkpoint is read refuses it with a CheckpointError, and the payload never runs.
     One worker on the CPU trains in this process: fit() spawns nothing."""
     ran, checkpoints = tmp_path / "ran.txt", tmp_path / "ckpt"
     checkpoints.mkdir()
     torch.save({"format": checkpoint.FORMAT, "counters": {}, "model": _Payload(ran)}, checkpoints / checkpoint.FILENAME)
-    if reader == "peek":
+    if reader == "checkpoint_counters":
         with pytest.raises(checkpoint.CheckpointError, match=REFUSED):
-            checkpoint.peek(checkpoints)
+            checkpoint.checkpoint_counters(checkpoints)
     elif reader == "fit(resume=...)":
         with ParallelWrapper.builder(nn.Linear(4, 2)).workers(1).build() as wrapper, pytest.raises(checkpoint.CheckpointError, match=REFUSED):
             wrapper.fit([(torch.zeros(8, 4), torch.zeros(8, dtype=torch.long))], resume=checkpoints)

@@ -15,8 +15,7 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from parallelwrapper import OPTIONS, PIPELINE_SCHEDULES, CheckpointError, InferenceError, InferenceMode, TrainingMode, WorkerError
-from parallelwrapper.checkpoint import peek
+from parallelwrapper import OPTIONS, PIPELINE_SCHEDULES, CheckpointError, InferenceError, InferenceMode, TrainingMode, WorkerError, checkpoint_counters
 
 from .compare import CompareOptions, compare
 from .mnist import MnistFilesMissing
@@ -174,7 +173,7 @@ def _resume_hint(ctx: click.Context, directory: Path) -> str:
     """Where an interrupted run's checkpoint is, and the command that carries on from it: this
     one's options as given, with --resume."""
     try:
-        at = peek(directory)
+        at = checkpoint_counters(directory)
     except CheckpointError:
         return f"Interrupted before the first checkpoint was saved in {directory}: nothing to resume, run the command again."
     args = [ctx.command_path]

@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from parallelwrapper import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, TensorBoardLogger, Validation, WorkerError, autopilot_changes, exchange_share
-from parallelwrapper.checkpoint import peek
+from parallelwrapper import EarlyStopping, EpochEnd, JsonlWriter, ProgressBar, Score, TensorBoardLogger, Validation, WorkerError, autopilot_changes, checkpoint_counters, exchange_share
 
 from .options import RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits, options_json, with_lr_schedule
 
@@ -179,7 +178,7 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
     model = initial_model(options)
     train, test = load_splits(options)
     # Resuming: fit() counts `epochs` from the run's start and goes on from the checkpoint's place.
-    restored = peek(options.resume) if options.resume is not None else {"epoch": 0, "samples": 0}
+    restored = checkpoint_counters(options.resume) if options.resume is not None else {"epoch": 0, "samples": 0}
     if restored["epoch"] >= options.epochs:
         raise ValueError(
             f"the checkpoint in {options.resume} has trained {restored['epoch']} epochs already: pass --epochs > {restored['epoch']}"
