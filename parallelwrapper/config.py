@@ -242,17 +242,15 @@ class Conflict:
 
     Args:
         options: the two it names, the one whose message it is first.
-        when: whether a config (and a job, where `job` is set) has them together.
+        when: whether a config (and a job: None before build(), where the rows on its parts are false) has them together.
         message: the error, naming both and the fix; `{c}` in it is the config.
         example: the builder calls that make it (the tests run them).
-        job: whether `when` needs the job, so that it is checked at build() only.
     """
 
     options: tuple[str, str]
     when: Callable[[Config, JobParts | None], bool]
     message: str
     example: str
-    job: bool = False
 
 
 def _shared(c: Config) -> bool:
@@ -278,7 +276,7 @@ CONFLICTS: tuple[Conflict, ...] = (
              ".training_mode('shared-gradients').hierarchy('node')"),
     Conflict(("outer_optimizer", "training_mode"), lambda c, j: j is not None and j.outer_optimizer is not None and _shared(c),
              "outer_optimizer steps on each round's average, which SHARED_GRADIENTS has not: use TrainingMode.AVERAGING",
-             ".training_mode('shared-gradients').outer_optimizer(torch.optim.SGD, lr=0.7)", job=True),
+             ".training_mode('shared-gradients').outer_optimizer(torch.optim.SGD, lr=0.7)"),
     Conflict(("fragments", "overlap_averaging"), lambda c, j: c.fragments > 1 and not c.overlap_averaging,
              "fragments({c.fragments}) spreads each round's averaging through the next round's steps, fragment by fragment: "
              "it needs .overlap_averaging(True)",
@@ -352,13 +350,13 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(("pipeline", "validation"), lambda c, j: j is not None and c.pipeline is not None and j.validation_step is not None,
              _STAGES + "validation(step=fn): fn(model, batch) takes the whole model, which no stage holds; drop step= for "
              "val_loss and val_accuracy",
-             ".pipeline(stages=2).validation(data, step=fn)", job=True),
+             ".pipeline(stages=2).validation(data, step=fn)"),
     Conflict(("pipeline", "training_step"), lambda c, j: j is not None and c.pipeline is not None and (j.training_step is not None or j.loss_fn is None),
              _STAGES + "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss_fn(fn)",
-             ".pipeline(stages=2).training_step(fn)", job=True),
+             ".pipeline(stages=2).training_step(fn)"),
     Conflict(("pipeline", "before_step"), lambda c, j: j is not None and c.pipeline is not None and j.before_step is not None,
              _STAGES + "before_step: each stage holds only a part of the model; drop .before_step(fn)",
-             ".pipeline(stages=2).before_step(fn)", job=True),
+             ".pipeline(stages=2).before_step(fn)"),
 )  # fmt: skip
 
 
@@ -366,7 +364,7 @@ def refuse(config: Config, job: JobParts | None = None) -> None:
     """A ValueError with the message of the first of CONFLICTS that `config` has (with `job`, the
     ones that need a job too)."""
     for conflict in CONFLICTS:
-        if (job is not None or not conflict.job) and conflict.when(config, job):
+        if conflict.when(config, job):
             raise ValueError(conflict.message.format(c=config))
 
 
