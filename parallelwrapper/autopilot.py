@@ -25,14 +25,16 @@ predicted, since a 2026 measurement of DiLoCo over shaped links, diloco-measured
 utilization 1.08-1.92x off the analytic model). k falls again only when 0.7 of its half would do, so that
 the noise of a few rounds does not move it up and down.
 
-Where even k_max leaves the link's share x / (x + k_max·c) above ρ, the link is the bottleneck
-(fewer bytes do not shorten the wait): the autopilot tries the
-next rung, sending fewer bytes: the optimizer's state every 2, then 4 rounds (DES-LOC, arXiv
-2505.22549: Adam's moments less often than the parameters at equal loss), then a bfloat16, then
-an int8 payload, one at a time. A rung tried is kept only if its measured exchange is 10% faster
-than the rung before it; else the autopilot goes back to that one and stops there: fewer bits win
-only where the link is slower than the codec (on loopback an int8 round costs about what
-float32's does, benchmarks/README.md).
+Where the link alone would need k above half of k_max, it takes bytes off before it lengthens the
+round further (a longer round costs loss per step, fewer bytes little: docs/guides/autopilot.md).
+A rung is a payload (float32, bfloat16, int8) with every how many rounds the optimizer's state
+travels (1, 2, 4: DES-LOC, arXiv 2505.22549, Adam's moments less often than the parameters at
+equal loss; or never). Each rung's bytes follow from the model's sizes, so an exchange measured at
+one rung estimates the others' (x · bytes / bytes now). It tries at once the rung that sends the
+most while its estimate keeps k at half of k_max or below, else the one that sends least; a rung
+tried is kept only if its measured exchange is 10% faster than the rung before it; else the
+autopilot goes back to that one and stops there: fewer bits win only where the link is slower
+than the codec (on loopback an int8 round costs about what float32's does, benchmarks/README.md).
 
 Every rank makes the same choice: rank 0 decides after each landed round, and its decision rides
 in the next round's header (the others send zeros), so every rank applies it when that round
@@ -47,8 +49,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, cast
 
-PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it tries, in this order, when none is set
-UPDATER_PERIODS = (1, 2, 4)  # every how many rounds the optimizer's state travels, when not set
+PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it may choose, when none is set
+UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state travels, when not set (0: never)
+BITS = {"float32": 32, "bfloat16": 16, "int8": 8}
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 PILOT_LEN = 7  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange and waiting before it, rank 0's decision, the choice in force
@@ -87,29 +90,41 @@ class Autopilot:
 
     @property
     def rungs(self) -> tuple[Rung, ...]:
-        """Every way it may send a round, the most faithful first: the optimizer's state less
-        often in the first payload, then fewer bits with it every round (a coded payload carries
-        the optimizer's state with the parameters, one residual for both: every round)."""
-        if not self.payloads:
-            return ()
-        first, *coded = self.payloads
-        periods = [Rung(first, m) for m in self.updater_periods if first == "float32" or m == 1]
-        return tuple(periods + [Rung(p, 1) for p in coded if 1 in self.updater_periods])
+        """Every way it may send a round, in a fixed order (the header names a rung by its place):
+        each payload with each optimizer-state period, except that a coded payload carries the
+        optimizer's state with the parameters, one residual for both, every round or never."""
+        return tuple(Rung(p, m) for p in self.payloads for m in self.updater_periods if p == "float32" or m in (0, 1))
 
 
 @dataclass(frozen=True)
 class Rung:
-    """A way to send a round: its payload, and every how many rounds the optimizer's state goes."""
+    """A way to send a round: its payload, and every how many rounds the optimizer's state goes
+    (0: never, the parameters alone)."""
 
     payload: str
     updaters_every: int
 
     def __str__(self) -> str:
-        return self.payload + ("" if self.updaters_every == 1 else f", optimizer state every {self.updaters_every} rounds")
+        if self.updaters_every == 1:
+            return self.payload
+        return self.payload + (", parameters only" if self.updaters_every == 0 else f", optimizer state every {self.updaters_every} rounds")
 
     def at(self, k: int) -> Choice:
         """This rung with k local steps a round."""
         return Choice(k, self.payload, self.updaters_every)
+
+    def bytes(self, sizes: Sizes) -> float:
+        """Bytes a worker sends a round on average, for a model of `sizes`."""
+        share = 1 / self.updaters_every if self.updaters_every else 0.0
+        return (sizes.parameters + share * sizes.state) * BITS[self.payload] / 8
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Elements a round may carry: the trained parameters', and the optimizer state's."""
+
+    parameters: int
+    state: int
 
 
 @dataclass(frozen=True)
@@ -206,10 +221,11 @@ class Pilot:
         decision = [float(self._decided.k), float(self.rungs.index(self._decided.rung) + 1)] if decides else [0.0, 0.0]
         return [compute_s, exchange_s, waited_s, *decision, float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
 
-    def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int) -> Change | None:
+    def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int, sizes: Sizes) -> Change | None:
         """A round landed: `summed`, the pilot's part of its header over every worker; `batches`
-        trained in it; `rounds` landed so far. Applies the decision it carried from the next round
-        on (returned when it changes anything), then measures and decides the next one."""
+        trained in it; `rounds` landed so far; `sizes`, the elements a round may carry. Applies the
+        decision it carried from the next round on (returned when it changes anything), then
+        measures and decides the next one."""
         compute_s, exchange_s, waited_s, k, rung, k_sum, rung_sum = summed
         ran, change = self.choice, None
         if (k_sum, rung_sum) != (workers * ran.k, workers * (self.rungs.index(ran.rung) + 1)):
@@ -231,16 +247,16 @@ class Pilot:
             self._links.setdefault(self.rungs.index(self.choice.rung), _Mean()).add(exchange_s / workers)
             self._wait.add(waited_s / workers)
         self._ran = ran
-        self._decided = self._decide()
+        self._decided = self._decide(sizes)
         return change
 
-    def _decide(self) -> Choice:
-        spec, now = self.spec, self.choice
+    def _decide(self, sizes: Sizes) -> Choice:
+        now = self.choice
         here, step = self.rungs.index(now.rung), self._step.value
         link = self._links.get(here)
-        if self._step.count == 0 or step <= 0 or link is None or link.count < max(2, now.updaters_every):
+        if self._step.count == 0 or step <= 0 or link is None or link.count < max(1, now.updaters_every):
             return self._decided  # not measured enough yet: as decided
-        rho, x, w = spec.exchange_share, link.value, self._wait.value
+        x, w = link.value, self._wait.value
         if self._trial is not None:  # the rung it tried is measured: kept only where faster by MARGIN
             rung, before = self.rungs[self._trial], self._links[self._trial].value
             if x > before * (1 - MARGIN):
@@ -248,17 +264,43 @@ class Pilot:
                 self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
                 return self._steer(before + w, step, rung)
             self._trial = None
-        share = x / (x + spec.k_max * step)
-        nxt = here + 1
-        if not self._done and share > rho and nxt < len(self.rungs):
-            self._trial = here
-            self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: at k = {spec.k_max} exchanges "
-                         f"still take {share:.0%} of the time (aim: {rho:.2g}); trying {self.rungs[nxt]}")
-            return self.rungs[nxt].at(spec.k_max)
+        enough = self._enough
+        if not self._done and self._need(x, step) > enough:
+            fewer = self._fewer_bytes(now.rung, x, step, sizes)
+            if fewer is not None:
+                self._trial, guess = here, x * fewer.bytes(sizes) / now.rung.bytes(sizes)
+                self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: {now.rung} would need k = {self._need(x, step):.0f} "
+                             f"to keep exchanges under {self.spec.exchange_share:.2g} of the time (more than {enough}); "
+                             f"trying {fewer}, about {guess:.3g} s by its bytes")
+                return self._steer(guess + w, step, fewer)
         if self._k_for(x + w, step) == now.k:
             return now
         self._why = f"an exchange takes {x:.3g} s after {w:.3g} s waiting for the others, and a step {step:.3g} s"
         return self._steer(x + w, step, now.rung)
+
+    @property
+    def _enough(self) -> int:
+        """The k past which it takes bytes off before it lengthens the round: half of k_max (a
+        longer round costs loss per step, fewer bytes far less; docs/guides/autopilot.md)."""
+        return max(self.spec.k_min, self.spec.k_max // 2)
+
+    def _need(self, exchange_s: float, step_s: float) -> float:
+        """The steps a round needs for exchanges of `exchange_s` to take ρ of the time."""
+        rho = self.spec.exchange_share
+        return exchange_s * (1 - rho) / (rho * step_s)
+
+    def _fewer_bytes(self, rung: Rung, exchange_s: float, step_s: float, sizes: Sizes) -> Rung | None:
+        """The rung to try instead of `rung`, whose exchanges take `exchange_s` (None: none sends
+        fewer bytes by MARGIN): of those, the one that sends the most while its exchanges, taken
+        to follow the bytes, need at most `_enough` steps a round; else the one that sends least."""
+        here = rung.bytes(sizes)
+        fewer = [r for r in self.rungs if r.bytes(sizes) < here * (1 - MARGIN)]
+        if not fewer:
+            return None
+        fits = [r for r in fewer if self._need(exchange_s * r.bytes(sizes) / here, step_s) <= self._enough]
+        if fits:
+            return max(fits, key=lambda r: r.bytes(sizes))  # the first of equals: max keeps it
+        return min(fewer, key=lambda r: r.bytes(sizes))
 
     def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:
         """`rung` at the k that keeps its exchanges (with the wait before them) under ρ of the
@@ -272,8 +314,7 @@ class Pilot:
         """The smallest of k_min·2^i that keeps exchanges under ρ of the time, within the bounds;
         below the k in force only when FALL of its half would do (a need that hovers about a
         power of two would move k up and down every round)."""
-        spec, rho = self.spec, self.spec.exchange_share
-        need = exchange_s * (1 - rho) / (rho * step_s)
+        spec, need = self.spec, self._need(exchange_s, step_s)
         k = spec.k_min
         while k < need and k < spec.k_max:
             k *= 2
@@ -312,10 +353,15 @@ def levers(options: dict[str, Any]) -> dict[str, Any]:
     else:
         periods = spec.updater_periods
     if options.get("average_updaters") is False:
-        periods = (1,)  # nothing to send less often
+        periods = (0,)  # the parameters alone
     spec = dataclasses.replace(spec, payloads=tuple(payloads), updater_periods=periods)
     start = spec.rungs[0]
-    return {**options, "autopilot": spec, "averaging_frequency": spec.k_min, "payload_dtype": start.payload, "average_updaters_every": start.updaters_every}
+    return {**options, "autopilot": spec, "averaging_frequency": spec.k_min, "payload_dtype": start.payload, **in_config(start)}
 
 
-__all__ = ["PAYLOADS", "PILOT_LEN", "UPDATER_PERIODS", "Autopilot", "Change", "Choice", "Pilot", "Rung", "levers"]
+def in_config(rung: Rung) -> dict[str, Any]:
+    """The Config fields that send a round as `rung` says, but for its payload."""
+    return {"average_updaters": rung.updaters_every != 0, "average_updaters_every": max(1, rung.updaters_every)}
+
+
+__all__ = ["PAYLOADS", "PILOT_LEN", "UPDATER_PERIODS", "Autopilot", "Change", "Choice", "Pilot", "Rung", "Sizes", "in_config", "levers"]

@@ -16,7 +16,7 @@ from typing import ParamSpec, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from ..autopilot import Change, Choice, Pilot
+from ..autopilot import Change, Choice, Pilot, Sizes, in_config
 from ..averaging import Shards, all_reduce_values
 from ..config import Config, TrainingMode
 from ..types import Batch, BatchSource, Counters, EpochReport, Hooks, InForce, Phase, Reporter, StateDict, Stopped
@@ -25,6 +25,7 @@ from .exchange import Sent, SyncExchange
 from .header import RoundTotals, Work
 from .node import Node, NodeSteps
 from .scores import ScoreBook, validate
+from .state import optimizer_state_tensors, trained_parameters
 from .streaming import Launched, StreamExchange
 from .trainer import Trainer
 
@@ -66,7 +67,7 @@ class Rounds:
         self._cut = RoundCut(world_size * (1 if node is None else node.size))  # which batches each round trains, and their steps
         self._seconds = [0.0, 0.0]  # in local work, in exchanges, since the last round settled: its Score's
         # `.averaging_frequency("auto")`: the autopilot's choice of k and rung is in force (autopilot.py).
-        start = Choice(config.averaging_frequency, config.payload_dtype, config.average_updaters_every)
+        start = Choice(config.averaging_frequency, config.payload_dtype, config.average_updaters_every if config.average_updaters else 0)
         self.pilot = None if config.autopilot is None else Pilot(config.autopilot, start)
         self._exchange_s = 0.0  # the last averaging's seconds, when a fair measure of its rung (the autopilot's)
         self._waited = 0.0  # of this round's exchange, the seconds in the autopilot's barrier: waiting for the others
@@ -304,18 +305,25 @@ class Rounds:
         header rode with the payload (not a fit's first round, nor one that rebuilt the buffers)."""
         if self.pilot is None:
             return None
-        change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
+        change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds, self._sizes())
         steady = self._sync.steady
         self._exchange_s, self._wait_s = (exchange_s - self._waited, self._waited) if steady else (0.0, 0.0)
         if change is not None:
             self._use(change.choice)
         return change
 
+    def _sizes(self) -> Sizes:
+        """The elements a round may carry, for the autopilot's estimate of another rung's bytes."""
+        trainer = self.trainer
+        parameters = sum(t.numel() for t in trained_parameters(trainer.model, trainer.optimizer))
+        return Sizes(parameters, sum(t.numel() for t in optimizer_state_tensors(trainer.optimizer)))
+
     def _use(self, choice: Choice) -> None:
         """Send the next averagings as `choice` says: its payload and optimizer-state period (k is
         read at each round's start). Another rung rebuilds the buffers at the next round."""
-        if (choice.payload, choice.updaters_every) != (self.config.payload_dtype, self.config.average_updaters_every):
-            self.config = dataclasses.replace(self.config, payload_dtype=choice.payload, average_updaters_every=choice.updaters_every)
+        config = dataclasses.replace(self.config, payload_dtype=choice.payload, **in_config(choice.rung))
+        if config != self.config:
+            self.config = config
             self._sync.use(self.config)
 
     def _validation_due(self, rounds: int) -> bool:
