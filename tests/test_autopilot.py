@@ -6,7 +6,8 @@ one takes k to its bound and fewer bits, a codec slower than the link keeps floa
 pilot decides as the uninterrupted one, every rank applies rank 0's decision) and the options'
 checks. Real processes: two gloo workers with an exchange slowed in proportion to its bytes
 choose a larger k and fewer bits than with the link as it is, and end each round with equal
-replicas; spawned workers and torchrun agree on every choice (the header checks it every round);
+replicas; a pilot whose bounds leave it nothing to choose trains bitwise as that fixed setting;
+spawned workers and torchrun agree on every choice (the header checks it every round);
 a checkpoint resumes the pilot where it was."""
 
 from __future__ import annotations
@@ -245,6 +246,26 @@ def _auto_worker(rank: int, world: int, seconds_per_mb: float, batches: int) -> 
     replica.fit(2, ListSource(data, rank, world), lambda r: None)  # the second fit starts where the first ended
     choices.append(replica.rounds.pilot.choice)
     return [*choices, *(c.choice for c in replica.rounds.pilot.changes)], [p.detach().clone() for p in model.parameters()]
+
+
+def _bounded_worker(rank: int, world: int, auto: bool) -> list[torch.Tensor]:
+    model = _model()
+    job = Job(model, torch.optim.AdamW, {"lr": 0.001, "weight_decay": 0.1}, nn.functional.cross_entropy, None)
+    if auto:  # bounds that leave it nothing to choose: k = 4, float32, the state every round
+        config = Config(**levers({"workers": world, "autopilot": Autopilot(k_min=4, k_max=4, payloads=("float32",), updater_periods=(1,))}))
+    else:
+        config = Config(workers=world, averaging_frequency=4)
+    replica = Replica(model, job, config, CPU, rank, world)
+    g = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(24)]
+    for epochs in (1, 2):
+        replica.fit(epochs, ListSource(data, rank, world), lambda r: None)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_pilot_left_nothing_to_choose_trains_bitwise_as_the_fixed_setting() -> None:
+    auto, fixed = run_group(_bounded_worker, 2, True, timeout=120), run_group(_bounded_worker, 2, False, timeout=120)
+    assert all(torch.equal(a, f) for a, f in zip(auto[0], fixed[0]))  # its header's part and barrier change nothing else
 
 
 def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equal() -> None:
