@@ -324,8 +324,9 @@ def main() -> None:
     for c in contenders:
         kind, _, k = c.partition(":")
         periodic = ("pma", *(w for w in WRAPPERS if w != AUTO), *torchft_peer.KINDS)
-        if kind not in ("ddp", "none", AUTO, "powersgd", *periodic) or (kind in (*periodic, "powersgd")) != k.isdigit():
-            parser.error(f"unknown contender {c!r}: use ddp, none, {AUTO}, powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in periodic[1:])}")
+        bad_k = (k != "" and not k.isdigit()) if kind == AUTO else (kind in (*periodic, "powersgd")) != k.isdigit()  # auto: K optional (k_min)
+        if kind not in ("ddp", "none", AUTO, "powersgd", *periodic) or bad_k:
+            parser.error(f"unknown contender {c!r}: use ddp, none, {AUTO}[:K_MIN], powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in periodic[1:])}")
         if kind in periodic and args.eval_every % int(k):
             parser.error(f"--eval-every {args.eval_every} is not a multiple of k = {k}: the model would be scored between averagings")
     torchft_version = torchft_peer.version() if any(c.startswith("torchft") for c in contenders) else None

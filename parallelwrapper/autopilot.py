@@ -24,6 +24,8 @@ Error-Runtime Trade-off in Local-Update SGD", AdaComm, arXiv 1810.08313; measure
 predicted, since a 2026 measurement of DiLoCo over shaped links, diloco-measured, found compute
 utilization 1.08-1.92x off the analytic model). k falls again only when 0.7 of its half would do, so that
 the noise of a few rounds does not move it up and down.
+Before any measure it runs the middle of its bounds (`Autopilot.k_start`, 8 for 1..64): the
+exchanges that come before the first measure cost the same whatever k is.
 
 Where the link alone would need k above half of k_max, it takes bytes off before it lengthens the
 round further (a longer round costs loss per step, fewer bytes little: docs/guides/autopilot.md).
@@ -45,6 +47,7 @@ from one fit() to the next. Imports nothing of the package.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, cast
@@ -81,6 +84,17 @@ class Autopilot:
             raise ValueError(f"averaging_frequency('auto'): exchange_share must be a number in (0, 1), got {share!r}; {fix}")
         if not self.rungs:
             raise ValueError(f"averaging_frequency('auto'): payloads {self.payloads} and optimizer-state periods {self.updater_periods} leave nothing to send with; {fix}")
+
+    @property
+    def k_start(self) -> int:
+        """The k of its first rounds, before anything is measured: the middle of its bounds,
+        k_min·2^⌈i/2⌉ where k_min·2^i is the last power within k_max (8 for 1..64). A start at
+        k_min would spend the exchanges that must come before any measure on the fewest steps
+        (docs/guides/autopilot.md)."""
+        top = 0
+        while self.k_min << (top + 1) <= self.k_max:
+            top += 1
+        return self.k_min << math.ceil(top / 2)
 
     def check_payloads(self, names: Sequence[str]) -> None:
         """A ValueError unless every payload it may choose is one of `names` (config.PAYLOAD_DTYPES)."""
@@ -356,7 +370,7 @@ def levers(options: dict[str, Any]) -> dict[str, Any]:
         periods = (0,)  # the parameters alone
     spec = dataclasses.replace(spec, payloads=tuple(payloads), updater_periods=periods)
     start = spec.rungs[0]
-    return {**options, "autopilot": spec, "averaging_frequency": spec.k_min, "payload_dtype": start.payload, **in_config(start)}
+    return {**options, "autopilot": spec, "averaging_frequency": spec.k_start, "payload_dtype": start.payload, **in_config(start)}
 
 
 def in_config(rung: Rung) -> dict[str, Any]:

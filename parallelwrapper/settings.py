@@ -172,12 +172,12 @@ class Settings:
         self, k: int | str, *, k_min: int = 1, k_max: int = 64, exchange_share: float = 0.05, payloads: Sequence[str] | None = None
     ) -> Self:
         """Local iterations per worker between two averagings. Default: 1. "auto": the autopilot
-        chooses k in [k_min, k_max] each round, from the measured seconds of a step and of an
-        exchange, so that exchanges take at most `exchange_share` of the time; where that needs k
-        above k_max / 2 it first sends fewer bytes: one of `payloads` (default float32, bfloat16,
-        int8) with the optimizer's state every round, every 2 or 4 rounds, or never, tried and
-        kept only if faster. A payload_dtype or average_updaters set explicitly is kept. See
-        docs/guides/autopilot.md."""
+        chooses k in [k_min, k_max] each round, starting in their middle (8), from the measured
+        seconds of a step and of an exchange, so that exchanges take at most `exchange_share` of
+        the time; where that needs k above k_max / 2 it first sends fewer bytes: one of
+        `payloads` (default float32, bfloat16, int8) with the optimizer's state every round,
+        every 2 or 4 rounds, or never, tried and kept only if faster. A payload_dtype or
+        average_updaters set explicitly is kept. See docs/guides/autopilot.md."""
         if k == "auto":
             spec = Autopilot(k_min, k_max, exchange_share)
             return self._set("autopilot", spec if payloads is None else dataclasses.replace(spec, payloads=tuple(payloads)))

@@ -136,6 +136,13 @@ def test_the_bounds_and_the_levers_the_user_set_are_kept() -> None:
 
 
 @pytest.mark.fast
+def test_it_starts_in_the_middle_of_its_bounds() -> None:
+    assert [Autopilot(lo, hi).k_start for lo, hi in ((1, 64), (1, 4), (1, 32), (4, 16), (4, 4), (3, 50))] == [8, 2, 8, 8, 4, 12]
+    options = ParallelWrapper.builder(nn.Linear(3, 2)).averaging_frequency("auto")._options
+    assert levers(options)["averaging_frequency"] == 8
+
+
+@pytest.mark.fast
 def test_a_resumed_pilot_decides_as_the_uninterrupted_one() -> None:
     whole = Pilot(Autopilot(k_max=32), START)
     fly([whole], 0.01, slow_link, 80)
@@ -299,7 +306,8 @@ def test_spawned_workers_agree_report_each_choice_and_a_checkpoint_resumes_the_p
     changes = autopilot_changes(history.scores)
     assert (changes[0]["k"], changes[0]["payload"], changes[0]["updaters_every"]) == (4, "int8", 0)
     assert "trying int8, parameters only" in changes[0]["why"]
-    assert all(s.k in (1, 4) and s.step_s > 0 and s.link_s > 0 for s in history.scores)
+    assert all(s.k in (1, 2, 4) and s.step_s > 0 and s.link_s > 0 for s in history.scores)  # warm-up rounds: 1
+    assert 2 in {s.k for s in history.scores}  # its start: the middle of 1..4
     assert {s.updaters_every for s in history.scores} >= {1, 0}  # the state averaged, then not
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     pilots = [own["autopilot"] for own in saved["rng"]]  # what is each worker's own

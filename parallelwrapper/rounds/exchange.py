@@ -142,10 +142,15 @@ class SyncExchange:
         self._moments, self._moments_sent, self._moments_own = None, False, False
 
     def use(self, config: Config) -> None:
-        """Another payload or optimizer-state period (the autopilot's): the next averaging round
-        averages every worker's whole state anew in full precision, into buffers for `config`."""
+        """Another payload or optimizer-state period (the autopilot's), from the next averaging
+        round on, into buffers for `config`. Where what it averages may differ between workers
+        (the optimizer's state, after rounds that did not send it), that round averages every
+        worker's whole state anew in full precision; else, as at a fit's start, a coded payload
+        codes that round already, from the state every worker holds after the last average."""
+        old = self.config
         self.release()
-        self.config, self._reference, self._anew = config, 0.0, True
+        equal = not config.average_updaters or (old.average_updaters and old.average_updaters_every == 1)
+        self.config, self._reference, self._anew = config, 0.0, not equal
 
     def release(self, settle: bool = True) -> None:
         """Between fits, the model's tensors own their storage; after a failure (not `settle`),
