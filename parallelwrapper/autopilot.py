@@ -8,8 +8,8 @@ What it measures, over every worker (each round's header carries each worker's n
         all-reduce first), so that x is the link's and the codec's time alone
     x_r seconds per exchange while rung r is in force (a rung: a payload, and every how many rounds
         the optimizer's state travels), measured afresh whenever k or the rung changes (an
-        exchange's wait for a slower worker grows with k); a round that rebuilt its buffers is
-        not a measure
+        exchange's wait for a slower worker grows with k); of a round that rebuilt its buffers
+        only a float32 average's payload is a measure (a fit's first round), a coded one's not
 
 What it chooses. The exchange and the wait before it cost x + w once per round of k steps, so
 their share of a worker's time is (x + w) / (x + w + k·c). With first-come batches the wait is at
@@ -228,7 +228,7 @@ class Pilot:
 
     def header(self, compute_s: float, exchange_s: float, waited_s: float, decides: bool) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's
-        and its wait for the others before it (0 when that exchange rebuilt its buffers, or none
+        and its wait for the others before it (0 when that exchange built coded buffers, or none
         was in this fit: no fair measure); from the rank that `decides` (rank 0), the decision
         every rank applies when the round lands; and the choice it runs the round with, which
         every worker's must equal."""

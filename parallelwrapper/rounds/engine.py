@@ -302,12 +302,16 @@ class Rounds:
         """With the autopilot, after an averaging round (a gradient round's header has no pilot's
         part): apply the decision it carried, measure,
         decide the next (autopilot.py); the exchange is a fair measure of its rung when its
-        header rode with the payload (not a fit's first round, nor one that rebuilt the buffers)."""
+        header rode with the payload, or when it averaged anew in float32 (a fit's first round:
+        then its payload's seconds alone), not when it built coded buffers."""
         if self.pilot is None:
             return None
         change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds, self._sizes())
-        steady = self._sync.steady
-        self._exchange_s, self._wait_s = (exchange_s - self._waited, self._waited) if steady else (0.0, 0.0)
+        sync = self._sync
+        if sync.steady or sync.anew_s > 0:  # a float32 round averaged anew: its payload's seconds, as a steady round's
+            self._exchange_s, self._wait_s = (exchange_s - self._waited if sync.steady else sync.anew_s), self._waited
+        else:
+            self._exchange_s, self._wait_s = 0.0, 0.0
         if change is not None:
             self._use(change.choice)
         return change

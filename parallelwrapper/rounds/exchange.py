@@ -56,11 +56,17 @@ def average_anew(trainer: Trainer, config: Config, device: torch.device, group: 
     """Average all of the state at once, in full precision, into new buffers (returned: the
     tensors live in them until `release()`); with `agree`, every worker first takes the union of
     the optimizers' layouts."""
-    if agree and config.average_updaters:  # else only the still groups changed
-        agree_on_optimizer_layout(trainer.optimizer, group)
-    payload = state_buffers(trainer, config, device, shards)
+    payload = anew_buffers(trainer, config, device, group, agree, shards)
     payload.average(share, group)
     return payload
+
+
+def anew_buffers(trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, agree: bool, shards: Shards | None = None) -> FlatAverager:
+    """average_anew's buffers, before their average: with `agree`, after every worker took the
+    union of the optimizers' layouts."""
+    if agree and config.average_updaters:  # else only the still groups changed
+        agree_on_optimizer_layout(trainer.optimizer, group)
+    return state_buffers(trainer, config, device, shards)
 
 
 def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards: Shards | None = None) -> FlatAverager:
@@ -114,6 +120,7 @@ class SyncExchange:
         self._share = 0.0  # this worker's w / Σw in the last round that trained
         self._anew = False  # the next averaging builds its buffers by averaging anew (another rung: the workers' optimizer states may differ)
         self.steady = False  # the last round landed had its header in the payload's trailer: no buffers built, no header alone
+        self.anew_s = 0.0  # of the last round landed, when it averaged anew in float32: its payload's seconds alone
         self.settled_in_step = 0.0  # seconds a step waited for the last round's state to land: the exchange's (engine.py moves them)
         # The optimizer's averaged state may land after the round (FlatAverager's `later`): before
         # its next step reads it, at the latest.
@@ -223,7 +230,7 @@ class SyncExchange:
         """Wait for the sums and apply them. A worker that did not train sent zeros; when nobody
         did, every worker drops the sums. The first averaging of a fit() builds the buffers."""
         payload = self._payload
-        self.steady = sent.totals is None
+        self.steady, self.anew_s = sent.totals is None, 0.0
         if sent.totals is None:
             assert payload is not None
             totals = read_header(payload.wait(), sent.layout, self._groups[sent.averaging][1])
@@ -244,7 +251,11 @@ class SyncExchange:
             if payload is None or not totals.layouts_agree:
                 share, agree = sent.weight / totals.samples, not totals.layouts_agree
                 group = self._groups[True][0]
-                self._payload = average_anew(self.trainer, self.config, self.device, group, share, agree, self._shards)
+                self._payload = anew_buffers(self.trainer, self.config, self.device, group, agree, self._shards)
+                start = time.perf_counter()
+                self._payload.average(share, group)
+                if self.config.payload_dtype == "float32":  # the rung's own bytes: a measure of it
+                    self.anew_s = time.perf_counter() - start
                 self._anew = False
                 self._layout = self.state_layout(True)  # released after fit()
                 self._moments = moment_buffers(self.trainer, self.config, self.device)
