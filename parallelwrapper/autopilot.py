@@ -278,12 +278,12 @@ class Pilot:
                 self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
                 return self._steer(before + w, step, rung)
             self._trial = None
-        enough = self._enough
-        if not self._done and self._need(x, step) > enough:
+        enough, need = self._enough, self._need(x, step)
+        if not self._done and need > enough:
             fewer = self._fewer_bytes(now.rung, x, step, sizes)
             if fewer is not None:
                 self._trial, guess = here, x * fewer.bytes(sizes) / now.rung.bytes(sizes)
-                self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: {now.rung} would need k = {self._need(x, step):.0f} "
+                self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: {now.rung} would need k = {need:.0f} "
                              f"to keep exchanges under {self.spec.exchange_share:.2g} of the time (more than {enough}); "
                              f"trying {fewer}, about {guess:.3g} s by its bytes")
                 return self._steer(guess + w, step, fewer)
@@ -307,14 +307,15 @@ class Pilot:
         """The rung to try instead of `rung`, whose exchanges take `exchange_s` (None: none sends
         fewer bytes by MARGIN): of those, the one that sends the most while its exchanges, taken
         to follow the bytes, need at most `_enough` steps a round; else the one that sends least."""
-        here = rung.bytes(sizes)
-        fewer = [r for r in self.rungs if r.bytes(sizes) < here * (1 - MARGIN)]
+        sends = {r: r.bytes(sizes) for r in self.rungs}
+        here = sends[rung]
+        fewer = [r for r in self.rungs if sends[r] < here * (1 - MARGIN)]
         if not fewer:
             return None
-        fits = [r for r in fewer if self._need(exchange_s * r.bytes(sizes) / here, step_s) <= self._enough]
+        fits = [r for r in fewer if self._need(exchange_s * sends[r] / here, step_s) <= self._enough]
         if fits:
-            return max(fits, key=lambda r: r.bytes(sizes))  # the first of equals: max keeps it
-        return min(fewer, key=lambda r: r.bytes(sizes))
+            return max(fits, key=sends.__getitem__)  # the first of equals: max keeps it
+        return min(fewer, key=sends.__getitem__)
 
     def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:
         """`rung` at the k that keeps its exchanges (with the wait before them) under ρ of the
