@@ -8,10 +8,10 @@
 from .checkpoint import CheckpointError, checkpoint_counters
 from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, NanPolicy, TrainingMode, check_option
 from .inference import InferenceError, InferenceMode, ParallelInference
-from .listeners import CsvWriter, EarlyStopping, EpochEnd, History, JsonlWriter, ProgressBar, Score, ScoreLogger, Validation, autopilot_changes, exchange_share
+from .listeners import CsvWriter, EarlyStopping, History, JsonlWriter, ProgressBar, ScoreLogger, autopilot_changes, exchange_share
 from .tensorboard_logger import TensorBoardLogger
 from .traffic import RoundPayload, round_payload
-from .types import TrainingError, WorkerError
+from .types import EpochEnd, Score, TrainingError, Validation, WorkerError
 from .wrapper import Builder, ParallelWrapper
 
 __all__ = [

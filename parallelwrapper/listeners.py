@@ -1,10 +1,12 @@
-"""What the main process hears during fit(), and who listens: scores, validations, history, writers, early stopping.
+"""Who hears what fit() reports, in the main process: the History, listeners, writers, early stopping.
 
-A listener is any object with some of `on_fit_start(config, epochs)`, `on_score(score)`,
-`on_validation(validation)`, `on_epoch_end(epoch)`, `on_worker_replaced(rank, reason, lost_round)`,
-`on_fit_end(history)`, or a plain callable, which receives each `Score`.
-Listeners run in the main process (on rank 0 under torchrun), between rounds: a slow listener
-slows nothing but the reporting.
+The records (`Score`, `EpochEnd`, `Validation`, `Replacement`: types.py) come as they were made,
+by the worker that saw the event (a replacement's, by the host that made it); the Recorder keeps
+each in the fit's History and hands it to the listeners. A listener is any object with some of
+`on_fit_start(config, epochs)`, `on_score(score)`, `on_validation(validation)`,
+`on_epoch_end(epoch)`, `on_worker_replaced(rank, reason, lost_round)`, `on_fit_end(history)`, or a
+plain callable, which receives each `Score`. Listeners run in the main process (on rank 0 under
+torchrun), between rounds: a slow listener slows nothing but the reporting.
 """
 
 from __future__ import annotations
@@ -18,42 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
-from .types import EncodingStats, ReplacementReport, Report, RoundReport, ValidationReport, WorkerError
+from .types import EpochEnd, Replacement, Report, Score, Validation, WorkerError
 
 if TYPE_CHECKING:
     from .config import Config
-
-
-@dataclass(frozen=True)
-class Score:
-    """The averaged score after one averaging (or, in SHARED_GRADIENTS, every k steps)."""
-
-    round: int  # averagings so far, over the wrapper's life
-    iteration: int  # batches trained so far, all workers together
-    samples: int  # samples trained so far, all workers together
-    epoch: int
-    score: float  # sample-weighted mean loss over the round's batches, all workers
-    seconds: float  # since this fit() started
-    skipped: int = 0  # workers dropped from this round by NanPolicy.SKIP
-    position: int = 0  # batches of `epoch` trained so far (a resumed fit() starts past 0)
-    encoding: EncodingStats | None = None  # with gradient encoding: τ after these steps, their density and bytes sent
-    lr: float = math.nan  # the learning rate of the round's last local step (the first parameter group's, on rank 0)
-    # Where the reporting worker's time went since the last score: its local steps, and the
-    # exchanges (sending, waiting for the others and the network, applying the average).
-    training_s: float = math.nan
-    exchange_s: float = math.nan
-    # What the round ran with (the last of them, when a score covers several): k, the payload,
-    # every how many rounds the optimizer's state travelled (0: never), overlap, fragments; the
-    # reporting worker's seconds per local step and per exchange over them; and, when
-    # `.averaging_frequency("auto")` changed the choice after them, why.
-    k: int = 0
-    payload: str = "float32"
-    updaters_every: int = 1
-    overlap: bool = False
-    fragments: int = 1
-    step_s: float = math.nan
-    link_s: float = math.nan
-    why: str | None = None
 
 
 def exchange_share(scores: Sequence[Score]) -> float:
@@ -71,41 +41,6 @@ def autopilot_changes(scores: Sequence[Score]) -> list[dict[str, int | str | Non
         for before, after in zip(scores, scores[1:])
         if before.why
     ]
-
-
-@dataclass(frozen=True)
-class EpochEnd:
-    """The end of an epoch, or of the part of it a fit trained when early stopping ended it there."""
-
-    epoch: int
-    iteration: int
-    samples: int
-    score: float  # sample-weighted mean loss over the epoch (over its rounds in this fit)
-    seconds: float
-    complete: bool = True  # False: early stopping stopped the fit partway through the epoch
-
-
-@dataclass(frozen=True)
-class Validation:
-    """The averaged model's metrics on the validation data (`Builder.validation`)."""
-
-    round: int
-    iteration: int
-    samples: int
-    epoch: int  # the epoch of the batches trained so far (at an epoch's end: the one that ended)
-    metrics: dict[str, float]  # val_loss and val_accuracy, or what the validation step returns
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Replacement:
-    """A spawned worker failed and a fresh process took its rank (`.on_worker_failure("replace")`);
-    every worker went back to the average before round `lost_round`, which was trained again."""
-
-    rank: int
-    reason: WorkerError  # the failure, with its traceback
-    lost_round: int
-    seconds: float
 
 
 @dataclass
@@ -143,35 +78,27 @@ def notify(listeners: Sequence[object], method: str, *args: object) -> None:
             listener(*args)
 
 
+# Where each record goes: its History list, and the listener method that hears it.
+_ROUTES: dict[type[Report], tuple[str, str]] = {
+    Score: ("scores", "on_score"),
+    EpochEnd: ("epochs", "on_epoch_end"),
+    Validation: ("validations", "on_validation"),
+    Replacement: ("replacements", "on_worker_replaced"),
+}
+
+
 class Recorder:
-    """The workers' reports of one fit(), as History records and listener calls; `start` is
-    when the fit began (reports carry the system-wide monotonic time they were made)."""
+    """One fit()'s records, as the workers made them: each goes to its History list and to its
+    listener method."""
 
-    def __init__(self, listeners: Sequence[object], start: float) -> None:
-        self.listeners, self.start, self.history = listeners, start, History()
+    def __init__(self, listeners: Sequence[object]) -> None:
+        self.listeners, self.history = listeners, History()
 
-    def __call__(self, report: Report) -> None:
-        c, seconds = report.counters, report.at - self.start
-        if isinstance(report, RoundReport):
-            ran = {} if report.ran is None else dataclasses.asdict(report.ran)
-            score = Score(
-                c.rounds, c.iterations, c.samples, c.epoch, report.score, seconds, report.skipped, c.position, report.encoding, report.lr,
-                report.training_s, report.exchange_s, step_s=report.step_s, link_s=report.link_s, **ran,
-            )  # fmt: skip
-            self.history.scores.append(score)
-            notify(self.listeners, "on_score", score)
-        elif isinstance(report, ValidationReport):
-            epoch = c.epoch - 1 if c.position == 0 and c.epoch > 0 else c.epoch  # at an epoch's end: that epoch
-            validation = Validation(c.rounds, c.iterations, c.samples, epoch, report.metrics, seconds)
-            self.history.validations.append(validation)
-            notify(self.listeners, "on_validation", validation)
-        elif isinstance(report, ReplacementReport):
-            self.history.replacements.append(Replacement(report.rank, report.reason, report.lost_round, seconds))
-            notify(self.listeners, "on_worker_replaced", report.rank, report.reason, report.lost_round)
-        else:
-            end = EpochEnd(report.epoch, c.iterations, c.samples, report.score, seconds, report.complete)
-            self.history.epochs.append(end)
-            notify(self.listeners, "on_epoch_end", end)
+    def __call__(self, record: Report) -> None:
+        kept_in, method = _ROUTES[type(record)]
+        getattr(self.history, kept_in).append(record)
+        heard = (record.rank, record.reason, record.lost_round) if isinstance(record, Replacement) else (record,)
+        notify(self.listeners, method, *heard)
 
 
 class _Bar(Protocol):

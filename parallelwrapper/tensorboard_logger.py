@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 
 from .codec import codec
-from .listeners import EpochEnd, History, Score, Validation
-from .types import WorkerError
+from .listeners import History
+from .types import EpochEnd, Score, Validation, WorkerError
 
 
 class TensorBoardLogger:

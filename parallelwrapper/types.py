@@ -1,7 +1,8 @@
-"""The records, sentinels and errors that several modules share: reports, counters, hooks, `WorkerError`.
+"""The records, sentinels and errors that several modules share: what a fit reports, counters, hooks, `WorkerError`.
 
-What a worker reports, where it is, the end of its epoch, and the errors a user can meet from a
-worker. Imports nothing of the package."""
+What a fit reports (one record per event: `Score`, `EpochEnd`, `Validation`, `Replacement`), where
+a worker is, the end of its epoch, and the errors a user can meet from a worker. Imports nothing
+of the package."""
 
 from __future__ import annotations
 
@@ -57,23 +58,6 @@ class Counters:
 
 
 @dataclass(frozen=True)
-class RoundReport:
-    """A worker's word after a round (or k steps): totals over all workers."""
-
-    counters: Counters
-    score: float  # sample-weighted mean loss over the reported rounds
-    skipped: int
-    at: float = dataclasses.field(default_factory=time.monotonic)  # when (system-wide clock)
-    encoding: EncodingStats | None = None  # with gradient encoding: its rounds' τ, density and bytes
-    lr: float = math.nan  # the first parameter group's learning rate at the reporting worker's last local step
-    training_s: float = math.nan  # the reporting worker's seconds in local work over the reported rounds
-    exchange_s: float = math.nan  # ... and in their exchanges: sending, waiting for and applying the averages
-    step_s: float = math.nan  # the reporting worker's seconds per local step over them (per worker's mean of steps)
-    link_s: float = math.nan  # ... and per exchange
-    ran: InForce | None = None  # what the last of them ran with
-
-
-@dataclass(frozen=True)
 class InForce:
     """What a round ran with: k (1 in a gradient round), the payload, every how many rounds the
     optimizer's state travelled (0: never), overlap and fragments; and, when the autopilot
@@ -103,39 +87,89 @@ class EncodingStats:
         return EncodingStats(later.threshold, density, self.bytes_sent + later.bytes_sent, steps)
 
 
+# What a fit reports: one record per event, built by the worker that saw it (a spawned worker's
+# travel to the main process as they are) and kept in the fit's History (listeners.py). Each says
+# where the wrapper's counters stand after it (`counters`), which the wrapper takes on.
+
+
 @dataclass(frozen=True)
-class EpochReport:
-    counters: Counters
+class Score:
+    """The averaged score after one averaging (or, in SHARED_GRADIENTS, every k steps)."""
+
+    round: int  # averagings so far, over the wrapper's life
+    iteration: int  # batches trained so far, all workers together
+    samples: int  # samples trained so far, all workers together
     epoch: int
-    score: float  # sample-weighted mean loss of the epoch (of its rounds in this fit)
-    complete: bool = True  # False: early stopping ended the fit partway through the epoch
-    at: float = dataclasses.field(default_factory=time.monotonic)
+    score: float  # sample-weighted mean loss over the round's batches, all workers
+    seconds: float  # since this fit() started
+    skipped: int = 0  # workers dropped from this round by NanPolicy.SKIP
+    position: int = 0  # batches of `epoch` trained so far (a resumed fit() starts past 0)
+    encoding: EncodingStats | None = None  # with gradient encoding: τ after these steps, their density and bytes sent
+    lr: float = math.nan  # the learning rate of the round's last local step (the first parameter group's, on rank 0)
+    # Where the reporting worker's time went since the last score: its local steps, and the
+    # exchanges (sending, waiting for the others and the network, applying the average).
+    training_s: float = math.nan
+    exchange_s: float = math.nan
+    # What the round ran with (the last of them, when a score covers several; InForce): k, the
+    # payload, every how many rounds the optimizer's state travelled (0: never), overlap,
+    # fragments; the reporting worker's seconds per local step and per exchange over them; and,
+    # when `.averaging_frequency("auto")` changed the choice after them, why.
+    k: int = 0
+    payload: str = "float32"
+    updaters_every: int = 1
+    overlap: bool = False
+    fragments: int = 1
+    step_s: float = math.nan
+    link_s: float = math.nan
+    why: str | None = None
+
+    @property
+    def counters(self) -> Counters:
+        """The counters after this round: its round, iteration, samples, epoch and position."""
+        return Counters(self.round, self.iteration, self.samples, self.epoch, self.position)
 
 
 @dataclass(frozen=True)
-class ValidationReport:
-    """The averaged model's metrics on the validation data, all workers' shards together."""
+class EpochEnd:
+    """The end of an epoch, or of the part of it a fit trained when early stopping ended it there."""
 
-    counters: Counters
-    metrics: dict[str, float]
-    at: float = dataclasses.field(default_factory=time.monotonic)
+    epoch: int
+    iteration: int
+    samples: int
+    score: float  # sample-weighted mean loss over the epoch (over its rounds in this fit)
+    seconds: float  # since this fit() started
+    complete: bool = True  # False: early stopping stopped the fit partway through the epoch
+    counters: Counters = dataclasses.field(kw_only=True)  # after it: where the next fit() starts
 
 
 @dataclass(frozen=True)
-class ReplacementReport:
-    """A spawned worker failed and a fresh process took its rank (`.on_worker_failure("replace")`):
-    every worker went back to the average that started round `lost_round`, at `counters`."""
+class Validation:
+    """The averaged model's metrics on the validation data (`Builder.validation`), all workers'
+    shares together."""
 
-    counters: Counters
+    round: int
+    iteration: int
+    samples: int
+    epoch: int  # the epoch of the batches trained so far (at an epoch's end: the one that ended)
+    metrics: dict[str, float]  # val_loss and val_accuracy, or what the validation step returns
+    seconds: float  # since this fit() started
+    counters: Counters = dataclasses.field(kw_only=True)  # when it was scored
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """A spawned worker failed and a fresh process took its rank (`.on_worker_failure("replace")`);
+    every worker went back to the average before round `lost_round`, which was trained again."""
+
     rank: int
-    reason: WorkerError
+    reason: WorkerError  # the failure, with its traceback
     lost_round: int
-    at: float = dataclasses.field(default_factory=time.monotonic)
+    seconds: float  # since this fit() started
+    counters: Counters = dataclasses.field(kw_only=True)  # those the workers went back to
 
 
-Report = RoundReport | EpochReport | ValidationReport | ReplacementReport
+Report = Score | EpochEnd | Validation | Replacement  # what a worker reports
 Reporter = Callable[[Report], None]
-
 
 @dataclass(frozen=True)
 class TrainingState:
@@ -151,12 +185,14 @@ class TrainingState:
 @dataclass(frozen=True)
 class FitCommand:
     """What every worker starts a fit() from: the wrapper's state, the counters, and (resuming
-    from a checkpoint) each rank's own state: its RNG's, and its GradScaler's with 16-mixed."""
+    from a checkpoint) each rank's own state: its RNG's, and its GradScaler's with 16-mixed; and
+    when the fit() began, which the records' seconds count from."""
 
     until_epoch: int
     counters: Counters
     state: TrainingState
     rng: list[StateDict] | None  # per rank, when resuming from a checkpoint
+    start: float  # when the fit() began, by time.monotonic(): system-wide on one machine, and under torchrun rank 0's own (it reports)
     shards: object = None  # spawned workers: the list or tuple of batches, or dataset_shards.DatasetEpochs, each reads its shard of (feed.shardable)
     claims: str | None = None  # with shards: the store key every worker claims its batches from (claims.py); None: dealt
 
@@ -314,21 +350,21 @@ __all__ = [
     "Counters",
     "EncodingStats",
     "EndOfEpoch",
-    "EpochReport",
+    "EpochEnd",
     "FitCommand",
     "Hooks",
     "Output",
     "Phase",
+    "Replacement",
     "Reporter",
-    "ReplacementReport",
     "Report",
-    "RoundReport",
     "Sample",
+    "Score",
     "StateDict",
     "Stopped",
     "TrainingError",
     "TrainingState",
-    "ValidationReport",
+    "Validation",
     "Where",
     "WorkerError",
 ]

@@ -52,7 +52,7 @@ class ParallelWrapper:
         self._pool: Host | None = None
         self._closed = False
         self._validation_tried = job.validation_data is None  # check_validation, at the first fit()
-        self.counters = Counters()  # as the workers report them after each round
+        self.counters = Counters()  # as the latest record left them (each record says where they stand after it)
 
     @property
     def rounds(self) -> int:
@@ -159,17 +159,17 @@ class ParallelWrapper:
             check_validation(self._job, self.model, self.config.precision)  # before any worker starts
             self._validation_tried = True
         listeners = self._listeners if self.is_main else []
-        recorder = Recorder(listeners, time.monotonic())
+        recorder, start = Recorder(listeners), time.monotonic()  # the records' seconds count from here
         notify(listeners, "on_fit_start", self.config, until_epoch - self.counters.epoch)
 
-        def on_report(report: Report) -> None:
-            self.counters = report.counters
-            recorder(report)
+        def on_report(record: Report) -> None:
+            self.counters = record.counters
+            recorder(record)
 
         try:
             if self._pool is None:
                 self._pool = start_host(self.config, self._job, self.placement)
-            state = self._pool.fit(self._command(until_epoch, rng), data, on_report)  # held by no name here
+            state = self._pool.fit(self._command(until_epoch, rng, start), data, on_report)  # held by no name here
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
             # afresh next time. The user's model keeps its state from before this fit().
@@ -202,12 +202,12 @@ class ParallelWrapper:
         if message is not None:
             warnings.warn(message, stacklevel=3)
 
-    def _command(self, until_epoch: int, rng: list[dict[str, Any]] | None) -> FitCommand:
-        """What every worker starts this fit from. Spawned workers get the state's own tensors in
-        shared memory (Parts.shipped: no copy); any other host a copy, since it trains on what it
-        is given and the user's own model must not change under it."""
+    def _command(self, until_epoch: int, rng: list[dict[str, Any]] | None, start: float) -> FitCommand:
+        """What every worker starts this fit from, which began at `start`. Spawned workers get the
+        state's own tensors in shared memory (Parts.shipped: no copy); any other host a copy, since
+        it trains on what it is given and the user's own model must not change under it."""
         spawned = self.placement.torchrun is None and not self.placement.in_process
-        return FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.shipped() if spawned else self._parts.state(), rng)
+        return FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.shipped() if spawned else self._parts.state(), rng, start)
 
     def _auto_resume(self) -> str | None:
         """Under torchrun, a group that torchrun restarted (--max-restarts) resumes its first fit() from

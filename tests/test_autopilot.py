@@ -193,7 +193,7 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
 
 @pytest.mark.fast
 def test_the_changes_are_read_off_the_scores() -> None:
-    from parallelwrapper.listeners import Score
+    from parallelwrapper import Score
 
     scores = [Score(r, 0, 0, 0, 1.0, 0.0, k=k, why=why) for r, k, why in ((1, 1, None), (2, 1, "faster"), (3, 8, None), (4, 8, None))]
     assert autopilot_changes(scores) == [{"round": 3, "k": 8, "payload": "float32", "updaters_every": 1, "why": "faster"}]
@@ -351,7 +351,7 @@ def _state_lands_late_worker(rank: int, world: int, delay: float) -> list[tuple[
     arrive during the next round's first step: each Score's seconds in local work, in exchanges,
     and per local step."""
     import parallelwrapper.averaging as averaging
-    from parallelwrapper.types import RoundReport
+    from parallelwrapper.types import Score
 
     settle = averaging.FlatAverager.settle
 
@@ -364,8 +364,8 @@ def _state_lands_late_worker(rank: int, world: int, delay: float) -> list[tuple[
     model = _model()
     job = Job(model, torch.optim.Adam, {"lr": 1e-3}, nn.functional.cross_entropy, None)
     replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
-    reports: list[RoundReport] = []
-    replica.fit(1, ListSource(_tiny_data(24), rank, world), lambda r: reports.append(r) if isinstance(r, RoundReport) else None)
+    reports: list[Score] = []
+    replica.fit(1, ListSource(_tiny_data(24), rank, world), lambda r: reports.append(r) if isinstance(r, Score) else None)
     return [(r.training_s, r.exchange_s, r.step_s) for r in reports]
 
 

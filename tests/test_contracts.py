@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import re
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,10 @@ from parallelwrapper.delta_averaging import DeltaAverager
 from parallelwrapper.env import Placement
 from parallelwrapper.hosts.runtime import Worker
 from parallelwrapper.job import Job
+from parallelwrapper.listeners import Recorder
 from parallelwrapper.rounds import HEADER_LEN, RoundTotals, make_header, read_header
 from parallelwrapper.rounds.scores import ScoreBook
-from parallelwrapper.types import Counters, EpochReport, RoundReport, TrainingState, Where, WorkerError
+from parallelwrapper.types import Counters, EpochEnd, Replacement, Report, Score, TrainingState, Validation, Where, WorkerError
 
 pytestmark = pytest.mark.fast
 CPU = torch.device("cpu")
@@ -254,8 +256,8 @@ def totals(samples: float, loss_sum: float, skipped: int = 0) -> RoundTotals:
 
 
 def test_score_windows_report_every_k_rounds_and_at_the_epochs_end() -> None:
-    reports: list[RoundReport | EpochReport] = []
-    book = ScoreBook(reports.append, every=2, rounds=True)
+    reports: list[Report] = []
+    book = ScoreBook(reports.append, every=2, rounds=True, started=time.monotonic())
     counters = Counters()
     for i, (n, loss) in enumerate([(10, 10.0), (30, 0.0), (20, 4.0)]):
         counters.rounds += 1
@@ -266,6 +268,51 @@ def test_score_windows_report_every_k_rounds_and_at_the_epochs_end() -> None:
     assert [(r.training_s, r.exchange_s) for r in reports] == [(3.0, 0.25), (3.0, 0.5)]  # type: ignore[union-attr]
     assert book.whole.score == 14.0 / 60  # the epoch's: sample-weighted over every round
     assert reports[0].counters is not counters  # a snapshot, not the live counters
+
+
+def test_a_workers_records_are_the_public_ones_with_the_counters_after_them() -> None:
+    """The worker makes Score, Validation and EpochEnd itself, each with its seconds since the
+    fit's start and the counters the wrapper takes on after it; they pickle, as a spawned worker's
+    travel to the main process."""
+    reports: list[Report] = []
+    book = ScoreBook(reports.append, every=1, rounds=True, started=time.monotonic() - 100.0)
+    counters = Counters(rounds=4, iterations=8, samples=128, epoch=0, position=8)
+    book.add(totals(16, 8.0), counters, end_of_epoch=True, seconds=(1.0, 0.5))
+    counters.epoch, counters.position = 1, 0  # the epoch ended with that round
+    book.validated(counters, {"val_loss": 0.25})
+    book.ended(counters, 0, complete=True)
+    score, validation, end = reports
+    assert isinstance(score, Score) and isinstance(validation, Validation) and isinstance(end, EpochEnd)
+    assert score.counters == Counters(4, 8, 128, 0, 8) and (score.round, score.iteration, score.samples, score.position) == (4, 8, 128, 8)
+    assert validation.epoch == 0 and validation.counters == counters and validation.counters is not counters  # at an epoch's end: the one that ended
+    assert (end.epoch, end.score, end.complete, end.counters) == (0, 0.5, True, counters) and end.counters is not counters
+    assert all(100.0 <= r.seconds < 200.0 for r in reports)
+    assert repr(pickle.loads(pickle.dumps(reports))) == repr(reports)  # NaN fields: equal by repr, not ==
+
+
+def test_the_recorder_keeps_each_record_in_its_history_list_and_calls_its_listener_method() -> None:
+    heard: list[tuple[str, tuple[object, ...]]] = []
+
+    class Listener:
+        def __getattr__(self, method: str) -> Any:
+            return lambda *args: heard.append((method, args))
+
+    scores: list[Score] = []
+    recorder = Recorder([Listener(), scores.append])  # a plain callable hears the scores
+    counters = Counters(2, 4, 64, 1, 0)
+    reason = WorkerError(1, "killed by SIGKILL")
+    records: list[Report] = [
+        Score(2, 4, 64, 0, 0.5, 1.0),
+        Validation(2, 4, 64, 0, {"val_loss": 0.5}, 1.5, counters=counters),
+        EpochEnd(0, 4, 64, 0.5, 2.0, counters=counters),
+        Replacement(1, reason, 3, 2.5, counters=counters),
+    ]
+    for record in records:
+        recorder(record)
+    h = recorder.history
+    assert (h.scores, h.validations, h.epochs, h.replacements) == ([records[0]], [records[1]], [records[2]], [records[3]])
+    assert heard == [("on_score", (records[0],)), ("on_validation", (records[1],)), ("on_epoch_end", (records[2],)), ("on_worker_replaced", (1, reason, 3))]
+    assert scores == [records[0]]
 
 
 def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:

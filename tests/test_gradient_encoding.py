@@ -31,7 +31,7 @@ from parallelwrapper.app.options import (
     load_splits,
 )
 from parallelwrapper.config import GradientEncoding
-from parallelwrapper.listeners import CsvWriter, Score
+from parallelwrapper.listeners import CsvWriter
 from parallelwrapper.threshold import (
     CLIP_EVERY,
     FACTOR,
@@ -41,7 +41,7 @@ from parallelwrapper.threshold import (
     encode_,
     next_threshold,
 )
-from parallelwrapper.types import EncodingStats
+from parallelwrapper.types import EncodingStats, Score
 from tiny import make_batches, mlp
 
 pytestmark = pytest.mark.timeout(120)

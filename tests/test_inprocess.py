@@ -4,6 +4,7 @@ spawned worker, and none of the caller's state touched but the model and optimiz
 from __future__ import annotations
 
 import multiprocessing
+import time
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from parallelwrapper.config import Config
 from parallelwrapper.feed import FeedError
 from parallelwrapper.hosts.inprocess import InProcessWorker, runs_in_process
 from parallelwrapper.hosts.spawned import WorkerPool
-from parallelwrapper.types import Counters, FitCommand, RoundReport, TrainingState
+from parallelwrapper.types import Counters, FitCommand, TrainingState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,14 +47,14 @@ def test_in_process_worker_trains_as_a_spawned_worker_0_bitwise() -> None:
         scores: list[float] = []
 
         def keep(report: Any) -> None:
-            if isinstance(report, RoundReport):
+            if isinstance(report, Score):
                 scores.append(report.score)
 
         try:
             state = TrainingState(dropout_mlp().state_dict(), job.make_optimizer(dropout_mlp()).state_dict())
             counters = Counters()
             for until_epoch in (2, 3):
-                state = worker.fit(FitCommand(until_epoch, counters, state, None), data, keep)
+                state = worker.fit(FitCommand(until_epoch, counters, state, None, time.monotonic()), data, keep)
                 counters = Counters(epoch=until_epoch)
         finally:
             worker.close()

@@ -33,7 +33,7 @@ from ..feed import Item, QueueSource
 from ..job import Job
 from ..processes import adopt_environment, main_process_gone
 from ..slots import SlotReader
-from ..types import BatchSource, CheckpointWriter, EpochReport, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
+from ..types import BatchSource, CheckpointWriter, EpochEnd, FitCommand, Hooks, Phase, Report, Stopped, WorkerError
 from .ledger import Ledger
 from .recovery import FORM_S, Keeper, Regroup, assemble
 from .runtime import Worker, claim_device, stage_worker, summary
@@ -226,7 +226,7 @@ class _EpochEnds:
         self._results, self._rank = results, rank
 
     def __call__(self, report: Report) -> None:
-        if isinstance(report, EpochReport):
+        if isinstance(report, EpochEnd):
             reports: list[Report] = [report]
             self._results.put(("reports", self._rank, reports))
 
@@ -243,7 +243,7 @@ class _Reports:
 
     def __call__(self, report: Report) -> None:
         self._pending.append(report)
-        if isinstance(report, EpochReport) or time.monotonic() - self._last > _REPORT_S:
+        if isinstance(report, EpochEnd) or time.monotonic() - self._last > _REPORT_S:
             self.flush()
 
     def flush(self) -> None:

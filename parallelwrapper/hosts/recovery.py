@@ -55,6 +55,7 @@ class Regroup:
     generation: int
     source: int
     until_epoch: int
+    start: float  # when the fit() began (FitCommand.start): a fresh worker's records count from it too
 
 
 class Keeper:
@@ -110,7 +111,7 @@ class Keeper:
         # A survivor that kept the same round goes back to its RNG from then; one whose last round
         # landed for the others only (the failure cut its collective) has the RNG it would have.
         own = mine.own if mine is not None and mine.seq == kept.seq else None
-        redo = self.worker.redo(kept, command.until_epoch, own)
+        redo = self.worker.redo(kept, command.until_epoch, command.start, own)
         # What this worker keeps while it redoes the round, until the round's start keeps it anew:
         # a loss before then parks it with this round, its own RNG with it (not the source's).
         self._redo = dataclasses.replace(kept, own=self.worker.own_state())

@@ -133,14 +133,14 @@ class Worker:
         """The replica holds a landed average, for this call only (overlap_averaging)."""
         self._average = self.replica.state_dicts()
 
-    def redo(self, kept: Kept, until_epoch: int, own: StateDict | None) -> FitCommand:
+    def redo(self, kept: Kept, until_epoch: int, start: float, own: StateDict | None) -> FitCommand:
         """The fit that redoes round `kept.seq` from `kept` (a survivor's copy), with this worker's
-        own RNG and loss scale from then (`own`), or as they are (None)."""
+        own RNG and loss scale from then (`own`), or as they are (None); the fit() began at `start`."""
         if own is not None:
             self._rng = own
             self.replica.load_own_state(own)
         self.replica.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
-        return FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None)
+        return FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None, start)
 
     def own_state(self) -> StateDict:
         """This worker's own RNG state and loss scale as they are now (Replica.own_state, with
@@ -161,6 +161,7 @@ class Worker:
             try:
                 replica.load_state(command.state)
                 replica.counters = dataclasses.replace(command.counters)
+                replica.rounds.started = command.start  # the records' seconds count from it
             except Exception as e:  # noqa: BLE001 - any failure is a WorkerError, whose message holds e's traceback: from None prints it once
                 raise self.failure(e) from None
         return command.until_epoch

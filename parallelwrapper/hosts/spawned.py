@@ -31,7 +31,7 @@ from ..job import Job
 from ..pipeline import joined_state
 from ..processes import worker_context
 from ..slots import SlotWriter
-from ..types import Counters, EpochReport, FitCommand, Phase, ReplacementReport, Reporter, TrainingState, WorkerError
+from ..types import Counters, EpochEnd, FitCommand, Phase, Replacement, Reporter, TrainingState, WorkerError
 from .jobs import shared_pickle as _shared_pickle
 from .ledger import Ledger
 from .process import Channels, Command, worker_entry
@@ -92,7 +92,7 @@ class WorkerPool:
         self._ledgers = [Ledger(ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)] if replaces else None
         self._recovery = Recovery(config.max_replacements) if replaces else None
         self._generation = 0
-        self._spare_ends: dict[int, EpochReport] = {}  # epoch -> its end, from a worker other than rank 0
+        self._spare_ends: dict[int, EpochEnd] = {}  # epoch -> its end, from a worker other than rank 0
         self._ended: set[int] = set()  # this fit's epochs whose end was passed on
         self._fits = 0  # fits read in shards, each claiming from a key of its own
         self._results: Queue[Message] = ctx.Queue()
@@ -166,6 +166,7 @@ class WorkerPool:
         self._stop.clear()
         self._spare_ends.clear()
         self._ended.clear()
+        self._start = command.start  # the fit()'s: a replacement's record and a fresh worker count seconds from it
         c, until_epoch = command.counters, command.until_epoch
         feeder = None
         if shardable(data, self.config.feed, self._recovery is not None):
@@ -261,7 +262,7 @@ class WorkerPool:
                 starting.add(rank)
             self._abort.clear()
             for q in self._commands:
-                q.put(Regroup(self._generation, source, until_epoch))
+                q.put(Regroup(self._generation, source, until_epoch, self._start))
             parked = {}  # from here, a loss parks every member again
             feeder.resume(front)
             try:
@@ -276,7 +277,7 @@ class WorkerPool:
             self._ended.add(epoch)
             on_report(self._spare_ends.pop(epoch))
         for e in lost:
-            on_report(ReplacementReport(counters, e.rank, e, counters.rounds + 1))
+            on_report(Replacement(e.rank, e, counters.rounds + 1, time.monotonic() - self._start, counters=counters))
         if self._recovery.left > 0 and self._standby is None:
             self._standby = self._spawn(None)  # for the next one
 
@@ -334,11 +335,11 @@ class WorkerPool:
         if message[0] != "reports":
             return message
         for report in message[2]:
-            if isinstance(report, EpochReport) and (message[1] != 0 or report.epoch in self._ended):
+            if isinstance(report, EpochEnd) and (message[1] != 0 or report.epoch in self._ended):
                 if report.epoch not in self._ended:
                     self._spare_ends.setdefault(report.epoch, report)
                 continue
-            if isinstance(report, EpochReport):
+            if isinstance(report, EpochEnd):
                 self._spare_ends.pop(report.epoch, None)
                 self._ended.add(report.epoch)
             on_report(report)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..autopilot import Change, Choice, Pilot, Sizes, in_config
 from ..averaging import Shards, all_reduce_values
 from ..config import Config, TrainingMode
-from ..types import Batch, BatchSource, Counters, EpochReport, Hooks, InForce, Phase, Reporter, StateDict, Stopped
+from ..types import Batch, BatchSource, Counters, Hooks, InForce, Phase, Reporter, StateDict, Stopped
 from .cut import RoundCut
 from .exchange import Sent, SyncExchange
 from .header import RoundTotals, Work
@@ -62,6 +62,7 @@ class Rounds:
         self._sync = SyncExchange(trainer, config, device, (group, world_size), gradients, shards)
         self._stream = StreamExchange(trainer, config, device, group, world_size) if config.overlap_averaging else None
         self.counters = Counters()
+        self.started = time.monotonic()  # when the fit() began, which the records' seconds count from: Worker.start sets it (FitCommand.start)
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self.seq = 0  # rounds started over this worker's life, the same on every worker: Hooks' tags
         self._cut = RoundCut(world_size * (1 if node is None else node.size))  # which batches each round trains, and their steps
@@ -135,7 +136,7 @@ class Rounds:
         the landed round, nobody stepped since."""
         # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
         every = 1 if self._averaging else self.k
-        book = ScoreBook(report, every, self.config.report_score_after_averaging)
+        book = ScoreBook(report, every, self.config.report_score_after_averaging, self.started)
         self._cut.epoch_starts(self.counters)
         in_flight: Sent | Launched | None = None  # a round launched and not landed (overlap_averaging)
         while True:
@@ -341,11 +342,11 @@ class Rounds:
         any worker was asked to."""
         trained = totals.samples > 0
         early = self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds)))
-        early = early and validate(self.trainer, self.counters, book.report, self.group, self.rank, self.world_size)
+        early = early and validate(self.trainer, self.counters, book, self.group, self.rank, self.world_size)
         final = epoch_done or totals.stop > 0 or early
         if epoch_done or early:  # an early stop ends the epoch's part in this fit: its loss too
             epoch = self.counters.epoch - 1 if epoch_done else self.counters.epoch
-            book.report(EpochReport(dataclasses.replace(self.counters), epoch, book.whole.score, complete=epoch_done))
+            book.ended(self.counters, epoch, complete=epoch_done)
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
             self._sync.settle()  # the optimizer's state goes in too
             if self._node is None and self.config.pipeline is None:

@@ -1,19 +1,21 @@
-"""Score windows and the reports a worker makes of them, and the validation's shares combined.
+"""Score windows and the records a worker reports of them, and the validation's shares combined.
 
 A score is the sample-weighted mean loss since the last report and over the epoch, reported every
 round, every k steps or once per epoch; every worker's share of a validation is scored, combined and
-reported."""
+reported. The records are the public ones (types.Score, EpochEnd, Validation), made here, their
+seconds counted from the fit's start (FitCommand.start)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import cast
 
 import torch.distributed as dist
 
-from ..types import Counters, EncodingStats, InForce, Reporter, RoundReport, ValidationReport
+from ..types import Counters, EncodingStats, EpochEnd, InForce, Reporter, Score, Validation
 from .header import RoundTotals
 from .trainer import Trainer
 
@@ -51,11 +53,15 @@ class _Window:
 
 
 class ScoreBook:
-    """The score windows of an epoch and the reports they make."""
+    """The score windows of an epoch and the records a worker reports: its scores, validations
+    and end. `started`: when the fit() began (time.monotonic()), which their seconds count from."""
 
-    def __init__(self, report: Reporter, every: int, rounds: bool) -> None:
-        self.report, self._every, self._rounds = report, every, rounds
+    def __init__(self, report: Reporter, every: int, rounds: bool, started: float) -> None:
+        self.report, self._every, self._rounds, self._started = report, every, rounds, started
         self.window, self.whole = _Window(), _Window()  # since the last report; the whole epoch
+
+    def _seconds(self) -> float:
+        return time.monotonic() - self._started
 
     def add(
         self, totals: RoundTotals, counters: Counters, end_of_epoch: bool, encoding: EncodingStats | None = None,
@@ -69,12 +75,25 @@ class ScoreBook:
         if self._rounds and (self.window.rounds == self._every or end_of_epoch):
             w = self.window
             per_worker = w.batches / max(totals.workers, 1)  # local steps a worker took, on average
-            self.report(RoundReport(
-                dataclasses.replace(counters), w.score, w.skipped, encoding=w.encoding, lr=lr, training_s=w.training_s, exchange_s=w.exchange_s,
-                step_s=w.training_s / per_worker if per_worker else math.nan, link_s=w.exchange_s / w.rounds,
-                ran=None if w.ran is None else dataclasses.replace(w.ran, why=w.why),
+            in_force = {} if w.ran is None else dataclasses.asdict(dataclasses.replace(w.ran, why=w.why))  # k, payload, ..., flattened
+            c = counters
+            self.report(Score(
+                c.rounds, c.iterations, c.samples, c.epoch, w.score, self._seconds(), w.skipped, c.position, w.encoding, lr, w.training_s, w.exchange_s,
+                step_s=w.training_s / per_worker if per_worker else math.nan, link_s=w.exchange_s / w.rounds, **in_force,
             ))  # fmt: skip
             self.window = _Window()
+
+    def validated(self, counters: Counters, metrics: dict[str, float]) -> None:
+        """Report a validation's combined metrics, at `counters`."""
+        epoch = counters.epoch - 1 if counters.position == 0 and counters.epoch > 0 else counters.epoch  # at an epoch's end: that epoch
+        c = dataclasses.replace(counters)
+        self.report(Validation(c.rounds, c.iterations, c.samples, epoch, metrics, self._seconds(), counters=c))
+
+    def ended(self, counters: Counters, epoch: int, complete: bool) -> None:
+        """Report the end of `epoch` (not `complete`: of its part in this fit, which early stopping
+        ended), its score the whole epoch's, at `counters`."""
+        c = dataclasses.replace(counters)
+        self.report(EpochEnd(epoch, c.iterations, c.samples, self.whole.score, self._seconds(), complete, counters=c))
 
 
 def combine_validation(shares: list[tuple[dict[str, float], int]]) -> dict[str, float]:
@@ -88,13 +107,13 @@ def combine_validation(shares: list[tuple[dict[str, float], int]]) -> dict[str, 
     return {name: value / count for name, value in sums.items()} if count else {}
 
 
-def validate(trainer: Trainer, counters: Counters, report: Reporter, group: dist.ProcessGroup | None, rank: int, world_size: int) -> bool:
+def validate(trainer: Trainer, counters: Counters, book: ScoreBook, group: dist.ProcessGroup | None, rank: int, world_size: int) -> bool:
     """Every worker scores its share and one gather merges them in rank order, so nobody idles;
-    the metrics are reported and handed to the trainer. True: early stopping ends the fit."""
+    the metrics are reported (`book`) and handed to the trainer. True: early stopping ends the fit."""
     local = trainer.validation_sums(rank, world_size)
     assert local is not None, "validated without validation data"
     shares = cast("list[tuple[dict[str, float], int]]", [None] * world_size)  # all_gather_object fills each
     dist.all_gather_object(shares, local, group=group)
     metrics = combine_validation(shares)
-    report(ValidationReport(dataclasses.replace(counters), metrics))
+    book.validated(counters, metrics)
     return trainer.after_validation(metrics)
