@@ -205,6 +205,10 @@ def test_a_stall_a_kill_and_a_raise_each_replace_a_worker_and_the_run_ends_as_th
     assert "stalled: no progress for 2 s" in stalled.summary and "killed by SIGKILL" in killed.summary
     assert "boom on a marked batch" in str(raised) and "Traceback" in raised.details
     assert [(r.rank, r.lost_round) for r in history.replacements] == [(1, 1), (1, 2), (0, 3)]
+    # Every record's seconds count from the fit's start: the fresh rank 0's too (Regroup.start).
+    seconds = [s.seconds for s in history.scores]
+    assert seconds == sorted(seconds) and 2.0 <= history.replacements[0].seconds <= history.replacements[-1].seconds <= history.epochs[-1].seconds
+    assert history.replacements[-1].counters.rounds == 2  # the workers went back to the average before round 3
     assert counts(model, 2) == [2] * BATCHES  # two epochs, each batch once in each
     assert_same_model(model, fault_free)
 
