@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
@@ -62,6 +61,7 @@ Put: TypeAlias = "tuple[Queue[Item], Item]"  # an item and the queue it goes int
 
 END_SLOT = -1  # a ledger's slot for an end of epoch (hosts/ledger.py)
 _POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
+_PUT_S = 0.02  # the feeder's longest try at a full queue, holding its lock
 _DRAIN_S = 0.05  # how long `drain` waits for one more item
 
 
@@ -167,6 +167,7 @@ class Feeder:
         self._current: tuple[int, Item] | None = None  # (queue, item): the one being put, after the front
         self._front: collections.deque[Put] = collections.deque()  # (queue, item), before any other
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # resumed, or stopped: a paused or idle feeder goes on at once
         self._paused = False
 
     def start(self) -> Feeder:
@@ -175,6 +176,8 @@ class Feeder:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
         self._thread.join(timeout=5)
 
     def pause(self) -> None:
@@ -192,10 +195,12 @@ class Feeder:
             return Unput(dict(self.sent), collections.Counter(self.ends), self._current)
 
     def resume(self, front: Sequence[Put] = ()) -> None:
-        """Carry on, putting `front`'s (queue, item) pairs first, in their order."""
-        with self._lock:
+        """Carry on, putting `front`'s (queue, item) pairs first, in their order, at once: the
+        workers of a replacement's new group wait on them."""
+        with self._changed:
             self._front.extend(front)
             self._paused = False
+            self._changed.notify_all()
 
     def _put(self, put: Put | None) -> bool:
         """Put `put`'s item into its queue after every item of the front (None: only the front);
@@ -208,24 +213,25 @@ class Feeder:
     def _put_one(self, put: Put | None) -> bool:
         """One try, unless paused: the front's first item, or (the front empty) `put`'s; True
         when `put`'s went (or, None, when the front is empty)."""
-        with self._lock:
-            if not self._paused:
-                front = bool(self._front)
-                pair = self._front[0] if front else put
-                if pair is None:
-                    return True
-                target, thing = pair
-                try:
-                    target.put(thing, timeout=_POLL_S)
-                except queue.Full:
-                    return False
-                if not front:
-                    self._current = None  # in the queue now: under the lock, so that take_back never sees it in both
-                    return True
-                self._front.popleft()
+        with self._changed:
+            if self._paused:
+                self._changed.wait(_POLL_S)
                 return False
-        time.sleep(_POLL_S)
-        return False
+            front = bool(self._front)
+            pair = self._front[0] if front else put
+            if pair is None:
+                return True
+            target, thing = pair
+            try:
+                # Briefly: a pause (a worker lost) waits for this put, and the whole fleet for the pause.
+                target.put(thing, timeout=_PUT_S)
+            except queue.Full:
+                return False
+            if not front:
+                self._current = None  # in the queue now: under the lock, so that take_back never sees it in both
+                return True
+            self._front.popleft()
+            return False
 
     def _run(self) -> None:
         try:
@@ -260,7 +266,8 @@ class Feeder:
                     if not self._put((self._queues[q], end)):
                         return
             while self._put(None):  # a replacement may yet put a lost round in front
-                time.sleep(_POLL_S)
+                with self._changed:
+                    self._changed.wait(_POLL_S)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
             self.error = e
 

@@ -44,7 +44,7 @@ from .supervisor import Message
 
 FORM_S = 5.0  # the most a regroup's members wait for each other's gloo addresses once all have come (8 form in 0.02 s)
 _GO, _GIVEN_UP = "go", "given up"
-_SETTLE_S = 0.05  # a queue emptied by refeed: nothing more has come for this long
+_SETTLE_S = 0.01  # a queue emptied by refeed: nothing more has come for this long (the workers are parked: the queue's thread is not kept waiting)
 
 
 @dataclass(frozen=True)
