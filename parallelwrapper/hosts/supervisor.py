@@ -27,7 +27,8 @@ Message = (
 P = TypeVar("P")  # a gathered message's payload
 
 _POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment
-STOPPED_S = 0.5  # a worker stopped by a signal this long is lost: its peers wait on it, and it cannot answer
+_LOOK_S = 0.1  # the most between two looks for a worker dead, stopped or stalled
+STOPPED_S = 0.15  # a worker stopped by a signal this long is lost: the whole fleet waits on it, and it cannot answer
 _SEEN_GAP_S = 1.0  # two sightings of a stopped worker further apart start the count again (the main process was stopped too)
 _ERROR_GRACE_S = 2.0  # after a first error, the most to wait for the one that caused it (a killed worker's exit is seen late on a loaded machine)
 
@@ -66,21 +67,31 @@ class Supervisor:
         self._stages = stages
         self._held: list[Message] = []  # read while waiting for errors, not yet returned
         self._stopped: dict[int, tuple[float, float]] = {}  # process -> when it was first and last seen stopped by a signal
+        self._looked = 0.0  # when `next` last looked for a worker dead, stopped or stalled
         # Processes put down during a replacement and not replaced yet: dead, and already handled.
         self.gone: set[int] = set()
 
     def next(self, stage: str) -> Message | None:
-        """The next message, or None after a short poll."""
+        """The next message, or None after a short poll. Every `_LOOK_S` at most, messages or
+        none, it looks for a worker dead, stopped or stalled (rank 0's reports come more often
+        than the poll's end)."""
         try:
-            message = self._take()
+            message: Message | None = self._take()
         except queue.Empty:
+            message = None
+        if message is not None and message[0] == "error":
+            # From None, here and below: what the main process was handling is not its context.
+            raise self._root_cause(message[2]) from None
+        now = time.monotonic()
+        if message is None or now - self._looked >= _LOOK_S:
+            self._looked = now
+            if message is not None:
+                self._held.insert(0, message)  # read again after a loss is handled, not lost with it
             self._raise_if_dead(stage)
             self._raise_if_stopped(range(len(self._processes)))
             self._raise_if_stalled()
-            return None
-        if message[0] == "error":
-            # From None, here and below: what the main process was handling is not its context.
-            raise self._root_cause(message[2]) from None
+            if message is not None:
+                self._held.pop(0)
         return message
 
     def _take(self) -> Message:
@@ -177,9 +188,9 @@ class Supervisor:
             else:
                 self._held.append(message)
         killed = [r for r, p in enumerate(self._processes) if p.exitcode is not None and p.exitcode < 0 and r not in self.gone]
-        root = next((r for r in killed if r not in errors), None)
+        root = next(iter(killed), None)  # a worker killed by a signal said nothing: its peers' errors are its echoes
         if root is not None:
-            errors[root] = self._death(root, "training")
+            errors.setdefault(root, self._death(root, "training"))
         else:  # the first to fail; the others failed because it was gone
             root = self._process(min(errors.values(), key=lambda e: e.at))
         return errors[root].with_echoes({r: e.summary for r, e in errors.items()}, self._stages)
