@@ -50,7 +50,7 @@ T = TypeVar("T")
 class EndMark:
     """What ends a worker's epoch `epoch` in a queue (one per worker); batches travel as (index,
     batch). It names its epoch, so that a replacement can tell which epoch's ends a queue holds
-    (recovery.refeed)."""
+    (replacement/refeed.py)."""
 
     epoch: int
 
@@ -59,7 +59,7 @@ Packed = tuple[int, str, object]  # a batch in a slot: (slot, segment name, skel
 Item: TypeAlias = "tuple[int, Packed] | EndMark | CallAway"  # what travels in a data queue: (index, packed batch), an end, a call away
 Put: TypeAlias = "tuple[Queue[Item], Item]"  # an item and the queue it goes into
 
-END_SLOT = -1  # a ledger's slot for an end of epoch (hosts/ledger.py)
+END_SLOT = -1  # a ledger's slot for an end of epoch (replacement/ledger.py)
 _POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
 _PUT_S = 0.02  # the feeder's longest try at a full queue, holding its lock
 _DRAIN_S = 0.05  # how long `drain` waits for one more item
@@ -160,7 +160,7 @@ class Feeder:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="parallelwrapper-feeder", daemon=True)
-        # For the replacement of a lost worker (recovery.refeed): what the feeder has put, and a
+        # For the replacement of a lost worker (replacement/refeed.py): what the feeder has put, and a
         # pause during which the main process puts a lost round's batches back in front.
         self.sent: dict[int, tuple[int, int, tuple[int, Packed]]] = {}  # slot -> (epoch, queue, (index, packed)) of its last batch
         self.ends: collections.Counter[tuple[int, int]] = collections.Counter()  # (queue, epoch) -> ends put
@@ -187,7 +187,7 @@ class Feeder:
 
     def take_back(self) -> Unput:
         """While paused: what the feeder has put so far; the front it had yet to put is dropped
-        (recovery.refeed puts everything again from this: a second loss soon after a replacement
+        (replacement/refeed.py puts everything again from this: a second loss soon after a replacement
         finds the first one's lost round still partly there)."""
         with self._lock:
             assert self._paused, "take_back while the feeder runs"
@@ -244,7 +244,7 @@ class Feeder:
                         if index < skip:
                             continue
                         # Waiting for a slot, put what waits in front: a replacement's lost round
-                        # may hold every slot there is (recovery.refeed).
+                        # may hold every slot there is (replacement/refeed.py).
                         packed = self._slots.pack(batch, lambda: self._put(None))
                         if packed is None:
                             return
@@ -299,7 +299,7 @@ class CallAway:
 
 
 class Taking(Protocol):
-    """What records a worker's takes (hosts/ledger.Ledger)."""
+    """What records a worker's takes (replacement/ledger.py)."""
 
     def take(self, slot: int) -> None: ...
 
@@ -307,7 +307,7 @@ class Taking(Protocol):
 class QueueSource:
     """A worker's view of its queue. Gives up if the parent process is gone, so that a worker
     never outlives the trainer that spawned it, and when `abort` is set. With a `ledger`
-    (hosts/ledger.py) each take is recorded, and its slot kept until its round lands."""
+    (replacement/ledger.py) each take is recorded, and its slot kept until its round lands."""
 
     def __init__(self, q: Queue[Item], slots: SlotReader, abort: Event | None = None, ledger: Taking | None = None) -> None:
         self._queue, self._slots, self._abort, self.ledger = q, slots, abort, ledger

@@ -211,7 +211,7 @@ class SlotReader:
 
     def unpack(self, slot: int, name: str, skeleton: object, keep: bool = False) -> Batch:
         """The batch in `slot`, copied out; the slot goes back at once unless `keep` (a worker that
-        may be replaced keeps it until its round lands: hosts/ledger.py), then by `release`."""
+        may be replaced keeps it until its round lands: replacement/ledger.py), then by `release`."""
         segment = self._mapped.get(slot, name)
         buffer = torch.frombuffer(segment.buf, dtype=torch.uint8)
         batch = _fill(skeleton, buffer)

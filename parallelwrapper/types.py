@@ -221,12 +221,40 @@ class CheckpointWriter(Protocol):
     def save(self, state: TrainingState, counters: Counters, rng: list[StateDict]) -> None: ...
 
 
+class RoundObserver(Protocol):
+    """Who follows one worker's rounds as its round loop runs them, besides the loop itself: a
+    part that its host gives it (Hooks.observer), such as one that keeps what a redo of a lost
+    round would start from. Rounds are tagged by a count over the worker's life, the same on
+    every worker."""
+
+    @property
+    def wants_averages(self) -> bool:
+        """Whether `average_landed` is to be called: an overlapped landing then holds the average
+        in the replica for a moment, which costs a pass over the state."""
+        ...
+
+    def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
+        """Round `tag` of `epoch` starts; `finished`: this worker has had its end of the epoch;
+        rounds up to `landed` have landed: `tag - 1`, when the worker starts from their average,
+        or `tag - 2`, when round `tag - 1` is still being averaged (overlap_averaging)."""
+
+    def held_for(self, tag: int) -> None:
+        """The batch just taken from the source is held for a later round, `tag` (a take is for
+        the round in progress otherwise)."""
+
+    def average_landed(self) -> None:
+        """An overlapped round has landed and, for this call only, the replica holds its average
+        (the steps taken since are put back after it)."""
+
+
 class Hooks:
-    """What the round protocol may ask of the host it runs under. The defaults report nothing,
-    never stop, and checkpoint only when given a writer: a test, a benchmark."""
+    """What the round protocol may ask of the host it runs under, and who follows its rounds
+    (`observer`). The defaults report nothing, never stop, and checkpoint only when given a
+    writer: a test, a benchmark."""
 
     def __init__(self, checkpointer: CheckpointWriter | None = None) -> None:
         self.checkpointer = checkpointer
+        self.observer: RoundObserver | None = None
         self._at: tuple[int, int, int] = (0, -1, 0)
 
     def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
@@ -241,26 +269,6 @@ class Hooks:
     def stop_requested(self) -> bool:
         """True when the host wants training to stop after the current round."""
         return False
-
-    def took_ahead(self, tag: int) -> None:
-        """The batch just taken is held for a later round, `tag` (rounds are counted over the
-        wrapper's life; a take is for the round in progress otherwise): a host that can feed a
-        lost round again records it (hosts/ledger.py)."""
-
-    def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
-        """Round `tag` of `epoch` starts; `finished`: this worker has had its end of the epoch;
-        rounds up to `landed` have landed: `tag - 1`, when the worker starts from their average,
-        or `tag - 2`, when round `tag - 1` is still being averaged (overlap_averaging). A host
-        that can replace a worker keeps the state a redo would start from (hosts/recovery.py)."""
-
-    @property
-    def keeps_averages(self) -> bool:
-        """Whether the host wants `at_average` called when an overlapped round lands."""
-        return False
-
-    def at_average(self) -> None:
-        """An overlapped round has landed and, for this call only, the worker holds its average
-        (the steps taken since are put back after it)."""
 
     def checkpoint_due(self, rounds: int) -> bool:
         """Whether a periodic checkpoint falls at the end of round number `rounds`."""
@@ -358,6 +366,7 @@ __all__ = [
     "Replacement",
     "Reporter",
     "Report",
+    "RoundObserver",
     "Sample",
     "Score",
     "StateDict",

@@ -21,9 +21,9 @@ from torch import nn
 
 from parallelwrapper import ParallelWrapper, WorkerError
 from parallelwrapper.feed import END_SLOT, EndMark, Feeder
-from parallelwrapper.hosts.ledger import Entry, Ledger, split
-from parallelwrapper.hosts.recovery import refeed
 from parallelwrapper.hosts.supervisor import STOPPED_S
+from parallelwrapper.replacement.ledger import Entry, Ledger, split
+from parallelwrapper.replacement.refeed import refeed
 from parallelwrapper.slots import SlotReader, SlotWriter
 from parallelwrapper.types import Counters
 from tiny import mlp
@@ -110,10 +110,11 @@ def _arm(faults: dict[str, tuple[str, str]]) -> None:
     import torch.distributed as dist
 
     from parallelwrapper.hosts import process
+    from parallelwrapper.replacement import regroup
 
-    if getattr(process.assemble, "striking", False):
+    if getattr(regroup.assemble, "striking", False):
         return
-    assemble, broadcast = process.assemble, dist.broadcast_object_list
+    assemble, broadcast = regroup.assemble, dist.broadcast_object_list
 
     def striking_assemble(store: Any, members: int, generation: int) -> None:
         name, fault = faults.get(str(generation), ("", ""))
@@ -129,7 +130,7 @@ def _arm(faults: dict[str, tuple[str, str]]) -> None:
         broadcast(*args, **kwargs)
 
     striking_assemble.striking = True
-    process.assemble, dist.broadcast_object_list = striking_assemble, striking_broadcast
+    regroup.assemble, dist.broadcast_object_list = striking_assemble, striking_broadcast
     reports = process._Reports.__call__
 
     def striking_report(self: Any, report: Any) -> None:

@@ -1,7 +1,7 @@
 """Where workers run, behind one `Host` interface: spawned processes, the caller's process, or a torchrun rank.
 
 Spawned processes on this machine (spawned.py, with process.py the worker's side, supervisor.py
-watching them, and recovery.py and ledger.py replacing one that is lost), the caller's own process
+watching them, and the replacement/ package replacing one that is lost), the caller's own process
 for one CPU worker (inprocess.py), or this process as one rank of a torchrun group (torchrun.py).
 All three run a worker by the same path (runtime.py), so a worker trains, stops, checkpoints and
 fails the same way under each."""

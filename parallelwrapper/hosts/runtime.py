@@ -38,7 +38,7 @@ from ..env import Placement, deterministic_kernels
 from ..feed import FeedError
 from ..job import Job
 from ..rounds import Node
-from ..types import BatchSource, CheckpointWriter, Counters, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, TrainingState, WorkerError
+from ..types import BatchSource, CheckpointWriter, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, WorkerError
 from ..worker import Replica
 
 _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
@@ -59,16 +59,6 @@ def claim_device(placement: Placement, local_rank: int, deterministic: bool = Fa
         if deterministic:
             deterministic_kernels()
     return device
-
-
-@dataclasses.dataclass(frozen=True)
-class Kept:
-    """The state a round started from, kept to go back to if the round is lost."""
-
-    state: TrainingState
-    counters: Counters
-    seq: int  # the round, counted over the worker's life (Rounds.seq)
-    own: StateDict  # this worker's RNG state and loss scale
 
 
 class Worker:
@@ -105,42 +95,6 @@ class Worker:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + rank)
             self._rng = rng_state()
-        self.kept: Kept | None = None  # with `keep`: the state a redo of the oldest round not landed starts from
-        self._begun: tuple[StateDict | None, StateDict] | None = None  # at the last round's start: its schedule and RNG
-        self._average: TrainingState | None = None  # held by `hold_average` at an overlapped landing
-
-    def keep(self, tag: int, landed: int) -> None:
-        """Round `tag` starts, rounds up to `landed` have landed: keep what a redo of round
-        `landed + 1` starts from. When that is this round, the worker holds the last average; with
-        the previous round in flight, the average was held when round `landed` landed (or the
-        kept state is still the one it started from), with the schedule and RNG of round
-        `landed + 1`'s start."""
-        r = self.replica
-        # The kept state a new one replaces goes first: two at once are twice the model and its
-        # optimizer's state, for a moment at every round.
-        if landed == tag - 1:
-            self.kept = None
-            self.kept = Kept(r.state_dicts(), dataclasses.replace(r.counters), tag, r.own_state())
-        elif self._average is not None and self._begun is not None:
-            self.kept = None
-            state = dataclasses.replace(self._average, lr_scheduler=self._begun[0])
-            self.kept = Kept(state, dataclasses.replace(r.counters), landed + 1, self._begun[1])
-        self._average, self._begun = None, None
-        if landed < tag - 1:  # a redo of this round will start from the average of the one in flight
-            self._begun = (None if r.schedule is None else copy.deepcopy(r.schedule.state_dict()), r.own_state())
-
-    def hold_average(self) -> None:
-        """The replica holds a landed average, for this call only (overlap_averaging)."""
-        self._average = self.replica.state_dicts()
-
-    def redo(self, kept: Kept, until_epoch: int, start: float, own: StateDict | None) -> FitCommand:
-        """The fit that redoes round `kept.seq` from `kept` (a survivor's copy), with this worker's
-        own RNG and loss scale from then (`own`), or as they are (None); the fit() began at `start`."""
-        if own is not None:
-            self._rng = own
-            self.replica.load_own_state(own)
-        self.replica.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
-        return FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None, start)
 
     def own_state(self) -> StateDict:
         """This worker's own RNG state and loss scale as they are now (Replica.own_state, with
@@ -148,15 +102,18 @@ class Worker:
         with self._own_threads_and_rng():
             return self.replica.own_state()
 
+    def load_own_state(self, own: StateDict) -> None:
+        """Take `own` as this worker's own RNG state and loss scale (`own_state`'s)."""
+        self._rng = own
+        self.replica.load_own_state(own)
+
     def start(self, command: FitCommand) -> int:
         """A fit's first half: load `command`'s state, counters and RNG, and return the epoch to
         train until. Nothing of the command is kept, so a host lets it go before `train` (it is
         a model's size at least, in shared memory for a spawned worker). A failure is a WorkerError."""
         replica = self.replica
-        self.kept = None
         if command.rng is not None:
-            self._rng = command.rng[self.process]
-            replica.load_own_state(command.rng[self.process])
+            self.load_own_state(command.rng[self.process])
         with self._own_threads_and_rng():
             try:
                 replica.load_state(command.state)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import queue
 import time
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
@@ -23,19 +22,18 @@ from typing import Protocol, cast
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from .. import replacement
 from ..claims import claimed
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, CallAway, Feeder, Item, drain, shardable, shards_of
+from ..feed import Batches, Feeder, Item, drain, shardable, shards_of
 from ..job import Job
 from ..pipeline import joined_state
 from ..processes import worker_context
 from ..slots import SlotWriter
-from ..types import Counters, EpochEnd, FitCommand, Phase, Replacement, Reporter, TrainingState, WorkerError
+from ..types import FitCommand, Reporter, TrainingState, WorkerError
 from .jobs import shared_pickle as _shared_pickle
-from .ledger import Ledger
 from .process import Channels, Command, worker_entry
-from .recovery import Recovery, Regroup, abandon, newest, refeed
 from .supervisor import Message, ProgressBoard, Supervisor
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
@@ -49,10 +47,6 @@ class _Closes(Protocol):
     def cancel_join_thread(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-class _Ended(Exception):
-    """A worker ended the fit while another was being replaced."""
 
 
 class WorkerPool:
@@ -81,19 +75,7 @@ class WorkerPool:
             self.data_queues: list[Queue[Item]] = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
         else:
             self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
-        replaces = config.on_worker_failure == "replace"
-        # A replaceable worker keeps a round's slots until it lands (ledger.py): all together they
-        # hold the round's N·k batches (two rounds' with overlap_averaging, the one in flight too)
-        # and one taken ahead each, beyond the prefetched ones. One worker may take all of a round
-        # (first-come), then one ahead and an end of epoch.
-        k, in_flight = config.averaging_frequency, 2 if config.overlap_averaging else 1
         self._free_slots: Queue[int] = ctx.Queue()
-        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (n * (in_flight * k + 1) if replaces else 0))
-        self._ledgers = [Ledger(ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)] if replaces else None
-        self._recovery = Recovery(config.max_replacements) if replaces else None
-        self._generation = 0
-        self._spare_ends: dict[int, EpochEnd] = {}  # epoch -> its end, from a worker other than rank 0
-        self._ended: set[int] = set()  # this fit's epochs whose end was passed on
         self._fits = 0  # fits read in shards, each claiming from a key of its own
         self._results: Queue[Message] = ctx.Queue()
         self._stop = ctx.Event()
@@ -106,33 +88,43 @@ class WorkerPool:
         # `kill`, after a start that failed, may find a None.
         self._processes = cast("list[BaseProcess]", [None] * processes)
         self._commands = cast("list[Queue[Command]]", [None] * processes)
-        # A replacement takes a standby process, spawned ahead: importing torch takes seconds.
+        # A standby: a process spawned ahead, its imports done (importing torch takes seconds), for
+        # a rank that a replacement gives a fresh process (`_occupy`).
         self._standby: tuple[BaseProcess, Queue[Command]] | None = None
-        on_failure = None if self._recovery is None else self._call_away
+        # With on_worker_failure("replace"): its side in this process (replacement/).
+        self._replacer = replacement.replacer(
+            config, placement, ctx, store=self._store, queues=self.data_queues, free_slots=self._free_slots, abort=self._abort,
+            board=self._board, processes=self._processes, commands=self._commands,
+            standby=self._spawn_standby, put_down=self._put_down, occupy=self._occupy,
+        )  # fmt: skip
+        # The slots of prefetched batches, and those that replaceable workers keep until their round lands.
+        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (0 if self._replacer is None else self._replacer.slots))
+        on_failure = None if self._replacer is None else self._replacer.call_away
         self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout, placement.stages, on_failure)
         self._join = None if config.pipeline is None else functools.partial(joined_state, job=job, spec=config.pipeline)
         try:
             for rank in range(processes):
-                self._spawn(rank)
-            if self._recovery is not None and self._recovery.left > 0:
-                self._standby = self._spawn(None)
+                self._spawn(rank, joins=True)
+            if self._replacer is not None:
+                self._replacer.started()
             self._supervisor.gather("ready", set(range(processes)), _START_TIMEOUT_S, lambda message: None, "starting")
-            if self._recovery is None:
+            if self._replacer is None:
                 self._job = None  # every worker has unpickled it
         except BaseException:
             self.kill()
             raise
 
-    def _spawn(self, rank: int | None) -> tuple[BaseProcess, Queue[Command]]:
-        """Start the worker of `rank`, or a standby (None), with a command queue of its own."""
+    def _spawn(self, rank: int | None, joins: bool) -> tuple[BaseProcess, Queue[Command]]:
+        """Start the worker of `rank`, or a standby (None), with a command queue of its own. It
+        `joins` the first process group at once; a replacement's joins the group its regroup forms."""
         commands: Queue[Command] = self._ctx.Queue()
         channels = Channels(
             self.data_queues, self._free_slots, commands, self._results, self._stop, self._board,
-            self._abort, self._ledgers,
+            self._abort, None if self._replacer is None else self._replacer.worker_side,
         )  # fmt: skip
         process = self._ctx.Process(
             target=worker_entry,
-            args=(rank, self.config, self._placement, self._store.port, channels, self._generation, dict(os.environ)),
+            args=(rank, self.config, self._placement, self._store.port, channels, joins, dict(os.environ)),
             name="parallelwrapper-standby" if rank is None else f"parallelwrapper-worker-{rank}",
             daemon=True,
         )
@@ -142,34 +134,47 @@ class WorkerPool:
         process.start()
         return process, commands
 
-    def _take_rank(self, rank: int) -> None:
-        """A fresh process for `rank`: the standby, whose imports are done, when it is alive."""
+    def _spawn_standby(self) -> None:
+        """A standby, unless there is one."""
+        if self._standby is None:
+            self._standby = self._spawn(None, joins=False)
+
+    def _occupy(self, rank: int) -> None:
+        """A fresh process for `rank`: the standby, whose imports are done, when it is alive. It
+        joins the group that the replacement's regroup forms."""
         standby, self._standby = self._standby, None
         if standby is None or not standby[0].is_alive():
-            self._spawn(rank)
-            self._supervisor.gone.discard(rank)
-            return
-        process, commands = standby
-        commands.put((rank, self._generation))
-        commands.put(self._job)
-        process.name = f"parallelwrapper-worker-{rank}"  # as `_spawn` names a worker: what it is now
-        self._processes[rank], self._commands[rank] = process, commands
+            self._spawn(rank, joins=False)
+        else:
+            process, commands = standby
+            commands.put(rank)
+            commands.put(self._job)
+            process.name = f"parallelwrapper-worker-{rank}"  # as `_spawn` names a worker: what it is now
+            self._processes[rank], self._commands[rank] = process, commands
         self._supervisor.gone.discard(rank)
+
+    def _put_down(self, rank: int) -> None:
+        """Kill the process of `rank` (a late SIGCONT finds nothing), and have the supervisor
+        pass it over until a fresh one takes the rank (`_occupy`)."""
+        process = self._processes[rank]
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=_JOIN_TIMEOUT_S)
+        self._supervisor.gone.add(rank)
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Run one fit on all workers, fed from `data`; return rank 0's final state (model, optimizer, schedule).
 
         Ctrl-C: with checkpoints on, the workers finish the round and save it (for up to
         `_STOP_GRACE_S`), then KeyboardInterrupt propagates; without, it propagates at once.
-        With on_worker_failure("replace"), a worker's failure replaces it (recovery.py).
+        With on_worker_failure("replace"), a worker's failure replaces it (replacement/).
         """
         self._stop.clear()
-        self._spare_ends.clear()
-        self._ended.clear()
-        self._start = command.start  # the fit()'s: a replacement's record and a fresh worker count seconds from it
+        if self._replacer is not None:
+            self._replacer.fit_starts(command.start)
         c, until_epoch = command.counters, command.until_epoch
         feeder = None
-        if shardable(data, self.config.feed, self._recovery is not None):
+        if shardable(data, self.config.feed, self._replacer is not None):
             # Its tensors go to shared memory once; the workers claim its batches first-come from
             # a key of this fit's in the store (claims.py), or each reads its dealt shard.
             self._fits += 1
@@ -198,9 +203,9 @@ class WorkerPool:
                     self._stop_gracefully(on_report)
                     raise
                 except WorkerError as error:
-                    if self._recovery is None or feeder is None or done:
+                    if self._replacer is None or feeder is None or done:
                         raise
-                    self._replace(error, feeder, until_epoch, on_report)
+                    self._replacer.replace(error, feeder, until_epoch, self._supervisor, lambda m: self._pass_on(m, on_report), on_report)
                     continue
                 if message is not None and message[0] == "done":
                     done.add(message[1])
@@ -213,97 +218,6 @@ class WorkerPool:
         if self._join is not None:
             return self._join([finals[s] for s in range(self._placement.stages)])
         return finals[0]
-
-    def _replace(self, error: WorkerError, feeder: Feeder, until_epoch: int, on_report: Reporter) -> None:
-        """Replace the worker that failed first, and have every worker redo the round (recovery.py).
-        A loss while they regroup (a member killed or stopped as the new group forms, the fresh
-        process among them) is one more: that process goes too, the generation is given up, and
-        the regroup starts again with the members still alive, each loss within max_replacements."""
-        assert self._recovery is not None and self._ledgers is not None
-        parked: dict[int, tuple[int, Counters] | None] = {}  # since the last Regroup: the round each kept
-        starting: set[int] = set()  # ranks taken by fresh processes
-        ready: dict[int, None] = {}  # those that have said they are ready
-        lost: list[WorkerError] = []
-
-        def on_other(message: Message) -> None:
-            if message[0] == "ready" and message[1] in starting and message[2][0] == self._processes[message[1]].pid:
-                ready[message[1]] = None
-            elif message[0] in ("done", "stopped"):  # a worker ended the fit: nothing is left to redo it with
-                raise _Ended
-            else:
-                self._pass_on(message, on_report)
-
-        while True:
-            self._recovery.admit(error)  # raises when no replacement is left, or on a poison batch
-            lost.append(error)
-            self._call_away()
-            feeder.pause()
-            if self._generation > 0:  # a group that lost a member as it formed: whoever waits for it parks again
-                abandon(self._store, self._generation)
-            self._put_down(error.rank)
-            parked.pop(error.rank, None)
-            starting.discard(error.rank)
-            ready.pop(error.rank, None)
-            others = set(range(len(self._processes))) - self._supervisor.gone
-            try:
-                recovering = f"recovering from worker {lost[0].rank}'s failure"
-                self._supervisor.gather("parked", others, self.config.stall_timeout, on_other, recovering, echoes=True, pid=True, got=parked)
-            except WorkerError as again:  # one more loss, while the others park
-                error = again
-                continue
-            except _Ended:
-                raise lost[0] from None
-            source, seq, counters = newest(parked, lost)
-            front = refeed(self._ledgers, seq, counters, feeder.take_back(), self.data_queues, self._free_slots)
-            self._generation += 1
-            for rank in sorted(self._supervisor.gone):
-                self._board.write(rank, Phase.IDLE, counters.epoch, -1, 0)
-                self._take_rank(rank)
-                starting.add(rank)
-            self._abort.clear()
-            for q in self._commands:
-                q.put(Regroup(self._generation, source, until_epoch, self._start))
-            parked = {}  # from here, a loss parks every member again
-            feeder.resume(front)
-            try:
-                self._supervisor.gather("ready", starting, _START_TIMEOUT_S, on_other, "starting", pid=True, got=ready)
-            except WorkerError as again:
-                error = again
-                continue
-            except _Ended:
-                raise lost[0] from None
-            break
-        for epoch in sorted(e for e in self._spare_ends if e < counters.epoch):  # ended, and rank 0's report of it lost with it
-            self._ended.add(epoch)
-            on_report(self._spare_ends.pop(epoch))
-        for e in lost:
-            on_report(Replacement(e.rank, e, counters.rounds + 1, time.monotonic() - self._start, counters=counters))
-        if self._recovery.left > 0 and self._standby is None:
-            self._standby = self._spawn(None)  # for the next one
-
-    def _call_away(self) -> None:
-        """A worker failed: every worker leaves its wait for a batch (the abort event), at once
-        (feed.CallAway, one for each worker that reads a queue; a full queue has no one waiting).
-        refeed drains what no one took."""
-        if self._abort.is_set():
-            return
-        self._abort.set()
-        readers = self._placement.world_size // len(self.data_queues)
-        for q in self.data_queues:
-            for _ in range(readers):
-                try:
-                    q.put_nowait(CallAway())
-                except queue.Full:
-                    break
-
-    def _put_down(self, rank: int) -> None:
-        """Kill the process of `rank` (a late SIGCONT finds nothing), and have the supervisor
-        pass it over until a fresh one takes the rank."""
-        process = self._processes[rank]
-        if process.is_alive():
-            process.kill()
-        process.join(timeout=_JOIN_TIMEOUT_S)
-        self._supervisor.gone.add(rank)
 
     def _drain(self) -> None:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
@@ -330,19 +244,13 @@ class WorkerPool:
 
     def _pass_on(self, message: Message, on_report: Reporter) -> Message | None:
         """A batch of reports goes to `on_report` (None); any other message comes back. Rank 0
-        reports; every other replaceable worker sends its epochs' ends too (process._EpochEnds),
-        kept aside until rank 0's comes, or until rank 0 is replaced without sending it (`_replace`)."""
+        reports; with replacement the other workers send their epochs' ends too, which go on
+        when the replacer says (`passes`)."""
         if message[0] != "reports":
             return message
         for report in message[2]:
-            if isinstance(report, EpochEnd) and (message[1] != 0 or report.epoch in self._ended):
-                if report.epoch not in self._ended:
-                    self._spare_ends.setdefault(report.epoch, report)
-                continue
-            if isinstance(report, EpochEnd):
-                self._spare_ends.pop(report.epoch, None)
-                self._ended.add(report.epoch)
-            on_report(report)
+            if self._replacer is None or self._replacer.passes(message[1], report):
+                on_report(report)
         return None
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from ..types import Counters, Phase, Report, TrainingState, Where, WorkerError
 # A worker's message to the main process, on the results queue: (kind, process, payload).
 Message = (
     tuple[Literal["ready"], int, tuple[int, None]]  # started, or regrouped: (its pid, nothing)
-    | tuple[Literal["parked"], int, tuple[int, tuple[int, Counters] | None]]  # after a loss: (its pid, the round it kept: (seq, counters)), recovery.py
+    | tuple[Literal["parked"], int, tuple[int, tuple[int, Counters] | None]]  # after a loss: (its pid, the round it kept: (seq, counters)), replacement/keeper.py
     | tuple[Literal["done", "stopped"], int, TrainingState | None]  # a fit ended (stopped: by a stop request), worker 0's final state
     | tuple[Literal["error"], int, WorkerError]
     | tuple[Literal["reports"], int, list[Report]]

@@ -64,7 +64,7 @@ class Rounds:
         self.counters = Counters()
         self.started = time.monotonic()  # when the fit() began, which the records' seconds count from: Worker.start sets it (FitCommand.start)
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
-        self.seq = 0  # rounds started over this worker's life, the same on every worker: Hooks' tags
+        self.seq = 0  # rounds started over this worker's life, the same on every worker: the observer's tags (types.RoundObserver)
         self._cut = RoundCut(world_size * (1 if node is None else node.size))  # which batches each round trains, and their steps
         self._seconds = [0.0, 0.0]  # in local work, in exchanges, since the last round settled: its Score's
         # `.averaging_frequency("auto")`: the autopilot's choice of k and rung is in force (autopilot.py).
@@ -185,7 +185,12 @@ class Rounds:
         def waiting() -> None:
             self.hooks.progress(Phase.WAITING, self.counters.epoch, -1, self.trainer.local_steps)
 
-        return self._cut.next(waiting, lambda later: self.hooks.took_ahead(self.seq + later))
+        return self._cut.next(waiting, self._held_for)
+
+    def _held_for(self, later: int) -> None:
+        """The batch just taken is held for the round `later` rounds after this one."""
+        if self.hooks.observer is not None:
+            self.hooks.observer.held_for(self.seq + later)
 
     def _batches_per_round(self) -> int:
         """AVERAGING: k for every rank; SHARED_GRADIENTS (and a warm-up): one each."""
@@ -199,7 +204,8 @@ class Rounds:
         epoch, trainer = self.counters.epoch, self.trainer
         self.seq += 1
         self._cut.round_starts(self._batches_per_round())
-        self.hooks.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
+        if self.hooks.observer is not None:
+            self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
         work = Work(first_step=trainer.local_steps)
         self._sync.prepare(self._averaging)
         if self._averaging and self._node is not None:
@@ -270,8 +276,9 @@ class Rounds:
         a gradient round then takes its step, the same on every worker."""
         if not isinstance(launched, Sent):
             assert self._stream is not None
-            # A round landed at once is followed by a round's start from its average: kept there.
-            at_average = self.hooks.at_average if self.hooks.keeps_averages and not at_once else None
+            # A round landed at once is followed by a round's start from its average: seen there.
+            observer = self.hooks.observer
+            at_average = observer.average_landed if observer is not None and observer.wants_averages and not at_once else None
             return self._stream.land(launched, since.skipped, at_once, at_average)
         totals = self._sync.land(launched)
         if not launched.averaging and totals.samples > 0:

@@ -1,0 +1,63 @@
+"""Worker replacement (`.on_worker_failure("replace")`): a lost spawned worker replaced by a fresh process, its round redone.
+
+Two things are kept that the round protocol needs nowhere else, so that a round can be lost and
+redone: the state each round starts from, a copy in every worker (keeper.py), and what was fed
+since, in the feeder's record of what it put and each worker's ledger of its takes (ledger.py).
+On a loss the main process puts the lost round's batches back in the queues (refeed.py), a fresh
+process takes the lost rank, and every worker forms a new process group (regroup.py) and redoes
+the round from the survivor's copy (replacer.py); docs/design.md, "A lost worker, replaced".
+
+The spawned host asks this package two things, and names none of its classes:
+- in the main process, `replacer`: None, or the side that sizes the slots its workers keep,
+  gives each worker's process its share (`worker_side`), hears which reports go on (`passes`),
+  calls the workers away at a failure (`call_away`) and replaces the lost worker (`replace`);
+- in a worker's process, that share's `taking` (what records the worker's takes from its queue)
+  and `survivor`: the worker's side (a keeper), which the round loop tells where each round
+  starts (types.RoundObserver) and its process asks at a fit's edges and at a loss
+  (hosts/process.py's Failover and Survivor protocols).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+
+from torch.distributed import Store  # type: ignore[attr-defined]
+
+from ..config import Config
+from ..env import Placement, collective_timeout
+from ..feed import Item
+from ..hosts.supervisor import ProgressBoard
+from .replacer import Commands, Replacer
+
+
+def replacer(
+    config: Config,
+    placement: Placement,
+    ctx: BaseContext,
+    *,
+    store: Store,
+    queues: Sequence[Queue[Item]],
+    free_slots: Queue[int],
+    abort: Event,
+    board: ProgressBoard,
+    processes: Sequence[BaseProcess],
+    commands: Sequence[Commands],
+    standby: Callable[[], None],
+    put_down: Callable[[int], None],
+    occupy: Callable[[int], None],
+) -> Replacer | None:
+    """The main process's side of replacement for a pool of spawned workers (Replacer's
+    arguments), or None when `config` does not replace a lost worker."""
+    if config.on_worker_failure != "replace":
+        return None
+    return Replacer(
+        config, placement, ctx, collective_timeout(config), store=store, queues=queues, free_slots=free_slots, abort=abort,
+        board=board, processes=processes, commands=commands, standby=standby, put_down=put_down, occupy=occupy,
+    )  # fmt: skip
+
+
+__all__ = ["replacer"]
