@@ -21,7 +21,7 @@ from .evaluation import autocast, metric_sums, validation_metrics
 from .feed import rank_share
 from .job import Job
 from .parts import Parts
-from .rounds import Node, Rounds
+from .rounds import Lockstep, Rounds
 from .types import Batch, BatchSource, Counters, Hooks, Phase, Reporter, StateDict, TrainingError, TrainingState, Where
 
 
@@ -39,7 +39,7 @@ class Replica:
         *,
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
-        node: Node | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         self.parts = Parts(model, job, world_size)  # its optimizer, schedule and outer optimizer
         self.model, self.optimizer, self.schedule = model, self.parts.optimizer, self.parts.schedule
@@ -51,9 +51,9 @@ class Replica:
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "16-mixed" else None
         self._stopper = copy.deepcopy(job.early_stopping)  # this worker's own: it decides here
         self._best: TrainingState | None = None  # EarlyStopping(restore_best)
-        # With a hierarchy the rounds run across nodes, one rank of each node in `group`.
-        across = 1 if node is None else node.size
-        self.rounds = Rounds(self, config, device, rank // across, world_size // across, group=group, hooks=self.hooks, node=node)
+        # In lockstep groups (a hierarchy's nodes) the rounds run across the groups, one rank of each in `group`.
+        across = 1 if lockstep is None else lockstep.size
+        self.rounds = Rounds(self, config, device, rank // across, world_size // across, group=group, hooks=self.hooks, lockstep=lockstep)
 
     @property
     def counters(self) -> Counters:

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "parallelwrapper"
 FEATURES = {
     "pipeline": {"StageReplica", "RelaySource", "Position"},
     "replacement": {"Keeper", "Kept", "Replacer", "Regroup", "Ledger"},
+    "hierarchy": {"Node", "NodeSteps"},
 }
 
 

@@ -37,7 +37,7 @@ from ..config import Config
 from ..env import Placement, deterministic_kernels
 from ..feed import FeedError
 from ..job import Job
-from ..rounds import Node
+from ..rounds import Lockstep
 from ..types import BatchSource, CheckpointWriter, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, WorkerError
 from ..worker import Replica
 
@@ -74,7 +74,7 @@ class Worker:
         *,
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
-        node: Node | None = None,
+        lockstep: Lockstep | None = None,
         own_model: bool = False,
         make_replica: Callable[..., Replica] = Replica,
         stage: int | None = None,
@@ -90,7 +90,7 @@ class Worker:
         model = (job.model if own_model else copy.deepcopy(job.model)).to(device)
         self.replica = make_replica(
             model, job, config, device, rank, placement.world_size,
-            group=group, hooks=hooks, node=node,
+            group=group, hooks=hooks, lockstep=lockstep,
         )  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + rank)

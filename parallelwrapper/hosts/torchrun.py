@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[attr-defined]
 
+from .. import hierarchy
 from ..batches import map_leaves
 from ..checkpoint import make_checkpointer, path_of
 from ..claims import StoreCounter, claimed, source_for
@@ -33,7 +34,6 @@ from ..config import Config
 from ..env import Placement, TorchrunEnv, collective_timeout
 from ..feed import Batches
 from ..job import Job
-from ..rounds import Node
 from ..types import BatchSource, FitCommand, Reporter, TrainingState, WorkerError
 from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, claim_device, stage_worker, stop_on_signals
@@ -78,19 +78,6 @@ def _join(config: Config, env: TorchrunEnv) -> tuple[TCPStore, str, bool]:
     resume = restarted and config.auto_resume and config.checkpoint_dir is not None and path_of(config.checkpoint_dir).is_file()
     store.set(f"{_KEYS}/{generation}/resume", "1" if resume else "0")
     return store, f"{_KEYS}/{generation}", resume
-
-
-def _hierarchy(config: Config, rank: int, world: int, per_node: int) -> tuple[dist.ProcessGroup | None, Node | None]:
-    """With hierarchy('node') and several processes per node: this rank's group across nodes (the
-    ranks of every node with its local rank) and its node. torchrun numbers ranks node by node.
-    Every rank creates every group, in the same order, as new_group requires."""
-    if config.hierarchy != "node" or per_node == 1:
-        return None, None  # one process per node: the same as flat averaging
-    if world % per_node:
-        raise ValueError(f"hierarchy('node') needs the same processes on every node: {world} ranks, {per_node} on this one")
-    nodes = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(world // per_node)]
-    across = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)]
-    return across[rank % per_node], Node(nodes[rank // per_node], per_node, rank % per_node)
 
 
 def _from_rank_0(state: TrainingState) -> TrainingState:
@@ -159,8 +146,8 @@ class TorchrunWorker:
         self._hooks = SignalHooks(make_checkpointer(config, job, placement.world_size))
         self._job, self._workers = job, placement.world_size
         if config.pipeline is None:
-            group, node = _hierarchy(config, env.rank, env.world_size, env.local_world_size)
-            self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, node=node)
+            group, node = hierarchy.join(config, env.rank, env.world_size, env.local_world_size)  # with .hierarchy("node")
+            self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, lockstep=node)
             self._relay: Callable[[BatchSource], BatchSource] | None = None
         else:  # this rank is stage rank % S of worker rank // S: a pipeline's ranks are on one node
             self._worker, self._relay = stage_worker(job, config, placement, env.rank, env.local_rank, self._hooks, False)

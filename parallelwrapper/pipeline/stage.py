@@ -33,7 +33,7 @@ from ..config import Config, Pipeline
 from ..evaluation import scored_outputs, validation_of
 from ..feed import rank_share
 from ..job import Job
-from ..rounds import Node
+from ..rounds import Lockstep
 from ..types import END, Batch, BatchSource, EndOfEpoch, Hooks, Output, TrainingState
 from ..worker import Replica
 from .split import Layout, Names, held, joined, pieces_in, pieces_of, scorer, stage_state
@@ -93,8 +93,8 @@ class StageReplica(Replica):
 
     def __init__(self, model: torch.nn.Module, job: Job, config: Config, device: torch.device, rank: int, world_size: int, *,
                  position: Position, pipe: dist.ProcessGroup, whole: Layout,
-                 group: dist.ProcessGroup | None = None, hooks: Hooks | None = None, node: Node | None = None) -> None:  # fmt: skip
-        super().__init__(model, job, config, device, rank, world_size, group=group, hooks=hooks, node=node)
+                 group: dist.ProcessGroup | None = None, hooks: Hooks | None = None, lockstep: Lockstep | None = None) -> None:  # fmt: skip
+        super().__init__(model, job, config, device, rank, world_size, group=group, hooks=hooks, lockstep=lockstep)
         assert config.pipeline is not None and job.loss_fn is not None  # pipeline.check, at build()
         self.position, self.pipe, self.whole, self.spec = position, pipe, whole, config.pipeline
         self.pieces = pieces_in(self.model)

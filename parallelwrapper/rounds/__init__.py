@@ -16,13 +16,14 @@ A round, in both modes:
                  report, validation, checkpoint (rank 0 writes), stop
 
 One engine runs every round this way (engine.py); each option changes one part of it, so options
-compose: a hierarchy changes the local work (node.py), a warm-up makes a round a gradient round,
-an outer optimizer changes what a landing applies, overlap changes when a round lands.
+compose: a lockstep group (a hierarchy's node) changes the local work (lockstep.py), a warm-up
+makes a round a gradient round, an outer optimizer changes what a landing applies, overlap changes
+when a round lands.
 
 Its parts: which batches a round trains and their global steps (cut.py), the header every worker
 sends with its state and its local work (header.py), what the state is (state.py), the two ways
 an exchange lands (exchange.py, streaming.py), the score windows and validation (scores.py), what
-a round asks of a worker (trainer.py), a node's lockstep steps under a hierarchy (node.py), and
+a round asks of a worker (trainer.py) and of ranks that step together as one (lockstep.py), and
 the engine that runs the rounds (engine.py).
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from .engine import Rounds
 from .header import HEADER_LEN, RoundTotals, make_header, read_header
-from .node import Node
+from .lockstep import Lockstep
 from .trainer import Trainer
 
-__all__ = ["HEADER_LEN", "Node", "RoundTotals", "Rounds", "Trainer", "make_header", "read_header"]
+__all__ = ["HEADER_LEN", "Lockstep", "RoundTotals", "Rounds", "Trainer", "make_header", "read_header"]

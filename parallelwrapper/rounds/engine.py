@@ -2,8 +2,9 @@
 
 A round is its local work, then its exchange launched, then landed: at once (exchange.py), or, with
 overlap_averaging, after the next round's local work (streaming.py). When a round lands is the only
-thing overlap changes, so every option that shapes the local work (a hierarchy's node steps, a
-warm-up's synchronous rounds) or what a landing does (an outer step) composes with it."""
+thing overlap changes, so every option that shapes the local work (a lockstep group's steps: a
+hierarchy's node, a warm-up's synchronous rounds) or what a landing does (an outer step) composes
+with it."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..autopilot import Change, Choice, Pilot, Sizes, in_config
-from ..averaging import Shards, all_reduce_values
+from ..averaging import all_reduce_values
 from ..config import Config, TrainingMode
 from ..types import Batch, BatchSource, Counters, Hooks, InForce, Phase, Reporter, StateDict, Stopped
 from .cut import RoundCut
 from .exchange import Sent, SyncExchange
 from .header import RoundTotals, Work
-from .node import Node, NodeSteps
+from .lockstep import Lockstep
 from .scores import ScoreBook, validate
 from .state import optimizer_state_tensors, trained_parameters
 from .streaming import Launched, StreamExchange
@@ -50,22 +51,24 @@ class Rounds:
         *,
         group: dist.ProcessGroup | None,
         hooks: Hooks,
-        node: Node | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
+        """`lockstep`: this rank's group of ranks that train as one worker (a hierarchy's node);
+        `rank`, `world_size` and `group` are then the groups' (one rank of each in `group`)."""
         self.trainer, self.config, self.hooks = trainer, config, hooks
-        self.rank, self.world_size, self.group = rank, world_size, group  # with a node: one rank per node
+        self.rank, self.world_size, self.group = rank, world_size, group
         self._device = device
-        self._node = None if node is None else NodeSteps(node, trainer, device)
-        shards = None if node is None else Shards(node.group, node.size, node.index)  # the state, across nodes
-        # A gradient round (a warm-up's) under a hierarchy is every rank's: the default group.
-        gradients = (group, world_size) if node is None else (None, world_size * node.size)
+        self._together = None if lockstep is None else lockstep.steps(trainer, device)
+        shards = None if lockstep is None else lockstep.shards  # the state, across the groups
+        # A gradient round (a warm-up's) in lockstep groups is every rank's: the default group.
+        gradients = (group, world_size) if lockstep is None else (None, world_size * lockstep.size)
         self._sync = SyncExchange(trainer, config, device, (group, world_size), gradients, shards)
         self._stream = StreamExchange(trainer, config, device, group, world_size) if config.overlap_averaging else None
         self.counters = Counters()
         self.started = time.monotonic()  # when the fit() began, which the records' seconds count from: Worker.start sets it (FitCommand.start)
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self.seq = 0  # rounds started over this worker's life, the same on every worker: the observer's tags (types.RoundObserver)
-        self._cut = RoundCut(world_size * (1 if node is None else node.size))  # which batches each round trains, and their steps
+        self._cut = RoundCut(world_size * (1 if lockstep is None else lockstep.size))  # which batches each round trains, and their steps
         self._seconds = [0.0, 0.0]  # in local work, in exchanges, since the last round settled: its Score's
         # `.averaging_frequency("auto")`: the autopilot's choice of k and rung is in force (autopilot.py).
         start = Choice(config.averaging_frequency, config.payload_dtype, config.average_updaters_every if config.average_updaters else 0)
@@ -122,8 +125,8 @@ class Rounds:
             raise
         finally:
             self._sync.release(settle=not failing)
-            if self._node is not None:
-                self._node.release()
+            if self._together is not None:
+                self._together.release()
             self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.trainer.local_steps)
 
     def _epoch(self, report: Reporter) -> None:
@@ -208,8 +211,8 @@ class Rounds:
             self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
         work = Work(first_step=trainer.local_steps)
         self._sync.prepare(self._averaging)
-        if self._averaging and self._node is not None:
-            return self._node_work(work)
+        if self._averaging and self._together is not None:
+            return self._lockstep_work(work)
         most, step = (math.inf, trainer.train_step) if self._averaging else (1, trainer.accumulate)
         while len(work.losses) < most:
             item = self._next()
@@ -227,14 +230,14 @@ class Rounds:
         self.hooks.progress(Phase.AVERAGING, epoch, -1, trainer.local_steps)
         return work
 
-    def _node_work(self, work: Work) -> Work:
-        """With a hierarchy: k lockstep steps with the node's other ranks (node.py); the work is
-        the node's. The round after a node's last batch finds it finished."""
-        assert self._node is not None
+    def _lockstep_work(self, work: Work) -> Work:
+        """In a lockstep group (a hierarchy's node): k steps with the group's other ranks
+        (lockstep.py); the work is the group's. The round after its last batch finds it finished."""
+        assert self._together is not None
         first = self._cut.step_of(self._cut.start)
-        node = self._node.run(self.k, first, self.counters.epoch, self._next, lambda: self._cut.finished)
-        work.samples, work.batches, work.finished = node.samples, node.batches, node.finished
-        loss = [torch.tensor(node.loss_sum)] if node.batches else []
+        taken = self._together.run(self.k, first, self.counters.epoch, self._next, lambda: self._cut.finished)
+        work.samples, work.batches, work.finished = taken.samples, taken.batches, taken.finished
+        loss = [torch.tensor(taken.loss_sum)] if taken.batches else []
         work.loss_sum, work.skipped = self.trainer.checked_loss(loss, work.first_step, self.counters.epoch)
         self.hooks.progress(Phase.AVERAGING, self.counters.epoch, -1, self.trainer.local_steps)
         return work
@@ -356,9 +359,9 @@ class Rounds:
             book.ended(self.counters, epoch, complete=epoch_done)
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
             self._sync.settle()  # the optimizer's state goes in too
-            if self._node is None and self.config.pipeline is None:
+            if self._together is None and self.config.pipeline is None:
                 everyone, size, writes = self.group, self.world_size, self.rank == 0
-            else:  # with a hierarchy or a pipeline, every process: the default group
+            else:  # in lockstep groups or with a pipeline, every process: the default group
                 everyone, size, writes = None, dist.get_world_size(), dist.get_rank() == 0
             own = cast("list[StateDict]", [None] * size)  # all_gather_object fills each
             dist.all_gather_object(own, self.trainer.own_state(), group=everyone)

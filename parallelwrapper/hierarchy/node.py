@@ -1,6 +1,4 @@
-"""A round's local work under `.hierarchy("node")`: a node's ranks step in lockstep on gradients averaged over the node.
-
-The node's replicas stay equal, and only the nodes average, once a round, across the slow link.
+"""A node's side of a round's local work (`.hierarchy("node")`): its ranks step in lockstep on gradients averaged over the node.
 
 Each step every rank of the node sends its gradients (and buffers) scaled by its batch's sample
 count, with a trailer of [samples, has a batch, loss·n, its feed ended]; a rank without a batch
@@ -18,29 +16,29 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..averaging import FlatAverager
+from ..averaging import FlatAverager, Shards
+from ..rounds.lockstep import StepsTaken
+from ..rounds.state import gradient_tensors
+from ..rounds.trainer import Trainer
 from ..types import Batch
-from .state import gradient_tensors
-from .trainer import Trainer
 
 
 @dataclass(frozen=True)
 class Node:
-    """This worker's node: its ranks' process group, how many they are, and this one's local rank."""
+    """This worker's node: its ranks' process group, how many they are, and this one's local
+    rank; to the round engine, a rounds.Lockstep group."""
 
     group: dist.ProcessGroup
     size: int
     index: int
 
+    @property
+    def shards(self) -> Shards:
+        """Each rank of the node all-reduces its part of the state across nodes."""
+        return Shards(self.group, self.size, self.index)
 
-@dataclass
-class NodeWork:
-    """What one node did in a round's local work."""
-
-    samples: int = 0
-    loss_sum: float = 0.0
-    batches: int = 0
-    finished: bool = False  # no rank of the node had a batch left
+    def steps(self, trainer: Trainer, device: torch.device) -> NodeSteps:
+        return NodeSteps(self, trainer, device)
 
 
 class NodeSteps:
@@ -62,9 +60,9 @@ class NodeSteps:
             self._payload.release()
             self._payload = None
 
-    def run(self, steps: int, first_step: int, epoch: int, next_batch: Callable[[], tuple[int, Batch] | None], finished: Callable[[], bool]) -> NodeWork:
+    def run(self, steps: int, first_step: int, epoch: int, next_batch: Callable[[], tuple[int, Batch] | None], finished: Callable[[], bool]) -> StepsTaken:
         """Up to `steps` lockstep steps, global steps `first_step` on; the node's work."""
-        work = NodeWork()
+        work = StepsTaken()
         payload = self._gradients()
         for j in range(steps):
             item = next_batch()
@@ -84,4 +82,4 @@ class NodeSteps:
         return work
 
 
-__all__ = ["Node", "NodeSteps", "NodeWork"]
+__all__ = ["Node", "NodeSteps"]
