@@ -25,7 +25,11 @@ predicted, since a 2026 measurement of DiLoCo over shaped links, diloco-measured
 utilization 1.08-1.92x off the analytic model). k falls again only when 0.7 of its half would do, so that
 the noise of a few rounds does not move it up and down.
 Before any measure it runs the middle of its bounds (`Autopilot.k_start`, 8 for 1..64): the
-exchanges that come before the first measure cost the same whatever k is.
+exchanges that come before the first measure cost the same whatever k is. And it sends the fewest
+float32 bytes (`Autopilot.start`: the parameters alone), which no codec slows: from the first
+measure it climbs to the float32 rung that sends the most while its estimate keeps k at half of
+k_max or below (the optimizer's state every round on a fast link), and goes back to stay if the
+rung's measure does not fit after all.
 
 Where the link alone would need k above half of k_max, it takes bytes off before it lengthens the
 round further (a longer round costs loss per step, fewer bytes little: docs/guides/autopilot.md).
@@ -95,6 +99,17 @@ class Autopilot:
         while self.k_min << (top + 1) <= self.k_max:
             top += 1
         return self.k_min << math.ceil(top / 2)
+
+    @property
+    def start(self) -> Rung:
+        """The rung of its first rounds, before anything is measured: its first payload (float32,
+        no codec to pay for, where it may choose it) with the fewest bytes that payload may send
+        (the parameters alone, where it may choose that). It climbs to more bytes once a measure
+        says they fit, and steps down to fewer where they do not: the rounds before the first
+        measure cost least (a float32 round with AdamW's state sends 3x the parameters' bytes:
+        at 50 Mbit/s, 13.7 s against about 4.5 s, docs/guides/autopilot.md)."""
+        first = [r for r in self.rungs if r.payload == self.payloads[0]]
+        return min(first, key=lambda r: (r.updaters_every != 0, -r.updaters_every))
 
     def check_payloads(self, names: Sequence[str]) -> None:
         """A ValueError unless every payload it may choose is one of `names` (config.PAYLOAD_DTYPES)."""
@@ -223,8 +238,8 @@ class Pilot:
         self._step = _Mean()
         self._wait = _Mean()  # seconds a worker waits for the others before an exchange, at the k in force
         self._links: dict[int, _Mean] = {}  # by rung index: seconds per exchange
-        self._trial: int | None = None  # trying the next rung down from this one
-        self._done = False  # a rung tried was no faster: the descent is over
+        self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
+        self._done = False  # a rung tried did not pay: the search for a rung is over
 
     def header(self, compute_s: float, exchange_s: float, waited_s: float, decides: bool) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's
@@ -271,14 +286,25 @@ class Pilot:
         if self._step.count == 0 or step <= 0 or link is None or link.count < max(1, now.updaters_every):
             return self._decided  # not measured enough yet: as decided
         x, w = link.value, self._wait.value
-        if self._trial is not None:  # the rung it tried is measured: kept only where faster by MARGIN
+        enough, need = self._enough, self._need(x, step)
+        if self._trial is not None:  # the rung it tried is measured: a step down kept only where faster by MARGIN, one up where it fits
             rung, before = self.rungs[self._trial], self._links[self._trial].value
-            if x > before * (1 - MARGIN):
+            up = rung.bytes(sizes) < now.rung.bytes(sizes)
+            if (need > enough) if up else (x > before * (1 - MARGIN)):
                 self._trial, self._done = None, True
-                self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
+                if up:
+                    self._why = f"{now.rung} exchanges in {x:.3g} s, which would need k = {need:.0f} (more than {enough}): back to {rung}, {before:.3g} s"
+                else:
+                    self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
                 return self._steer(before + w, step, rung)
             self._trial = None
-        enough, need = self._enough, self._need(x, step)
+        if not self._done and need <= enough:
+            more = self._more_bytes(now.rung, x, step, sizes)
+            if more is not None:
+                self._trial, guess = here, x * more.bytes(sizes) / now.rung.bytes(sizes)
+                self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: {more} would take about {guess:.3g} s "
+                             f"by its bytes and need k = {self._need(guess, step):.0f} at most {enough}")
+                return self._steer(guess + w, step, more)
         if not self._done and need > enough:
             fewer = self._fewer_bytes(now.rung, x, step, sizes)
             if fewer is not None:
@@ -316,6 +342,19 @@ class Pilot:
         if fits:
             return max(fits, key=sends.__getitem__)  # the first of equals: max keeps it
         return min(fewer, key=sends.__getitem__)
+
+    def _more_bytes(self, rung: Rung, exchange_s: float, step_s: float, sizes: Sizes) -> Rung | None:
+        """The rung to climb to from `rung`, whose exchanges take `exchange_s`: of those that send
+        more by MARGIN, in float32 (a coded payload's time does not follow its bytes: its codec
+        costs compute), the one that sends the most while its exchanges, taken to follow the
+        bytes, need at most `_enough` steps a round; None when none does."""
+        sends = {r: r.bytes(sizes) for r in self.rungs}
+        here = sends[rung]
+        fits = [
+            r for r in self.rungs
+            if r.payload == rung.payload == "float32" and sends[r] > here * (1 + MARGIN) and self._need(exchange_s * sends[r] / here, step_s) <= self._enough
+        ]  # fmt: skip
+        return max(fits, key=sends.__getitem__) if fits else None
 
     def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:
         """`rung` at the k that keeps its exchanges (with the wait before them) under ρ of the
@@ -370,7 +409,7 @@ def levers(options: dict[str, Any]) -> dict[str, Any]:
     if options.get("average_updaters") is False:
         periods = (0,)  # the parameters alone
     spec = dataclasses.replace(spec, payloads=tuple(payloads), updater_periods=periods)
-    start = spec.rungs[0]
+    start = spec.start
     return {**options, "autopilot": spec, "averaging_frequency": spec.k_start, "payload_dtype": start.payload, **in_config(start)}
 
 

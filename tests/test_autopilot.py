@@ -136,10 +136,46 @@ def test_the_bounds_and_the_levers_the_user_set_are_kept() -> None:
 
 
 @pytest.mark.fast
-def test_it_starts_in_the_middle_of_its_bounds() -> None:
+def test_it_starts_in_the_middle_of_its_bounds_with_the_fewest_float32_bytes() -> None:
     assert [Autopilot(lo, hi).k_start for lo, hi in ((1, 64), (1, 4), (1, 32), (4, 16), (4, 4), (3, 50))] == [8, 2, 8, 8, 4, 12]
-    options = ParallelWrapper.builder(nn.Linear(3, 2)).averaging_frequency("auto")._options
-    assert levers(options)["averaging_frequency"] == 8
+    model = nn.Linear(3, 2)
+    started = levers(ParallelWrapper.builder(model).averaging_frequency("auto")._options)
+    assert (started["averaging_frequency"], started["payload_dtype"], started["average_updaters"]) == (8, "float32", False)
+    assert Autopilot(updater_periods=(1, 2, 4)).start == Rung("float32", 4)  # no 'never' to choose: the longest period
+    assert Autopilot(payloads=("int8",)).start == Rung("int8", 0)
+    started = levers(ParallelWrapper.builder(model).averaging_frequency("auto").average_updaters(True)._options)
+    assert (started["payload_dtype"], started["average_updaters"], started["average_updaters_every"]) == ("float32", True, 1)
+
+
+def following_bytes(seconds: float) -> Callable[[Rung], float]:
+    """A link whose exchanges take `seconds` for float32 with the state every round, the others'
+    in proportion to their bytes."""
+    return lambda rung: seconds * rung.bytes(MOMENTUM) / Rung("float32", 1).bytes(MOMENTUM)
+
+
+@pytest.mark.fast
+def test_from_its_start_a_fast_link_climbs_to_the_state_every_round_and_a_slow_one_goes_down() -> None:
+    start = Autopilot().start.at(Autopilot().k_start)
+    pilot = Pilot(Autopilot(), start)
+    ran = fly([pilot], step_s=0.05, link_s=following_bytes(0.005), rounds=30)
+    # The parameters alone take 0.0025 s: float32 with the state, by its bytes 0.005 s, needs k = 2.
+    assert pilot.changes[0].choice == Choice(2, "float32", 1) and ran[-1] == Choice(2, "float32", 1)
+    assert "float32 would take about 0.005 s by its bytes and need k = 2 at most 32" in pilot.changes[0].why
+    assert ran[:3] == [start] * 3  # measured in the first round, decided in the second, in force from the fourth
+    slow = Pilot(Autopilot(k_max=32), start)
+    ran = fly([slow], step_s=0.01, link_s=slow_link, rounds=40)
+    assert [c.choice for c in slow.changes] == [Choice(32, "int8", 0)] and ran[-1] == Choice(32, "int8", 0)
+
+
+@pytest.mark.fast
+def test_a_climb_the_link_does_not_bear_goes_back_and_stays() -> None:
+    # The state's bytes cost far more than their share: the estimate climbs, the measure refuses.
+    link = {0: 0.005, 1: 0.5, 2: 0.5, 4: 0.5}
+    pilot = Pilot(Autopilot(k_max=32, payloads=("float32",)), Choice(8, "float32", 0))
+    ran = fly([pilot], step_s=0.05, link_s=lambda rung: link[rung.updaters_every], rounds=40)
+    assert [c.choice.updaters_every for c in pilot.changes] == [1, 0]
+    assert "float32 exchanges in 0.5 s, which would need k = 190 (more than 16): back to float32, parameters only, 0.005 s: k = 2" in pilot.changes[1].why
+    assert ran[-1].rung == Rung("float32", 0) and ran[-10:] == [ran[-1]] * 10
 
 
 @pytest.mark.fast
@@ -298,22 +334,23 @@ def _tiny_data(n: int = 96) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_spawned_workers_agree_report_each_choice_and_a_checkpoint_resumes_the_pilot(tmp_path: Path) -> None:
     data = _tiny_data()
     builder = ParallelWrapper.builder(_model()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
-    # A tiny exchange share: k climbs to its bound at once, and the rung that sends least is tried.
-    builder = builder.averaging_frequency("auto", k_max=4, exchange_share=1e-4).checkpoint(tmp_path, every=1000)
+    # An exchange share of nearly all the time: any link fits, so from the parameters alone it
+    # climbs to the state every round (that round averages every worker's state anew) at k = 1.
+    builder = builder.averaging_frequency("auto", k_max=4, exchange_share=0.99).checkpoint(tmp_path, every=1000)
     with builder.warmup_sync_steps(3).build() as wrapper:  # three gradient rounds first: no pilot's part in their headers
         history = wrapper.fit(data, epochs=2)
     assert wrapper.samples == 2 * 96 * 8  # every sample once per epoch, whatever k each round had
     changes = autopilot_changes(history.scores)
-    assert (changes[0]["k"], changes[0]["payload"], changes[0]["updaters_every"]) == (4, "int8", 0)
-    assert "trying int8, parameters only" in changes[0]["why"]
+    assert (changes[0]["k"], changes[0]["payload"], changes[0]["updaters_every"]) == (1, "float32", 1)
+    assert "float32 would take about" in changes[0]["why"]
     assert all(s.k in (1, 2, 4) and s.step_s > 0 and s.link_s > 0 for s in history.scores)  # warm-up rounds: 1
     assert 2 in {s.k for s in history.scores}  # its start: the middle of 1..4
-    assert {s.updaters_every for s in history.scores} >= {1, 0}  # the state averaged, then not
+    assert {s.updaters_every for s in history.scores} >= {0, 1}  # the parameters alone, then the state too
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     pilots = [own["autopilot"] for own in saved["rng"]]  # what is each worker's own
     assert pilots[0] == pilots[1]  # every worker's pilot is in the checkpoint, the same
     builder = ParallelWrapper.builder(_model()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
-    with builder.averaging_frequency("auto", k_max=4, exchange_share=1e-4).checkpoint(tmp_path, every=1000).warmup_sync_steps(3).build() as wrapper:
+    with builder.averaging_frequency("auto", k_max=4, exchange_share=0.99).checkpoint(tmp_path, every=1000).warmup_sync_steps(3).build() as wrapper:
         resumed = wrapper.fit(data, epochs=3, resume=tmp_path)
     first = resumed.scores[0]
     assert (first.k, first.payload, first.updaters_every) == tuple(pilots[0]["choice"].values())  # not k_min again
