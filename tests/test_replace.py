@@ -7,6 +7,7 @@ the conftest fixture checks that no process is left."""
 from __future__ import annotations
 
 import collections
+import datetime
 import multiprocessing
 import os
 import re
@@ -17,11 +18,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import HashStore, PrefixStore, Store, distributed_c10d  # type: ignore[attr-defined]
 
 from parallelwrapper import ParallelWrapper, WorkerError
 from parallelwrapper.feed import END_SLOT, EndMark, Feeder
 from parallelwrapper.hosts.supervisor import STOPPED_S
+from parallelwrapper.replacement import regroup
 from parallelwrapper.replacement.ledger import Entry, Ledger, split
 from parallelwrapper.replacement.refeed import refeed
 from parallelwrapper.slots import SlotReader, SlotWriter
@@ -487,3 +491,22 @@ def test_a_worker_waiting_for_a_batch_is_called_away_at_once_and_refeed_drops_th
         assert refeed([ledger], 1, Counters(), unput, [q], free) == []  # the second mark: drained, not fed
     finally:
         reader.close()
+
+
+def test_a_member_whose_join_failed_half_way_joins_the_next_generation_under_a_fresh_processs_group_name() -> None:
+    # torch names the default group by its count of groups made: a join that failed half-way (a
+    # member lost as gloo connected) left it one up, and the member then waited under another name
+    # than the fresh process's, until the timeout.
+    store = HashStore()
+    with pytest.raises(Exception, match="[Tt]imeout"):
+        dist.init_process_group("gloo", store=PrefixStore("generation-1", store), rank=0, world_size=2, timeout=datetime.timedelta(seconds=1))
+    assert not dist.is_initialized() and distributed_c10d._world.group_count == 1
+
+    def into(prefixed: Store, timeout: datetime.timedelta) -> None:
+        dist.init_process_group("gloo", store=prefixed, rank=0, world_size=1, timeout=timeout)
+
+    try:
+        regroup.join(store, 2, 1, datetime.timedelta(seconds=5), into)
+        assert distributed_c10d._get_default_group().group_name == "0"  # a fresh process's
+    finally:
+        dist.destroy_process_group()

@@ -13,7 +13,7 @@ import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore, Store, distributed_c10d  # type: ignore[attr-defined]
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 FORM_S = 5.0  # the most a regroup's members wait for each other's gloo addresses once all have come (8 form in 0.02 s)
@@ -41,6 +41,11 @@ def join(store: Store, generation: int, members: int, timeout: datetime.timedelt
     in it), after which the collectives get `timeout` again."""
     prefixed = PrefixStore(f"generation-{generation}", store)
     assemble(prefixed, members, generation)
+    # torch names the default group by its count of groups made, and a join that failed half-way
+    # (a member lost as gloo connected) left that count one up with no group made: this member
+    # would wait under another name than a fresh process's until the timeout. It holds no group
+    # here (a member joins only after it left the last one), so the count starts again at 0.
+    distributed_c10d._world.group_count = 0
     into(prefixed, min(timeout, datetime.timedelta(seconds=FORM_S)))
     _set_pg_timeout(timeout)
 
