@@ -187,9 +187,9 @@ class Checkpointer:
     """Writes a round's state (rounds/ decides when, gathers every worker's RNG state and has
     rank 0 call `save`)."""
 
-    def __init__(self, directory: str, every: int, fingerprint: dict[str, object], config: Config) -> None:
-        self.directory, self.every, self.fingerprint = directory, every, fingerprint
-        self.config = describe_config(config)
+    def __init__(self, directory: str, every: int, fingerprint: dict[str, object], config: dict[str, object]) -> None:
+        """`config`: the whole config as `describe_config` gives it, which every checkpoint holds."""
+        self.directory, self.every, self.fingerprint, self.config = directory, every, fingerprint, config
 
     def due(self, rounds: int) -> bool:
         """Whether a periodic checkpoint falls at the end of round number `rounds`."""
@@ -216,4 +216,4 @@ def make_checkpointer(config: Config, job: Job, world_size: int) -> Checkpointer
     """The checkpointer `.checkpoint(directory)` asks for, or None."""
     if config.checkpoint_dir is None:
         return None
-    return Checkpointer(config.checkpoint_dir, config.checkpoint_every, fingerprint(config, job, world_size), config)
+    return Checkpointer(config.checkpoint_dir, config.checkpoint_every, fingerprint(config, job, world_size), describe_config(config))

@@ -242,6 +242,20 @@ def collective_timeout(config: Config) -> datetime.timedelta:
 
 
 
+def claim_device(placement: Placement, local_rank: int, deterministic: bool = False) -> torch.device:
+    """This process's device, made the current CUDA device when it is one: before the process
+    group starts, so that NCCL's communicator and every later allocation use it. `deterministic`
+    (`.deterministic(True)`) on a GPU asks for deterministic kernels too, before cuBLAS starts:
+    cuDNN's convolutions and cuBLAS's reductions vary from run to run otherwise (a resumed run
+    on an H200 ended apart from the uninterrupted one); torch warns of an op that has none."""
+    device = placement.device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if deterministic:
+            deterministic_kernels()
+    return device
+
+
 def deterministic_kernels() -> None:
     """Deterministic CUDA kernels in this process (a worker on a GPU under .deterministic(True)):
     cuBLAS's workspace as its reproducibility notes ask, before cuBLAS starts, and torch's
@@ -254,6 +268,7 @@ def deterministic_kernels() -> None:
 __all__ = [
     "Placement",
     "TorchrunEnv",
+    "claim_device",
     "collective_timeout",
     "deterministic_kernels",
     "core_count",

@@ -250,10 +250,10 @@ class RoundObserver(Protocol):
 class Hooks:
     """What the round protocol may ask of the host it runs under, and who follows its rounds
     (`observer`). The defaults report nothing, never stop, and checkpoint only when given a
-    writer: a test, a benchmark."""
+    writer (hosts/runtime.Worker gives it the one `.checkpoint(directory)` asks for)."""
 
-    def __init__(self, checkpointer: CheckpointWriter | None = None) -> None:
-        self.checkpointer = checkpointer
+    def __init__(self) -> None:
+        self.checkpointer: CheckpointWriter | None = None
         self.observer: RoundObserver | None = None
         self._at: tuple[int, int, int] = (0, -1, 0)
 

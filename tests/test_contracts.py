@@ -21,7 +21,7 @@ from torch import nn
 from parallelwrapper import ParallelWrapper, checkpoint
 from parallelwrapper.app import cli
 from parallelwrapper.averaging import FlatAverager
-from parallelwrapper.config import Config
+from parallelwrapper.config import Config, describe_config
 from parallelwrapper.delta_averaging import DeltaAverager
 from parallelwrapper.env import Placement
 from parallelwrapper.hosts.runtime import Worker
@@ -319,7 +319,7 @@ def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
     model = nn.Linear(3, 2)
     job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.mse_loss, None)
     config = Config(workers=2, averaging_frequency=3)
-    writer = checkpoint.Checkpointer(str(tmp_path), 5, checkpoint.fingerprint(config, job, 2), config)
+    writer = checkpoint.Checkpointer(str(tmp_path), 5, checkpoint.fingerprint(config, job, 2), describe_config(config))
     assert writer.due(10) and not writer.due(11)
     counters = Counters(rounds=10, iterations=30, samples=300, epoch=1, position=4)
     state = TrainingState(model.state_dict(), {"state": {}, "param_groups": []})
@@ -338,7 +338,7 @@ def test_checkpoint_format_round_trip_and_refusal(tmp_path: Path) -> None:
     # a checkpoint of a non-default value is refused by a run at the default, and the other way.
     warm = checkpoint.fingerprint(Config(workers=2, averaging_frequency=3, warmup_sync_steps=5), job, 2)
     assert "warmup_sync_steps" in warm and "warmup_sync_steps" not in checkpoint.fingerprint(config, job, 2)
-    writer = checkpoint.Checkpointer(str(tmp_path / "warm"), 5, warm, config)
+    writer = checkpoint.Checkpointer(str(tmp_path / "warm"), 5, warm, describe_config(config))
     writer.save(state, counters, [{"torch": torch.get_rng_state()}] * 2)
     with pytest.raises(checkpoint.CheckpointError, match=r"warmup_sync_steps: checkpoint has 5, this run has the default"):
         checkpoint.load(tmp_path / "warm", checkpoint.fingerprint(config, job, 2))

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
-from ..checkpoint import make_checkpointer
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, ShardSource
@@ -51,7 +50,7 @@ class InProcessWorker:
     """The host interface (`fit`, `close`, `kill`) for a worker that is this process."""
 
     def __init__(self, config: Config, job: Job, placement: Placement | None = None) -> None:
-        self._hooks = SignalHooks(make_checkpointer(config, job, 1))
+        self._hooks = SignalHooks()
         placement = placement or resolve(config)
         self._worker = Worker(job, config, placement, 0, 0, group=group_of_one(config), hooks=self._hooks)
 

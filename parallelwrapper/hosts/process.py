@@ -26,16 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from ..checkpoint import make_checkpointer
 from ..claims import StoreCounter, source_for
 from ..config import Config
-from ..env import Placement, collective_timeout
+from ..env import Placement, claim_device, collective_timeout
 from ..feed import Item, QueueSource, Taking
 from ..job import Job
 from ..processes import adopt_environment, main_process_gone
 from ..slots import SlotReader
-from ..types import BatchSource, CheckpointWriter, EpochEnd, FitCommand, Hooks, Phase, Report, RoundObserver, Stopped, WorkerError
-from .runtime import Worker, claim_device, stage_worker, summary
+from ..types import EpochEnd, FitCommand, Hooks, Phase, Report, RoundObserver, Stopped, WorkerError
+from .runtime import Worker, summary
 from .supervisor import Message, ProgressBoard
 
 # What the main process puts on a worker's command queue, in this order: to a standby, the rank it
@@ -54,8 +53,8 @@ class _SpawnedHooks(Hooks):
     """Progress on the shared board (the supervisor's stall watchdog reads it); a stop when the
     main process sets the shared event (Ctrl-C)."""
 
-    def __init__(self, board: ProgressBoard, rank: int, stop: Event, checkpointer: CheckpointWriter | None) -> None:
-        super().__init__(checkpointer)
+    def __init__(self, board: ProgressBoard, rank: int, stop: Event) -> None:
+        super().__init__()
         self._board, self._rank, self._stop = board, rank, stop
 
     def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
@@ -148,10 +147,9 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
 
         if joins:  # the first group, under a prefix of its own: a replacement's regroups form later generations
             join(PrefixStore("generation-0", store), collective_timeout(config))
-        job = _unpickle_job(cast(torch.Tensor, _get(c.commands)))  # the second
-        hooks = _SpawnedHooks(c.board, rank, c.stop, make_checkpointer(config, job, world))
-        worker, relay = (Worker(job, config, placement, rank, rank, hooks=hooks, own_model=True), _as_is) if config.pipeline is None else stage_worker(job, config, placement, rank, rank, hooks, True)
-        del job  # a stage's process holds its own layers only
+        hooks = _SpawnedHooks(c.board, rank, c.stop)
+        # The job is the second command; the worker keeps what it trains of it (a stage's process, its own layers only).
+        worker = Worker(_unpickle_job(cast(torch.Tensor, _get(c.commands))), config, placement, rank, rank, hooks=hooks, own_model=True)
         me = worker.rank  # the worker this process is (one of its stages, with a pipeline)
         failover = c.failover
         source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), c.abort, None if failover is None else failover.taking(rank))
@@ -168,7 +166,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
                 command = None
                 counters = fit.counters
                 counter = None if fit.claims is None else StoreCounter(store, fit.claims)
-                fed = relay(source if fit.shards is None else source_for(fit.shards, me, world, counters, fit.until_epoch, counter))
+                fed = source if fit.shards is None else source_for(fit.shards, me, world, counters, fit.until_epoch, counter)
                 until_epoch = worker.start(fit)
                 if survivor is not None:
                     survivor.started()
@@ -205,10 +203,6 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _as_is(source: BatchSource) -> BatchSource:
-    return source
 
 
 def _unpickle_job(payload: torch.Tensor) -> Job:

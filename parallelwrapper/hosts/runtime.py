@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from .. import pipeline
-from ..checkpoint import rng_state, set_rng_state
+from ..checkpoint import make_checkpointer, rng_state, set_rng_state
 from ..config import Config
-from ..env import Placement, deterministic_kernels
+from ..env import Placement
 from ..feed import FeedError
 from ..job import Job
 from ..rounds import Lockstep
-from ..types import BatchSource, CheckpointWriter, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, WorkerError
+from ..types import BatchSource, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, WorkerError
 from ..worker import Replica
 
 _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
@@ -47,53 +47,47 @@ _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback
 _REPEAT_S = 2.0
 
 
-def claim_device(placement: Placement, local_rank: int, deterministic: bool = False) -> torch.device:
-    """This process's device, made the current CUDA device when it is one: before the process
-    group starts, so that NCCL's communicator and every later allocation use it. `deterministic`
-    (`.deterministic(True)`) on a GPU asks for deterministic kernels too, before cuBLAS starts:
-    cuDNN's convolutions and cuBLAS's reductions vary from run to run otherwise (a resumed run
-    on an H200 ended apart from the uninterrupted one); torch warns of an op that has none."""
-    device = placement.device(local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if deterministic:
-            deterministic_kernels()
-    return device
-
-
 class Worker:
-    """One worker under any host: its replica, RNG stream and threads."""
+    """One worker under any host: its replica, RNG stream and threads, its checkpoints, and with a
+    pipeline the stage of it that this process is (pipeline/, asked once)."""
 
     def __init__(
         self,
         job: Job,
         config: Config,
         placement: Placement,
-        rank: int,
+        process: int,
         local_rank: int,
         *,
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
         lockstep: Lockstep | None = None,
         own_model: bool = False,
-        make_replica: Callable[..., Replica] = Replica,
-        stage: int | None = None,
-        process: int | None = None,
     ) -> None:
-        """`own_model`: `job.model` is this worker's alone (a spawned worker unpickled it), so it
-        trains that one instead of a copy; elsewhere it is the user's, which the wrapper holds.
-        `make_replica`, `stage` and `process`: a pipeline's stage (pipeline.plan), named in
-        errors, and the process of the group it is (a checkpoint's own states go by process)."""
-        self.rank, self.stage, self._threads = rank, stage, placement.threads
-        self.process = rank if process is None else process
+        """Process `process` of the group: worker `process`, or with a pipeline a stage of worker
+        `process // S` (a checkpoint's own states go by process). `own_model`: `job.model` is this
+        worker's alone (a spawned worker unpickled it), so it trains that one instead of a copy;
+        elsewhere it is the user's, which the wrapper holds. `hooks` get the checkpointer
+        `.checkpoint(directory)` asks for."""
+        self.process, self._threads = process, placement.threads
+        hooks = hooks or Hooks()
+        hooks.checkpointer = make_checkpointer(config, job, placement.world_size)  # of the whole model
+        make_replica: Callable[..., Replica] = Replica
+        if config.pipeline is None:
+            self.rank, self.stage = process, None
+            self._relay: Callable[[BatchSource], BatchSource] | None = None
+        else:  # its layers, their optimizer, its groups, and the batches its pipeline's first stage relays
+            plan = pipeline.plan(job, config, placement.world_size, process)
+            job, group, make_replica = plan.job, plan.group, plan.make_replica
+            self.rank, self.stage, self._relay = plan.worker, plan.stage, plan.relay
         device = placement.device(local_rank)
         model = (job.model if own_model else copy.deepcopy(job.model)).to(device)
         self.replica = make_replica(
-            model, job, config, device, rank, placement.world_size,
+            model, job, config, device, self.rank, placement.world_size,
             group=group, hooks=hooks, lockstep=lockstep,
         )  # fmt: skip
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed + rank)
+            torch.manual_seed(config.seed + self.rank)
             self._rng = rng_state()
 
     def own_state(self) -> StateDict:
@@ -125,11 +119,13 @@ class Worker:
 
     def train(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """A fit's second half: train from the state `start` loaded to the end of epoch
-        `until_epoch - 1`. A stop (Stopped) and the data's own errors (FeedError) pass through;
-        any other failure is a WorkerError."""
+        `until_epoch - 1` on the batches of `source`, the worker's (with a pipeline, those its
+        first stage takes from it and relays). A stop (Stopped) and the data's own errors
+        (FeedError) pass through; any other failure is a WorkerError."""
+        fed = source if self._relay is None else self._relay(source)
         with self._own_threads_and_rng():
             try:
-                self.replica.fit(until_epoch, source, report)
+                self.replica.fit(until_epoch, fed, report)
             except (Stopped, FeedError):
                 raise
             except Exception as e:  # noqa: BLE001 - any failure is a WorkerError, whose message holds e's traceback: from None prints it once
@@ -151,16 +147,6 @@ class Worker:
             self._rng = rng_state()
             set_rng_state(caller_rng)
             torch.set_num_threads(threads)
-
-
-def stage_worker(job: Job, config: Config, placement: Placement, process: int, local_rank: int, hooks: Hooks, own_model: bool) -> tuple[Worker, Callable[[BatchSource], BatchSource]]:
-    """The worker of a pipeline's stage (pipeline/) in process `process` of the group: its
-    layers, their optimizer, its groups; and what makes the batches it trains on of the source
-    its worker reads: the batches its pipeline's first stage takes from it and relays."""
-    stage = pipeline.plan(job, config, placement.world_size, process)
-    worker = Worker(stage.job, config, placement, stage.worker, local_rank, group=stage.group, hooks=hooks, own_model=own_model,
-                    make_replica=stage.make_replica, stage=stage.stage, process=process)  # fmt: skip
-    return worker, stage.relay
 
 
 def one_traceback(error: BaseException) -> str:
@@ -197,8 +183,8 @@ class SignalHooks(Hooks):
     """Hooks of a worker in a process that the user signals directly (in-process, torchrun): the
     first signal asks for a stop after the round in flight, which is then checkpointed."""
 
-    def __init__(self, checkpointer: CheckpointWriter | None = None) -> None:
-        super().__init__(checkpointer)
+    def __init__(self) -> None:
+        super().__init__()
         self.signalled: int | None = None  # the signal that asked for the stop
 
     def stop_requested(self) -> bool:

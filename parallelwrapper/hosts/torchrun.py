@@ -20,7 +20,6 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,15 +27,15 @@ from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[
 
 from .. import hierarchy
 from ..batches import map_leaves
-from ..checkpoint import make_checkpointer, path_of
+from ..checkpoint import path_of
 from ..claims import StoreCounter, claimed, source_for
 from ..config import Config
-from ..env import Placement, TorchrunEnv, collective_timeout
+from ..env import Placement, TorchrunEnv, claim_device, collective_timeout
 from ..feed import Batches
 from ..job import Job
 from ..types import BatchSource, FitCommand, Reporter, TrainingState, WorkerError
 from .heartbeat import Heartbeat
-from .runtime import SignalHooks, Worker, claim_device, stage_worker, stop_on_signals
+from .runtime import SignalHooks, Worker, stop_on_signals
 
 _KEYS = "parallelwrapper"
 _PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")  # gloo's words for a peer's closed sockets
@@ -143,14 +142,11 @@ class TorchrunWorker:
             self.resume_point = config.checkpoint_dir if resume else None
             if env.world_size > 1:  # alone, there is no peer to lose
                 self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout)
-        self._hooks = SignalHooks(make_checkpointer(config, job, placement.world_size))
+        self._hooks = SignalHooks()
         self._job, self._workers = job, placement.world_size
-        if config.pipeline is None:
-            group, node = hierarchy.join(config, env.rank, env.world_size, env.local_world_size)  # with .hierarchy("node")
-            self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, lockstep=node)
-            self._relay: Callable[[BatchSource], BatchSource] | None = None
-        else:  # this rank is stage rank % S of worker rank // S: a pipeline's ranks are on one node
-            self._worker, self._relay = stage_worker(job, config, placement, env.rank, env.local_rank, self._hooks, False)
+        # with .hierarchy("node"); with a pipeline, this rank is stage rank % S of worker rank // S, whose ranks are on one node
+        group, node = hierarchy.join(config, env.rank, env.world_size, env.local_world_size) if config.pipeline is None else (None, None)
+        self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, lockstep=node)
         self._started = False  # whether a fit() has made every rank's state rank 0's
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
@@ -162,8 +158,6 @@ class TorchrunWorker:
         self._fits += 1  # every rank counts its fits alike: the key of this fit's claims
         counter = None if self._claims is None else StoreCounter(self._claims, f"fit-{self._fits}")
         source: BatchSource = source_for(data, self._worker.rank, self._workers, counters, command.until_epoch, counter)
-        if self._relay is not None:
-            source = self._relay(source)
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):
             try:
                 until_epoch = self._worker.start(command)

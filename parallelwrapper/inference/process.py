@@ -28,8 +28,8 @@ from typing import Literal, TypeVar, cast
 
 import torch
 
-from ..env import Placement
-from ..hosts.runtime import claim_device, summary
+from ..env import Placement, claim_device
+from ..hosts.runtime import summary
 from ..processes import adopt_environment, main_process_gone
 from ..slots import Mappings
 from .requests import NOT_A_TENSOR

@@ -6,7 +6,7 @@ Stage s holds only its layers and their optimizer state.
 - stage.py is a stage's process-side: its groups, the batches it takes, its schedule step.
 
 The round protocol is unchanged: stage s of every worker averages its own state with the others'
-stage s, in a group of its own, every k steps (hosts/process.py wires a stage's worker), with
+stage s, in a group of its own, every k steps (hosts/runtime.py's Worker asks `plan` for its stage), with
 overlap and an outer optimizer over the stage's parameters as without a pipeline.
 Hosts ask this package two things, and name none of its classes: `check` (at build(): can the
 model be cut as asked) and `plan` (in a stage's process: what its worker trains, in which groups,
@@ -53,9 +53,9 @@ def plan(job: Job, config: Config, world_size: int, process: int) -> StagePlan:
     assert config.pipeline is not None
     spec = config.pipeline
     position = Position.of(process, spec.stages)
-    group, pipe = join_groups(position, world_size)
     whole = Layout.of(job.model, job.make_optimizer(job.model))
     part = dataclasses.replace(job, model=stage_module(job.model, spec, position.stage))
+    group, pipe = join_groups(position, world_size)
     make = functools.partial(StageReplica, position=position, pipe=pipe, whole=whole)
     return StagePlan(part, make, position.worker, position.stage, group, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe))
 
