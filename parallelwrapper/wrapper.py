@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, pipeline
+from . import checkpoint, pipeline, replacement
 from .autopilot import levers
 from .config import Config, refuse
 from .env import Placement, resolve, torchrun_env
@@ -168,7 +168,7 @@ class ParallelWrapper:
 
         try:
             if self._pool is None:
-                self._pool = start_host(self.config, self._job, self.placement)
+                self._pool = start_host(self.config, self._job, self.placement, replacement.replacer)
             state = self._pool.fit(self._command(until_epoch, rng, start), data, on_report)  # held by no name here
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
@@ -214,7 +214,7 @@ class ParallelWrapper:
         the last checkpoint, with `.checkpoint(dir)` and `.auto_resume()`: joining the group says so."""
         if not (self.placement.torchrun and self.config.checkpoint_dir and self.config.auto_resume and self._pool is None):
             return None
-        host = start_host(self.config, self._job, self.placement)
+        host = start_host(self.config, self._job, self.placement, replacement.replacer)
         self._pool = host
         return host.resume_point if isinstance(host, TorchrunWorker) else None
 

@@ -16,7 +16,7 @@ from ..feed import Batches
 from ..job import Job
 from ..types import FitCommand, Reporter, TrainingState
 from .inprocess import InProcessWorker
-from .spawned import WorkerPool
+from .spawned import ReplacingFactory, WorkerPool
 from .torchrun import TorchrunWorker
 
 
@@ -31,13 +31,14 @@ class Host(Protocol):
     def kill(self) -> None: ...
 
 
-def start_host(config: Config, job: Job, placement: Placement) -> Host:
-    """The host the placement calls for."""
+def start_host(config: Config, job: Job, placement: Placement, replacing: ReplacingFactory | None = None) -> Host:
+    """The host the placement calls for; spawned workers replace a lost one with `replacing`
+    (the replacement feature's factory, which hosts do not import)."""
     if placement.torchrun is not None:
         return TorchrunWorker(config, job, placement)
     if placement.in_process:
         return InProcessWorker(config, job, placement)
-    return WorkerPool(config, job, placement)
+    return WorkerPool(config, job, placement, replacing)
 
 
 __all__ = ["Host", "InProcessWorker", "TorchrunWorker", "WorkerPool", "start_host"]

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Protocol, cast
@@ -22,7 +23,6 @@ from typing import Protocol, cast
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from .. import replacement
 from ..claims import claimed
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
@@ -31,9 +31,9 @@ from ..job import Job
 from ..pipeline import joined_state
 from ..processes import worker_context
 from ..slots import SlotWriter
-from ..types import FitCommand, Reporter, TrainingState, WorkerError
+from ..types import FitCommand, Report, Reporter, TrainingState, WorkerError
 from .jobs import shared_pickle as _shared_pickle
-from .process import Channels, Command, worker_entry
+from .process import Channels, Command, Failover, worker_entry
 from .supervisor import Message, ProgressBoard, Supervisor
 
 _START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
@@ -49,10 +49,45 @@ class _Closes(Protocol):
     def close(self) -> None: ...
 
 
+class Replacing(Protocol):
+    """A feature's side in the main process that replaces a lost worker (replacement/): the pool
+    asks it this, and names none of its classes."""
+
+    @property
+    def slots(self) -> int:
+        """The slots its workers hold beyond the prefetched ones."""
+        ...
+
+    @property
+    def worker_side(self) -> Failover:
+        """What each worker's process is given."""
+        ...
+
+    def started(self) -> None: ...
+
+    def fit_starts(self, start: float) -> None: ...
+
+    def passes(self, rank: int, report: Report) -> bool: ...
+
+    def call_away(self) -> None: ...
+
+    def replace(
+        self, error: WorkerError, feeder: Feeder, until_epoch: int, supervisor: Supervisor, pass_on: Callable[[Message], object], on_report: Reporter
+    ) -> None: ...
+
+
+# How the pool gets its Replacing, or None (replacement.replacer, which the wrapper hands down):
+# (config, placement, ctx, *, store, queues, free_slots, abort, board, processes, commands,
+# standby, put_down, occupy).
+ReplacingFactory = Callable[..., Replacing | None]
+
+
 class WorkerPool:
     """N spawned workers, their queues and their supervision."""
 
-    def __init__(self, config: Config, job: Job, placement: Placement | None = None) -> None:
+    def __init__(self, config: Config, job: Job, placement: Placement | None = None, replacing: ReplacingFactory | None = None) -> None:
+        """`replacing`: the replacement feature's factory, asked when `config` replaces a lost
+        worker (the wrapper hands `replacement.replacer` down; without it a loss ends the fit)."""
         self.config = config
         self._placement = placement = placement or resolve(config)
         n = placement.world_size
@@ -92,7 +127,7 @@ class WorkerPool:
         # a rank that a replacement gives a fresh process (`_occupy`).
         self._standby: tuple[BaseProcess, Queue[Command]] | None = None
         # With on_worker_failure("replace"): its side in this process (replacement/).
-        self._replacer = replacement.replacer(
+        self._replacer = None if replacing is None else replacing(
             config, placement, ctx, store=self._store, queues=self.data_queues, free_slots=self._free_slots, abort=self._abort,
             board=self._board, processes=self._processes, commands=self._commands,
             standby=self._spawn_standby, put_down=self._put_down, occupy=self._occupy,

@@ -7,8 +7,9 @@ On a loss the main process puts the lost round's batches back in the queues (ref
 process takes the lost rank, and every worker forms a new process group (regroup.py) and redoes
 the round from the survivor's copy (replacer.py); docs/design.md, "A lost worker, replaced".
 
-The spawned host asks this package two things, and names none of its classes:
-- in the main process, `replacer`: None, or the side that sizes the slots its workers keep,
+The spawned host asks this package two things, and neither imports it nor names its classes (the
+wrapper hands it `replacer`):
+- in the main process, `replacer`: None, or the side (hosts/spawned.py's Replacing) that sizes the slots its workers keep,
   gives each worker's process its share (`worker_side`), hears which reports go on (`passes`),
   calls the workers away at a failure (`call_away`) and replaces the lost worker (`replace`);
 - in a worker's process, that share's `taking` (what records the worker's takes from its queue)
