@@ -22,6 +22,8 @@ import torch.multiprocessing as mp
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext  # not on Windows
 
+START_TIMEOUT_S = 180.0  # the most a worker process takes to start: importing torch in a fresh process on a loaded 2-core machine is slow
+
 # What the forkserver imports before it forks a worker: both workers' code (torch with it), and
 # torch._dynamo, which making any torch optimizer imports (a second, in every worker).
 _PRELOAD = ["parallelwrapper.hosts.process", "parallelwrapper.inference.process", "torch._dynamo"]

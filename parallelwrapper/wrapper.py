@@ -168,7 +168,7 @@ class ParallelWrapper:
 
         try:
             if self._pool is None:
-                self._pool = start_host(self.config, self._job, self.placement, replacement.replacer)
+                self._pool = self._start_host()
             state = self._pool.fit(self._command(until_epoch, rng, start), data, on_report)  # held by no name here
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
@@ -209,12 +209,16 @@ class ParallelWrapper:
         spawned = self.placement.torchrun is None and not self.placement.in_process
         return FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.shipped() if spawned else self._parts.state(), rng, start)
 
+    def _start_host(self) -> Host:
+        """The host the placement calls for, with the features it asks of the wrapper (replacement)."""
+        return start_host(self.config, self._job, self.placement, replacement.replacer(self.config))
+
     def _auto_resume(self) -> str | None:
         """Under torchrun, a group that torchrun restarted (--max-restarts) resumes its first fit() from
         the last checkpoint, with `.checkpoint(dir)` and `.auto_resume()`: joining the group says so."""
         if not (self.placement.torchrun and self.config.checkpoint_dir and self.config.auto_resume and self._pool is None):
             return None
-        host = start_host(self.config, self._job, self.placement, replacement.replacer)
+        host = self._start_host()
         self._pool = host
         return host.resume_point if isinstance(host, TorchrunWorker) else None
 

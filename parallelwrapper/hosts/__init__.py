@@ -32,8 +32,8 @@ class Host(Protocol):
 
 
 def start_host(config: Config, job: Job, placement: Placement, replacing: ReplacingFactory | None = None) -> Host:
-    """The host the placement calls for; spawned workers replace a lost one with `replacing`
-    (the replacement feature's factory, which hosts do not import)."""
+    """The host the placement calls for; spawned workers replace a lost one with what `replacing`
+    makes (the replacement feature's side, which hosts do not import)."""
     if placement.torchrun is not None:
         return TorchrunWorker(config, job, placement)
     if placement.in_process:

@@ -29,14 +29,13 @@ from ..env import Placement, collective_timeout, resolve
 from ..feed import Batches, Feeder, Item, drain, shardable, shards_of
 from ..job import Job
 from ..pipeline import joined_state
-from ..processes import worker_context
+from ..processes import START_TIMEOUT_S, worker_context
 from ..slots import SlotWriter
 from ..types import FitCommand, Report, Reporter, TrainingState, WorkerError
 from .jobs import shared_pickle as _shared_pickle
 from .process import Channels, Command, Failover, worker_entry
 from .supervisor import Message, ProgressBoard, Supervisor
 
-_START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
 
@@ -76,18 +75,18 @@ class Replacing(Protocol):
     ) -> None: ...
 
 
-# How the pool gets its Replacing, or None (replacement.replacer, which the wrapper hands down):
+# How the pool makes its Replacing (what replacement.replacer gives, which the wrapper hands down):
 # (config, placement, ctx, *, store, queues, free_slots, abort, board, processes, commands,
 # standby, put_down, occupy).
-ReplacingFactory = Callable[..., Replacing | None]
+ReplacingFactory = Callable[..., Replacing]
 
 
 class WorkerPool:
     """N spawned workers, their queues and their supervision."""
 
     def __init__(self, config: Config, job: Job, placement: Placement | None = None, replacing: ReplacingFactory | None = None) -> None:
-        """`replacing`: the replacement feature's factory, asked when `config` replaces a lost
-        worker (the wrapper hands `replacement.replacer` down; without it a loss ends the fit)."""
+        """`replacing`: what makes the replacement feature's side, when `config` replaces a lost
+        worker (the wrapper hands down `replacement.replacer(config)`; without it a loss ends the fit)."""
         self.config = config
         self._placement = placement = placement or resolve(config)
         n = placement.world_size
@@ -142,7 +141,7 @@ class WorkerPool:
                 self._spawn(rank, joins=True)
             if self._replacer is not None:
                 self._replacer.started()
-            self._supervisor.gather("ready", set(range(processes)), _START_TIMEOUT_S, lambda message: None, "starting")
+            self._supervisor.gather("ready", set(range(processes)), START_TIMEOUT_S, lambda message: None, "starting")
             if self._replacer is None:
                 self._job = None  # every worker has unpickled it
         except BaseException:

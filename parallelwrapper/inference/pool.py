@@ -27,13 +27,12 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from ..env import Placement
-from ..processes import exit_message, worker_context
+from ..processes import START_TIMEOUT_S, exit_message, worker_context
 from ..slots import Segments
 from .process import Batch, Model, Order, Reply, serve, view
 from .requests import Request
 
 DEPTH = 2  # batches a worker holds at once: the one it runs and the next
-_START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 _JOIN_TIMEOUT_S = 10.0
 
 
@@ -123,11 +122,11 @@ class Pool:
 
     def await_ready(self) -> None:
         """Wait until every worker is built; a ValueError naming the first that could not be."""
-        deadline = time.monotonic() + _START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_S
         while not all(w.ready or w.lost for w in self.workers):
             if time.monotonic() > deadline:
                 slow = next(w for w in self.workers if not (w.ready or w.lost))
-                raise ValueError(f"{slow} did not start within {_START_TIMEOUT_S:.0f} s; is the machine overloaded?")
+                raise ValueError(f"{slow} did not start within {START_TIMEOUT_S:.0f} s; is the machine overloaded?")
             for w, message in self.receive(1.0):
                 if message is None:
                     self.died(w, "starting")

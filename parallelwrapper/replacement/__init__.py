@@ -8,8 +8,8 @@ process takes the lost rank, and every worker forms a new process group (regroup
 the round from the survivor's copy (replacer.py); docs/design.md, "A lost worker, replaced".
 
 The spawned host asks this package two things, and neither imports it nor names its classes (the
-wrapper hands it `replacer`):
-- in the main process, `replacer`: None, or the side (hosts/spawned.py's Replacing) that sizes the slots its workers keep,
+wrapper hands it what `replacer(config)` gives):
+- in the main process, what `replacer` makes: the side (hosts/spawned.py's Replacing) that sizes the slots its workers keep,
   gives each worker's process its share (`worker_side`), hears which reports go on (`passes`),
   calls the workers away at a failure (`call_away`) and replaces the lost worker (`replace`);
 - in a worker's process, that share's `taking` (what records the worker's takes from its queue)
@@ -20,45 +20,14 @@ wrapper hands it `replacer`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from multiprocessing.context import BaseContext
-from multiprocessing.process import BaseProcess
-from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Event
-
-from torch.distributed import Store  # type: ignore[attr-defined]
-
 from ..config import Config
-from ..env import Placement, collective_timeout
-from ..feed import Item
-from ..hosts.supervisor import ProgressBoard
-from .replacer import Commands, Replacer
+from .replacer import Replacer
 
 
-def replacer(
-    config: Config,
-    placement: Placement,
-    ctx: BaseContext,
-    *,
-    store: Store,
-    queues: Sequence[Queue[Item]],
-    free_slots: Queue[int],
-    abort: Event,
-    board: ProgressBoard,
-    processes: Sequence[BaseProcess],
-    commands: Sequence[Commands],
-    standby: Callable[[], None],
-    put_down: Callable[[int], None],
-    occupy: Callable[[int], None],
-) -> Replacer | None:
-    """The main process's side of replacement for a pool of spawned workers (Replacer's
-    arguments), or None when `config` does not replace a lost worker."""
-    if config.on_worker_failure != "replace":
-        return None
-    return Replacer(
-        config, placement, ctx, collective_timeout(config), store=store, queues=queues, free_slots=free_slots, abort=abort,
-        board=board, processes=processes, commands=commands, standby=standby, put_down=put_down, occupy=occupy,
-    )  # fmt: skip
+def replacer(config: Config) -> type[Replacer] | None:
+    """What makes the main process's side of replacement for a pool of spawned workers (Replacer,
+    called with the pool's own parts), or None when `config` does not replace a lost worker."""
+    return Replacer if config.on_worker_failure == "replace" else None
 
 
 __all__ = ["replacer"]

@@ -21,7 +21,6 @@ starts over from step 1 with the members still alive, each loss counted against 
 
 from __future__ import annotations
 
-import datetime
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -34,16 +33,15 @@ from typing import Protocol
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from ..config import Config
-from ..env import Placement
+from ..env import Placement, collective_timeout
 from ..feed import CallAway, Feeder, Item
 from ..hosts.supervisor import Message, ProgressBoard, Supervisor
+from ..processes import START_TIMEOUT_S
 from ..types import Counters, EpochEnd, Phase, Replacement, Report, Reporter, WorkerError
 from .keeper import WorkerSide
 from .ledger import Ledger
 from .refeed import refeed
 from .regroup import Regroup, abandon
-
-_START_TIMEOUT_S = 180.0  # importing torch in a fresh process on a loaded 2-core machine is slow
 
 
 class Commands(Protocol):
@@ -66,7 +64,6 @@ class Replacer:
         config: Config,
         placement: Placement,
         ctx: BaseContext,
-        timeout: datetime.timedelta,
         *,
         store: Store,
         queues: Sequence[Queue[Item]],
@@ -96,7 +93,7 @@ class Replacer:
         k, in_flight = config.averaging_frequency, 2 if config.overlap_averaging else 1
         self.slots = n * (in_flight * k + 1)  # the slots its workers hold beyond the prefetched ones
         ledgers = [Ledger(ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)]
-        self.worker_side = WorkerSide(ledgers, placement.processes, timeout)  # what each worker's process is given
+        self.worker_side = WorkerSide(ledgers, placement.processes, collective_timeout(config))  # what each worker's process is given
         self._account = Account(config.max_replacements)
         self._generation = 0
         self._start = 0.0  # when the fit() began (FitCommand.start): a replacement's record counts seconds from it
@@ -193,7 +190,7 @@ class Replacer:
             parked = {}  # from here, a loss parks every member again
             feeder.resume(front)
             try:
-                supervisor.gather("ready", starting, _START_TIMEOUT_S, on_other, "starting", pid=True, got=ready)
+                supervisor.gather("ready", starting, START_TIMEOUT_S, on_other, "starting", pid=True, got=ready)
             except WorkerError as again:
                 error = again
                 continue
@@ -254,8 +251,6 @@ def newest(parked: dict[int, tuple[int, Counters] | None], lost: Sequence[Worker
     source = max(kept, key=lambda r: (kept[r][0], -r))
     seq, counters = kept[source]
     return source, seq, counters
-
-
 
 
 __all__ = ["Account", "Commands", "Replacer", "newest"]
