@@ -298,21 +298,18 @@ class Pilot:
                     self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
                 return self._steer(before + w, step, rung)
             self._trial = None
-        if not self._done and need <= enough:
-            more = self._more_bytes(now.rung, x, step, sizes)
-            if more is not None:
-                self._trial, guess = here, x * more.bytes(sizes) / now.rung.bytes(sizes)
-                self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: {more} would take about {guess:.3g} s "
-                             f"by its bytes and need k = {self._need(guess, step):.0f} at most {enough}")
-                return self._steer(guess + w, step, more)
-        if not self._done and need > enough:
-            fewer = self._fewer_bytes(now.rung, x, step, sizes)
-            if fewer is not None:
-                self._trial, guess = here, x * fewer.bytes(sizes) / now.rung.bytes(sizes)
-                self._why = (f"an exchange takes {x:.3g} s and a step {step:.3g} s: {now.rung} would need k = {need:.0f} "
-                             f"to keep exchanges under {self.spec.exchange_share:.2g} of the time (more than {enough}); "
-                             f"trying {fewer}, about {guess:.3g} s by its bytes")
-                return self._steer(guess + w, step, fewer)
+        other = None
+        if not self._done:  # up where this rung fits, down where it does not
+            other = self._more_bytes(now.rung, x, step, sizes) if need <= enough else self._fewer_bytes(now.rung, x, step, sizes)
+        if other is not None:  # tried at once
+            self._trial, guess = here, x * other.bytes(sizes) / now.rung.bytes(sizes)
+            measured = f"an exchange takes {x:.3g} s and a step {step:.3g} s: "
+            if need <= enough:
+                self._why = measured + f"{other} would take about {guess:.3g} s by its bytes and need k = {self._need(guess, step):.0f} at most {enough}"
+            else:
+                self._why = measured + (f"{now.rung} would need k = {need:.0f} to keep exchanges under {self.spec.exchange_share:.2g} "
+                                        f"of the time (more than {enough}); trying {other}, about {guess:.3g} s by its bytes")
+            return self._steer(guess + w, step, other)
         if self._k_for(x + w, step) == now.k:
             return now
         self._why = f"an exchange takes {x:.3g} s after {w:.3g} s waiting for the others, and a step {step:.3g} s"
