@@ -26,21 +26,25 @@ utilization 1.08-1.92x off the analytic model). k falls again only when 0.7 of i
 the noise of a few rounds does not move it up and down.
 Before any measure it runs the middle of its bounds (`Autopilot.k_start`, 8 for 1..64): the
 exchanges that come before the first measure cost the same whatever k is. And it sends the fewest
-float32 bytes (`Autopilot.start`: the parameters alone), which no codec slows: from the first
-measure it climbs to the float32 rung that sends the most while its estimate keeps k at half of
-k_max or below (the optimizer's state every round on a fast link), and goes back to stay if the
-rung's measure does not fit after all.
+bytes it may (`Autopilot.start`: int8, the parameters alone): on a slow link the rounds before the
+first decision cost most, and on a fast one a codec's few milliseconds a round cost least. From the
+first measure it climbs to the rung that sends the most while its estimate keeps k at half of k_max
+or below (float32 with the optimizer's state every round on a fast link), and goes back to stay if
+the rung's measure does not fit after all.
 
 Where the link alone would need k above half of k_max, it takes bytes off before it lengthens the
 round further (a longer round costs loss per step, fewer bytes little: docs/guides/autopilot.md).
 A rung is a payload (float32, bfloat16, int8) with every how many rounds the optimizer's state
 travels (1, 2, 4: DES-LOC, arXiv 2505.22549, Adam's moments less often than the parameters at
-equal loss; or never). Each rung's bytes follow from the model's sizes, so an exchange measured at
-one rung estimates the others' (x · bytes / bytes now). It tries at once the rung that sends the
-most while its estimate keeps k at half of k_max or below, else the one that sends least; a rung
-tried is kept only if its measured exchange is 10% faster than the rung before it; else the
-autopilot goes back to that one and stops there: fewer bits win only where the link is slower
-than the codec (on loopback an int8 round costs about what float32's does, benchmarks/README.md).
+equal loss; or never). Each rung's bytes follow from the model's sizes, and an exchange is measured
+in two parts: the codec's seconds (encoding and decoding, compute) and the rest (the link's), so an
+exchange measured at one rung estimates another's: the link's part times the bytes' ratio, plus the
+codec's part times the elements' ratio for a coded payload (none for float32). It tries at once the
+rung that sends the most while its estimate keeps k at half of k_max or below, else the one that
+sends least; a rung tried with fewer bytes is kept only if its measured exchange is 10% faster than
+the rung before it, one with more bytes only if its measure still fits; else the autopilot goes
+back to that one and stops there: fewer bits win only where the link is slower than the codec (on
+loopback an int8 round costs about what float32's does, benchmarks/README.md).
 
 Every rank makes the same choice: rank 0 decides after each landed round, and its decision rides
 in the next round's header (the others send zeros), so every rank applies it when that round
@@ -61,7 +65,7 @@ UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state tr
 BITS = {"float32": 32, "bfloat16": 16, "int8": 8}
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
-PILOT_LEN = 7  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange and waiting before it, rank 0's decision, the choice in force
+PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange, in its codec and waiting before it, rank 0's decision, the choice in force
 
 
 @dataclass(frozen=True)
@@ -102,14 +106,13 @@ class Autopilot:
 
     @property
     def start(self) -> Rung:
-        """The rung of its first rounds, before anything is measured: its first payload (float32,
-        no codec to pay for, where it may choose it) with the fewest bytes that payload may send
-        (the parameters alone, where it may choose that). It climbs to more bytes once a measure
-        says they fit, and steps down to fewer where they do not: the rounds before the first
-        measure cost least (a float32 round with AdamW's state sends 3x the parameters' bytes:
-        at 50 Mbit/s, 13.7 s against about 4.5 s, docs/guides/autopilot.md)."""
-        first = [r for r in self.rungs if r.payload == self.payloads[0]]
-        return min(first, key=lambda r: (r.updaters_every != 0, -r.updaters_every))
+        """The rung of its first rounds, before anything is measured: the fewest bits it may send
+        (int8), with the fewest of the optimizer's state (the parameters alone, else its longest
+        period). The rounds before the first measure then cost least: at 10 Mbit/s a float32 round
+        of a 6M-parameter model's parameters took 22 s, int8's about 6 s, and on a fast link int8
+        costs its codec's few milliseconds a round (docs/guides/autopilot.md). It climbs to more
+        bytes once a measure says they fit."""
+        return min(self.rungs, key=lambda r: (BITS[r.payload], r.updaters_every != 0, -r.updaters_every))
 
     def check_payloads(self, names: Sequence[str]) -> None:
         """A ValueError unless every payload it may choose is one of `names` (config.PAYLOAD_DTYPES)."""
@@ -142,10 +145,21 @@ class Rung:
         """This rung with k local steps a round."""
         return Choice(k, self.payload, self.updaters_every)
 
+    def elements(self, sizes: Sizes) -> float:
+        """Numbers a worker sends a round on average, for a model of `sizes`."""
+        share = 1 / self.updaters_every if self.updaters_every else 0.0
+        return sizes.parameters + share * sizes.state
+
     def bytes(self, sizes: Sizes) -> float:
         """Bytes a worker sends a round on average, for a model of `sizes`."""
-        share = 1 / self.updaters_every if self.updaters_every else 0.0
-        return (sizes.parameters + share * sizes.state) * BITS[self.payload] / 8
+        return self.elements(sizes) * BITS[self.payload] / 8
+
+    def estimate(self, other: Rung, link_s: float, codec_s: float, sizes: Sizes) -> float:
+        """The seconds an exchange of `other` would take, where one of this rung takes `link_s` on
+        the link and `codec_s` in its codec: the link's part follows the bytes, the codec's the
+        numbers it codes (float32 has none)."""
+        coded = codec_s * other.elements(sizes) / self.elements(sizes) if other.payload != "float32" else 0.0
+        return link_s * other.bytes(sizes) / self.bytes(sizes) + coded
 
 
 @dataclass(frozen=True)
@@ -197,6 +211,7 @@ class PilotState(TypedDict):
     step: tuple[float, int]  # a _Mean's (value, count)
     wait: tuple[float, int]
     links: dict[int, tuple[float, int]]
+    codecs: dict[int, tuple[float, int]]
     trial: int | None
     done: bool
     changes: list[tuple[int, ChoiceFields, str]]  # (round, choice, why)
@@ -238,24 +253,25 @@ class Pilot:
         self._step = _Mean()
         self._wait = _Mean()  # seconds a worker waits for the others before an exchange, at the k in force
         self._links: dict[int, _Mean] = {}  # by rung index: seconds per exchange
+        self._codecs: dict[int, _Mean] = {}  # by rung index: of those, seconds in the codec
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
         self._done = False  # a rung tried did not pay: the search for a rung is over
 
-    def header(self, compute_s: float, exchange_s: float, waited_s: float, decides: bool) -> list[float]:
-        """This worker's part of a round's header: its local work's seconds, its last exchange's
-        and its wait for the others before it (0 when that exchange built coded buffers, or none
-        was in this fit: no fair measure); from the rank that `decides` (rank 0), the decision
-        every rank applies when the round lands; and the choice it runs the round with, which
-        every worker's must equal."""
+    def header(self, compute_s: float, exchange_s: float, codec_s: float, waited_s: float, decides: bool) -> list[float]:
+        """This worker's part of a round's header: its local work's seconds, its last exchange's,
+        of those its codec's, and its wait for the others before it (0 when that exchange was no
+        fair measure, or none was in this fit); from the rank that `decides` (rank 0), the
+        decision every rank applies when the round lands; and the choice it runs the round with,
+        which every worker's must equal."""
         decision = [float(self._decided.k), float(self.rungs.index(self._decided.rung) + 1)] if decides else [0.0, 0.0]
-        return [compute_s, exchange_s, waited_s, *decision, float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
+        return [compute_s, exchange_s, codec_s, waited_s, *decision, float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
 
     def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int, sizes: Sizes) -> Change | None:
         """A round landed: `summed`, the pilot's part of its header over every worker; `batches`
         trained in it; `rounds` landed so far; `sizes`, the elements a round may carry. Applies the
         decision it carried from the next round on (returned when it changes anything), then
         measures and decides the next one."""
-        compute_s, exchange_s, waited_s, k, rung, k_sum, rung_sum = summed
+        compute_s, exchange_s, codec_s, waited_s, k, rung, k_sum, rung_sum = summed
         ran, change = self.choice, None
         if (k_sum, rung_sum) != (workers * ran.k, workers * (self.rungs.index(ran.rung) + 1)):
             raise RuntimeError(
@@ -267,13 +283,17 @@ class Pilot:
             if carried != self.choice:
                 change = Change(rounds + 1, carried, self._why)
                 self.changes.append(change)
-                self._links.pop(self.rungs.index(carried.rung), None)  # measured afresh at its k
+                index = self.rungs.index(carried.rung)  # measured afresh at its k
+                self._links.pop(index, None)
+                self._codecs.pop(index, None)
                 self._wait = _Mean()  # dealt batches: the wait for a slower worker grows with k
             self.choice = carried
         if batches > 0 and compute_s > 0:
             self._step.add(compute_s / batches)
         if exchange_s > 0 and self._ran == self.choice:  # a measure of what is in force
-            self._links.setdefault(self.rungs.index(self.choice.rung), _Mean()).add(exchange_s / workers)
+            index = self.rungs.index(self.choice.rung)
+            self._links.setdefault(index, _Mean()).add(exchange_s / workers)
+            self._codecs.setdefault(index, _Mean()).add(codec_s / workers)
             self._wait.add(waited_s / workers)
         self._ran = ran
         self._decided = self._decide(sizes)
@@ -286,6 +306,8 @@ class Pilot:
         if self._step.count == 0 or step <= 0 or link is None or link.count < max(1, now.updaters_every):
             return self._decided  # not measured enough yet: as decided
         x, w = link.value, self._wait.value
+        codec_s = min(self._codecs[here].value, x)
+        guess = {r: now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange, by this one's
         enough, need = self._enough, self._need(x, step)
         if self._trial is not None:  # the rung it tried is measured: a step down kept only where faster by MARGIN, one up where it fits
             rung, before = self.rungs[self._trial], self._links[self._trial].value
@@ -300,16 +322,16 @@ class Pilot:
             self._trial = None
         other = None
         if not self._done:  # up where this rung fits, down where it does not
-            other = self._more_bytes(now.rung, x, step, sizes) if need <= enough else self._fewer_bytes(now.rung, x, step, sizes)
+            other = self._more_bytes(now.rung, guess, step, sizes) if need <= enough else self._fewer_bytes(now.rung, guess, step, sizes)
         if other is not None:  # tried at once
-            self._trial, guess = here, x * other.bytes(sizes) / now.rung.bytes(sizes)
-            measured = f"an exchange takes {x:.3g} s and a step {step:.3g} s: "
+            self._trial = here
+            measured = f"an exchange takes {x:.3g} s ({codec_s:.3g} s of it in the codec) and a step {step:.3g} s: "
             if need <= enough:
-                self._why = measured + f"{other} would take about {guess:.3g} s by its bytes and need k = {self._need(guess, step):.0f} at most {enough}"
+                self._why = measured + f"{other} would take about {guess[other]:.3g} s and need k = {self._need(guess[other], step):.0f} at most {enough}"
             else:
                 self._why = measured + (f"{now.rung} would need k = {need:.0f} to keep exchanges under {self.spec.exchange_share:.2g} "
-                                        f"of the time (more than {enough}); trying {other}, about {guess:.3g} s by its bytes")
-            return self._steer(guess + w, step, other)
+                                        f"of the time (more than {enough}); trying {other}, about {guess[other]:.3g} s")
+            return self._steer(guess[other] + w, step, other)
         if self._k_for(x + w, step) == now.k:
             return now
         self._why = f"an exchange takes {x:.3g} s after {w:.3g} s waiting for the others, and a step {step:.3g} s"
@@ -326,31 +348,25 @@ class Pilot:
         rho = self.spec.exchange_share
         return exchange_s * (1 - rho) / (rho * step_s)
 
-    def _fewer_bytes(self, rung: Rung, exchange_s: float, step_s: float, sizes: Sizes) -> Rung | None:
-        """The rung to try instead of `rung`, whose exchanges take `exchange_s` (None: none sends
-        fewer bytes by MARGIN): of those, the one that sends the most while its exchanges, taken
-        to follow the bytes, need at most `_enough` steps a round; else the one that sends least."""
+    def _fewer_bytes(self, rung: Rung, guess: dict[Rung, float], step_s: float, sizes: Sizes) -> Rung | None:
+        """The rung to try instead of `rung` (None: none sends fewer bytes by MARGIN), with
+        `guess`, each rung's estimated exchange: of those, the one that sends the most while its
+        exchanges need at most `_enough` steps a round; else the one that sends least."""
         sends = {r: r.bytes(sizes) for r in self.rungs}
-        here = sends[rung]
-        fewer = [r for r in self.rungs if sends[r] < here * (1 - MARGIN)]
+        fewer = [r for r in self.rungs if sends[r] < sends[rung] * (1 - MARGIN)]
         if not fewer:
             return None
-        fits = [r for r in fewer if self._need(exchange_s * sends[r] / here, step_s) <= self._enough]
+        fits = [r for r in fewer if self._need(guess[r], step_s) <= self._enough]
         if fits:
             return max(fits, key=sends.__getitem__)  # the first of equals: max keeps it
         return min(fewer, key=sends.__getitem__)
 
-    def _more_bytes(self, rung: Rung, exchange_s: float, step_s: float, sizes: Sizes) -> Rung | None:
-        """The rung to climb to from `rung`, whose exchanges take `exchange_s`: of those that send
-        more by MARGIN, in float32 (a coded payload's time does not follow its bytes: its codec
-        costs compute), the one that sends the most while its exchanges, taken to follow the
-        bytes, need at most `_enough` steps a round; None when none does."""
+    def _more_bytes(self, rung: Rung, guess: dict[Rung, float], step_s: float, sizes: Sizes) -> Rung | None:
+        """The rung to climb to from `rung`, with `guess`, each rung's estimated exchange: of
+        those that send more by MARGIN, the one that sends the most while its exchanges need at
+        most `_enough` steps a round; None when none does."""
         sends = {r: r.bytes(sizes) for r in self.rungs}
-        here = sends[rung]
-        fits = [
-            r for r in self.rungs
-            if r.payload == rung.payload == "float32" and sends[r] > here * (1 + MARGIN) and self._need(exchange_s * sends[r] / here, step_s) <= self._enough
-        ]  # fmt: skip
+        fits = [r for r in self.rungs if sends[r] > sends[rung] * (1 + MARGIN) and self._need(guess[r], step_s) <= self._enough]
         return max(fits, key=sends.__getitem__) if fits else None
 
     def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:
@@ -378,7 +394,7 @@ class Pilot:
         return {
             "choice": _fields(self.choice), "decided": _fields(self._decided), "why": self._why,
             "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "wait": _pair(self._wait),
-            "links": {i: _pair(m) for i, m in self._links.items()},
+            "links": {i: _pair(m) for i, m in self._links.items()}, "codecs": {i: _pair(m) for i, m in self._codecs.items()},
             "trial": self._trial, "done": self._done,
             "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
         }  # fmt: skip
@@ -389,6 +405,7 @@ class Pilot:
         self._trial, self._done = state["trial"], state["done"]
         self._ran = None if state["ran"] is None else Choice(**state["ran"])
         self._links = {int(i): _Mean(*m) for i, m in state["links"].items()}
+        self._codecs = {int(i): _Mean(*m) for i, m in state["codecs"].items()}
         self.changes = [Change(r, Choice(**c), why) for r, c, why in state["changes"]]
 
 

@@ -201,6 +201,15 @@ class FlatAverager:
     def collectives(self) -> int:
         return len(self._groups)
 
+    def codec_seconds(self) -> float:
+        """With a wire codec: the seconds its coders spent encoding and decoding since the last
+        call (0 without one)."""
+        spent = 0.0
+        for g in self._groups:
+            if g.coder is not None:
+                spent, g.coder.seconds = spent + g.coder.seconds, 0.0
+        return spent
+
     @torch.no_grad()
     def send(self, scale: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None, exact: bool = False) -> None:
         """Multiply every tensor by `scale`, put the trailer (zeros when None) after them and start

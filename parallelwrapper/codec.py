@@ -28,6 +28,7 @@ This module knows nothing of collectives, processes or the protocol.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -201,6 +202,7 @@ class DeltaCoder:
 
     def __init__(self, name: str | torch.dtype, state: torch.Tensor, ranks: int = 1, rank: int = 0, piece_bytes: int | None = None) -> None:
         self.codec, self.state, self.ranks, self.rank = codec(name), state, ranks, rank
+        self.seconds = 0.0  # in encode() and decode() so far: the codec's compute (the autopilot's measure)
         block, numel, c = self.codec.block, state.numel(), self.codec
         padded = -(-numel // block) * block
         self.start = torch.zeros(padded, dtype=state.dtype, device=state.device)
@@ -260,20 +262,24 @@ class DeltaCoder:
                 piece.payload.zero_()  # decodes to 0 whatever the codec (a scale of 0)
                 yield piece.payload
                 continue
+            start = time.perf_counter()
             for c in piece.chunks:
                 c.error_head.add_(c.state)  # a tail block's padding stays 0
                 c.error.sub_(c.start)
                 self.codec.encode_(c.error, scale, c.codes, c.scales, c.scratch)
+            self.seconds += time.perf_counter() - start
             yield piece.payload
 
     @torch.no_grad()
     def decode(self, index: int, alpha: float) -> None:
         """Piece `index` of the start and of the state becomes start + alpha · Σ_rank decode(its
         payload), summed in rank order, after every rank's payload is in `inbox`."""
+        start = time.perf_counter()
         for c in self._pieces[index].chunks:
             for codes, scales in c.received:
                 self.codec.decode_add_(codes, scales, c.start, alpha, c.scratch)
             c.state.copy_(c.start_head)
+        self.seconds += time.perf_counter() - start
 
     def restart(self) -> None:
         """The state is a full-precision average: the start of the next change."""

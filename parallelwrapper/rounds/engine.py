@@ -74,6 +74,7 @@ class Rounds:
         start = Choice(config.averaging_frequency, config.payload_dtype, config.average_updaters_every if config.average_updaters else 0)
         self.pilot = None if config.autopilot is None else Pilot(config.autopilot, start)
         self._exchange_s = 0.0  # the last averaging's seconds, when a fair measure of its rung (the autopilot's)
+        self._codec_s = 0.0  # ... of those, its codec's
         self._waited = 0.0  # of this round's exchange, the seconds in the autopilot's barrier: waiting for the others
         self._wait_s = 0.0  # ... the last averaging's, when a fair measure
 
@@ -257,7 +258,7 @@ class Rounds:
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
         elif self.pilot is not None:
-            work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, self._wait_s, decides=self.rank == 0)
+            work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, self._codec_s, self._wait_s, decides=self.rank == 0)
             # Every worker arrives first: the exchange's seconds after it are the link's and the
             # codec's, not the wait for a slower worker, which no k or payload shortens.
             start = time.perf_counter()
@@ -311,18 +312,20 @@ class Rounds:
 
     def _steer(self, totals: RoundTotals, exchange_s: float) -> Change | None:
         """With the autopilot, after an averaging round (a gradient round's header has no pilot's
-        part): apply the decision it carried, measure,
-        decide the next (autopilot.py); the exchange is a fair measure of its rung when its
-        header rode with the payload, or when it averaged anew in float32 (a fit's first round:
-        then its payload's seconds alone), not when it built coded buffers."""
+        part): apply the decision it carried, measure, decide the next (autopilot.py). The
+        exchange is a fair measure of its rung when its header rode with the payload, or when the
+        header went alone and the payload after it was the rung's own (SyncExchange.alone_s: a
+        float32 average anew, or coded in buffers built before the round): then its seconds
+        alone; not when it averaged anew for a coded rung."""
         if self.pilot is None:
             return None
         change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds, self._sizes())
         sync = self._sync
-        if sync.steady or sync.anew_s > 0:  # a float32 round averaged anew: its payload's seconds, as a steady round's
-            self._exchange_s, self._wait_s = (exchange_s - self._waited if sync.steady else sync.anew_s), self._waited
+        if sync.steady or sync.alone_s > 0:
+            self._exchange_s, self._wait_s = (exchange_s - self._waited if sync.steady else sync.alone_s), self._waited
+            self._codec_s = sync.codec_s
         else:
-            self._exchange_s, self._wait_s = 0.0, 0.0
+            self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
         if change is not None:
             self._use(change.choice)
         return change

@@ -99,6 +99,7 @@ class Sent:
     reference: float  # what the payload was pre-scaled by (0: nothing sent yet)
     totals: RoundTotals | None  # when the header went alone: its sums
     moments: bool = True  # with average_updaters(every=m): the optimizer's state travels whatever the totals say
+    coded_at: float = 0.0  # when the header went alone, the payload after it, coded in buffers built before the round: when it went
 
 
 class SyncExchange:
@@ -120,7 +121,10 @@ class SyncExchange:
         self._share = 0.0  # this worker's w / Σw in the last round that trained
         self._anew = False  # the next averaging builds its buffers by averaging anew (another rung: the workers' optimizer states may differ)
         self.steady = False  # the last round landed had its header in the payload's trailer: no buffers built, no header alone
-        self.anew_s = 0.0  # of the last round landed, when it averaged anew in float32: its payload's seconds alone
+        # Of the last round landed, when its header went alone: its payload's seconds alone, where
+        # they measure its rung (averaged anew in float32, or coded in buffers built before it).
+        self.alone_s = 0.0
+        self.codec_s = 0.0  # of the last round landed, the seconds its payload's codec took (encoding, decoding)
         self.settled_in_step = 0.0  # seconds a step waited for the last round's state to land: the exchange's (engine.py moves them)
         # The optimizer's averaged state may land after the round (FlatAverager's `later`): before
         # its next step reads it, at the latest.
@@ -218,19 +222,21 @@ class SyncExchange:
             payload.send(work.weight / self._reference, header, group)
             return Sent(averaging, layout, work.weight, self._reference, None, moments)
         totals = read_header(all_reduce_values(header, self.device, group), layout, size)
-        self._early = False
+        early, self._early = self._early, False
         if payload is not None and averaging and not totals.layouts_agree:
             self.release()  # built before the round, where some worker could not: averaged anew in land()
             payload = None
+        coded_at = 0.0
         if payload is not None and totals.samples > 0:
+            coded_at = time.perf_counter() if early else 0.0
             payload.send(work.weight / totals.samples, group=group)
-        return Sent(averaging, layout, work.weight, totals.samples, totals, moments)
+        return Sent(averaging, layout, work.weight, totals.samples, totals, moments, coded_at)
 
     def land(self, sent: Sent) -> RoundTotals:
         """Wait for the sums and apply them. A worker that did not train sent zeros; when nobody
         did, every worker drops the sums. The first averaging of a fit() builds the buffers."""
         payload = self._payload
-        self.steady, self.anew_s = sent.totals is None, 0.0
+        self.steady, self.alone_s, self.codec_s = sent.totals is None, 0.0, 0.0
         if sent.totals is None:
             assert payload is not None
             totals = read_header(payload.wait(), sent.layout, self._groups[sent.averaging][1])
@@ -247,6 +253,10 @@ class SyncExchange:
             return totals
         if payload is not None:
             payload.apply(sent.reference / totals.samples)
+            if isinstance(payload, FlatAverager):
+                self.codec_s = payload.codec_seconds()
+            if sent.coded_at:  # the rung's own bytes and codec: a measure of it
+                self.alone_s = time.perf_counter() - sent.coded_at
         if sent.averaging:
             if payload is None or not totals.layouts_agree:
                 share, agree = sent.weight / totals.samples, not totals.layouts_agree
@@ -255,7 +265,7 @@ class SyncExchange:
                 start = time.perf_counter()
                 self._payload.average(share, group)
                 if self.config.payload_dtype == "float32":  # the rung's own bytes: a measure of it
-                    self.anew_s = time.perf_counter() - start
+                    self.alone_s = time.perf_counter() - start
                 self._anew = False
                 self._layout = self.state_layout(True)  # released after fit()
                 self._moments = moment_buffers(self.trainer, self.config, self.device)
