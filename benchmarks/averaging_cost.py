@@ -31,6 +31,7 @@ from torch import nn
 from common import lenet, run_processes, table, write_results
 from parallelwrapper.config import Config
 from parallelwrapper.job import Job, OuterSpec
+from parallelwrapper.rounds import Rounds
 from parallelwrapper.rounds.header import Work
 from parallelwrapper.worker import Replica
 
@@ -64,13 +65,15 @@ def _averaging(name: str, rank: int, world: int, variant: str) -> Contender:
     options, outer = VARIANTS[variant]
     net = model(name)
     job = Job(net, torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}, nn.functional.mse_loss, None, outer_optimizer=outer)
-    replica = Replica(net, job, Config(workers=world, **options), torch.device("cpu"), rank, world)
+    config, cpu = Config(workers=world, **options), torch.device("cpu")
+    replica = Replica(net, job, config, cpu, rank, world)
+    rounds = Rounds(replica, config, cpu, rank, world)
     for p in net.parameters():  # one step, so that the momentum buffers exist
         p.grad = torch.randn_like(p)
     replica.optimizer.step()
 
     def averaging() -> None:
-        replica.rounds.exchange(Work(samples=128, loss_sum=1.0))
+        rounds.exchange(Work(samples=128, loss_sum=1.0))
 
     params = list(net.parameters())
     steps = [torch.randn_like(p) * 1e-3 for p in params]
@@ -83,7 +86,7 @@ def _averaging(name: str, rank: int, world: int, variant: str) -> Contender:
     averaging()  # builds the flat buffers
     prepare()
     averaging()  # learns the common reference weight: from here on, the steady state
-    payload = replica.rounds._sync._payload
+    payload = rounds._sync._payload
     assert payload is not None
     return Contender(averaging, prepare, payload.numel, payload.nbytes)
 

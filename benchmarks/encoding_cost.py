@@ -27,6 +27,7 @@ from torch import nn
 from common import run_processes, table, write_results
 from parallelwrapper.config import Config, GradientEncoding, TrainingMode
 from parallelwrapper.job import Job
+from parallelwrapper.rounds import Rounds
 from parallelwrapper.rounds.encoded import EncodedGradients
 from parallelwrapper.rounds.header import HEADER_LEN, Work
 from parallelwrapper.worker import Replica
@@ -40,7 +41,7 @@ def model() -> nn.Module:
     return nn.Linear(2500, 4000)  # 10,004,000 parameters
 
 
-def _step(rank: int, world: int, density: float | None) -> tuple[Callable[[], None], Callable[[], None], Replica]:
+def _step(rank: int, world: int, density: float | None) -> tuple[Callable[[], None], Callable[[], None], Rounds]:
     """One worker's gradient exchange, dense (density None) or encoded at `density`."""
     net = model()
     grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)) for p in net.parameters()]
@@ -49,8 +50,9 @@ def _step(rank: int, world: int, density: float | None) -> tuple[Callable[[], No
         tau = float(torch.quantile(torch.cat([g.reshape(-1) for g in grads]).abs()[:1_000_000] * LR, 1 - density))
         encoding = GradientEncoding(threshold=tau, adaptive=False, residual_clip=None)
     job = Job(net, torch.optim.SGD, {"lr": LR}, nn.functional.mse_loss, None)
-    replica = Replica(net, job, Config(workers=world, training_mode=SHARED, gradient_encoding=encoding), torch.device("cpu"), rank, world)
-    sync = replica.rounds._sync
+    config, cpu = Config(workers=world, training_mode=SHARED, gradient_encoding=encoding), torch.device("cpu")
+    rounds = Rounds(Replica(net, job, config, cpu, rank, world), config, cpu, rank, world)
+    sync = rounds._sync
 
     def prepare() -> None:
         sync.prepare(False)
@@ -65,11 +67,11 @@ def _step(rank: int, world: int, density: float | None) -> tuple[Callable[[], No
 
     prepare()
     step()  # the first round sends its header alone; from here on, the steady state
-    return step, prepare, replica
+    return step, prepare, rounds
 
 
 def _measure(rank: int, world: int, densities: list[float], seconds: float) -> dict[str, object]:
-    contenders: dict[str, tuple[Callable[[], None], Callable[[], None], Replica | None]] = {"dense": _step(rank, world, None)}
+    contenders: dict[str, tuple[Callable[[], None], Callable[[], None], Rounds | None]] = {"dense": _step(rank, world, None)}
     for d in densities:
         contenders[f"{d:g}"] = _step(rank, world, d)
     flat = torch.randn(sum(p.numel() for p in model().parameters()))
@@ -95,8 +97,8 @@ def _measure(rank: int, world: int, densities: list[float], seconds: float) -> d
             fn()
             times[key].append(time.perf_counter() - start)
     out: dict[str, object] = {"repeats": int(repeats), **{f"{key}_s": statistics.median(v) for key, v in times.items()}}
-    for key, (_, _, replica) in contenders.items():
-        payload = None if replica is None else replica.rounds._sync._payload
+    for key, (_, _, rounds) in contenders.items():
+        payload = None if rounds is None else rounds._sync._payload
         if isinstance(payload, EncodedGradients) and payload.last is not None:
             out[f"{key}_density"], out[f"{key}_bytes"] = payload.last.density, payload.last.bytes_sent
     return out

@@ -8,7 +8,7 @@ are spawned and fed this way.)
                trains: a Feeder thread in this process packs one each time the worker frees a slot
   received     the same queue and slots, but every batch is received before the clock starts
 
-Both run `Replica.fit` (one worker, a gloo group of one, averaging every 3 steps) with as many
+Both run `Rounds.run` (one worker, a gloo group of one, averaging every 3 steps) with as many
 intra-op threads as this machine has cores, on the same batches, alternating, and report
 steady-state samples/s over the whole epoch. The difference is what feeding during training
 costs the worker.
@@ -31,6 +31,7 @@ from common import DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, table, 
 from parallelwrapper.config import Config
 from parallelwrapper.feed import Feeder, QueueSource
 from parallelwrapper.job import Job
+from parallelwrapper.rounds import Rounds
 from parallelwrapper.slots import SlotReader, SlotWriter
 from parallelwrapper.worker import Replica
 
@@ -54,13 +55,14 @@ def _worker(data: Any, free: Any, mode: str, threads: int, results: Any) -> None
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     model = lenet()
     job = Job(model, torch.optim.SGD, {"lr": LR, "momentum": MOMENTUM, "nesterov": True}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job, Config(workers=1, averaging_frequency=3), torch.device("cpu"), 0, 1)
+    config, cpu = Config(workers=1, averaging_frequency=3), torch.device("cpu")
+    rounds = Rounds(Replica(model, job, config, cpu, 0, 1), config, cpu, 0, 1)
     source: Any = QueueSource(data, SlotReader(free), os.getppid())
     if mode == "received":
         source = _Received(source)
     samples = []
     start = time.monotonic()
-    replica.fit(1, source, lambda report: samples.append(report.counters.samples))
+    rounds.run(1, source, lambda report: samples.append(report.counters.samples))
     results.put(samples[-1] / (time.monotonic() - start))
     dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
 """One worker's replica: its own model and optimizer, a step on a batch, and the NaN policy.
 
-The replica knows nothing of processes, queues or files: whichever host runs it (hosts/), it sees
-a `BatchSource`, a `Reporter` and `Hooks`, and its rounds (rounds/) decide when it averages.
+The replica knows nothing of processes, queues or files, nor of the loop that trains it: its host
+(hosts/runtime.Worker) builds it and, beside it, its round loop (rounds.Rounds), which calls it for
+its steps, at each landing and at a fit's edges (the rounds.Trainer protocol); it never calls the loop.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 
 from .batches import batch_size, describe, move_to
 from .checkpoint import rng_state
@@ -21,12 +21,11 @@ from .evaluation import autocast, metric_sums, validation_metrics
 from .feed import rank_share
 from .job import Job
 from .parts import Parts
-from .rounds import Lockstep, Rounds
-from .types import Batch, BatchSource, Counters, Hooks, Phase, Reporter, StateDict, TrainingError, TrainingState, Where
+from .types import Batch, Counters, Hooks, Phase, StateDict, TrainingError, TrainingState, Where
 
 
 class Replica:
-    """One worker's model and optimizer, and its side of the round protocol."""
+    """One worker's model, optimizer, schedule and steps: what its round loop trains."""
 
     def __init__(
         self,
@@ -37,9 +36,7 @@ class Replica:
         rank: int,
         world_size: int,
         *,
-        group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
-        lockstep: Lockstep | None = None,
     ) -> None:
         self.parts = Parts(model, job, world_size)  # its optimizer, schedule and outer optimizer
         self.model, self.optimizer, self.schedule = model, self.parts.optimizer, self.parts.schedule
@@ -51,25 +48,14 @@ class Replica:
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "16-mixed" else None
         self._stopper = copy.deepcopy(job.early_stopping)  # this worker's own: it decides here
         self._best: TrainingState | None = None  # EarlyStopping(restore_best)
-        # In lockstep groups (a hierarchy's nodes) the rounds run across the groups, one rank of each in `group`.
-        across = 1 if lockstep is None else lockstep.size
-        self.rounds = Rounds(self, config, device, rank // across, world_size // across, group=group, hooks=self.hooks, lockstep=lockstep)
-
-    @property
-    def counters(self) -> Counters:
-        return self.rounds.counters
-
-    @counters.setter
-    def counters(self, counters: Counters) -> None:
-        self.rounds.counters = counters
 
     # -- state ----------------------------------------------------------------------------------
 
     def load_state(self, state: TrainingState) -> None:
         """Start from the main process's state (every fit() starts from it). The model is on its
-        device already, so the optimizers' state is cast to the params' device."""
+        device already, so the optimizers' state is cast to the params' device. Its tensors are
+        new ones: the round loop builds its buffers afresh (Rounds.reset)."""
         self.parts.load(state)
-        self.rounds.reset()  # the optimizer's tensors were replaced
 
     def state_dicts(self) -> TrainingState:
         """Every part's state on the CPU: a copy (Parts.state)."""
@@ -90,27 +76,28 @@ class Replica:
         return self.state_dicts() if writes else None
 
     def own_state(self) -> StateDict:
-        """What is this worker's alone, for a checkpoint: its RNG state, its loss scale and its
-        gradient encoding's residual."""
-        own: StateDict = {**rng_state(), **self.rounds.own_state()}  # with gradient encoding: its residual
+        """What is this worker's alone, for a checkpoint: its RNG state and its loss scale (its
+        round loop adds its own: Rounds.own_state)."""
+        own: StateDict = rng_state()
         if self.scaler is not None:
             own["grad_scaler"] = self.scaler.state_dict()
         return own
 
     def load_own_state(self, own: StateDict) -> None:
+        """Take `own`'s loss scale (its RNG state is the host's to set: hosts/runtime.Worker)."""
         if self.scaler is not None and "grad_scaler" in own:
             self.scaler.load_state_dict(own["grad_scaler"])
-        self.rounds.load_own_state(own)
 
-    def fit(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
-        """Train from `self.counters` to the end of epoch `until_epoch - 1`. With
-        EarlyStopping(restore_best=True), the fit ends holding the best validation's state,
-        whether it stopped early or not."""
+    def fit_starts(self) -> None:
+        """A fit trains the model, and early stopping starts afresh."""
         self.model.train()
         if self._stopper is not None:
             self._stopper.reset()
             self._best = None
-        self.rounds.run(until_epoch, source, report)
+
+    def fit_ends(self) -> None:
+        """With EarlyStopping(restore_best=True), the fit ends holding the best validation's
+        state, whether it stopped early or not."""
         if self._best is not None:
             self.parts.load(self._best, take=True)  # every worker holds the same: the fit's buffers are released
             self._best = None

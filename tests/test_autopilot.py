@@ -31,6 +31,7 @@ from parallelwrapper.autopilot import BITS, Autopilot, Choice, Pilot, Rung, Size
 from parallelwrapper.config import Config, Pipeline, TrainingMode
 from parallelwrapper.job import Job
 from parallelwrapper.listeners import autopilot_changes
+from parallelwrapper.rounds import Rounds
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource
 
@@ -309,17 +310,17 @@ def _auto_worker(rank: int, world: int, seconds_per_mb: float, batches: int) -> 
     job = Job(model, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, nn.functional.cross_entropy, None)
     # The payload alone: float32, bfloat16, int8 (the optimizer state's periods are the fast tier's).
     config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=32, updater_periods=(1,))}))
-    replica = Replica(model, job, config, CPU, rank, world)
+    rounds = Rounds(Replica(model, job, config, CPU, rank, world), config, CPU, rank, world)
     g = torch.Generator().manual_seed(rank)
     # Batches large enough that, unslowed, a step takes several times an exchange even with the
     # wait for the other worker: exchanges stay far under 5% of the time at k_max.
     data = [(torch.randn(2048, 32, generator=g), torch.randint(0, 4, (2048,), generator=g)) for _ in range(batches)]
-    assert replica.rounds.pilot is not None
-    replica.fit(1, ListSource(data, rank, world), lambda r: None)
-    choices = [replica.rounds.pilot.choice]
-    replica.fit(2, ListSource(data, rank, world), lambda r: None)  # the second fit starts where the first ended
-    choices.append(replica.rounds.pilot.choice)
-    return [*choices, *(c.choice for c in replica.rounds.pilot.changes)], [p.detach().clone() for p in model.parameters()]
+    assert rounds.pilot is not None
+    rounds.run(1, ListSource(data, rank, world), lambda r: None)
+    choices = [rounds.pilot.choice]
+    rounds.run(2, ListSource(data, rank, world), lambda r: None)  # the second fit starts where the first ended
+    choices.append(rounds.pilot.choice)
+    return [*choices, *(c.choice for c in rounds.pilot.changes)], [p.detach().clone() for p in model.parameters()]
 
 
 def _bounded_worker(rank: int, world: int, auto: bool) -> list[torch.Tensor]:
@@ -329,11 +330,11 @@ def _bounded_worker(rank: int, world: int, auto: bool) -> list[torch.Tensor]:
         config = Config(**levers({"workers": world, "autopilot": Autopilot(k_min=4, k_max=4, payloads=("float32",), updater_periods=(1,))}))
     else:
         config = Config(workers=world, averaging_frequency=4)
-    replica = Replica(model, job, config, CPU, rank, world)
+    rounds = Rounds(Replica(model, job, config, CPU, rank, world), config, CPU, rank, world)
     g = torch.Generator().manual_seed(rank)
     data = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(24)]
     for epochs in (1, 2):
-        replica.fit(epochs, ListSource(data, rank, world), lambda r: None)
+        rounds.run(epochs, ListSource(data, rank, world), lambda r: None)
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -434,9 +435,10 @@ def _state_lands_late_worker(rank: int, world: int, delay: float) -> list[tuple[
     averaging.FlatAverager.settle = late  # type: ignore[method-assign]
     model = _model()
     job = Job(model, torch.optim.Adam, {"lr": 1e-3}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
+    config = Config(workers=world, averaging_frequency=2)
+    rounds = Rounds(Replica(model, job, config, CPU, rank, world), config, CPU, rank, world)
     reports: list[Score] = []
-    replica.fit(1, ListSource(_tiny_data(24), rank, world), lambda r: reports.append(r) if isinstance(r, Score) else None)
+    rounds.run(1, ListSource(_tiny_data(24), rank, world), lambda r: reports.append(r) if isinstance(r, Score) else None)
     return [(r.training_s, r.exchange_s, r.step_s) for r in reports]
 
 

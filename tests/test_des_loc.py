@@ -19,6 +19,7 @@ from groups import run_group
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.config import Config, Pipeline
 from parallelwrapper.job import Job
+from parallelwrapper.rounds import Rounds
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource, one_thread
 from tiny import make_batches, mlp
@@ -72,7 +73,9 @@ def _des_loc(rank: int, world: int, every: int, epochs: int) -> list[dict[str, t
     next round's first step (the state has landed there) and after each fit()."""
     model = mlp()
     job = Job(model, torch.optim.Adam, {"lr": LR}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job, Config(workers=world, averaging_frequency=K, average_updaters_every=every), CPU, rank, world)
+    config = Config(workers=world, averaging_frequency=K, average_updaters_every=every)
+    replica = Replica(model, job, config, CPU, rank, world)
+    rounds = Rounds(replica, config, CPU, rank, world)
     held: list[dict[str, torch.Tensor]] = []
 
     def take() -> None:
@@ -87,7 +90,7 @@ def _des_loc(rank: int, world: int, every: int, epochs: int) -> list[dict[str, t
 
     replica.optimizer.register_step_pre_hook(before_step)  # after the exchange's: the state has landed
     for epoch in range(epochs):
-        replica.fit(epoch + 1, ListSource(_batches(rank, epoch), rank, world), lambda r: None)
+        rounds.run(epoch + 1, ListSource(_batches(rank, epoch), rank, world), lambda r: None)
         take()
     return held
 

@@ -16,6 +16,7 @@ from groups import run_group
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.config import Config
 from parallelwrapper.job import Job, OuterSpec
+from parallelwrapper.rounds import Rounds
 from parallelwrapper.rounds.streaming import cut_fragments
 from parallelwrapper.worker import Replica
 from test_composition import SaveState
@@ -57,8 +58,7 @@ def _fragments(rank: int, world: int, outer: bool) -> dict[str, Any]:
     model = bn_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTER) if outer else None)
     config = Config(workers=world, averaging_frequency=K, overlap_averaging=True, fragments=2)
-    replica = Replica(model, job, config, CPU, rank, world)
-    replica.fit(1, ListSource(batches(rank, [SIZE] * K * ROUNDS), rank, world), lambda r: None)
+    Rounds(Replica(model, job, config, CPU, rank, world), config, CPU, rank, world).run(1, ListSource(batches(rank, [SIZE] * K * ROUNDS), rank, world), lambda r: None)
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 

@@ -21,6 +21,7 @@ from parallelwrapper.config import Config
 from parallelwrapper.delta_averaging import DeltaAverager
 from parallelwrapper.job import Job, OuterSpec
 from parallelwrapper.outer import OuterStep
+from parallelwrapper.rounds import Rounds
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource, batches, bn_model, one_thread
 from tiny import make_batches, mlp, weights_and_outer_momenta
@@ -38,8 +39,9 @@ SIZES = [8] * (K * ROUNDS)  # each worker: three rounds of k = 2 steps
 def _rounds_with_outer(rank: int, world: int, which: int, overlap: bool) -> dict[str, Any]:
     model = bn_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=OuterSpec(*OUTERS[which]))
-    replica = Replica(model, job, Config(workers=world, averaging_frequency=K, overlap_averaging=overlap), CPU, rank, world)
-    replica.fit(1, ListSource(batches(rank, SIZES), rank, world), lambda r: None)
+    config = Config(workers=world, averaging_frequency=K, overlap_averaging=overlap)
+    replica = Replica(model, job, config, CPU, rank, world)
+    Rounds(replica, config, CPU, rank, world).run(1, ListSource(batches(rank, SIZES), rank, world), lambda r: None)
     assert replica.parts.outer is not None
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "outer": replica.parts.outer.state_dict()}
 

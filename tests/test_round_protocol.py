@@ -73,8 +73,9 @@ def _one_round(rank: int, world: int, k: int, sizes: dict[int, list[int]], overl
     for cls, kwargs in OPTIMIZERS:
         model = bn_model()
         job = Job(model, cls, kwargs, nn.functional.cross_entropy, None)
-        replica = Replica(model, job, Config(workers=world, averaging_frequency=k, overlap_averaging=overlap), CPU, rank, world)
-        replica.fit(1, ListSource(batches(rank, sizes[rank]), rank, world), lambda r: None)
+        config = Config(workers=world, averaging_frequency=k, overlap_averaging=overlap)
+        replica = Replica(model, job, config, CPU, rank, world)
+        rounds.Rounds(replica, config, CPU, rank, world).run(1, ListSource(batches(rank, sizes[rank]), rank, world), lambda r: None)
         out.append(flat_state(replica.model, replica.optimizer))
     return out
 
@@ -232,14 +233,16 @@ def counting_all_reduce() -> Iterator[list[int]]:
 def _rounds(rank: int, world: int, k: int, epochs: int) -> dict[str, Any]:
     model = plain_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job, Config(workers=world, averaging_frequency=k), CPU, rank, world)
+    config = Config(workers=world, averaging_frequency=k)
+    replica = Replica(model, job, config, CPU, rank, world)
+    loop = rounds.Rounds(replica, config, CPU, rank, world)
     with counting_all_reduce() as sent:
-        replica.fit(epochs, ListSource(batches(rank, ROUNDS_SIZES[rank]), rank, world), lambda r: None)
+        loop.run(epochs, ListSource(batches(rank, ROUNDS_SIZES[rank]), rank, world), lambda r: None)
     owns_storage = all(
         t.untyped_storage().nbytes() == t.numel() * t.element_size()
         for t in list(model.parameters()) + [s["momentum_buffer"] for s in replica.optimizer.state.values()]
     )
-    return {"state": flat_state(model, replica.optimizer), "rounds": replica.counters.rounds, "sent": sent, "owns": owns_storage}
+    return {"state": flat_state(model, replica.optimizer), "rounds": loop.counters.rounds, "sent": sent, "owns": owns_storage}
 
 
 @one_thread()
@@ -320,9 +323,10 @@ def _overlapped(rank: int, world: int, k: int, momentum: float) -> dict[str, Any
     job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": momentum}, nn.functional.cross_entropy, None)
     config = Config(workers=world, averaging_frequency=k, overlap_averaging=True)
     replica = Replica(model, job, config, CPU, rank, world)
+    loop = rounds.Rounds(replica, config, CPU, rank, world)
     reports: list[Any] = []
-    replica.fit(1, ListSource(batches(rank, OVERLAP_SIZES[rank]), rank, world), reports.append)
-    return {"state": flat_state(replica.model, replica.optimizer), "rounds": replica.counters.rounds, "reports": reports}
+    loop.run(1, ListSource(batches(rank, OVERLAP_SIZES[rank]), rank, world), reports.append)
+    return {"state": flat_state(replica.model, replica.optimizer), "rounds": loop.counters.rounds, "reports": reports}
 
 
 @one_thread()
@@ -389,9 +393,10 @@ def _frozen(rank: int, world: int) -> dict[str, Any]:
     model = plain_model()
     model[0].requires_grad_(False)  # the first layer is frozen: 6·8 + 8 numbers nobody moves
     job = Job(model, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job, Config(workers=world, averaging_frequency=2), CPU, rank, world)
+    config = Config(workers=world, averaging_frequency=2)
+    replica = Replica(model, job, config, CPU, rank, world)
     with counting_all_reduce() as sent:
-        replica.fit(1, ListSource(batches(rank, ROUNDS_SIZES[rank]), rank, world), lambda r: None)  # uneven rounds
+        rounds.Rounds(replica, config, CPU, rank, world).run(1, ListSource(batches(rank, ROUNDS_SIZES[rank]), rank, world), lambda r: None)  # uneven rounds
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "sent": sent}
 
 
@@ -411,12 +416,13 @@ def test_frozen_parameters_are_not_averaged_and_stay_bitwise_unchanged() -> None
 def _uneven_start(rank: int, world: int, payload: str) -> dict[str, torch.Tensor]:
     model = bn_model()
     job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None)
-    replica = Replica(model, job, Config(workers=world, averaging_frequency=2, payload_dtype=payload), CPU, rank, world)
+    config = Config(workers=world, averaging_frequency=2, payload_dtype=payload)
+    replica = Replica(model, job, config, CPU, rank, world)
     if rank == 0:  # only this worker's optimizer holds its state at the start: zeros, so the same steps follow
         for p in replica.model.parameters():
             p.grad = torch.zeros_like(p)
         replica.optimizer.step()
-    replica.fit(1, ListSource(batches(rank, [8, 8]), rank, world), lambda r: None)
+    rounds.Rounds(replica, config, CPU, rank, world).run(1, ListSource(batches(rank, [8, 8]), rank, world), lambda r: None)
     return flat_state(replica.model, replica.optimizer)
 
 

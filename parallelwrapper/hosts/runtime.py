@@ -37,7 +37,7 @@ from ..config import Config
 from ..env import Placement
 from ..feed import FeedError
 from ..job import Job
-from ..rounds import Lockstep
+from ..rounds import Lockstep, Rounds
 from ..types import BatchSource, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, WorkerError
 from ..worker import Replica
 
@@ -48,8 +48,9 @@ _REPEAT_S = 2.0
 
 
 class Worker:
-    """One worker under any host: its replica, RNG stream and threads, its checkpoints, and with a
-    pipeline the stage of it that this process is (pipeline/, asked once)."""
+    """One worker under any host: its replica and the round loop that trains it, side by side, its
+    RNG stream and threads, its checkpoints, and with a pipeline the stage of it that this process
+    is (pipeline/, asked once)."""
 
     def __init__(
         self,
@@ -82,37 +83,37 @@ class Worker:
             self.rank, self.stage, self._relay = plan.worker, plan.stage, plan.relay
         device = placement.device(local_rank)
         model = (job.model if own_model else copy.deepcopy(job.model)).to(device)
-        self.replica = make_replica(
-            model, job, config, device, self.rank, placement.world_size,
-            group=group, hooks=hooks, lockstep=lockstep,
-        )  # fmt: skip
+        self.replica = make_replica(model, job, config, device, self.rank, placement.world_size, hooks=hooks)
+        # In lockstep groups (a hierarchy's nodes) the rounds run across the groups, one rank of each in `group`.
+        across = 1 if lockstep is None else lockstep.size
+        self.rounds = Rounds(self.replica, config, device, self.rank // across, placement.world_size // across, group=group, hooks=hooks, lockstep=lockstep)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + self.rank)
             self._rng = rng_state()
 
     def own_state(self) -> StateDict:
-        """This worker's own RNG state and loss scale as they are now (Replica.own_state, with
-        the worker's RNG stream, not the process's)."""
+        """This worker's own state as it is now: its RNG state and loss scale, and its rounds'
+        (Rounds.own_state, with the worker's RNG stream, not the process's)."""
         with self._own_threads_and_rng():
-            return self.replica.own_state()
+            return self.rounds.own_state()
 
     def load_own_state(self, own: StateDict) -> None:
-        """Take `own` as this worker's own RNG state and loss scale (`own_state`'s)."""
+        """Take `own` as this worker's own state (`own_state`'s)."""
         self._rng = own
-        self.replica.load_own_state(own)
+        self.rounds.load_own_state(own)
 
     def start(self, command: FitCommand) -> int:
         """A fit's first half: load `command`'s state, counters and RNG, and return the epoch to
         train until. Nothing of the command is kept, so a host lets it go before `train` (it is
         a model's size at least, in shared memory for a spawned worker). A failure is a WorkerError."""
-        replica = self.replica
         if command.rng is not None:
             self.load_own_state(command.rng[self.process])
         with self._own_threads_and_rng():
             try:
-                replica.load_state(command.state)
-                replica.counters = dataclasses.replace(command.counters)
-                replica.rounds.started = command.start  # the records' seconds count from it
+                self.replica.load_state(command.state)
+                self.rounds.reset()  # the replica's tensors were replaced
+                self.rounds.counters = dataclasses.replace(command.counters)
+                self.rounds.started = command.start  # the records' seconds count from it
             except Exception as e:  # noqa: BLE001 - any failure is a WorkerError, whose message holds e's traceback: from None prints it once
                 raise self.failure(e) from None
         return command.until_epoch
@@ -125,7 +126,7 @@ class Worker:
         fed = source if self._relay is None else self._relay(source)
         with self._own_threads_and_rng():
             try:
-                self.replica.fit(until_epoch, fed, report)
+                self.rounds.run(until_epoch, fed, report)
             except (Stopped, FeedError):
                 raise
             except Exception as e:  # noqa: BLE001 - any failure is a WorkerError, whose message holds e's traceback: from None prints it once

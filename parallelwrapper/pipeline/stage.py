@@ -33,7 +33,6 @@ from ..config import Config, Pipeline
 from ..evaluation import scored_outputs, validation_of
 from ..feed import rank_share
 from ..job import Job
-from ..rounds import Lockstep
 from ..types import END, Batch, BatchSource, EndOfEpoch, Hooks, Output, TrainingState
 from ..worker import Replica
 from .split import Layout, Names, held, joined, pieces_in, pieces_of, scorer, stage_state
@@ -92,9 +91,8 @@ class StageReplica(Replica):
     (`whole`: how the whole model's optimizers lay theirs out)."""
 
     def __init__(self, model: torch.nn.Module, job: Job, config: Config, device: torch.device, rank: int, world_size: int, *,
-                 position: Position, pipe: dist.ProcessGroup, whole: Layout,
-                 group: dist.ProcessGroup | None = None, hooks: Hooks | None = None, lockstep: Lockstep | None = None) -> None:  # fmt: skip
-        super().__init__(model, job, config, device, rank, world_size, group=group, hooks=hooks, lockstep=lockstep)
+                 position: Position, pipe: dist.ProcessGroup, whole: Layout, hooks: Hooks | None = None) -> None:  # fmt: skip
+        super().__init__(model, job, config, device, rank, world_size, hooks=hooks)
         assert config.pipeline is not None and job.loss_fn is not None  # pipeline.check, at build()
         self.position, self.pipe, self.whole, self.spec = position, pipe, whole, config.pipeline
         self.pieces = pieces_in(self.model)

@@ -41,7 +41,7 @@ class Kept:
     state: TrainingState
     counters: Counters
     seq: int  # the round, counted over the worker's life (Rounds.seq)
-    own: StateDict  # this worker's RNG state and loss scale
+    own: StateDict  # this worker's own: its RNG state, loss scale and its rounds' (Rounds.own_state)
 
 
 @dataclass(frozen=True)
@@ -88,19 +88,19 @@ class Keeper:
         flight, the average was held when round `landed` landed (or the kept state is still the
         one it started from), with the schedule and RNG of round `landed + 1`'s start."""
         self.source.release(self.ledger.cut(tag, epoch, finished, landed))
-        r = self.worker.replica
+        r, rounds = self.worker.replica, self.worker.rounds
         # The kept state a new one replaces goes first: two at once are twice the model and its
         # optimizer's state, for a moment at every round.
         if landed == tag - 1:
             self.kept = None
-            self.kept = Kept(r.state_dicts(), dataclasses.replace(r.counters), tag, r.own_state())
+            self.kept = Kept(r.state_dicts(), dataclasses.replace(rounds.counters), tag, rounds.own_state())
         elif self._average is not None and self._begun is not None:
             self.kept = None
             state = dataclasses.replace(self._average, lr_scheduler=self._begun[0])
-            self.kept = Kept(state, dataclasses.replace(r.counters), landed + 1, self._begun[1])
+            self.kept = Kept(state, dataclasses.replace(rounds.counters), landed + 1, self._begun[1])
         self._average, self._begun = None, None
         if landed < tag - 1:  # a redo of this round will start from the average of the one in flight
-            self._begun = (None if r.schedule is None else copy.deepcopy(r.schedule.state_dict()), r.own_state())
+            self._begun = (None if r.schedule is None else copy.deepcopy(r.schedule.state_dict()), rounds.own_state())
 
     def average_landed(self) -> None:
         """The replica holds a landed average, for this call only (overlap_averaging)."""
@@ -169,7 +169,7 @@ class Keeper:
         # landed for the others only (the failure cut its collective) has the RNG it would have.
         if mine is not None and mine.seq == kept.seq:
             self.worker.load_own_state(mine.own)
-        self.worker.replica.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
+        self.worker.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
         redo = FitCommand(command.until_epoch, dataclasses.replace(kept.counters), kept.state, None, command.start)
         # What this worker keeps while it redoes the round, until the round's start keeps it anew:
         # a loss before then parks it with this round, its own RNG with it (not the source's).

@@ -39,7 +39,9 @@ class _EarlyStop(Exception):
 
 
 class Rounds:
-    """One worker's side of the round protocol over a process group (None: the default group)."""
+    """One worker's round loop over a process group (None: the default group): it runs the fits
+    of its `trainer` (worker.Replica), which it calls and which never calls it, and holds the
+    counters and what of the rounds a worker keeps (the autopilot, an encoding's residual)."""
 
     def __init__(
         self,
@@ -49,13 +51,14 @@ class Rounds:
         rank: int,
         world_size: int,
         *,
-        group: dist.ProcessGroup | None,
-        hooks: Hooks,
+        group: dist.ProcessGroup | None = None,
+        hooks: Hooks | None = None,
         lockstep: Lockstep | None = None,
     ) -> None:
-        """`lockstep`: this rank's group of ranks that train as one worker (a hierarchy's node);
+        """`hooks`: the host's, which the trainer shares (hosts/runtime.Worker builds both).
+        `lockstep`: this rank's group of ranks that train as one worker (a hierarchy's node);
         `rank`, `world_size` and `group` are then the groups' (one rank of each in `group`)."""
-        self.trainer, self.config, self.hooks = trainer, config, hooks
+        self.trainer, self.config, self.hooks = trainer, config, hooks or Hooks()
         self.rank, self.world_size, self.group = rank, world_size, group
         self._device = device
         self._together = None if lockstep is None else lockstep.steps(trainer, device)
@@ -90,14 +93,19 @@ class Rounds:
         return self.config.averaging_frequency if self.pilot is None else self.pilot.choice.k
 
     def own_state(self) -> StateDict:
-        """What of the rounds a checkpoint holds per worker: with gradient encoding, its residual
-        (and τ and the step count, the same on every worker); the autopilot's state."""
-        own: StateDict = {} if self.pilot is None else {"autopilot": self.pilot.state_dict()}
+        """What a checkpoint holds per worker: the trainer's own (its RNG state, its loss scale),
+        and the rounds': with gradient encoding, its residual (and τ and the step count, the same
+        on every worker); the autopilot's state."""
+        own: StateDict = {**self.trainer.own_state()}
+        if self.pilot is not None:
+            own["autopilot"] = self.pilot.state_dict()
         if self.config.gradient_encoding is not None:
             own["gradient_encoding"] = self._sync.encoding_residual().state_dict()
         return own
 
     def load_own_state(self, own: StateDict) -> None:
+        """Take `own` (`own_state`'s) as the trainer's and the rounds' own state."""
+        self.trainer.load_own_state(own)
         if self.config.gradient_encoding is not None and "gradient_encoding" in own:
             self._sync.encoding_residual().load_state_dict(own["gradient_encoding"])
         if self.pilot is not None and "autopilot" in own:
@@ -111,7 +119,9 @@ class Rounds:
             self._stream.reset()
 
     def run(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
-        """Train from `self.counters` to the end of epoch `until_epoch - 1`."""
+        """A fit: train from `self.counters` to the end of epoch `until_epoch - 1`, the trainer
+        told when it starts and when it has ended (Trainer.fit_starts, fit_ends)."""
+        self.trainer.fit_starts()
         self._cut.fit_starts(source)
         failing = False
         try:
@@ -129,6 +139,7 @@ class Rounds:
             if self._together is not None:
                 self._together.release()
             self.hooks.progress(Phase.IDLE, self.counters.epoch, -1, self.trainer.local_steps)
+        self.trainer.fit_ends()
 
     def _epoch(self, report: Reporter) -> None:
         """The rounds of an epoch. Each round's exchange is launched after its local work and
@@ -367,7 +378,7 @@ class Rounds:
             else:  # in lockstep groups or with a pipeline, every process: the default group
                 everyone, size, writes = None, dist.get_world_size(), dist.get_rank() == 0
             own = cast("list[StateDict]", [None] * size)  # all_gather_object fills each
-            dist.all_gather_object(own, self.trainer.own_state(), group=everyone)
+            dist.all_gather_object(own, self.own_state(), group=everyone)
             state = self.trainer.saved_state(writes)
             if state is not None:
                 self.hooks.checkpointer.save(state, dataclasses.replace(self.counters), own)

@@ -1,7 +1,8 @@
 """What the round protocol asks of a worker: the `Trainer` protocol, which worker.Replica implements.
 
 A worker holds its model and optimizer, its steps, the NaN policy, its state, its share of a
-validation, and what it does when a round lands (its learning-rate schedule catches up)."""
+validation, what it does when a round lands (its learning-rate schedule catches up) and at a
+fit's start and end. The round loop (engine.Rounds) calls it; it never calls the loop."""
 
 from __future__ import annotations
 
@@ -61,6 +62,15 @@ class Trainer(Protocol):
 
     def own_state(self) -> StateDict:
         """This worker's own state for a checkpoint (its RNG's, its loss scale's)."""
+
+    def load_own_state(self, own: StateDict) -> None:
+        """Take its part of `own` (a checkpoint's, or a kept round's) as its own state."""
+
+    def fit_starts(self) -> None:
+        """A fit's rounds are about to run."""
+
+    def fit_ends(self) -> None:
+        """Every round of the fit has landed (not called when it failed or was stopped)."""
 
     def averaged(self, averages: Mapping[int, torch.Tensor] | None = None) -> None:
         """AVERAGING: the round's average has landed, in the model or in `averages` by
