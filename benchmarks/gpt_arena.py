@@ -12,7 +12,7 @@ positions), `forward(x)` returns logits flattened to (B * T, 256) so that `F.cro
 y)` with targets flattened to (B * T,) is the loss: every contender and the wrapper's default loss
 use it unchanged. The default size (7 layers, width 256, 8 heads, context 128) has 5.6M
 parameters (`parameter_count()`); `python benchmarks/gpt_arena.py` prints it and the corpus size.
-With `--des-loc 1,4` it races `.average_updaters(every=m)` for each m on 2 spawned workers (loopback)
+With `--des-loc 1,4,0` it races `.average_updaters(every=m)` for each m (0: never, the parameters alone) on 2 spawned workers (loopback)
 and tables each run's bytes sent per worker, measured, and final validation loss (benchmarks/README.md).
 """
 
@@ -151,7 +151,7 @@ def _written(pids: set[int]) -> int:
 
 
 def des_loc_race(everies: list[int], layers: int, width: int, context: int, steps: int, k: int, batch: int, seed: int = 0) -> list[dict[str, float]]:
-    """`.average_updaters(every=m)` for each m, AdamW lr 1e-3, 2 spawned workers, k local steps a
+    """`.average_updaters(every=m)` for each m (0: `.average_updaters(False)`), AdamW lr 1e-3, 2 spawned workers, k local steps a
     round, `steps` steps a worker on the same batches (dealt: `.deterministic(True)`). Each run's
     bytes written per worker (wchar of its worker processes, measured) and final validation loss."""
     from parallelwrapper import ParallelWrapper
@@ -165,8 +165,9 @@ def des_loc_race(everies: list[int], layers: int, width: int, context: int, step
         model = CharGPT(layers, width, max(1, width // 32), context)
         builder = (
             ParallelWrapper.builder(model).optimizer(torch.optim.AdamW, lr=1e-3).workers(2).threads_per_worker(1)
-            .averaging_frequency(k).deterministic(True).average_updaters(every=every)
+            .averaging_frequency(k).deterministic(True)
         )  # fmt: skip
+        builder = builder.average_updaters(every=every) if every else builder.average_updaters(False)
         before = _descendants()
         with builder.build() as w:
             w.fit(data, epochs=1)
@@ -180,7 +181,7 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Print the arena's sizes, or with --des-loc race .average_updaters(every=m) for each m given.")
-    parser.add_argument("--des-loc", default=None, help="comma-separated m, e.g. 1,4")
+    parser.add_argument("--des-loc", default=None, help="comma-separated m, e.g. 1,4,0 (0: never)")
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--context", type=int, default=CONTEXT)
