@@ -46,10 +46,12 @@ the rung before it, one with more bytes only if its measure still fits; else the
 back to that one and stops there: fewer bits win only where the link is slower than the codec (on
 loopback an int8 round costs about what float32's does, benchmarks/README.md).
 
-Every rank makes the same choice: rank 0 decides after each landed round, and its decision rides
-in the next round's header (the others send zeros), so every rank applies it when that round
-lands, whatever its own measures said. The pilot's state goes in every checkpoint and carries over
-from one fit() to the next. Imports nothing of the package.
+Every rank makes the same choice: it decides from the header's sums alone (each worker's measures
+and its model's sizes, summed by the round's all-reduce, are the same numbers on every rank),
+whatever its own measures said, and applies the decision from the next round on. Each worker also
+sends the choice it ran with, so a round whose workers disagree fails instead of averaging. The
+pilot's state goes in every checkpoint and carries over from one fit() to the next. Imports nothing
+of the package.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state tr
 BITS = {"float32": 32, "bfloat16": 16, "int8": 8}
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
-PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange, in its codec and waiting before it, rank 0's decision, the choice in force
+PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange, in its codec and waiting before it, the model's sizes, the choice in force
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,11 @@ class Rung:
 
 @dataclass(frozen=True)
 class Sizes:
-    """Elements a round may carry: the trained parameters', and the optimizer state's."""
+    """Elements a round may carry: the trained parameters', and the optimizer state's (a mean
+    over the workers, whose optimizers may not all hold state for every parameter)."""
 
-    parameters: int
-    state: int
+    parameters: float
+    state: float
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,6 @@ class PilotState(TypedDict):
     (load_state_dict takes the tuples back as lists too, and the links' keys as strings: JSON's)."""
 
     choice: ChoiceFields
-    decided: ChoiceFields
     why: str
     ran: ChoiceFields | None
     step: tuple[float, int]  # a _Mean's (value, count)
@@ -240,14 +242,14 @@ class _Mean:
 class Pilot:
     """One worker's autopilot. The round engine asks `header()` for the pilot's part of a round's
     header before it goes out, and hands `landed()` that part summed when it lands; `choice` is
-    what the next round runs with."""
+    what the next round runs with. Every input of a decision is a sum of the header's, so every
+    worker's pilot decides the same."""
 
     def __init__(self, spec: Autopilot, start: Choice) -> None:
         self.spec = spec
         self.rungs = spec.rungs
         self.choice = start
         self.changes: list[Change] = []
-        self._decided = start  # rank 0's decision, sent in its next header
         self._why = ""
         self._ran: Choice | None = None  # what the round before the last one landed ran with: what its exchange measured
         self._step = _Mean()
@@ -257,46 +259,42 @@ class Pilot:
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
         self._done = False  # a rung tried did not pay: the search for a rung is over
 
-    def header(self, compute_s: float, exchange_s: float, codec_s: float, waited_s: float, decides: bool) -> list[float]:
+    def header(self, compute_s: float, exchange_s: float, codec_s: float, waited_s: float, sizes: Sizes) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's,
         of those its codec's, and its wait for the others before it (0 when that exchange was no
-        fair measure, or none was in this fit); from the rank that `decides` (rank 0), the
-        decision every rank applies when the round lands; and the choice it runs the round with,
-        which every worker's must equal."""
-        decision = [float(self._decided.k), float(self.rungs.index(self._decided.rung) + 1)] if decides else [0.0, 0.0]
-        return [compute_s, exchange_s, codec_s, waited_s, *decision, float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
+        fair measure, or none was in this fit); the elements a round of its model may carry; and
+        the choice it runs the round with, which every worker's must equal."""
+        return [compute_s, exchange_s, codec_s, waited_s, float(sizes.parameters), float(sizes.state), float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
 
-    def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int, sizes: Sizes) -> Change | None:
+    def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int) -> Change | None:
         """A round landed: `summed`, the pilot's part of its header over every worker; `batches`
-        trained in it; `rounds` landed so far; `sizes`, the elements a round may carry. Applies the
-        decision it carried from the next round on (returned when it changes anything), then
-        measures and decides the next one."""
-        compute_s, exchange_s, codec_s, waited_s, k, rung, k_sum, rung_sum = summed
-        ran, change = self.choice, None
-        if (k_sum, rung_sum) != (workers * ran.k, workers * (self.rungs.index(ran.rung) + 1)):
+        trained in it; `rounds` landed so far. Measures, and decides what the next round runs
+        with (returned when it changes anything)."""
+        compute_s, exchange_s, codec_s, waited_s, parameters, state, k_sum, rung_sum = summed
+        now = self.choice
+        if (k_sum, rung_sum) != (workers * now.k, workers * (self.rungs.index(now.rung) + 1)):
             raise RuntimeError(
-                f"the autopilot's workers ran round {rounds} with different choices (this worker: k = {ran.k}, {ran.rung}; "
+                f"the autopilot's workers ran round {rounds} with different choices (this worker: k = {now.k}, {now.rung}; "
                 f"the sums: k {k_sum:g}, rung {rung_sum:g} over {workers} workers): a bug; set a fixed k and report it"
             )
-        if k >= 1 and rung >= 1:
-            carried = self.rungs[round(rung) - 1].at(round(k))
-            if carried != self.choice:
-                change = Change(rounds + 1, carried, self._why)
-                self.changes.append(change)
-                index = self.rungs.index(carried.rung)  # measured afresh at its k
-                self._links.pop(index, None)
-                self._codecs.pop(index, None)
-                self._wait = _Mean()  # dealt batches: the wait for a slower worker grows with k
-            self.choice = carried
         if batches > 0 and compute_s > 0:
             self._step.add(compute_s / batches)
-        if exchange_s > 0 and self._ran == self.choice:  # a measure of what is in force
-            index = self.rungs.index(self.choice.rung)
+        if exchange_s > 0 and self._ran == now:  # a measure of what is in force
+            index = self.rungs.index(now.rung)
             self._links.setdefault(index, _Mean()).add(exchange_s / workers)
             self._codecs.setdefault(index, _Mean()).add(codec_s / workers)
             self._wait.add(waited_s / workers)
-        self._ran = ran
-        self._decided = self._decide(sizes)
+        self._ran = now
+        decided = self._decide(Sizes(parameters / workers, state / workers))
+        if decided == now:
+            return None
+        change = Change(rounds + 1, decided, self._why)
+        self.changes.append(change)
+        index = self.rungs.index(decided.rung)  # measured afresh at its k
+        self._links.pop(index, None)
+        self._codecs.pop(index, None)
+        self._wait = _Mean()  # dealt batches: the wait for a slower worker grows with k
+        self.choice = decided
         return change
 
     def _decide(self, sizes: Sizes) -> Choice:
@@ -304,7 +302,7 @@ class Pilot:
         here, step = self.rungs.index(now.rung), self._step.value
         link = self._links.get(here)
         if self._step.count == 0 or step <= 0 or link is None or link.count < max(1, now.updaters_every):
-            return self._decided  # not measured enough yet: as decided
+            return now  # not measured enough yet
         x, w = link.value, self._wait.value
         codec_s = min(self._codecs[here].value, x)
         guess = {r: now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange, by this one's
@@ -392,7 +390,7 @@ class Pilot:
 
     def state_dict(self) -> PilotState:
         return {
-            "choice": _fields(self.choice), "decided": _fields(self._decided), "why": self._why,
+            "choice": _fields(self.choice), "why": self._why,
             "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "wait": _pair(self._wait),
             "links": {i: _pair(m) for i, m in self._links.items()}, "codecs": {i: _pair(m) for i, m in self._codecs.items()},
             "trial": self._trial, "done": self._done,
@@ -400,7 +398,7 @@ class Pilot:
         }  # fmt: skip
 
     def load_state_dict(self, state: PilotState) -> None:
-        self.choice, self._decided = Choice(**state["choice"]), Choice(**state["decided"])
+        self.choice = Choice(**state["choice"])
         self._why, self._step, self._wait = state["why"], _Mean(*state["step"]), _Mean(*state["wait"])
         self._trial, self._done = state["trial"], state["done"]
         self._ran = None if state["ran"] is None else Choice(**state["ran"])

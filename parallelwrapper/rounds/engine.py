@@ -269,7 +269,7 @@ class Rounds:
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
         elif self.pilot is not None:
-            work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, self._codec_s, self._wait_s, decides=self.rank == 0)
+            work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, self._codec_s, self._wait_s, self._sizes())
             # Every worker arrives first: the exchange's seconds after it are the link's and the
             # codec's, not the wait for a slower worker, which no k or payload shortens.
             start = time.perf_counter()
@@ -323,14 +323,14 @@ class Rounds:
 
     def _steer(self, totals: RoundTotals, exchange_s: float) -> Change | None:
         """With the autopilot, after an averaging round (a gradient round's header has no pilot's
-        part): apply the decision it carried, measure, decide the next (autopilot.py). The
+        part): measure, and decide what the next round runs with (autopilot.py). The
         exchange is a fair measure of its rung when its header rode with the payload, or when the
         header went alone and the payload after it was the rung's own (SyncExchange.alone_s: a
         float32 average anew, or coded in buffers built before the round): then its seconds
         alone; not when it averaged anew for a coded rung."""
         if self.pilot is None:
             return None
-        change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds, self._sizes())
+        change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
         sync = self._sync
         if sync.steady or sync.alone_s > 0:
             self._exchange_s, self._wait_s = (exchange_s - self._waited if sync.steady else sync.alone_s), self._waited

@@ -1,7 +1,7 @@
 """A round's header: what every worker says about its round, summed exactly in the same all-reduce as the state.
 
 It rides in the payload's trailer (averaging.py): samples, loss, batches, the finished, skipped and
-stop flags, the autopilot's measures and decision (autopilot.py; zeros without it), and a check that
+stop flags, the autopilot's measures and sizes (autopilot.py; zeros without it), and a check that
 every worker sends the same state layout."""
 
 from __future__ import annotations
