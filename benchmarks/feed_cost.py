@@ -29,10 +29,10 @@ from torch import nn
 
 from common import DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, table, write_results
 from parallelwrapper.config import Config
-from parallelwrapper.feed import Feeder, QueueSource
+from parallelwrapper.feed.queue import Feeder, QueueSource
+from parallelwrapper.feed.slots import SlotReader, SlotWriter
 from parallelwrapper.job import Job
 from parallelwrapper.rounds import Rounds
-from parallelwrapper.slots import SlotReader, SlotWriter
 from parallelwrapper.worker import Replica
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from common import median_ratio, rotated, table, write_results
-from parallelwrapper.slots import SlotReader, SlotWriter
+from parallelwrapper.feed.slots import SlotReader, SlotWriter
 
 SHAPES = {"CIFAR, 128 x 3 x 32 x 32": (128, 3, 32, 32), "ImageNet, 32 x 3 x 224 x 224": (32, 3, 224, 224)}
 CL = torch.channels_last

@@ -6,7 +6,7 @@ speeds: 0.5 is lockstep with the slow worker, 0.75 each worker at its own pace (
     python benchmarks/unequal_speed.py [--batches 469] [--repeats 2] [--out benchmarks/results/unequal_speed.json]
 
 Contenders, each slowed and at equal speeds: spawned workers with the default feed (a list:
-claimed first-come, claims.py), `.deterministic(True)` (dealt i mod N), `.feed("queue")`, and
+claimed first-come, feed/claims.py), `.deterministic(True)` (dealt i mod N), `.feed("queue")`, and
 `torchrun --nproc-per-node 2` (a list: claimed from torchrun's store). Samples/s are the steady
 state between the first score past a warm-up and the last; a contender's share is the median of
 its repeats' slowed/equal ratios, each pair run back to back (contenders in rotated order); the

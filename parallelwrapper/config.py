@@ -47,7 +47,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PAYLOAD_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # the averaging's wire format (codec.py)
 FAILURE_POLICIES = ("raise", "replace")  # what a spawned worker's failure does (hosts/spawned.py)
-FEEDS = ("auto", "queue")  # how spawned workers get a list of batches (feed.py)
+FEEDS = ("auto", "queue")  # how spawned workers get a list of batches (feed/)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zbv")  # a pipeline's (pipeline/stage.py; "zbv": zero bubble, V)
 
 

@@ -13,7 +13,7 @@ from typing import SupportsFloat
 import torch
 
 from .batches import batch_size, describe, move_to
-from .feed import epoch_iterable
+from .feed.data import epoch_iterable
 from .job import Job
 from .types import Batch, Output
 

@@ -21,7 +21,7 @@ else:  # Python 3.10: typing_extensions comes with torch
 
 from .autopilot import Autopilot
 from .config import GradientEncoding, NanPolicy, Pipeline, TrainingMode, parse_enum
-from .feed import Batches, compact
+from .feed.data import Batches, compact
 from .job import BeforeStep, LossFn, OptimizerFn, OuterSpec, SchedulerSpec, TrainingStep, ValidationStep
 
 

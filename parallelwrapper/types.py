@@ -193,8 +193,8 @@ class FitCommand:
     state: TrainingState
     rng: list[StateDict] | None  # per rank, when resuming from a checkpoint
     start: float  # when the fit() began, by time.monotonic(): system-wide on one machine, and under torchrun rank 0's own (it reports)
-    shards: object = None  # spawned workers: the list or tuple of batches, or dataset_shards.DatasetEpochs, each reads its shard of (feed.shardable)
-    claims: str | None = None  # with shards: the store key every worker claims its batches from (claims.py); None: dealt
+    shards: object = None  # spawned workers: the list or tuple of batches, or feed/epochs.DatasetEpochs, each reads its shard of (feed/epochs.shardable)
+    claims: str | None = None  # with shards: the store key every worker claims its batches from (feed/claims.py); None: dealt
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from .batches import batch_size, describe, move_to
 from .checkpoint import rng_state
 from .config import Config, NanPolicy
 from .evaluation import autocast, metric_sums, validation_metrics
-from .feed import rank_share
+from .feed.shard import rank_share
 from .job import Job
 from .parts import Parts
 from .types import Batch, Counters, Hooks, Phase, StateDict, TrainingError, TrainingState, Where

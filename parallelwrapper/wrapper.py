@@ -1,7 +1,7 @@
 """ParallelWrapper, the object users hold, and its Builder's `build()` (the setters: settings.py).
 
 It validates, picks a host for the workers and orchestrates; the algorithm lives in rounds/ and
-worker.py, the processes in hosts/, the data in feed.py, and what the environment means in env.py."""
+worker.py, the processes in hosts/, the data's way to the workers in feed/, and what the environment means in env.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .autopilot import levers
 from .config import Config, refuse
 from .env import Placement, resolve, torchrun_env
 from .evaluation import check_validation, classification_metrics, metric_sums
-from .feed import Batches, check_epochs, epoch_iterable
+from .feed.data import Batches, check_epochs, epoch_iterable
 from .hosts import Host, TorchrunWorker, start_host
 from .job import Job, check_job
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify

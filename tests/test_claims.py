@@ -1,4 +1,4 @@
-"""First-come claims (claims.py): workers that claim from one counter at any pace train every
+"""First-come claims (feed/claims.py): workers that claim from one counter at any pace train every
 batch of every epoch once, in index order, and each ends its epoch (END) by claiming past it.
 Fast tier: one process, the workers interleaved by hand."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from parallelwrapper.claims import ClaimSource, ListEpochs, indexed
-from parallelwrapper.dataset_shards import DatasetEpochs
+from parallelwrapper.feed.claims import ClaimSource, ListEpochs, indexed
+from parallelwrapper.feed.epochs import DatasetEpochs
 from parallelwrapper.types import END
 
 pytestmark = pytest.mark.fast

@@ -19,7 +19,7 @@ from torch import nn
 
 from parallelwrapper import NanPolicy, ParallelWrapper, TrainingMode, WorkerError
 from parallelwrapper.checkpoint import FILENAME, CheckpointError, save
-from parallelwrapper.feed import FeedError
+from parallelwrapper.feed.data import FeedError
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from parallelwrapper.config import Config
-from parallelwrapper.feed import ShardSource, shardable, shards_of
+from parallelwrapper.feed.epochs import shardable, shards_of
+from parallelwrapper.feed.shard import ShardSource
 from parallelwrapper.types import EndOfEpoch
 
 pytestmark = pytest.mark.fast

@@ -14,7 +14,7 @@ from torch import nn
 
 from parallelwrapper import ParallelWrapper, Score, WorkerError
 from parallelwrapper.config import Config
-from parallelwrapper.feed import FeedError
+from parallelwrapper.feed.data import FeedError
 from parallelwrapper.hosts.inprocess import InProcessWorker, runs_in_process
 from parallelwrapper.hosts.spawned import WorkerPool
 from parallelwrapper.types import Counters, FitCommand, TrainingState

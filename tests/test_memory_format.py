@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.feed import ShardSource, shards_of
+from parallelwrapper.feed.epochs import shards_of
+from parallelwrapper.feed.shard import ShardSource
 
 pytestmark = pytest.mark.timeout(180)
 

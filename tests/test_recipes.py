@@ -342,7 +342,7 @@ def test_epoch_end_validations_belong_to_the_epoch_that_ended_and_the_bar_says_w
 
 
 def test_validation_batches_that_are_views_travel_without_their_base() -> None:
-    from parallelwrapper.feed import compact
+    from parallelwrapper.feed.data import compact
 
     base = torch.randn(1000, 10)
     views = [(base[i : i + 10], torch.zeros(10, dtype=torch.long)) for i in range(0, 100, 10)]

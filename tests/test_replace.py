@@ -23,12 +23,12 @@ from torch import nn
 from torch.distributed import HashStore, PrefixStore, Store, distributed_c10d  # type: ignore[attr-defined]
 
 from parallelwrapper import ParallelWrapper, WorkerError
-from parallelwrapper.feed import END_SLOT, EndMark, Feeder
+from parallelwrapper.feed.queue import END_SLOT, EndMark, Feeder
+from parallelwrapper.feed.slots import SlotReader, SlotWriter
 from parallelwrapper.hosts.supervisor import STOPPED_S
 from parallelwrapper.replacement import regroup
 from parallelwrapper.replacement.ledger import Entry, Ledger, split
 from parallelwrapper.replacement.refeed import refeed
-from parallelwrapper.slots import SlotReader, SlotWriter
 from parallelwrapper.types import Counters
 from tiny import mlp
 
@@ -474,7 +474,7 @@ def test_a_worker_waiting_for_a_batch_is_called_away_at_once_and_refeed_drops_th
     (a second later); refeed drains the marks no one took."""
     import multiprocessing
 
-    from parallelwrapper.feed import Aborted, CallAway, QueueSource, Unput
+    from parallelwrapper.feed.queue import Aborted, CallAway, QueueSource, Unput
 
     ctx = multiprocessing.get_context("spawn")
     free, q = ctx.Queue(), ctx.Queue()

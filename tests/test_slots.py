@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from parallelwrapper.slots import SlotReader, SlotWriter
+from parallelwrapper.feed.slots import SlotReader, SlotWriter
 
 pytestmark = pytest.mark.fast
 

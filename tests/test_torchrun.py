@@ -82,7 +82,7 @@ UNEQUAL = Path(__file__).parent / "scripts" / "torchrun_unequal.py"
 
 
 def test_ranks_of_unequal_speed_claim_batches_and_train_each_sample_once(tmp_path: Path) -> None:
-    """Rank 1 three times slower: the ranks claim batches from torchrun's store (claims.py), so
+    """Rank 1 three times slower: the ranks claim batches from torchrun's store (feed/claims.py), so
     the faster rank trains more of each round, and every sample is trained once an epoch."""
     result = subprocess.run(
         torchrun("--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(UNEQUAL), str(tmp_path)),

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.feed import rank_share
+from parallelwrapper.feed.shard import rank_share
 from tiny import make_batches, mlp
 
 SAMPLES, BATCH = 200, 16  # 13 batches, the last of 8: 7 of them (104 samples) to rank 0, 6 (96) to rank 1

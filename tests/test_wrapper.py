@@ -112,7 +112,7 @@ def test_every_batch_once_in_an_uneven_epoch(mode: TrainingMode, overlap: bool, 
     assert scores == history.scores and scores[-1].samples == 2 * samples
     assert all(s.score > 0 for s in scores)
     # Rank 0 reports where its time went: its own steps, and the exchanges, where it waits for the
-    # slow rank 1 (20 ms a step). Averaging rounds claim batches first-come (claims.py): the fast
+    # slow rank 1 (20 ms a step). Averaging rounds claim batches first-come (feed/claims.py): the fast
     # rank 0 trains more of each round; synchronous gradients wait for rank 1 at every step.
     assert all(s.training_s > 0 and s.exchange_s > 0 for s in scores)
     assert sum(s.training_s + s.exchange_s for s in scores) <= scores[-1].seconds

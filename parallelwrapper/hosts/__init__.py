@@ -12,7 +12,7 @@ from typing import Protocol
 
 from ..config import Config
 from ..env import Placement
-from ..feed import Batches
+from ..feed.data import Batches
 from ..job import Job
 from ..types import FitCommand, Reporter, TrainingState
 from .inprocess import InProcessWorker

@@ -25,7 +25,8 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, ShardSource
+from ..feed.data import Batches
+from ..feed.shard import ShardSource
 from ..job import Job
 from ..types import FitCommand, Reporter, TrainingState
 from .runtime import SignalHooks, Worker, stop_on_signals

@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from ..claims import StoreCounter, source_for
 from ..config import Config
 from ..env import Placement, claim_device, collective_timeout
-from ..feed import Item, QueueSource, Taking
+from ..feed.claims import StoreCounter, source_for
+from ..feed.queue import Item, QueueSource, Taking
+from ..feed.slots import SlotReader
 from ..job import Job
 from ..processes import adopt_environment, main_process_gone
-from ..slots import SlotReader
 from ..types import EpochEnd, FitCommand, Hooks, Phase, Report, RoundObserver, Stopped, WorkerError
 from .runtime import Worker, summary
 from .supervisor import Message, ProgressBoard

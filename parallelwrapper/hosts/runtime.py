@@ -35,7 +35,7 @@ from .. import pipeline
 from ..checkpoint import make_checkpointer, rng_state, set_rng_state
 from ..config import Config
 from ..env import Placement
-from ..feed import FeedError
+from ..feed.data import FeedError
 from ..job import Job
 from ..rounds import Lockstep, Rounds
 from ..types import BatchSource, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, WorkerError

@@ -23,14 +23,16 @@ from typing import Protocol, cast
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from ..claims import claimed
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
-from ..feed import Batches, Feeder, Item, drain, shardable, shards_of
+from ..feed.claims import claimed
+from ..feed.data import Batches
+from ..feed.epochs import shardable, shards_of
+from ..feed.queue import Feeder, Item, drain
+from ..feed.slots import SlotWriter
 from ..job import Job
 from ..pipeline import joined_state
 from ..processes import START_TIMEOUT_S, worker_context
-from ..slots import SlotWriter
 from ..types import FitCommand, Report, Reporter, TrainingState, WorkerError
 from .jobs import shared_pickle as _shared_pickle
 from .process import Channels, Command, Failover, worker_entry
@@ -210,7 +212,7 @@ class WorkerPool:
         feeder = None
         if shardable(data, self.config.feed, self._replacer is not None):
             # Its tensors go to shared memory once; the workers claim its batches first-come from
-            # a key of this fit's in the store (claims.py), or each reads its dealt shard.
+            # a key of this fit's in the store (feed/claims.py), or each reads its dealt shard.
             self._fits += 1
             claims = f"pw-claims/{self._fits}" if claimed(self.config) else None
             command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch), claims=claims)

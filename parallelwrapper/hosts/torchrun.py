@@ -1,6 +1,6 @@
 """torchrun: this process as one rank of a group that torchrun started, on this machine or on many.
 torchrun's variables say the rank and the node's share of processes (env.resolve); the
-worker reads its own shard of the data (feed.ShardSource), and runs the shared runtime. Its
+worker reads its own shard of the data (feed/shard.ShardSource), and runs the shared runtime. Its
 first fit() starts every rank from rank 0's state (`_from_rank_0`).
 
 Every incarnation of a group that torchrun restarts (--max-restarts) joins under keys of its own
@@ -28,10 +28,10 @@ from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[
 from .. import hierarchy
 from ..batches import map_leaves
 from ..checkpoint import path_of
-from ..claims import StoreCounter, claimed, source_for
 from ..config import Config
 from ..env import Placement, TorchrunEnv, claim_device, collective_timeout
-from ..feed import Batches
+from ..feed.claims import StoreCounter, claimed, source_for
+from ..feed.data import Batches
 from ..job import Job
 from ..types import BatchSource, FitCommand, Reporter, TrainingState, WorkerError
 from .heartbeat import Heartbeat
@@ -129,7 +129,7 @@ class TorchrunWorker:
         self._owns_group = not dist.is_initialized()
         self._heartbeat: Heartbeat | None = None
         self.resume_point: str | None = None  # the checkpoint a restarted group's first fit() resumes from
-        self._claims: PrefixStore | None = None  # where ranks claim their batches first-come (claims.py)
+        self._claims: PrefixStore | None = None  # where ranks claim their batches first-come (feed/claims.py)
         self._fits = 0
         if self._owns_group:
             store, prefix, resume = _join(config, env)

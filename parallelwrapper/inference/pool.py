@@ -27,8 +27,8 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from ..env import Placement
+from ..feed.slots import Segments
 from ..processes import START_TIMEOUT_S, exit_message, worker_context
-from ..slots import Segments
 from .process import Batch, Model, Order, Reply, serve, view
 from .requests import Request
 

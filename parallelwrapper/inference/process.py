@@ -29,9 +29,9 @@ from typing import Literal, TypeVar, cast
 import torch
 
 from ..env import Placement, claim_device
+from ..feed.slots import Mappings
 from ..hosts.runtime import summary
 from ..processes import adopt_environment, main_process_gone
-from ..slots import Mappings
 from .requests import NOT_A_TENSOR
 
 _POLL_S = 1.0  # how often a worker waiting for a message looks whether its parent is gone

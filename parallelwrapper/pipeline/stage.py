@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from ..batches import move_to
 from ..config import Config, Pipeline
 from ..evaluation import scored_outputs, validation_of
-from ..feed import rank_share
+from ..feed.shard import rank_share
 from ..job import Job
 from ..types import END, Batch, BatchSource, EndOfEpoch, Hooks, Output, TrainingState
 from ..worker import Replica

@@ -26,7 +26,7 @@ from typing import cast
 import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
-from ..feed import END_SLOT, QueueSource
+from ..feed.queue import END_SLOT, QueueSource
 from ..hosts.runtime import Worker, one_traceback, summary
 from ..hosts.supervisor import Message
 from ..types import Counters, EpochEnd, FitCommand, Report, StateDict, TrainingState, WorkerError
@@ -54,7 +54,7 @@ class WorkerSide:
     timeout: datetime.timedelta
 
     def taking(self, rank: int) -> Ledger:
-        """What records the takes of worker `rank` from its queue (feed.QueueSource's ledger)."""
+        """What records the takes of worker `rank` from its queue (feed/queue.QueueSource's ledger)."""
         return self.ledgers[rank]
 
     def survivor(self, rank: int, worker: Worker, source: QueueSource, results: Queue[Message], store: Store, into: Join) -> Keeper:

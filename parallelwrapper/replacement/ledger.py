@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 
-from ..feed import END_SLOT
+from ..feed.queue import END_SLOT
 
 _FIELDS = 3
 

@@ -1,7 +1,7 @@
 """What goes back into the queues for a lost round's redo: what the feeder put from its first batch on, in the feeder's order.
 
 The main process puts it back in front of every queue (the feeder paused, every worker parked or
-dead), whoever took it: from the feeder's record of what it put (feed.Unput), not from what the
+dead), whoever took it: from the feeder's record of what it put (feed/queue.Unput), not from what the
 workers took or the queues held. The workers' ledgers (ledger.py) say which slots hold batches
 that landed in the average: those go back to the feeder.
 """
@@ -17,7 +17,7 @@ from multiprocessing.queues import Queue
 from multiprocessing.synchronize import BoundedSemaphore, Lock
 from typing import Protocol, cast
 
-from ..feed import EndMark, Item, Put, Unput
+from ..feed.queue import EndMark, Item, Put, Unput
 from ..types import Counters
 from .ledger import Ledger, split
 

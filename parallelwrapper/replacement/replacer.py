@@ -34,7 +34,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 
 from ..config import Config
 from ..env import Placement, collective_timeout
-from ..feed import CallAway, Feeder, Item
+from ..feed.queue import CallAway, Feeder, Item
 from ..hosts.supervisor import Message, ProgressBoard, Supervisor
 from ..processes import START_TIMEOUT_S
 from ..types import Counters, EpochEnd, Phase, Replacement, Report, Reporter, WorkerError
@@ -126,7 +126,7 @@ class Replacer:
 
     def call_away(self) -> None:
         """A worker failed: every worker leaves its wait for a batch (the abort event), at once
-        (feed.CallAway, one for each worker that reads a queue; a full queue has no one waiting).
+        (feed/queue.CallAway, one for each worker that reads a queue; a full queue has no one waiting).
         refeed drains what no one took."""
         if self._abort.is_set():
             return

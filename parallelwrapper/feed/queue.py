@@ -1,4 +1,4 @@
-"""The feed: how each worker gets its batches, from a shared queue, a queue of its own, or a shard it reads itself.
+"""The queue transport: a feeder thread in the main process puts batches into shared queues, through shared-memory slots.
 
 Shared mode (default): one queue of `prefetch_buffer` batches; whichever worker is free first
 takes the next batch, so a slow worker never holds the others up. Batches travel through
@@ -8,17 +8,6 @@ of the next epoch (the feeder puts those after all N sentinels, and the queue is
 
 Deterministic mode: batch i goes to worker i mod N through a queue of its own, so the same data
 gives the same model on every run.
-
-Under torchrun, and for one worker in the caller's process, there is no queue: each process
-reads its own data. So do spawned workers given a list or tuple of batches (`shardable`): they
-receive it once per fit(), its tensors in shared memory, and the main process copies nothing per
-batch. Each claims its batches first-come (claims.py), or, dealt, reads its rank-strided shard
-(`ShardSource`). A DataLoader over a map-style dataset, loading in the main process
-(num_workers=0), is read the same way
-(`DatasetEpochs`): the main process draws each epoch's batches of sample indices from the
-loader's batch sampler, shuffling included, and each worker loads and collates only its own.
-Validation data is dealt the same way (`rank_share`): of such a loader, each worker draws the
-batches' indices itself and loads only its own.
 """
 
 from __future__ import annotations
@@ -26,23 +15,17 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from typing import Protocol, TypeAlias, TypeVar
 
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
-
-from .batches import to_cpu
-from .config import check_int
-from .dataset_shards import DatasetEpochs, Indices, indexed_loader, loader_share, map_style_loader
-from .processes import main_process_gone
+from ..processes import main_process_gone
+from ..types import END, Batch, EndOfEpoch
+from .data import Batches, check_epoch_length, data_raised, epoch_iterable
 from .slots import SlotReader, SlotWriter
-from .types import END, Batch, EndOfEpoch
 
-Batches = Iterable[Batch] | Callable[[], Iterable[Batch]]
 T = TypeVar("T")
 
 
@@ -63,69 +46,6 @@ END_SLOT = -1  # a ledger's slot for an end of epoch (replacement/ledger.py)
 _POLL_S = 0.1  # how often blocked puts and gets look up to check for a stop
 _PUT_S = 0.02  # the feeder's longest try at a full queue, holding its lock
 _DRAIN_S = 0.05  # how long `drain` waits for one more item
-
-
-def compact(data: Batches) -> Batches:
-    """A list or tuple of batches with every tensor in a storage of its own: batches that are views
-    of one big tensor (slices of a dataset) would each carry all of it to every spawned worker.
-    Other data (a DataLoader, a function) is returned as it is."""
-    return [to_cpu(batch) for batch in data] if isinstance(data, (list, tuple)) else data
-
-
-def shardable(data: Batches, feed: str, replaces: bool) -> bool:
-    """Whether spawned workers read `data` in shards (Builder.feed): with feed "auto", when no
-    replacement needs the queue's ledger to feed a round again, a list or tuple of batches, or a
-    DataLoader over a map-style dataset that loads in the main process (`DatasetEpochs`), unless
-    a DistributedSampler shards it already."""
-    return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or (map_style_loader(data) and distributed_sampler(data) is None))
-
-
-def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Batches | DatasetEpochs:
-    """What spawned workers get to read their shards of `data` (shardable) from, once per fit()."""
-    return DatasetEpochs.of(data, first_epoch, until_epoch) if isinstance(data, DataLoader) else data
-
-
-def epoch_iterable(data: Batches) -> Callable[[], Iterable[Batch]]:
-    """A function that yields one epoch of batches. A callable (a generator function, a factory)
-    is called once per epoch; an iterable is iterated once per epoch."""
-    if callable(data) and not isinstance(data, Iterable):
-        return data
-    if not isinstance(data, Iterable):
-        raise ValueError(
-            f"fit() takes an iterable of batches (a DataLoader, a list) or a function returning one, "
-            f"got {type(data).__name__}"
-        )
-    return lambda: data
-
-
-def check_epochs(data: Batches, epochs: int) -> None:
-    check_int("epochs", epochs)
-    if isinstance(data, Iterator) and epochs > 1:
-        raise ValueError(
-            f"fit(epochs={epochs}) got an iterator, which is used up after one epoch; pass a list, "
-            f"a DataLoader, or a function that returns a fresh iterator (e.g. the generator function itself)"
-        )
-    if isinstance(data, Sequence) and len(data) == 0:
-        raise ValueError("fit() got an empty iterable: there is nothing to train on")
-
-
-class FeedError(RuntimeError):
-    """The user's iterable raised, or yielded nothing; the message says which epoch."""
-
-
-def data_raised(error: Exception, epoch: int, count: int) -> FeedError:
-    return FeedError(f"the training data raised in epoch {epoch} after {count} batches: {error!r}")
-
-
-def check_epoch_length(count: int, skip: int, epoch: int) -> None:
-    """An epoch of `count` batches, of which a resumed run skips the first `skip`."""
-    if count == 0:
-        raise FeedError(f"the training data yielded no batches in epoch {epoch}: nothing to train on")
-    if count < skip:
-        raise FeedError(
-            f"the training data yielded {count} batches in epoch {epoch}, but the checkpoint "
-            f"resumed from had trained {skip} of them: resume with the same data"
-        )
 
 
 @dataclass(frozen=True)
@@ -335,81 +255,3 @@ class QueueSource:
     def release(self, slots: list[int]) -> None:
         for slot in slots:
             self._slots.release(slot)
-
-
-def distributed_sampler(data: Batches) -> DistributedSampler[object] | None:
-    """The DistributedSampler of a DataLoader that has one: such data is one rank's share already."""
-    sampler = getattr(data, "sampler", None)
-    return sampler if isinstance(sampler, DistributedSampler) else None
-
-
-def rank_share(data: Batches, rank: int, world_size: int) -> Iterator[Batch]:
-    """One pass over `data`, this rank's batches only, as ShardSource deals them. Of a DataLoader
-    over a map-style dataset (`indexed_loader`), only this rank's batches are loaded
-    (`loader_share`); other data is iterated whole, and the other ranks' batches dropped."""
-    presharded = distributed_sampler(data) is not None
-    if not presharded and indexed_loader(data):
-        yield from loader_share(data, rank, world_size)
-        return
-    for index, batch in enumerate(epoch_iterable(data)()):
-        if presharded or index % world_size == rank:
-            yield batch
-
-
-class ShardSource:
-    """torchrun, or one worker in this process: this rank's batches of each epoch,
-    index ≡ rank (mod world_size).
-
-    Every rank iterates the same data (same order: seed any shuffling the same on every rank)
-    and keeps its own shard, so no data is sent between machines. A DataLoader whose sampler is
-    a DistributedSampler is sharded already: all its batches are this rank's, and its sampler
-    is told the epoch (`set_epoch`) so that shuffling differs between epochs. Of `DatasetEpochs`
-    (spawned workers), only this rank's batches are loaded.
-    """
-
-    def __init__(self, data: Batches | DatasetEpochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
-        self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
-        self._dataset: DatasetEpochs | None = None
-        self._make_epoch: Callable[[], Iterable[Batch]]
-        self._sampler: DistributedSampler[object] | None = None
-        if isinstance(data, DatasetEpochs):
-            self._dataset, self._make_epoch = data, self._indices
-        else:
-            self._make_epoch, self._sampler = epoch_iterable(data), distributed_sampler(data)
-        self._it: Iterator[tuple[int, Batch]] | None = None
-
-    def _mine(self, index: int) -> bool:
-        return self._sampler is not None or index % self._world == self._rank
-
-    def _indices(self) -> Iterator[Indices]:
-        """Of DatasetEpochs: this epoch's batches, as the indices of their samples."""
-        assert self._dataset is not None
-        return self._dataset.indices(self._epoch)
-
-    def _shard(self, skip: int) -> Iterator[tuple[int, Batch]]:
-        """This rank's batches of an epoch, each with its index in the epoch of all ranks: a
-        presharded loader's i-th batch is the epoch's batch i·world_size + rank, as dealt."""
-        count = 0
-        try:
-            for local, batch in enumerate(self._make_epoch()):
-                count += 1
-                index = local if self._sampler is None else local * self._world + self._rank
-                if index >= skip and self._mine(index):
-                    yield index, batch if self._dataset is None else self._dataset.batch(batch)
-        except Exception as e:
-            raise data_raised(e, self._epoch, count) from e
-        if self._sampler is None:  # else `count` is this rank's share, which may be empty
-            check_epoch_length(count, skip, self._epoch)
-
-    def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
-        if self._it is None:
-            if self._sampler is not None:
-                self._sampler.set_epoch(self._epoch)
-            skip, self._skip = self._skip, 0  # only the first epoch resumes mid-way
-            self._it = self._shard(skip)
-        item = next(self._it, None)
-        if item is None:
-            self._it = None  # the next call starts the next epoch
-            self._epoch += 1
-            return END
-        return item

@@ -25,8 +25,8 @@ from multiprocessing.queues import Queue
 
 import torch
 
-from .batches import map_leaves
-from .types import Batch
+from ..batches import map_leaves
+from ..types import Batch
 
 _ALIGN = 64  # every tensor starts on a cache line, so any dtype's view is aligned
 _POLL_S = 0.1

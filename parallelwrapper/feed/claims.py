@@ -7,7 +7,7 @@ is the fit's batch c past where it starts, epoch after epoch (`ClaimSource`), so
 trained exactly once and claims come in index order, as from the shared queue: a round still
 cuts the epoch into the same N·k batches (rounds/cut.py), and a faster worker takes more of each
 round's. Data is read by index: a list or tuple of batches (`ListEpochs`), or a map-style
-DataLoader's epochs of sample indices (dataset_shards.DatasetEpochs).
+DataLoader's epochs of sample indices (epochs.DatasetEpochs).
 
 Claims are for averaging rounds of spawned workers and torchrun ranks with the default feed.
 `.deterministic(True)` deals batch i to worker i mod N instead (a fixed split, so the same run
@@ -21,10 +21,10 @@ from typing import Protocol
 
 from torch.distributed import Store  # type: ignore[attr-defined]
 
-from .config import Config, TrainingMode
-from .dataset_shards import DatasetEpochs, Indices
-from .feed import ShardSource
-from .types import END, Batch, BatchSource, Counters, EndOfEpoch
+from ..config import Config, TrainingMode
+from ..types import END, Batch, BatchSource, Counters, EndOfEpoch
+from .epochs import DatasetEpochs, Indices
+from .shard import ShardSource
 
 
 class Counter(Protocol):
@@ -96,8 +96,8 @@ def claimed(config: Config) -> bool:
 
 def source_for(data: object, rank: int, world_size: int, counters: Counters, until_epoch: int, counter: Counter | None) -> BatchSource:
     """This worker's batches of the fit, of the shards it was sent (FitCommand.shards: what
-    feed.shards_of gives, a list or tuple of batches, or DatasetEpochs): claimed from `counter`
-    where there is one and the data reads by index, else its dealt shard (feed.ShardSource)."""
+    epochs.shards_of gives, a list or tuple of batches, or DatasetEpochs): claimed from `counter`
+    where there is one and the data reads by index, else its dealt shard (shard.ShardSource)."""
     if not isinstance(data, (list, tuple, DatasetEpochs)):
         raise TypeError(f"a worker's shards are a list or tuple of batches, or DatasetEpochs; got {type(data).__name__}")
     epochs = None if counter is None else indexed(data)

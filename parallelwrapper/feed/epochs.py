@@ -1,8 +1,11 @@
-"""A map-style DataLoader's epochs as batches of sample indices, which spawned workers load and collate themselves.
+"""What spawned workers are sent once per fit to read their shards from: a list of batches, or a map-style DataLoader's epochs as sample indices.
 
-The main process draws each epoch's batches as sample indices from the loader's batch sampler
-(shuffling as iterating the loader would), and each worker loads and collates only the batches dealt
-to it (feed.py), from its own copy of the dataset, which goes to the workers once per fit().
+With feed "auto", spawned workers given a list or tuple of batches receive it once per fit(), its
+tensors in shared memory, and the main process copies nothing per batch (`shardable`). A
+DataLoader over a map-style dataset, loading in the main process (num_workers=0), goes the same
+way as `DatasetEpochs`: the main process draws each epoch's batches as sample indices from the
+loader's batch sampler (shuffling as iterating the loader would), and each worker loads and
+collates only the batches it claims or is dealt, from its own copy of the dataset.
 
 Validation data goes the same way, but each worker draws the indices itself, where it used to
 iterate the whole loader (`loader_share`): every worker draws the same batches, as iterating the
@@ -22,7 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
-from .types import Batch, Sample
+from ..types import Batch, Sample
+from .data import Batches, distributed_sampler
 
 
 def indexed_loader(data: object) -> TypeGuard[DataLoader[Sample]]:
@@ -98,6 +102,19 @@ class DatasetEpochs:
         return self.collate_fn(getitems(keys) if getitems is not None else [self.dataset[i] for i in keys])
 
 
+def shardable(data: Batches, feed: str, replaces: bool) -> bool:
+    """Whether spawned workers read `data` in shards (Builder.feed): with feed "auto", when no
+    replacement needs the queue's ledger to feed a round again, a list or tuple of batches, or a
+    DataLoader over a map-style dataset that loads in the main process (`DatasetEpochs`), unless
+    a DistributedSampler shards it already."""
+    return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or (map_style_loader(data) and distributed_sampler(data) is None))
+
+
+def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Batches | DatasetEpochs:
+    """What spawned workers get to read their shards of `data` (shardable) from, once per fit()."""
+    return DatasetEpochs.of(data, first_epoch, until_epoch) if isinstance(data, DataLoader) else data
+
+
 def loader_share(loader: DataLoader[Sample], rank: int, world_size: int) -> DataLoader[Sample]:
     """One pass over an `indexed_loader`'s batches i ≡ rank (mod world_size), as a loader of their
     own: the pass's batches drawn as sample indices, as iterating `loader` draws them (its random
@@ -134,4 +151,4 @@ def _epoch_indices(loader: DataLoader[Sample]) -> Epoch:
     return torch.tensor([i for batch in batches for i in batch], dtype=torch.int64), starts
 
 
-__all__ = ["DatasetEpochs", "indexed_loader", "loader_share", "map_style_loader"]
+__all__ = ["DatasetEpochs", "indexed_loader", "loader_share", "map_style_loader", "shardable", "shards_of"]
