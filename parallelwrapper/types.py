@@ -13,7 +13,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 # The user's own values: the package carries them, walks them (batches.map_leaves) and hands them
 # back to the user's code, and their types are the user's. Each is named once here.
@@ -33,6 +33,20 @@ END = EndOfEpoch()
 class BatchSource(Protocol):
     def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         """(batch index in the epoch, batch) or END."""
+        ...
+
+
+@runtime_checkable
+class Epochs(Protocol):
+    """Epochs of batches read by index: what spawned workers are sent once per fit to read their
+    shards from (feed/epochs.py: a list of batches, or a map-style DataLoader's sample indices)."""
+
+    def length(self, epoch: int) -> int:
+        """How many batches epoch `epoch` has."""
+        ...
+
+    def batch_at(self, epoch: int, index: int) -> Batch:
+        """Batch `index` of epoch `epoch`, loaded."""
         ...
 
 
@@ -193,7 +207,7 @@ class FitCommand:
     state: TrainingState
     rng: list[StateDict] | None  # per rank, when resuming from a checkpoint
     start: float  # when the fit() began, by time.monotonic(): system-wide on one machine, and under torchrun rank 0's own (it reports)
-    shards: object = None  # spawned workers: the list or tuple of batches, or feed/epochs.DatasetEpochs, each reads its shard of (feed/epochs.shardable)
+    shards: Epochs | None = None  # spawned workers that read their shards: the fit's epochs, sent once (feed/epochs.shards_of); None: fed through the queue
     claims: str | None = None  # with shards: the store key every worker claims its batches from (feed/claims.py); None: dealt
 
 
@@ -358,6 +372,7 @@ __all__ = [
     "Counters",
     "EncodingStats",
     "EndOfEpoch",
+    "Epochs",
     "EpochEnd",
     "FitCommand",
     "Hooks",

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from parallelwrapper.feed.claims import ClaimSource, ListEpochs, indexed
-from parallelwrapper.feed.epochs import DatasetEpochs
+from parallelwrapper.feed.claims import ClaimSource
+from parallelwrapper.feed.epochs import DatasetEpochs, ListEpochs
 from parallelwrapper.types import END
 
 pytestmark = pytest.mark.fast
@@ -68,8 +68,10 @@ def test_a_map_style_loader_is_read_by_index_as_it_would_batch() -> None:
     dataset = TensorDataset(torch.arange(20.0), torch.arange(20))
     loader = DataLoader(dataset, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(0))
     epochs = DatasetEpochs.of(loader, 0, 2)
-    source = indexed(epochs)
-    assert source is not None and source.length(0) == 7
-    batches = [source.batch_at(1, i) for i in range(source.length(1))]
-    assert [b[1].tolist() for b in batches] == [list(map(int, b)) for b in epochs.indices(1)]
-    assert indexed(iter([])) is None
+    assert epochs.length(0) == epochs.length(1) == 7
+    batches = [epochs.batch_at(1, i) for i in range(epochs.length(1))]
+    assert [len(b[1]) for b in batches] == [3] * 6 + [2]
+    drawn = epochs.epochs[1]
+    assert isinstance(drawn, tuple)  # integer keys: packed in tensors
+    assert [int(i) for b in batches for i in b[1]] == drawn[0].tolist()  # epoch 1's shuffle, in its order
+    assert sorted(drawn[0].tolist()) == list(range(20))

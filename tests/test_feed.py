@@ -1,6 +1,7 @@
 """The shard a worker reads (torchrun, one worker, spawned workers given a list or a map-style
 DataLoader): rank-strided batches, resumed positions, DataLoaders that a DistributedSampler
-shards already, and a map-style loader's batches loaded only by the worker they are dealt to."""
+shards already, and a map-style loader's batches loaded only by the worker they are dealt to;
+and the source a host gets of the transport it names (feed.source)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from parallelwrapper import feed
 from parallelwrapper.config import Config
+from parallelwrapper.feed.claims import ClaimSource
 from parallelwrapper.feed.epochs import shardable, shards_of
 from parallelwrapper.feed.shard import ShardSource
-from parallelwrapper.types import EndOfEpoch
+from parallelwrapper.types import Counters, EndOfEpoch
 
 pytestmark = pytest.mark.fast
 
@@ -130,3 +133,27 @@ def test_a_tensor_dataset_is_indexed_once_a_batch_into_the_loaders_own_batches()
     assert len(taken) == len(expected) == 4
     for (_, got), want in zip(taken, expected, strict=True):
         assert type(got) is type(want) and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want, strict=True))
+
+
+class Count:
+    def __init__(self) -> None:
+        self.next = 0
+
+    def claim(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+def test_a_host_names_its_transport_and_the_feed_picks_the_source() -> None:
+    """Data read by index is claimed where the host has a counter, else dealt; other data, which
+    every rank iterates (a DataLoader under torchrun), is dealt even with a counter."""
+    batches = [torch.full((1,), float(i)) for i in range(5)]
+    at = Counters(epoch=1, position=2)  # a resumed fit: epoch 1, after its first two batches
+    claimed = feed.source(batches, 1, 2, at, until_epoch=2, claims=Count())
+    assert isinstance(claimed, ClaimSource) and [i for i, _ in drain(claimed)] == [2, 3, 4]  # every batch: one worker here
+    assert isinstance(feed.source(shards_of(batches, 1, 2), 1, 2, at, 2, Count()), ClaimSource)  # sent to spawned workers
+    dealt = feed.source(batches, 1, 2, at, 2)
+    assert isinstance(dealt, ShardSource) and [i for i, _ in drain(dealt)] == [3]
+    loader = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2)
+    held = feed.source(loader, 0, 2, Counters(), 1, Count())
+    assert isinstance(held, ShardSource) and [i for i, _ in drain(held)] == [0, 2]

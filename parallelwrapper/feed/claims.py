@@ -6,8 +6,8 @@ workers, torchrun's for ranks on any number of machines, with no data between th
 is the fit's batch c past where it starts, epoch after epoch (`ClaimSource`), so every batch is
 trained exactly once and claims come in index order, as from the shared queue: a round still
 cuts the epoch into the same N·k batches (rounds/cut.py), and a faster worker takes more of each
-round's. Data is read by index: a list or tuple of batches (`ListEpochs`), or a map-style
-DataLoader's epochs of sample indices (epochs.DatasetEpochs).
+round's. Data is read by index (types.Epochs): a list or tuple of batches, or a map-style
+DataLoader's epochs of sample indices (epochs.py).
 
 Claims are for averaging rounds of spawned workers and torchrun ranks with the default feed.
 `.deterministic(True)` deals batch i to worker i mod N instead (a fixed split, so the same run
@@ -16,29 +16,18 @@ gives the same model), and so do pipelines and a node hierarchy, whose ranks ste
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from ..config import Config, TrainingMode
-from ..types import END, Batch, BatchSource, Counters, EndOfEpoch
-from .epochs import DatasetEpochs, Indices
-from .shard import ShardSource
+from ..types import END, Batch, EndOfEpoch, Epochs
 
 
 class Counter(Protocol):
     def claim(self) -> int:
         """The next claim: 0 first, each number once over every worker of the fit."""
         ...
-
-
-class Indexed(Protocol):
-    """Epochs of batches read by index."""
-
-    def length(self, epoch: int) -> int: ...
-
-    def batch_at(self, epoch: int, index: int) -> Batch: ...
 
 
 class StoreCounter:
@@ -51,39 +40,6 @@ class StoreCounter:
         return int(self._store.add(self._key, 1)) - 1
 
 
-class ListEpochs:
-    """A list or tuple of batches, the same every epoch."""
-
-    def __init__(self, batches: Sequence[Batch]) -> None:
-        self._batches = batches
-
-    def length(self, epoch: int) -> int:
-        return len(self._batches)
-
-    def batch_at(self, epoch: int, index: int) -> Batch:
-        return self._batches[index]
-
-
-class _DatasetIndexed:
-    """A map-style DataLoader's epochs of sample indices (DatasetEpochs), read by index: the
-    epoch's batches of indices are listed once, when the epoch is first read."""
-
-    def __init__(self, epochs: DatasetEpochs) -> None:
-        self._epochs = epochs
-        self._listed: tuple[int, list[Indices]] = (-1, [])
-
-    def _batches(self, epoch: int) -> list[Indices]:
-        if self._listed[0] != epoch:
-            self._listed = (epoch, list(self._epochs.indices(epoch)))
-        return self._listed[1]
-
-    def length(self, epoch: int) -> int:
-        return len(self._batches(epoch))
-
-    def batch_at(self, epoch: int, index: int) -> Batch:
-        return self._epochs.batch(self._batches(epoch)[index])
-
-
 def claimed(config: Config) -> bool:
     """Whether workers claim their batches first-come (else each reads its dealt shard): averaging
     rounds with the default feed, neither dealt (`deterministic`) nor in lockstep within a
@@ -94,36 +50,15 @@ def claimed(config: Config) -> bool:
     )  # fmt: skip
 
 
-def source_for(data: object, rank: int, world_size: int, counters: Counters, until_epoch: int, counter: Counter | None) -> BatchSource:
-    """This worker's batches of the fit, of the shards it was sent (FitCommand.shards: what
-    epochs.shards_of gives, a list or tuple of batches, or DatasetEpochs): claimed from `counter`
-    where there is one and the data reads by index, else its dealt shard (shard.ShardSource)."""
-    if not isinstance(data, (list, tuple, DatasetEpochs)):
-        raise TypeError(f"a worker's shards are a list or tuple of batches, or DatasetEpochs; got {type(data).__name__}")
-    epochs = None if counter is None else indexed(data)
-    if epochs is None or counter is None:
-        return ShardSource(data, rank, world_size, counters.epoch, counters.position)
-    return ClaimSource(epochs, counter, counters.epoch, counters.position, until_epoch)
-
-
-def indexed(data: object) -> Indexed | None:
-    """`data` read by index, where it can be: a list or tuple of batches, or DatasetEpochs."""
-    if isinstance(data, (list, tuple)):
-        return ListEpochs(data)
-    if isinstance(data, DatasetEpochs):
-        return _DatasetIndexed(data)
-    return None
-
-
 class ClaimSource:
     """One worker's batches of epochs `epoch` to `until_epoch` − 1, the first `skip` batches of
-    `epoch` already trained (a resumed run): claimed, then loaded (`Indexed.batch_at`).
+    `epoch` already trained (a resumed run): claimed, then loaded (`Epochs.batch_at`).
 
     A worker that claims a batch of a later epoch holds it and ends its epoch (END): every batch
     of this epoch is someone's already. It gives the held batch at the next epoch's first call.
     """
 
-    def __init__(self, epochs: Indexed, counter: Counter, epoch: int, skip: int, until_epoch: int) -> None:
+    def __init__(self, epochs: Epochs, counter: Counter, epoch: int, skip: int, until_epoch: int) -> None:
         self._epochs, self._counter = epochs, counter
         self._first, self._skip, self._until = epoch, skip, until_epoch
         self._epoch = epoch  # the epoch this worker is in
@@ -138,8 +73,7 @@ class ClaimSource:
         return (epoch, position) if epoch < self._until else (self._until, 0)
 
     def _length(self, epoch: int) -> int:
-        """An epoch's batches, asked once: every claim walks the epochs from the first, and a
-        DataLoader's epoch is listed to be counted."""
+        """An epoch's batches, asked once: every claim walks the epochs from the first."""
         if epoch not in self._lengths:
             self._lengths[epoch] = self._epochs.length(epoch)
         return self._lengths[epoch]
@@ -155,4 +89,4 @@ class ClaimSource:
         return index, self._epochs.batch_at(epoch, index)
 
 
-__all__ = ["ClaimSource", "Counter", "Indexed", "ListEpochs", "StoreCounter", "claimed", "indexed", "source_for"]
+__all__ = ["ClaimSource", "Counter", "StoreCounter", "claimed"]

@@ -17,7 +17,7 @@ import io
 import itertools
 import multiprocessing
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
-from ..types import Batch, Sample
+from ..types import Batch, Epochs, Sample
 from .data import Batches, distributed_sampler
 
 
@@ -63,6 +63,19 @@ Indices = torch.Tensor | list[object]  # a batch as its samples' keys in the dat
 Epoch = tuple[torch.Tensor, torch.Tensor] | list[list[object]]  # (its indices end to end, where each batch starts), or lists
 
 
+class ListEpochs:
+    """A list or tuple of batches, the same every epoch."""
+
+    def __init__(self, batches: Sequence[Batch]) -> None:
+        self._batches = batches
+
+    def length(self, epoch: int) -> int:
+        return len(self._batches)
+
+    def batch_at(self, epoch: int, index: int) -> Batch:
+        return self._batches[index]
+
+
 @dataclass(frozen=True)
 class DatasetEpochs:
     """A map-style DataLoader's epochs `first` onwards for spawned workers that read their own
@@ -80,16 +93,18 @@ class DatasetEpochs:
     def of(loader: DataLoader[Sample], first: int, until: int) -> DatasetEpochs:
         return DatasetEpochs(loader.dataset, loader.collate_fn, first, [_epoch_indices(loader) for _ in range(first, until)])
 
-    def indices(self, epoch: int) -> Iterator[Indices]:
-        """Epoch `epoch`'s batches, each as the indices of its samples (a list, or an int64 tensor)."""
+    def length(self, epoch: int) -> int:
+        """How many batches epoch `epoch` has."""
+        kept = self.epochs[epoch - self.first]
+        return len(kept) if isinstance(kept, list) else len(kept[1]) - 1
+
+    def batch_at(self, epoch: int, index: int) -> Batch:
+        """Batch `index` of epoch `epoch`: its samples' indices, loaded and collated (`batch`)."""
         kept = self.epochs[epoch - self.first]
         if isinstance(kept, list):
-            yield from kept
-            return
+            return self.batch(kept[index])
         flat, starts = kept
-        bounds = starts.tolist()
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            yield flat[a:b]
+        return self.batch(flat[int(starts[index]) : int(starts[index + 1])])
 
     def batch(self, indices: Indices) -> Batch:
         """A batch as the loader makes it: its samples (`__getitems__` where the dataset has it),
@@ -110,9 +125,14 @@ def shardable(data: Batches, feed: str, replaces: bool) -> bool:
     return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or (map_style_loader(data) and distributed_sampler(data) is None))
 
 
-def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Batches | DatasetEpochs:
-    """What spawned workers get to read their shards of `data` (shardable) from, once per fit()."""
-    return DatasetEpochs.of(data, first_epoch, until_epoch) if isinstance(data, DataLoader) else data
+def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Epochs:
+    """What spawned workers get to read their shards of `data` (shardable) from, once per fit():
+    a DataLoader's epochs `first_epoch` to `until_epoch` - 1 as sample indices, or the list or
+    tuple of batches itself."""
+    if isinstance(data, DataLoader):
+        return DatasetEpochs.of(data, first_epoch, until_epoch)
+    assert isinstance(data, (list, tuple)), "shardable data is a DataLoader, a list or a tuple"
+    return ListEpochs(data)
 
 
 def loader_share(loader: DataLoader[Sample], rank: int, world_size: int) -> DataLoader[Sample]:
@@ -151,4 +171,4 @@ def _epoch_indices(loader: DataLoader[Sample]) -> Epoch:
     return torch.tensor([i for batch in batches for i in batch], dtype=torch.int64), starts
 
 
-__all__ = ["DatasetEpochs", "indexed_loader", "loader_share", "map_style_loader", "shardable", "shards_of"]
+__all__ = ["DatasetEpochs", "ListEpochs", "indexed_loader", "loader_share", "map_style_loader", "shardable", "shards_of"]

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 from torch.utils.data.distributed import DistributedSampler
 
-from ..types import END, Batch, EndOfEpoch
+from ..types import END, Batch, EndOfEpoch, Epochs
 from .data import Batches, check_epoch_length, data_raised, distributed_sampler, epoch_iterable
-from .epochs import DatasetEpochs, Indices, indexed_loader, loader_share
+from .epochs import indexed_loader, loader_share
 
 
 def rank_share(data: Batches, rank: int, world_size: int) -> Iterator[Batch]:
@@ -38,17 +38,17 @@ class ShardSource:
     Every rank iterates the same data (same order: seed any shuffling the same on every rank)
     and keeps its own shard, so no data is sent between machines. A DataLoader whose sampler is
     a DistributedSampler is sharded already: all its batches are this rank's, and its sampler
-    is told the epoch (`set_epoch`) so that shuffling differs between epochs. Of `DatasetEpochs`
-    (spawned workers), only this rank's batches are loaded.
+    is told the epoch (`set_epoch`) so that shuffling differs between epochs. Of `Epochs` sent
+    to spawned workers (epochs.py), only this rank's batches are loaded, by index.
     """
 
-    def __init__(self, data: Batches | DatasetEpochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
+    def __init__(self, data: Batches | Epochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
         self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
-        self._dataset: DatasetEpochs | None = None
+        self._epochs: Epochs | None = None
         self._make_epoch: Callable[[], Iterable[Batch]]
         self._sampler: DistributedSampler[object] | None = None
-        if isinstance(data, DatasetEpochs):
-            self._dataset, self._make_epoch = data, self._indices
+        if isinstance(data, Epochs):
+            self._epochs, self._make_epoch = data, self._indices
         else:
             self._make_epoch, self._sampler = epoch_iterable(data), distributed_sampler(data)
         self._it: Iterator[tuple[int, Batch]] | None = None
@@ -56,10 +56,10 @@ class ShardSource:
     def _mine(self, index: int) -> bool:
         return self._sampler is not None or index % self._world == self._rank
 
-    def _indices(self) -> Iterator[Indices]:
-        """Of DatasetEpochs: this epoch's batches, as the indices of their samples."""
-        assert self._dataset is not None
-        return self._dataset.indices(self._epoch)
+    def _indices(self) -> range:
+        """Of Epochs: this epoch's batches, by their indices (each loaded only if this rank's)."""
+        assert self._epochs is not None
+        return range(self._epochs.length(self._epoch))
 
     def _shard(self, skip: int) -> Iterator[tuple[int, Batch]]:
         """This rank's batches of an epoch, each with its index in the epoch of all ranks: a
@@ -70,7 +70,7 @@ class ShardSource:
                 count += 1
                 index = local if self._sampler is None else local * self._world + self._rank
                 if index >= skip and self._mine(index):
-                    yield index, batch if self._dataset is None else self._dataset.batch(batch)
+                    yield index, batch if self._epochs is None else self._epochs.batch_at(self._epoch, batch)
         except Exception as e:
             raise data_raised(e, self._epoch, count) from e
         if self._sampler is None:  # else `count` is this rank's share, which may be empty

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
+from .. import feed
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
 from ..feed.data import Batches
-from ..feed.shard import ShardSource
 from ..job import Job
 from ..types import FitCommand, Reporter, TrainingState
 from .runtime import SignalHooks, Worker, stop_on_signals
@@ -57,7 +57,7 @@ class InProcessWorker:
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Train as a spawned worker 0 would on `command`; return its final state (model, optimizer, schedule)."""
-        source = ShardSource(data, 0, 1, command.counters.epoch, command.counters.position)
+        source = feed.source(data, 0, 1, command.counters, command.until_epoch)
         with stop_on_signals(self._hooks, (signal.SIGINT,)):
             until_epoch = self._worker.start(command)
             del command  # loaded: the copy of the state goes now, not at the fit's end

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
+from .. import feed
 from ..config import Config
 from ..env import Placement, claim_device, collective_timeout
-from ..feed.claims import StoreCounter, source_for
+from ..feed.claims import StoreCounter
 from ..feed.queue import Item, QueueSource, Taking
 from ..feed.slots import SlotReader
 from ..job import Job
@@ -166,7 +167,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
                 command = None
                 counters = fit.counters
                 counter = None if fit.claims is None else StoreCounter(store, fit.claims)
-                fed = source if fit.shards is None else source_for(fit.shards, me, world, counters, fit.until_epoch, counter)
+                fed = feed.source(source if fit.shards is None else fit.shards, me, world, counters, fit.until_epoch, counter)
                 until_epoch = worker.start(fit)
                 if survivor is not None:
                     survivor.started()

@@ -1,7 +1,7 @@
 """torchrun: this process as one rank of a group that torchrun started, on this machine or on many.
 torchrun's variables say the rank and the node's share of processes (env.resolve); the
-worker reads its own shard of the data (feed/shard.ShardSource), and runs the shared runtime. Its
-first fit() starts every rank from rank 0's state (`_from_rank_0`).
+worker reads its own batches of the data (feed.source: claimed first-come, or its dealt shard),
+and runs the shared runtime. Its first fit() starts every rank from rank 0's state (`_from_rank_0`).
 
 Every incarnation of a group that torchrun restarts (--max-restarts) joins under keys of its own
 in torchrun's store (`_join`), agrees whether to resume from the last checkpoint, and watches its
@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[attr-defined]
 
-from .. import hierarchy
+from .. import feed, hierarchy
 from ..batches import map_leaves
 from ..checkpoint import path_of
 from ..config import Config
 from ..env import Placement, TorchrunEnv, claim_device, collective_timeout
-from ..feed.claims import StoreCounter, claimed, source_for
+from ..feed.claims import StoreCounter, claimed
 from ..feed.data import Batches
 from ..job import Job
-from ..types import BatchSource, FitCommand, Reporter, TrainingState, WorkerError
+from ..types import FitCommand, Reporter, TrainingState, WorkerError
 from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, stop_on_signals
 
@@ -157,7 +157,7 @@ class TorchrunWorker:
         counters = command.counters
         self._fits += 1  # every rank counts its fits alike: the key of this fit's claims
         counter = None if self._claims is None else StoreCounter(self._claims, f"fit-{self._fits}")
-        source: BatchSource = source_for(data, self._worker.rank, self._workers, counters, command.until_epoch, counter)
+        source = feed.source(data, self._worker.rank, self._workers, counters, command.until_epoch, counter)
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):
             try:
                 until_epoch = self._worker.start(command)
