@@ -304,7 +304,8 @@ class Pilot:
         if self._step.count == 0 or step <= 0 or link is None or link.count < max(1, now.updaters_every):
             return now  # not measured enough yet
         x, w = link.value, self._wait.value
-        codec_s = min(self._codecs[here].value, x)
+        codec = self._codecs.get(here)  # none in a pilot's state from before codecs were measured
+        codec_s = 0.0 if codec is None else min(codec.value, x)
         guess = {r: now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange, by this one's
         enough, need = self._enough, self._need(x, step)
         if self._trial is not None:  # the rung it tried is measured: a step down kept only where faster by MARGIN, one up where it fits
@@ -403,7 +404,7 @@ class Pilot:
         self._trial, self._done = state["trial"], state["done"]
         self._ran = None if state["ran"] is None else Choice(**state["ran"])
         self._links = {int(i): _Mean(*m) for i, m in state["links"].items()}
-        self._codecs = {int(i): _Mean(*m) for i, m in state["codecs"].items()}
+        self._codecs = {int(i): _Mean(*m) for i, m in state.get("codecs", {}).items()}  # a checkpoint from before they were measured has none
         self.changes = [Change(r, Choice(**c), why) for r, c, why in state["changes"]]
 
 

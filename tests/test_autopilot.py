@@ -219,6 +219,11 @@ def test_a_resumed_pilot_decides_as_the_uninterrupted_one() -> None:
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint keeps it
     fly([resumed], 0.01, slow_link, 57, first=24)
     assert resumed.changes == whole.changes and resumed.choice == whole.choice
+    older = {k: v for k, v in first.state_dict().items() if k != "codecs"}  # a checkpoint from before codecs were measured
+    earlier = Pilot(Autopilot(k_max=32), START)
+    earlier.load_state_dict(older)  # type: ignore[arg-type]
+    fly([earlier], 0.01, slow_link, 57, first=24)
+    assert earlier.choice == whole.choice  # its links taken as having no codec time: slow_link has none
 
 
 @pytest.mark.fast
