@@ -239,6 +239,14 @@ class _Mean:
         self.value += (x - self.value) / min(self.count, 4)
 
 
+@dataclass
+class _Exchange:
+    """A rung's exchanges, measured: their seconds, and of those the codec's."""
+
+    seconds: _Mean = dataclasses.field(default_factory=_Mean)
+    codec: _Mean = dataclasses.field(default_factory=_Mean)
+
+
 class Pilot:
     """One worker's autopilot. The round engine asks `header()` for the pilot's part of a round's
     header before it goes out, and hands `landed()` that part summed when it lands; `choice` is
@@ -254,8 +262,7 @@ class Pilot:
         self._ran: Choice | None = None  # what the round before the last one landed ran with: what its exchange measured
         self._step = _Mean()
         self._wait = _Mean()  # seconds a worker waits for the others before an exchange, at the k in force
-        self._links: dict[int, _Mean] = {}  # by rung index: seconds per exchange
-        self._codecs: dict[int, _Mean] = {}  # by rung index: of those, seconds in the codec
+        self._links: dict[int, _Exchange] = {}  # by rung index: its exchanges' seconds, and the codec's
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
         self._done = False  # a rung tried did not pay: the search for a rung is over
 
@@ -281,8 +288,9 @@ class Pilot:
             self._step.add(compute_s / batches)
         if exchange_s > 0 and self._ran == now:  # a measure of what is in force
             index = self.rungs.index(now.rung)
-            self._links.setdefault(index, _Mean()).add(exchange_s / workers)
-            self._codecs.setdefault(index, _Mean()).add(codec_s / workers)
+            link = self._links.setdefault(index, _Exchange())
+            link.seconds.add(exchange_s / workers)
+            link.codec.add(codec_s / workers)
             self._wait.add(waited_s / workers)
         self._ran = now
         decided = self._decide(Sizes(parameters / workers, state / workers))
@@ -290,9 +298,7 @@ class Pilot:
             return None
         change = Change(rounds + 1, decided, self._why)
         self.changes.append(change)
-        index = self.rungs.index(decided.rung)  # measured afresh at its k
-        self._links.pop(index, None)
-        self._codecs.pop(index, None)
+        self._links.pop(self.rungs.index(decided.rung), None)  # measured afresh at its k
         self._wait = _Mean()  # dealt batches: the wait for a slower worker grows with k
         self.choice = decided
         return change
@@ -301,15 +307,14 @@ class Pilot:
         now = self.choice
         here, step = self.rungs.index(now.rung), self._step.value
         link = self._links.get(here)
-        if self._step.count == 0 or step <= 0 or link is None or link.count < max(1, now.updaters_every):
+        if self._step.count == 0 or step <= 0 or link is None or link.seconds.count < max(1, now.updaters_every):
             return now  # not measured enough yet
-        x, w = link.value, self._wait.value
-        codec = self._codecs.get(here)  # none in a pilot's state from before codecs were measured
-        codec_s = 0.0 if codec is None else min(codec.value, x)
+        x, w = link.seconds.value, self._wait.value
+        codec_s = min(link.codec.value, x)
         guess = {r: now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange, by this one's
         enough, need = self._enough, self._need(x, step)
         if self._trial is not None:  # the rung it tried is measured: a step down kept only where faster by MARGIN, one up where it fits
-            rung, before = self.rungs[self._trial], self._links[self._trial].value
+            rung, before = self.rungs[self._trial], self._links[self._trial].seconds.value
             up = rung.bytes(sizes) < now.rung.bytes(sizes)
             if (need > enough) if up else (x > before * (1 - MARGIN)):
                 self._trial, self._done = None, True
@@ -393,7 +398,7 @@ class Pilot:
         return {
             "choice": _fields(self.choice), "why": self._why,
             "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "wait": _pair(self._wait),
-            "links": {i: _pair(m) for i, m in self._links.items()}, "codecs": {i: _pair(m) for i, m in self._codecs.items()},
+            "links": {i: _pair(e.seconds) for i, e in self._links.items()}, "codecs": {i: _pair(e.codec) for i, e in self._links.items()},
             "trial": self._trial, "done": self._done,
             "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
         }  # fmt: skip
@@ -403,8 +408,8 @@ class Pilot:
         self._why, self._step, self._wait = state["why"], _Mean(*state["step"]), _Mean(*state["wait"])
         self._trial, self._done = state["trial"], state["done"]
         self._ran = None if state["ran"] is None else Choice(**state["ran"])
-        self._links = {int(i): _Mean(*m) for i, m in state["links"].items()}
-        self._codecs = {int(i): _Mean(*m) for i, m in state.get("codecs", {}).items()}  # a checkpoint from before they were measured has none
+        codecs = state.get("codecs", {})  # none in a checkpoint from before codecs were measured: no codec time
+        self._links = {int(i): _Exchange(_Mean(*m), _Mean(*codecs.get(i, (0.0, 0)))) for i, m in state["links"].items()}
         self.changes = [Change(r, Choice(**c), why) for r, c, why in state["changes"]]
 
 
