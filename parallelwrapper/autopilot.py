@@ -76,13 +76,13 @@ class Autopilot:
     `updater_periods` are what it may choose among: one value when the user set that option."""
 
     k_min: int = 1
-    k_max: int = 64
+    k_max: int = 128
     exchange_share: float = 0.05  # ρ: the share of a worker's time in exchanges aimed at
     payloads: tuple[str, ...] = PAYLOADS
     updater_periods: tuple[int, ...] = UPDATER_PERIODS
 
     def __post_init__(self) -> None:
-        fix = 'e.g. .averaging_frequency("auto", k_min=1, k_max=64, exchange_share=0.05)'
+        fix = 'e.g. .averaging_frequency("auto", k_min=1, k_max=128, exchange_share=0.05)'
         for name in ("k_min", "k_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -265,6 +265,7 @@ class Pilot:
         self._links: dict[int, _Exchange] = {}  # by rung index: its exchanges' seconds, and the codec's
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
         self._done = False  # a rung tried did not pay: the search for a rung is over
+        self._sizes = Sizes(0, 0)  # the model's, from the last header (a worker's mean)
 
     def header(self, compute_s: float, exchange_s: float, codec_s: float, waited_s: float, sizes: Sizes) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's,
@@ -287,13 +288,41 @@ class Pilot:
         if batches > 0 and compute_s > 0:
             self._step.add(compute_s / batches)
         if exchange_s > 0 and self._ran == now:  # a measure of what is in force
-            index = self.rungs.index(now.rung)
-            link = self._links.setdefault(index, _Exchange())
-            link.seconds.add(exchange_s / workers)
-            link.codec.add(codec_s / workers)
-            self._wait.add(waited_s / workers)
+            self._measure(exchange_s / workers, codec_s / workers, waited_s / workers)
         self._ran = now
-        decided = self._decide(Sizes(parameters / workers, state / workers))
+        self._sizes = Sizes(parameters / workers, state / workers)
+        return self._decided(rounds)
+
+    @property
+    def unmeasured(self) -> bool:
+        """Whether the choice in force has too few measures of its exchange to decide on. The
+        engine then hands the exchange of the round just landed to `measured` at once, summed by
+        an all-reduce of a few numbers, instead of in the next round's header: a round sooner."""
+        link = self._links.get(self.rungs.index(self.choice.rung))
+        return link is None or link.seconds.count < max(1, self.choice.updaters_every)
+
+    def measured(self, summed: Sequence[float], workers: int, rounds: int) -> Change | None:
+        """The exchange of the round just landed (after `landed`, which left the choice as it
+        was): `summed`, its seconds, its codec's and the wait before it, and the workers for whom
+        it was a fair measure of its rung, over every worker. A measure only when fair on every
+        worker; then decides as `landed` does."""
+        exchange_s, codec_s, waited_s, fair = summed
+        if fair < workers or exchange_s <= 0:
+            return None
+        self._measure(exchange_s / workers, codec_s / workers, waited_s / workers)
+        return self._decided(rounds)
+
+    def _measure(self, exchange_s: float, codec_s: float, waited_s: float) -> None:
+        """An exchange of the rung in force, a worker's mean: its seconds, its codec's, the wait."""
+        link = self._links.setdefault(self.rungs.index(self.choice.rung), _Exchange())
+        link.seconds.add(exchange_s)
+        link.codec.add(codec_s)
+        self._wait.add(waited_s)
+
+    def _decided(self, rounds: int) -> Change | None:
+        """Decide what the round after round `rounds` runs with: the change, if any."""
+        now = self.choice
+        decided = self._decide(self._sizes)
         if decided == now:
             return None
         change = Change(rounds + 1, decided, self._why)

@@ -169,10 +169,10 @@ class Settings:
         return self._set("prefetch_buffer", n)
 
     def averaging_frequency(
-        self, k: int | str, *, k_min: int = 1, k_max: int = 64, exchange_share: float = 0.05, payloads: Sequence[str] | None = None
+        self, k: int | str, *, k_min: int = 1, k_max: int = 128, exchange_share: float = 0.05, payloads: Sequence[str] | None = None
     ) -> Self:
         """Local iterations per worker between two averagings. Default: 1. "auto": the autopilot
-        chooses k in [k_min, k_max] each round, starting in their middle (8), from the measured
+        chooses k in [k_min, k_max] each round, starting in their middle (16), from the measured
         seconds of a step and of an exchange, so that exchanges take at most `exchange_share` of
         the time; where that needs k above k_max / 2 it first sends fewer bytes: one of
         `payloads` (default float32, bfloat16, int8) with the optimizer's state every round,

@@ -46,7 +46,8 @@ def fly(
     codec_s: Callable[[Rung], float] = lambda rung: 0.0,
 ) -> list[Choice]:
     """Rounds as the engine runs them: each pilot's header, summed, landed on every pilot; a round's exchange (`link_s` plus `codec_s`, of which `codec_s` in its codec) is
-    reported in the next header, with `wait_s` before it, but 0 for the first round of a coded
+    reported in the next header, with `wait_s` before it (at once, summed apart, while the choice
+    in force is unmeasured: Pilot.measured), but 0 for the first round of a coded
     rung that sends the optimizer's state where the rung before did not send it every round (that
     round averages every worker's state anew, in float32: no measure of the rung). The choice each
     round ran with."""
@@ -57,12 +58,16 @@ def fly(
         choice = pilots[0].choice
         headers = [p.header(step_s * choice.k, exchange, coded, wait_s if exchange else 0.0, sizes) for p in pilots]
         summed = [sum(column) for column in zip(*headers)]
-        for p in pilots:
-            p.landed(summed, choice.k * len(pilots), len(pilots), r)
+        changed = [p.landed(summed, choice.k * len(pilots), len(pilots), r) for p in pilots]
         rung = choice.rung
         anew = rung != previous and rung.payload != "float32" and rung.updaters_every != 0 and (previous is None or previous.updaters_every != 1)
         exchange, coded = (0.0, 0.0) if anew else (link_s(rung) + codec_s(rung), codec_s(rung))
         previous = rung
+        if changed[0] is None and pilots[0].unmeasured:  # measured at once, not in the next header
+            fair = len(pilots) * float(exchange > 0)
+            for p in pilots:
+                p.measured([len(pilots) * exchange, len(pilots) * coded, len(pilots) * (wait_s if exchange else 0.0), fair], len(pilots), r)
+            exchange, coded = 0.0, 0.0
         ran.append(choice)
     return ran
 
@@ -92,7 +97,7 @@ def test_a_slow_link_takes_bytes_off_first_straight_to_the_rung_they_need() -> N
     assert [c.choice for c in pilot.changes] == [Choice(32, "int8", 0)] and ran[-1] == Choice(32, "int8", 0)
     why = "an exchange takes 0.5 s (0 s of it in the codec) and a step 0.01 s: float32 would need k = 950 to keep exchanges under 0.05 of the time"
     assert why + " (more than 16); trying int8, parameters only, about 0.0625 s" in pilot.changes[0].why
-    assert ran[:2] == [START] * 2 and ran[2] != START  # the first round's measure, in the second's header, decides the third
+    assert ran[0] == START and ran[1] != START  # the first round's measure, summed at once, decides the second
 
 
 @pytest.mark.fast
@@ -148,7 +153,7 @@ def test_it_starts_in_the_middle_of_its_bounds_with_the_fewest_bytes() -> None:
     assert [Autopilot(lo, hi).k_start for lo, hi in ((1, 64), (1, 4), (1, 32), (4, 16), (4, 4), (3, 50))] == [8, 2, 8, 8, 4, 12]
     model = nn.Linear(3, 2)
     started = levers(ParallelWrapper.builder(model).averaging_frequency("auto")._options)
-    assert (started["averaging_frequency"], started["payload_dtype"], started["average_updaters"]) == (8, "int8", False)
+    assert (started["averaging_frequency"], started["payload_dtype"], started["average_updaters"]) == (16, "int8", False)
     assert Autopilot(updater_periods=(1, 2, 4)).start == Rung("int8", 1)  # no 'never' to choose: a coded payload's state goes every round
     assert Autopilot(payloads=("float32",), updater_periods=(1, 2, 4)).start == Rung("float32", 4)  # float32 alone: the longest period
     assert Autopilot(payloads=("float32", "bfloat16")).start == Rung("bfloat16", 0)
@@ -167,13 +172,13 @@ def following_bytes(seconds: float) -> Callable[[Rung], float]:
 @pytest.mark.fast
 def test_from_its_start_a_fast_link_climbs_to_the_state_every_round_and_a_slow_one_stays_at_k_max() -> None:
     start = Autopilot().start.at(Autopilot().k_start)
-    assert start == Choice(8, "int8", 0)
+    assert start == Choice(16, "int8", 0)
     pilot = Pilot(Autopilot(), start)
     ran = fly([pilot], step_s=0.05, link_s=following_bytes(0.005), rounds=30)
     # int8 of the parameters alone takes 0.000625 s: float32 with the state, by its bytes 0.005 s, needs k = 2.
     assert pilot.changes[0].choice == Choice(2, "float32", 1) and ran[-1] == Choice(2, "float32", 1)
-    assert "an exchange takes 0.000625 s (0 s of it in the codec) and a step 0.05 s: float32 would take about 0.005 s and need k = 2 at most 32" in pilot.changes[0].why
-    assert ran[:2] == [start] * 2  # measured in the first round, decided when the second lands, in force from the third
+    assert "an exchange takes 0.000625 s (0 s of it in the codec) and a step 0.05 s: float32 would take about 0.005 s and need k = 2 at most 64" in pilot.changes[0].why
+    assert ran[0] == start and ran[1] == Choice(2, "float32", 1)  # measured in the first round, decided as it lands, in force from the second
     slow = Pilot(Autopilot(k_max=32), start)
     ran = fly([slow], step_s=0.01, link_s=slow_link, rounds=40)
     # int8 of the parameters alone needs k = 119: nothing sends fewer bytes, so k goes to its bound.

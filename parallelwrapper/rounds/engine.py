@@ -330,13 +330,20 @@ class Rounds:
         alone; not when it averaged anew for a coded rung."""
         if self.pilot is None:
             return None
-        change = self.pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
-        sync = self._sync
-        if sync.steady or sync.alone_s > 0:
+        pilot, sync = self.pilot, self._sync
+        change = pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
+        fair = sync.steady or sync.alone_s > 0
+        if fair:
             self._exchange_s, self._wait_s = (exchange_s - self._waited if sync.steady else sync.alone_s), self._waited
             self._codec_s = sync.codec_s
         else:
             self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
+        if change is None and pilot.unmeasured:  # the same on every worker: decided from the sums
+            # Too few measures of what is in force to decide on: this exchange's, summed now, and
+            # not again in the next header (Pilot.measured).
+            summed = all_reduce_values([self._exchange_s, self._codec_s, self._wait_s, float(fair)], self._device, self.group)
+            self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
+            change = pilot.measured(summed, totals.workers, self.counters.rounds)
         if change is not None:
             self._use(change.choice)
         return change
