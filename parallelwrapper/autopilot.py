@@ -9,7 +9,10 @@ What it measures, over every worker (each round's header carries each worker's n
     x_r seconds per exchange while rung r is in force (a rung: a payload, and every how many rounds
         the optimizer's state travels), measured afresh whenever k or the rung changes (an
         exchange's wait for a slower worker grows with k); of a round that rebuilt its buffers
-        only a float32 average's payload is a measure (a fit's first round), a coded one's not
+        only a float32 average's payload is a measure (a fit's first round), a coded one's not;
+        while the choice in force has no measure, its exchange is summed over the workers at once
+        (a four-number all-reduce) and decided on as it lands, else the next round's header
+        carries it
 
 What it chooses. The exchange and the wait before it cost x + w once per round of k steps, so
 their share of a worker's time is (x + w) / (x + w + k·c). With first-come batches the wait is at
@@ -24,8 +27,8 @@ Error-Runtime Trade-off in Local-Update SGD", AdaComm, arXiv 1810.08313; measure
 predicted, since a 2026 measurement of DiLoCo over shaped links, diloco-measured, found compute
 utilization 1.08-1.92x off the analytic model). k falls again only when 0.7 of its half would do, so that
 the noise of a few rounds does not move it up and down.
-Before any measure it runs the middle of its bounds (`Autopilot.k_start`, 8 for 1..64): the
-exchanges that come before the first measure cost the same whatever k is. And it sends the fewest
+Before any measure it runs the middle of its bounds (`Autopilot.k_start`, 16 for 1..128): the
+exchange that comes before the first measure costs the same whatever k is. And it sends the fewest
 bytes it may (`Autopilot.start`: int8, the parameters alone): on a slow link the rounds before the
 first decision cost most, and on a fast one a codec's few milliseconds a round cost least. From the
 first measure it climbs to the rung that sends the most while its estimate keeps k at half of k_max
@@ -46,6 +49,12 @@ the rung before it, one with more bytes only if its measure still fits; else the
 back to that one and stops there: fewer bits win only where the link is slower than the codec (on
 loopback an int8 round costs about what float32's does, benchmarks/README.md).
 
+Its last resort is overlap: where no rung is left to try and even k_max leaves the link's share
+above twice ρ (x/(x + k_max·c) > 2ρ; the wait w is an imbalance, which overlap does not hide), it
+lands each round after the next round's steps (overlap_averaging) from the next round on, at the
+k whose steps hide the link's part (k·c ≥ x − x_c) and keep the codec's, which is not hidden,
+under ρ; and decides nothing more.
+
 Every rank makes the same choice: it decides from the header's sums alone (each worker's measures
 and its model's sizes, summed by the round's all-reduce, are the same numbers on every rank),
 whatever its own measures said, and applies the decision from the next round on. Each worker also
@@ -60,26 +69,29 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict, cast
+from typing import Any, NotRequired, TypedDict, cast
 
 PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it may choose, when none is set
 UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state travels, when not set (0: never)
 BITS = {"float32": 32, "bfloat16": 16, "int8": 8}
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
+OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
 PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange, in its codec and waiting before it, the model's sizes, the choice in force
 
 
 @dataclass(frozen=True)
 class Autopilot:
     """`.averaging_frequency("auto", ...)`: the bounds of the autopilot's choices. `payloads` and
-    `updater_periods` are what it may choose among: one value when the user set that option."""
+    `updater_periods` are what it may choose among: one value when the user set that option;
+    `overlap`, whether it may turn overlap_averaging on (not when the user set it off)."""
 
     k_min: int = 1
     k_max: int = 128
     exchange_share: float = 0.05  # ρ: the share of a worker's time in exchanges aimed at
     payloads: tuple[str, ...] = PAYLOADS
     updater_periods: tuple[int, ...] = UPDATER_PERIODS
+    overlap: bool = True  # it may land rounds a round late, as its last resort (False: the user set overlap_averaging(False))
 
     def __post_init__(self) -> None:
         fix = 'e.g. .averaging_frequency("auto", k_min=1, k_max=128, exchange_share=0.05)'
@@ -98,8 +110,8 @@ class Autopilot:
     @property
     def k_start(self) -> int:
         """The k of its first rounds, before anything is measured: the middle of its bounds,
-        k_min·2^⌈i/2⌉ where k_min·2^i is the last power within k_max (8 for 1..64). A start at
-        k_min would spend the exchanges that must come before any measure on the fewest steps
+        k_min·2^⌈i/2⌉ where k_min·2^i is the last power within k_max (16 for 1..128). A start at
+        k_min would spend the exchange that must come before any measure on the fewest steps
         (docs/guides/autopilot.md)."""
         top = 0
         while self.k_min << (top + 1) <= self.k_max:
@@ -143,9 +155,9 @@ class Rung:
             return self.payload
         return self.payload + (", parameters only" if self.updaters_every == 0 else f", optimizer state every {self.updaters_every} rounds")
 
-    def at(self, k: int) -> Choice:
-        """This rung with k local steps a round."""
-        return Choice(k, self.payload, self.updaters_every)
+    def at(self, k: int, overlap: bool = False) -> Choice:
+        """This rung with k local steps a round (`overlap`: each round landed a round late)."""
+        return Choice(k, self.payload, self.updaters_every, overlap)
 
     def elements(self, sizes: Sizes) -> float:
         """Numbers a worker sends a round on average, for a model of `sizes`."""
@@ -175,11 +187,12 @@ class Sizes:
 
 @dataclass(frozen=True)
 class Choice:
-    """What is in force for a round: k and the rung."""
+    """What is in force for a round: k, the rung, and whether rounds land a round late."""
 
     k: int
     payload: str
     updaters_every: int
+    overlap: bool = False
 
     @property
     def rung(self) -> Rung:
@@ -196,11 +209,13 @@ class Change:
 
 
 class ChoiceFields(TypedDict):
-    """A Choice as plain values (dataclasses.asdict), as a checkpoint holds it."""
+    """A Choice as plain values (dataclasses.asdict), as a checkpoint holds it (one from before
+    overlap was a lever has no `overlap`: False)."""
 
     k: int
     payload: str
     updaters_every: int
+    overlap: NotRequired[bool]
 
 
 class PilotState(TypedDict):
@@ -272,7 +287,7 @@ class Pilot:
         of those its codec's, and its wait for the others before it (0 when that exchange was no
         fair measure, or none was in this fit); the elements a round of its model may carry; and
         the choice it runs the round with, which every worker's must equal."""
-        return [compute_s, exchange_s, codec_s, waited_s, float(sizes.parameters), float(sizes.state), float(self.choice.k), float(self.rungs.index(self.choice.rung) + 1)]
+        return [compute_s, exchange_s, codec_s, waited_s, float(sizes.parameters), float(sizes.state), float(self.choice.k), self._code(self.choice)]
 
     def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int) -> Change | None:
         """A round landed: `summed`, the pilot's part of its header over every worker; `batches`
@@ -280,9 +295,9 @@ class Pilot:
         with (returned when it changes anything)."""
         compute_s, exchange_s, codec_s, waited_s, parameters, state, k_sum, rung_sum = summed
         now = self.choice
-        if (k_sum, rung_sum) != (workers * now.k, workers * (self.rungs.index(now.rung) + 1)):
+        if (k_sum, rung_sum) != (workers * now.k, workers * self._code(now)):
             raise RuntimeError(
-                f"the autopilot's workers ran round {rounds} with different choices (this worker: k = {now.k}, {now.rung}; "
+                f"the autopilot's workers ran round {rounds} with different choices (this worker: k = {now.k}, {now.rung}{', overlapped' if now.overlap else ''}; "
                 f"the sums: k {k_sum:g}, rung {rung_sum:g} over {workers} workers): a bug; set a fixed k and report it"
             )
         if batches > 0 and compute_s > 0:
@@ -293,11 +308,19 @@ class Pilot:
         self._sizes = Sizes(parameters / workers, state / workers)
         return self._decided(rounds)
 
+    def _code(self, choice: Choice) -> float:
+        """The choice's rung and overlap as one number for the header: the rung's place from 1,
+        past every rung's when overlapped."""
+        return float(self.rungs.index(choice.rung) + 1 + len(self.rungs) * choice.overlap)
+
     @property
     def unmeasured(self) -> bool:
         """Whether the choice in force has too few measures of its exchange to decide on. The
         engine then hands the exchange of the round just landed to `measured` at once, summed by
-        an all-reduce of a few numbers, instead of in the next round's header: a round sooner."""
+        an all-reduce of a few numbers, instead of in the next round's header: a round sooner.
+        Never once overlapped: nothing is left to decide."""
+        if self.choice.overlap:
+            return False
         link = self._links.get(self.rungs.index(self.choice.rung))
         return link is None or link.seconds.count < max(1, self.choice.updaters_every)
 
@@ -336,6 +359,8 @@ class Pilot:
         now = self.choice
         here, step = self.rungs.index(now.rung), self._step.value
         link = self._links.get(here)
+        if now.overlap:
+            return now  # its last resort: it stays
         if self._step.count == 0 or step <= 0 or link is None or link.seconds.count < max(1, now.updaters_every):
             return now  # not measured enough yet
         x, w = link.seconds.value, self._wait.value
@@ -365,10 +390,39 @@ class Pilot:
                 self._why = measured + (f"{now.rung} would need k = {need:.0f} to keep exchanges under {self.spec.exchange_share:.2g} "
                                         f"of the time (more than {enough}); trying {other}, about {guess[other]:.3g} s")
             return self._steer(guess[other] + w, step, other)
+        if self._overlaps(x, step, now.rung):
+            rho, k = self.spec.exchange_share, self._overlapped_k(x - codec_s, codec_s, step)
+            self._why = (f"an exchange takes {x:.3g} s ({codec_s:.3g} s of it in the codec) and a step {step:.3g} s: at k = "
+                         f"{self.spec.k_max} (k_max), with no rung left to try, exchanges would still take "
+                         f"{x / (x + self.spec.k_max * step):.2g} of the time (more than {OVERLAP:g} x {rho:.2g}): overlapped from now on, each "
+                         f"round landing after the next round's steps, at k = {k}, whose steps hide the link's part")
+            return now.rung.at(k, overlap=True)
         if self._k_for(x + w, step) == now.k:
             return now
         self._why = f"an exchange takes {x:.3g} s after {w:.3g} s waiting for the others, and a step {step:.3g} s"
         return self._steer(x + w, step, now.rung)
+
+    def _overlaps(self, exchange_s: float, step_s: float, rung: Rung) -> bool:
+        """Its last resort: overlap, where it may (and the rung sends the optimizer's state every
+        round or never: overlap averages the whole state in the background), once the search for a
+        rung is over and even k_max would leave exchanges of `exchange_s` above OVERLAP·ρ of the
+        time: well above, since overlapped rounds land a round late and each costs its codec's
+        compute, so a link at the edge of the bound stays as it is. The wait for a slower worker
+        is not counted: overlap hides the link, not an imbalance."""
+        spec = self.spec
+        share = exchange_s / (exchange_s + spec.k_max * step_s)
+        return spec.overlap and rung.updaters_every in (0, 1) and share > OVERLAP * spec.exchange_share
+
+    def _overlapped_k(self, link_s: float, codec_s: float, step_s: float) -> int:
+        """Overlapped, the k at which a round's steps take as long as the link's part of an
+        exchange (hidden behind them) and its codec's part (compute at the launch and the
+        landing, not hidden) stays under ρ of the time: the smallest k_min·2^i with both, at most
+        k_max. Shorter than k_max where it can be: rounds as long as the link needs, no longer."""
+        spec = self.spec
+        k = spec.k_min
+        while (k * step_s < link_s or k < self._need(codec_s, step_s)) and k < spec.k_max:
+            k *= 2
+        return min(k, spec.k_max)
 
     @property
     def _enough(self) -> int:
@@ -444,7 +498,8 @@ class Pilot:
 
 def levers(options: dict[str, Any]) -> dict[str, Any]:
     """The builder's options with the autopilot's levers narrowed to what the user left free: a
-    payload or an optimizer-state period the user set is the only one it may choose."""
+    payload or an optimizer-state period the user set is the only one it may choose, and overlap
+    set off is never turned on."""
     spec = options.get("autopilot")
     if spec is None:
         return options
@@ -455,7 +510,8 @@ def levers(options: dict[str, Any]) -> dict[str, Any]:
         periods = spec.updater_periods
     if options.get("average_updaters") is False:
         periods = (0,)  # the parameters alone
-    spec = dataclasses.replace(spec, payloads=tuple(payloads), updater_periods=periods)
+    overlap = spec.overlap and options.get("overlap_averaging") is not False  # True: refused (config.CONFLICTS)
+    spec = dataclasses.replace(spec, payloads=tuple(payloads), updater_periods=periods, overlap=overlap)
     start = spec.start
     return {**options, "autopilot": spec, "averaging_frequency": spec.k_start, "payload_dtype": start.payload, **in_config(start)}
 

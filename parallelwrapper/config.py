@@ -326,7 +326,9 @@ CONFLICTS: tuple[Conflict, ...] = (
              _AUTO + "deterministic(True): it chooses from measured times, which differ from run to run; set a fixed k",
              ".averaging_frequency('auto').deterministic(True)"),
     Conflict(("autopilot", "overlap_averaging"), lambda c, j: c.autopilot is not None and c.overlap_averaging,
-             _AUTO + "overlap_averaging, whose fragments are placed by a fixed k in this version; set a fixed k",
+             _AUTO + "overlap_averaging(True): it turns overlap on itself, as its last resort where k_max and the fewest "
+             "bytes leave exchanges above its share of the time (overlap_averaging(False) keeps it off); to overlap "
+             "from the first round, set a fixed k",
              ".averaging_frequency('auto').overlap_averaging(True)"),
     Conflict(("autopilot", "hierarchy"), lambda c, j: c.autopilot is not None and c.hierarchy != "none",
              _AUTO + "hierarchy('node'), whose node groups it does not measure in this version; set a fixed k",

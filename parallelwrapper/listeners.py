@@ -33,11 +33,12 @@ def exchange_share(scores: Sequence[Score]) -> float:
     return sum(s.exchange_s for s in scores) / busy if busy > 0 else math.nan
 
 
-def autopilot_changes(scores: Sequence[Score]) -> list[dict[str, int | str | None]]:
+def autopilot_changes(scores: Sequence[Score]) -> list[dict[str, int | str | bool | None]]:
     """The autopilot's changes over `scores` (`.averaging_frequency("auto")`): from which round
-    on, the k, payload and optimizer-state period it chose (as the next score ran them), and why."""
+    on, the k, payload, optimizer-state period and overlap it chose (as the next score ran them),
+    and why."""
     return [
-        {"round": before.round + 1, "k": after.k, "payload": after.payload, "updaters_every": after.updaters_every, "why": before.why}
+        {"round": before.round + 1, "k": after.k, "payload": after.payload, "updaters_every": after.updaters_every, "overlap": after.overlap, "why": before.why}
         for before, after in zip(scores, scores[1:])
         if before.why
     ]
@@ -142,7 +143,7 @@ class ProgressBar:
         bar = self._open(score.epoch)
         bar.update(score.position - bar.n)
         if score.k:
-            self._postfix["k"], self._postfix["payload"] = str(score.k), score.payload
+            self._postfix["k"], self._postfix["payload"] = str(score.k), score.payload + (", overlapped" if score.overlap else "")
         self._show(bar, {"round_loss": score.score})
 
     def on_validation(self, validation: Validation) -> None:

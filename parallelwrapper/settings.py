@@ -176,8 +176,10 @@ class Settings:
         seconds of a step and of an exchange, so that exchanges take at most `exchange_share` of
         the time; where that needs k above k_max / 2 it first sends fewer bytes: one of
         `payloads` (default float32, bfloat16, int8) with the optimizer's state every round,
-        every 2 or 4 rounds, or never, tried and kept only if faster. A payload_dtype or
-        average_updaters set explicitly is kept. See docs/guides/autopilot.md."""
+        every 2 or 4 rounds, or never, tried and kept only if faster; as its last resort, where
+        k_max and the fewest bytes leave the link above that share, it overlaps the rounds
+        (overlap_averaging). A payload_dtype, average_updaters or overlap_averaging(False) set
+        explicitly is kept. See docs/guides/autopilot.md."""
         if k == "auto":
             spec = Autopilot(k_min, k_max, exchange_share)
             return self._set("autopilot", spec if payloads is None else dataclasses.replace(spec, payloads=tuple(payloads)))

@@ -23,7 +23,7 @@ class TensorBoardLogger:
     - `validation/NAME`: each metric of each validation (`val_loss`, `val_accuracy`, ...);
     - `epoch/loss` and `epoch/seconds`: at each epoch's end, the epoch's mean loss and the
       seconds since its fit() began;
-    - `rounds/k`, `rounds/payload_bits`, `rounds/updaters_every`: what each Score's last round
+    - `rounds/k`, `rounds/payload_bits`, `rounds/updaters_every`, `rounds/overlap` (1 or 0): what each Score's last round
       ran with (the autopilot's choice, with `.averaging_frequency("auto")`), with
       `rounds/step_s` and `rounds/exchange_s`: the reporting worker's seconds per local step
       and per exchange;
@@ -61,6 +61,7 @@ class TensorBoardLogger:
             self.writer.add_scalar("rounds/k", score.k, step)
             self.writer.add_scalar("rounds/payload_bits", 32 if score.payload == "float32" else codec(score.payload).bits, step)
             self.writer.add_scalar("rounds/updaters_every", score.updaters_every, step)
+            self.writer.add_scalar("rounds/overlap", int(score.overlap), step)
             for name, value in (("rounds/step_s", score.step_s), ("rounds/exchange_s", score.link_s)):
                 if math.isfinite(value):
                     self.writer.add_scalar(name, value, step)

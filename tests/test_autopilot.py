@@ -89,15 +89,30 @@ def test_a_fast_link_keeps_float32_and_a_small_k() -> None:
 
 
 @pytest.mark.fast
-def test_a_slow_link_takes_bytes_off_first_straight_to_the_rung_they_need() -> None:
+def test_a_slow_link_takes_bytes_off_first_straight_to_the_rung_they_need_then_overlaps() -> None:
     pilot = Pilot(Autopilot(k_max=32), START)
     ran = fly([pilot], step_s=0.01, link_s=slow_link, rounds=80)
     # float32 with the state would need k = 950: no rung keeps k at 16 (half of k_max), so it tries
-    # the one that sends least, about 1/8 of the bytes, and keeps it (measured 8x faster).
-    assert [c.choice for c in pilot.changes] == [Choice(32, "int8", 0)] and ran[-1] == Choice(32, "int8", 0)
+    # the one that sends least, about 1/8 of the bytes, and keeps it (measured 8x faster). That one
+    # still needs k = 119: with no rung left, it overlaps, at k = 8, whose 0.08 s of steps hide its
+    # 0.0625 s (no codec time), and stays.
+    assert [c.choice for c in pilot.changes] == [Choice(32, "int8", 0), Choice(8, "int8", 0, overlap=True)]
     why = "an exchange takes 0.5 s (0 s of it in the codec) and a step 0.01 s: float32 would need k = 950 to keep exchanges under 0.05 of the time"
     assert why + " (more than 16); trying int8, parameters only, about 0.0625 s" in pilot.changes[0].why
+    assert pilot.changes[1].why == (
+        "an exchange takes 0.0625 s (0 s of it in the codec) and a step 0.01 s: at k = 32 (k_max), with no rung left to try, exchanges "
+        "would still take 0.16 of the time (more than 2 x 0.05): overlapped from now on, each round landing after the next round's steps, "
+        "at k = 8, whose steps hide the link's part"
+    )
     assert ran[0] == START and ran[1] != START  # the first round's measure, summed at once, decides the second
+    assert ran[1] == Choice(32, "int8", 0) and ran[2:] == [Choice(8, "int8", 0, overlap=True)] * 78  # the trial measured at once too
+    coded = Pilot(Autopilot(k_max=32), Choice(16, "int8", 0))  # a codec's compute is not hidden: k keeps it under ρ
+    fly([coded], step_s=0.01, link_s=lambda rung: 0.0625, rounds=5, codec_s=lambda rung: 0.01)
+    assert coded.choice == Choice(32, "int8", 0, overlap=True)  # 0.0725 s: 0.0625 s hidden by k = 8, 0.01 s needs k = 19
+    kept = Pilot(Autopilot(k_max=32, overlap=False), START)  # overlap_averaging(False): never overlapped
+    assert fly([kept], step_s=0.01, link_s=slow_link, rounds=80)[-1] == Choice(32, "int8", 0)
+    plain = Pilot(Autopilot(k_max=32, payloads=("float32",), updater_periods=(4,)), Choice(32, "float32", 4))
+    assert not any(c.overlap for c in fly([plain], step_s=0.01, link_s=slow_link, rounds=20))  # DES-LOC's period does not overlap
 
 
 @pytest.mark.fast
@@ -122,7 +137,7 @@ def test_a_wait_for_the_others_lengthens_k_but_never_changes_the_payload() -> No
 
 @pytest.mark.fast
 def test_a_codec_slower_than_the_link_keeps_float32_after_trying_it() -> None:
-    pilot = Pilot(Autopilot(k_max=8, updater_periods=(1,)), START)
+    pilot = Pilot(Autopilot(k_max=8, updater_periods=(1,), overlap=False), START)
     link = {"float32": 0.2, "bfloat16": 0.26, "int8": 0.3}
     ran = fly([pilot], step_s=0.01, link_s=lambda rung: link[rung.payload], rounds=40)
     assert [c.choice.payload for c in pilot.changes] == ["int8", "float32"]  # no rung fits: the fewest bytes tried
@@ -145,6 +160,7 @@ def test_the_bounds_and_the_levers_the_user_set_are_kept() -> None:
     assert levers(options)["autopilot"].rungs == (Rung("float32", 4),)
     options = ParallelWrapper.builder(model).averaging_frequency("auto").average_updaters(False)._options
     assert levers(options)["autopilot"].rungs == (Rung("float32", 0), Rung("bfloat16", 0), Rung("int8", 0))
+    assert levers(options)["autopilot"].overlap and not levers({**options, "overlap_averaging": False})["autopilot"].overlap
     assert "autopilot" not in ParallelWrapper.builder(model).averaging_frequency("auto").averaging_frequency(4)._options
 
 
@@ -179,7 +195,7 @@ def test_from_its_start_a_fast_link_climbs_to_the_state_every_round_and_a_slow_o
     assert pilot.changes[0].choice == Choice(2, "float32", 1) and ran[-1] == Choice(2, "float32", 1)
     assert "an exchange takes 0.000625 s (0 s of it in the codec) and a step 0.05 s: float32 would take about 0.005 s and need k = 2 at most 64" in pilot.changes[0].why
     assert ran[0] == start and ran[1] == Choice(2, "float32", 1)  # measured in the first round, decided as it lands, in force from the second
-    slow = Pilot(Autopilot(k_max=32), start)
+    slow = Pilot(Autopilot(k_max=32, overlap=False), start)  # (with overlap it would overlap next: above)
     ran = fly([slow], step_s=0.01, link_s=slow_link, rounds=40)
     # int8 of the parameters alone needs k = 119: nothing sends fewer bytes, so k goes to its bound.
     assert [c.choice for c in slow.changes] == [Choice(32, "int8", 0)] and ran[-1] == Choice(32, "int8", 0)
@@ -256,7 +272,7 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
     for options, reason in (
         ({"training_mode": TrainingMode.SHARED_GRADIENTS}, "TrainingMode.SHARED_GRADIENTS, which averages every step"),
         ({"deterministic": True}, r"deterministic\(True\): it chooses from measured times"),
-        ({"overlap_averaging": True}, "overlap_averaging, whose fragments are placed by a fixed k"),
+        ({"overlap_averaging": True}, r"overlap_averaging\(True\): it turns overlap on itself, as its last resort"),
         ({"hierarchy": "node"}, r"hierarchy\('node'\)"),
         ({"pipeline": Pipeline()}, "a pipeline"),
         ({"on_worker_failure": "replace"}, r"on_worker_failure\('replace'\), whose replacement and slots it does not size"),
@@ -280,7 +296,7 @@ def test_the_changes_are_read_off_the_scores() -> None:
     from parallelwrapper import Score
 
     scores = [Score(r, 0, 0, 0, 1.0, 0.0, k=k, why=why) for r, k, why in ((1, 1, None), (2, 1, "faster"), (3, 8, None), (4, 8, None))]
-    assert autopilot_changes(scores) == [{"round": 3, "k": 8, "payload": "float32", "updaters_every": 1, "why": "faster"}]
+    assert autopilot_changes(scores) == [{"round": 3, "k": 8, "payload": "float32", "updaters_every": 1, "overlap": False, "why": "faster"}]
 
 
 # -- real processes ------------------------------------------------------------------------------
@@ -324,8 +340,9 @@ def _auto_worker(rank: int, world: int, seconds_per_mb: float, batches: int) -> 
         _slowed(seconds_per_mb)
     model = _model()
     job = Job(model, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, nn.functional.cross_entropy, None)
-    # The payload alone: float32, bfloat16, int8 (the optimizer state's periods are the fast tier's).
-    config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=32, updater_periods=(1,))}))
+    # The payload alone: float32, bfloat16, int8 (the optimizer state's periods are the fast tier's;
+    # overlap, which the slowed link would reach after int8 at k_max, has a test of its own).
+    config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=32, updater_periods=(1,), overlap=False)}))
     rounds = Rounds(Replica(model, job, config, CPU, rank, world), config, CPU, rank, world)
     g = torch.Generator().manual_seed(rank)
     # Batches large enough that, unslowed, a step takes several times an exchange even with the
@@ -342,8 +359,8 @@ def _auto_worker(rank: int, world: int, seconds_per_mb: float, batches: int) -> 
 def _bounded_worker(rank: int, world: int, auto: bool) -> list[torch.Tensor]:
     model = _model()
     job = Job(model, torch.optim.AdamW, {"lr": 0.001, "weight_decay": 0.1}, nn.functional.cross_entropy, None)
-    if auto:  # bounds that leave it nothing to choose: k = 4, float32, the state every round
-        config = Config(**levers({"workers": world, "autopilot": Autopilot(k_min=4, k_max=4, payloads=("float32",), updater_periods=(1,))}))
+    if auto:  # bounds that leave it nothing to choose: k = 4, float32, the state every round, no overlap
+        config = Config(**levers({"workers": world, "autopilot": Autopilot(k_min=4, k_max=4, payloads=("float32",), updater_periods=(1,), overlap=False)}))
     else:
         config = Config(workers=world, averaging_frequency=4)
     rounds = Rounds(Replica(model, job, config, CPU, rank, world), config, CPU, rank, world)
@@ -376,6 +393,39 @@ def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equa
     assert slow_end.k == 32 and {c.payload for c in slow_choices} == {"int8"}, slow_choices  # no payload keeps k at 16: it stays with the fewest bytes
 
 
+def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[bool]], list[torch.Tensor]]:
+    """int8 of the parameters alone at k of at most 4, over a link far too slow for it: the choices
+    it made, each fit's Scores' overlap, and the parameters after a second fit resumed from the
+    first's own state in a new round engine (as a checkpoint resumes it)."""
+    from parallelwrapper.types import Score
+
+    _slowed(5.0)  # 5 s a MB: an int8 round of 75k parameters takes about 0.4 s, a step a millisecond
+    job = Job(_model(), torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, nn.functional.cross_entropy, None)
+    config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=4, payloads=("int8",), updater_periods=(0,))}))
+    overlaps: list[list[bool]] = []
+    own = None
+    for _ in range(2):
+        rounds = Rounds(Replica(job.model, job, config, CPU, rank, world), config, CPU, rank, world)
+        if own is not None:
+            rounds.load_own_state(own)
+        reports: list[object] = []
+        rounds.run(1, ListSource(_tiny_data(48), rank, world), reports.append)
+        overlaps.append([r.overlap for r in reports if isinstance(r, Score)])
+        own = rounds.own_state()
+    assert rounds.pilot is not None
+    return [c.choice for c in rounds.pilot.changes], overlaps, [p.detach().clone() for p in job.model.parameters()]
+
+
+def test_a_link_too_slow_for_k_max_and_the_fewest_bytes_overlaps_and_a_resumed_engine_stays_overlapped() -> None:
+    workers = run_group(_overlapping_worker, 2, timeout=150)
+    (changes, overlaps, params), other = workers[0], workers[1]
+    assert changes == other[0] == [Choice(4, "int8", 0, overlap=True)]  # from its start (k = 2), after one measure
+    first, resumed = overlaps
+    assert first[0] is False and first[-1] is True and first == sorted(first), first  # the round that measured it, then overlapped
+    assert resumed and all(resumed), resumed  # the choice in force at the end, from the first round on
+    assert all(torch.equal(a, b) for a, b in zip(params, other[2]))  # the fit's end lands every round: equal replicas
+
+
 def _tiny_data(n: int = 96) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     return [(torch.randn(8, 32, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
@@ -403,7 +453,7 @@ def test_spawned_workers_agree_report_each_choice_and_a_checkpoint_resumes_the_p
     with builder.averaging_frequency("auto", k_max=4, exchange_share=0.99).checkpoint(tmp_path, every=1000).warmup_sync_steps(3).build() as wrapper:
         resumed = wrapper.fit(data, epochs=3, resume=tmp_path)
     first = resumed.scores[0]
-    assert (first.k, first.payload, first.updaters_every) == tuple(pilots[0]["choice"].values())  # not k_min again
+    assert (first.k, first.payload, first.updaters_every, first.overlap) == tuple(pilots[0]["choice"].values())  # not k_min again
     assert wrapper.samples == 3 * 96 * 8
 
 

@@ -69,9 +69,11 @@ def assert_ranks_equal_reference(out: Path) -> None:
     assert f'"samples": [{samples}, {2 * samples}]' in history
 
 
-def test_one_node_two_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("feed", ["list", "loader"])
+def test_one_node_two_processes(tmp_path: Path, feed: str) -> None:
+    """A list of batches, or the same batches from a DataLoader (dealt by index, feed/epochs.py)."""
     result = subprocess.run(
-        torchrun("--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(SCRIPT), str(tmp_path)),
+        torchrun("--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(SCRIPT), str(tmp_path), *(["loader"] if feed == "loader" else [])),
         capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env(),
     )
     check(result)

@@ -126,7 +126,7 @@ _K = _KOrAuto()
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @_run_options
-@_declared("averaging_frequency", "Or auto: the autopilot chooses k (1 to 128), the payload and the optimizer state's period from the measured step and exchange times (a --payload-dtype or --average-updaters-every other than its default is kept).", type=_K, default="3")
+@_declared("averaging_frequency", "Or auto: the autopilot chooses k (1 to 128), the payload, the optimizer state's period and, as its last resort, overlap, from the measured step and exchange times (a --payload-dtype or --average-updaters-every other than its default is kept).", type=_K, default="3")
 @_declared("training_mode")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
 @click.option("--tensorboard", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write the scores, validations, epoch figures, learning rate and replacements here as TensorBoard scalars (needs the tensorboard package: pip install tensorboard). Default: off.")

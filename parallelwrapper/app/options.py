@@ -206,7 +206,6 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .report_score_after_averaging(options.report_score_after_averaging)
         .training_mode(options.training_mode)
         .optimizer(choice.cls, lr=options.learning_rate, **choice.kwargs)
-        .overlap_averaging(options.overlap_averaging)
         .deterministic(options.deterministic)
         .seed(options.seed)
         .precision(options.precision)
@@ -214,9 +213,11 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .fragments(options.fragments)
         .listeners(*listeners)
     )
-    # With "auto" the autopilot chooses the payload and the optimizer state's period, unless
-    # they are other than their defaults (a builder's option set is kept).
+    # With "auto" the autopilot chooses the payload, the optimizer state's period and overlap,
+    # unless they are other than their defaults (a builder's option set is kept).
     auto = options.averaging_frequency == "auto"
+    if not auto or options.overlap_averaging:
+        b = b.overlap_averaging(options.overlap_averaging)
     if not auto or options.payload_dtype != "float32":
         b = b.payload_dtype(options.payload_dtype)
     if not auto or (options.average_updaters, options.average_updaters_every) != (True, 1):

@@ -264,17 +264,20 @@ class Rounds:
 
     def _launch(self, work: Work) -> Sent | Launched:
         stop = self.hooks.stop_requested()
-        if self._stream is not None and self._averaging:
-            return self._stream.launch(work, stop)
+        overlapped = self._stream is not None and self._averaging
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
         elif self.pilot is not None:
             work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, self._codec_s, self._wait_s, self._sizes())
-            # Every worker arrives first: the exchange's seconds after it are the link's and the
-            # codec's, not the wait for a slower worker, which no k or payload shortens.
-            start = time.perf_counter()
-            all_reduce_values([0.0], self._device, self.group)
-            self._waited = time.perf_counter() - start
+            if not overlapped:
+                # Every worker arrives first: the exchange's seconds after it are the link's and the
+                # codec's, not the wait for a slower worker, which no k or payload shortens.
+                start = time.perf_counter()
+                all_reduce_values([0.0], self._device, self.group)
+                self._waited = time.perf_counter() - start
+        if overlapped:
+            assert self._stream is not None
+            return self._stream.launch(work, stop)
         return self._sync.launch(work, self._averaging, stop, self._moments_due())
 
     def _moments_due(self) -> bool:
@@ -312,7 +315,7 @@ class Rounds:
             seconds, self._seconds = (self._seconds[0], self._seconds[1]), [0.0, 0.0]
             config = self.config
             every = config.average_updaters_every if config.average_updaters else 0
-            ran = InForce(self.k if averaged else 1, config.payload_dtype, every, config.overlap_averaging, config.fragments)
+            ran = InForce(self.k if averaged else 1, config.payload_dtype, every, self._stream is not None, config.fragments)
             change = self._steer(totals, seconds[1]) if averaged else None
             ran = dataclasses.replace(ran, why=None if change is None else change.why)
             book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)
@@ -356,11 +359,20 @@ class Rounds:
 
     def _use(self, choice: Choice) -> None:
         """Send the next averagings as `choice` says: its payload and optimizer-state period (k is
-        read at each round's start). Another rung rebuilds the buffers at the next round."""
+        read at each round's start); overlapped, each landed after the next round's local work
+        (streaming.py, its buffers built at the next round's first step, from the average every
+        replica holds). Another rung rebuilds the buffers at the next round."""
         config = dataclasses.replace(self.config, payload_dtype=choice.payload, **in_config(choice.rung))
         if config != self.config:
             self.config = config
             self._sync.use(self.config)
+        if choice.overlap and self._stream is None:
+            # The autopilot's last resort: k and the rung stay (autopilot.py). The exchanges are
+            # given a fixed setting's config, overlapped at that k (which places fragments): the
+            # synchronous one lets its buffers go and builds none (no averaging round lands there).
+            fixed = dataclasses.replace(config, autopilot=None, averaging_frequency=choice.k, overlap_averaging=True)
+            self._sync.use(fixed)
+            self._stream = StreamExchange(self.trainer, fixed, self._device, self.group, self.world_size)
 
     def _validation_due(self, rounds: int) -> bool:
         every = self.config.validation_every

@@ -1,7 +1,8 @@
-"""Trains a small model under torchrun and saves each rank's final state: `torchrun ... OUT_DIR`.
+"""Trains a small model under torchrun and saves each rank's final state: `torchrun ... OUT_DIR [loader]`.
 
 Used by tests/test_torchrun.py. The data is the same on every rank (same seed); the wrapper
-keeps each rank's shard (batch i on rank i mod world size).
+keeps each rank's shard (batch i on rank i mod world size). With `loader`, the same batches come
+from a DataLoader over a TensorDataset (16 a batch, in order) instead of a list.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(s, 10, generator=g), torch.randint(0, 3, (s,), generator=g)) for s in sizes]
 
 
-def main(out: Path) -> None:
+def loader() -> torch.utils.data.DataLoader[tuple[torch.Tensor, ...]]:
+    """data()'s batches, from a DataLoader: 197 samples, 16 a batch, the last of 5."""
+    inputs, labels = (torch.cat(parts) for parts in zip(*data()))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=16)
+
+
+def main(out: Path, from_loader: bool) -> None:
     net = model()
     builder = (
         ParallelWrapper.builder(net)
@@ -39,7 +46,7 @@ def main(out: Path) -> None:
         .threads_per_worker(1)
     )
     with builder.build() as wrapper:
-        history = wrapper.fit(data(), epochs=2)
+        history = wrapper.fit(loader() if from_loader else data(), epochs=2)
         rank = int(os.environ["RANK"])
         torch.save({"model": net.state_dict(), "optimizer": wrapper.optimizer.state_dict()}, out / f"rank{rank}.pt")
         if wrapper.is_main:
@@ -49,4 +56,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:] == ["loader"])
