@@ -38,7 +38,7 @@ from typing import Any
 
 import torchft_peer
 from common import DEFAULT_DATA_DIR, rotated, table, write_results
-from slow_link_worker import AUTO, WRAPPERS
+from slow_link_worker import AUTOS, WRAPPERS
 
 WORKER = Path(__file__).resolve().with_name("slow_link_worker.py")
 ADDRESSES = ("10.213.37.1", "10.213.37.2")  # a private /30 that exists only inside the two namespaces
@@ -190,23 +190,27 @@ def choices(result: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The autopilot's choices (wrapper-auto), run-length coded over its Scores: from which round
     on, for how many rounds, k, payload, optimizer-state period, and its step and link seconds
     then; None for the other contenders."""
-    if result.get("contender") != AUTO:
+    if result.get("contender") not in AUTOS:
         return None
     runs: list[dict[str, Any]] = []
     for s in result.get("scores", []):
-        key = (s["k"], s["payload"], s["updaters_every"])
-        if runs and (runs[-1]["k"], runs[-1]["payload"], runs[-1]["updaters_every"]) == key:
+        key = (s["k"], s["payload"], s["updaters_every"], s.get("overlap", False))
+        if runs and (runs[-1]["k"], runs[-1]["payload"], runs[-1]["updaters_every"], runs[-1]["overlap"]) == key:
             runs[-1]["rounds"] += 1
         else:
-            runs.append({"from_round": s["round"], "rounds": 1, "k": s["k"], "payload": s["payload"], "updaters_every": s["updaters_every"]})
+            runs.append({"from_round": s["round"], "rounds": 1, "k": s["k"], "payload": s["payload"], "updaters_every": s["updaters_every"], "overlap": key[3]})
     return runs
 
 
 def choices_text(runs: list[dict[str, Any]] | None) -> str:
-    """e.g. "k=1 float32 x4, k=64 float32/2 x2" (/2: the optimizer's state every 2 rounds)."""
+    """e.g. "k=1 float32 x4, k=64 float32/2 x2, k=32 int8/0 overlapped x9" (/2: the optimizer's
+    state every 2 rounds)."""
     if not runs:
         return "-"
-    return ", ".join(f"k={r['k']} {r['payload']}{'' if r['updaters_every'] == 1 else '/' + str(r['updaters_every'])} x{r['rounds']}" for r in runs)
+    return ", ".join(
+        f"k={r['k']} {r['payload']}{'' if r['updaters_every'] == 1 else '/' + str(r['updaters_every'])}{' overlapped' if r.get('overlap') else ''} x{r['rounds']}"
+        for r in runs
+    )
 
 
 FAILED = {"seconds": None, "samples": None, "steps_per_rank": None, "ms_per_step": None, "best_accuracy": None, "comm_fraction": None, "choices": None}
@@ -291,7 +295,8 @@ def main() -> None:
         "--contenders",
         default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
         help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4]:K, "
-             "wrapper-auto (the autopilot: no K; k is at most --eval-every, each score being a fit() of that many steps), none",
+             "wrapper-auto (the autopilot: no K; k is at most --eval-every, each score being a fit() of that many steps), "
+             "wrapper-auto-sync (the same, never overlapped), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
     parser.add_argument("--procs-per-node", type=int, default=1, help="ranks per namespace (2: a node's ranks share its loopback; for wrapper-node)")
@@ -323,10 +328,10 @@ def main() -> None:
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in contenders:
         kind, _, k = c.partition(":")
-        periodic = ("pma", *(w for w in WRAPPERS if w != AUTO), *torchft_peer.KINDS)
-        bad_k = (k != "" and not k.isdigit()) if kind == AUTO else (kind in (*periodic, "powersgd")) != k.isdigit()  # auto: K optional (k_min)
-        if kind not in ("ddp", "none", AUTO, "powersgd", *periodic) or bad_k:
-            parser.error(f"unknown contender {c!r}: use ddp, none, {AUTO}[:K_MIN], powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in periodic[1:])}")
+        periodic = ("pma", *(w for w in WRAPPERS if w not in AUTOS), *torchft_peer.KINDS)
+        bad_k = (k != "" and not k.isdigit()) if kind in AUTOS else (kind in (*periodic, "powersgd")) != k.isdigit()  # auto: K optional (k_min)
+        if kind not in ("ddp", "none", *AUTOS, "powersgd", *periodic) or bad_k:
+            parser.error(f"unknown contender {c!r}: use ddp, none, {'[:K_MIN], '.join(AUTOS)}[:K_MIN], powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in periodic[1:])}")
         if kind in periodic and args.eval_every % int(k):
             parser.error(f"--eval-every {args.eval_every} is not a multiple of k = {k}: the model would be scored between averagings")
     torchft_version = torchft_peer.version() if any(c.startswith("torchft") for c in contenders) else None
