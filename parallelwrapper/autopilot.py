@@ -1,4 +1,4 @@
-"""The autopilot (`.averaging_frequency("auto")`): k, the payload and the optimizer state's period, chosen round by round.
+"""The autopilot (`.averaging_frequency("auto")`): k, the payload, the optimizer state's period and, as its last resort, overlap, chosen round by round.
 
 It chooses from what the rounds measure.
 
