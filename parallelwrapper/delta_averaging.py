@@ -41,7 +41,8 @@ class DeltaAverager:
     exactly on the average.
 
     With a `wire` codec, as in FlatAverager, the floating-point snapshots travel as their change since
-    the last landed average, encoded, once a first round (in full precision) has landed.
+    the last landed average, encoded, once a first round (in full precision) has landed, or from
+    the first launch after `start_coding()`.
 
     Every launch sends the tensors it was built with, whatever an optimizer has created since.
 
@@ -59,6 +60,20 @@ class DeltaAverager:
         self._in_flight: list[Flight] = []
         self._coded_trailer: tuple[dist.Work, torch.Tensor] | None = None
         self._world: tuple[int, int] = (1, 0)  # the group's size and this rank, for the coders
+
+    @torch.no_grad()
+    def start_coding(self, group: ProcessGroup = None) -> None:
+        """With a wire codec: code from the first launch on, the deltas taken from the tensors as
+        they are now, which must be bitwise equal on every rank of the group (an average every
+        replica holds), instead of after a first round in full precision."""
+        if self._wire is None:
+            return
+        self._world = (dist.get_world_size(group), dist.get_rank(group))
+        for s in self._groups:
+            if s.coder is None and s.data.is_floating_point():
+                for t, _, part in s.members:
+                    part.copy_(t)
+                s.coder = DeltaCoder(self._wire, s.data, *self._world)
 
     @torch.no_grad()
     def launch(self, weight: float, trailer: Sequence[float] | None = None, group: ProcessGroup = None) -> None:

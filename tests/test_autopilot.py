@@ -393,13 +393,26 @@ def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equa
     assert slow_end.k == 32 and {c.payload for c in slow_choices} == {"int8"}, slow_choices  # no payload keeps k at 16: it stays with the fewest bytes
 
 
-def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[bool]], list[torch.Tensor]]:
+def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[bool]], list[int], list[torch.Tensor]]:
     """int8 of the parameters alone at k of at most 4, over a link far too slow for it: the choices
-    it made, each fit's Scores' overlap, and the parameters after a second fit resumed from the
-    first's own state in a new round engine (as a checkpoint resumes it)."""
+    it made, each fit's Scores' overlap, each fit's all-reduces of the parameters in full
+    precision, and the parameters after a second fit resumed from the first's own state in a new
+    round engine (as a checkpoint resumes it)."""
+    import torch.distributed as dist
+
     from parallelwrapper.types import Score
 
     _slowed(5.0)  # 5 s a MB: an int8 round of 75k parameters takes about 0.4 s, a step a millisecond
+    whole: list[int] = []  # the all-reduces of a buffer of parameters (a coded round sends none)
+    slowed = dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.numel() > 1000:
+            whole.append(tensor.numel())
+        return slowed(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    in_full: list[int] = []
     job = Job(_model(), torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, nn.functional.cross_entropy, None)
     config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=4, payloads=("int8",), updater_periods=(0,))}))
     overlaps: list[list[bool]] = []
@@ -411,19 +424,24 @@ def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[
         reports: list[object] = []
         rounds.run(1, ListSource(_tiny_data(48), rank, world), reports.append)
         overlaps.append([r.overlap for r in reports if isinstance(r, Score)])
+        in_full.append(len(whole) - sum(in_full))
         own = rounds.own_state()
     assert rounds.pilot is not None
-    return [c.choice for c in rounds.pilot.changes], overlaps, [p.detach().clone() for p in job.model.parameters()]
+    return [c.choice for c in rounds.pilot.changes], overlaps, in_full, [p.detach().clone() for p in job.model.parameters()]
 
 
 def test_a_link_too_slow_for_k_max_and_the_fewest_bytes_overlaps_and_a_resumed_engine_stays_overlapped() -> None:
     workers = run_group(_overlapping_worker, 2, timeout=150)
-    (changes, overlaps, params), other = workers[0], workers[1]
+    (changes, overlaps, in_full, params), other = workers[0], workers[1]
     assert changes == other[0] == [Choice(4, "int8", 0, overlap=True)]  # from its start (k = 2), after one measure
     first, resumed = overlaps
     assert first[0] is False and first[-1] is True and first == sorted(first), first  # the round that measured it, then overlapped
     assert resumed and all(resumed), resumed  # the choice in force at the end, from the first round on
-    assert all(torch.equal(a, b) for a, b in zip(params, other[2]))  # the fit's end lands every round: equal replicas
+    # The first fit codes every round: the overlapped ones from the average the switch landed on.
+    # A fit that starts overlapped sends its first round in full precision (its buffers are built
+    # at its first step).
+    assert in_full == [0, 1], in_full
+    assert all(torch.equal(a, b) for a, b in zip(params, other[3]))  # the fit's end lands every round: equal replicas
 
 
 def _tiny_data(n: int = 96) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -349,6 +349,9 @@ class Rounds:
             change = pilot.measured(summed, totals.workers, self.counters.rounds)
         if change is not None:
             self._use(change.choice)
+            if self._stream is not None and change.choice.overlap:
+                self._sync.settle()  # the round just landed at once, its optimizer state too: every replica holds its average
+                self._stream.start_from_average()
         return change
 
     def _sizes(self) -> Sizes:

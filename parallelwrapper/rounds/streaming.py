@@ -112,6 +112,16 @@ class StreamExchange:
         self._delta = DeltaAverager(runs[-1], self.device, HEADER_LEN, wire)
         return self._delta
 
+    def start_from_average(self) -> None:
+        """Every replica holds the same state now (a round just landed at once): build the buffers
+        now, and code the first round's deltas from this state with a coded payload, instead of
+        sending it in full precision. A collective where the optimizer's state is averaged: every
+        worker calls it at the same point."""
+        self._build()
+        for delta in (self._delta, *(f.delta for f in self._fragments)):
+            assert delta is not None
+            delta.start_coding(self.group)
+
     # -- the first n − 1 fragments, through the round --------------------------------------------
 
     def stepped(self, loss: torch.Tensor, samples: int) -> None:
