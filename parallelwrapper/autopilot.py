@@ -52,8 +52,8 @@ loopback an int8 round costs about what float32's does, benchmarks/README.md).
 Its last resort is overlap: where no rung is left to try and even k_max leaves the link's share
 above twice ρ (x/(x + k_max·c) > 2ρ; the wait w is an imbalance, which overlap does not hide), it
 lands each round after the next round's steps (overlap_averaging) from the next round on, at the
-k whose steps hide the link's part (k·c ≥ x − x_c) and keep the codec's, which is not hidden,
-under ρ; and decides nothing more.
+k whose steps hide the link's part with a margin (k·c ≥ 2(x − x_c)) and keep the codec's, which is
+not hidden, under ρ; and decides nothing more.
 
 Every rank makes the same choice: it decides from the header's sums alone (each worker's measures
 and its model's sizes, summed by the round's all-reduce, are the same numbers on every rank),
@@ -77,6 +77,7 @@ BITS = {"float32": 32, "bfloat16": 16, "int8": 8}
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
+HIDE = 2.0  # overlapped, a round's steps take at least this many times the link's measured part (slow links vary)
 PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange, in its codec and waiting before it, the model's sizes, the choice in force
 
 
@@ -414,13 +415,14 @@ class Pilot:
         return spec.overlap and rung.updaters_every in (0, 1) and share > OVERLAP * spec.exchange_share
 
     def _overlapped_k(self, link_s: float, codec_s: float, step_s: float) -> int:
-        """Overlapped, the k at which a round's steps take as long as the link's part of an
+        """Overlapped, the k at which a round's steps take HIDE times the link's part of an
         exchange (hidden behind them) and its codec's part (compute at the launch and the
         landing, not hidden) stays under ρ of the time: the smallest k_min·2^i with both, at most
-        k_max. Shorter than k_max where it can be: rounds as long as the link needs, no longer."""
+        k_max. HIDE, not 1: at 2 Mbit/s a first exchange measured 27 s, and the overlapped ones at
+        the k whose steps took 31 s waited 10-12 s each to land (benchmarks/README.md)."""
         spec = self.spec
         k = spec.k_min
-        while (k * step_s < link_s or k < self._need(codec_s, step_s)) and k < spec.k_max:
+        while (k * step_s < HIDE * link_s or k < self._need(codec_s, step_s)) and k < spec.k_max:
             k *= 2
         return min(k, spec.k_max)
 

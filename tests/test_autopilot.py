@@ -94,21 +94,21 @@ def test_a_slow_link_takes_bytes_off_first_straight_to_the_rung_they_need_then_o
     ran = fly([pilot], step_s=0.01, link_s=slow_link, rounds=80)
     # float32 with the state would need k = 950: no rung keeps k at 16 (half of k_max), so it tries
     # the one that sends least, about 1/8 of the bytes, and keeps it (measured 8x faster). That one
-    # still needs k = 119: with no rung left, it overlaps, at k = 8, whose 0.08 s of steps hide its
-    # 0.0625 s (no codec time), and stays.
-    assert [c.choice for c in pilot.changes] == [Choice(32, "int8", 0), Choice(8, "int8", 0, overlap=True)]
+    # still needs k = 119: with no rung left, it overlaps, at k = 16, whose 0.16 s of steps take
+    # twice its 0.0625 s (no codec time), and stays.
+    assert [c.choice for c in pilot.changes] == [Choice(32, "int8", 0), Choice(16, "int8", 0, overlap=True)]
     why = "an exchange takes 0.5 s (0 s of it in the codec) and a step 0.01 s: float32 would need k = 950 to keep exchanges under 0.05 of the time"
     assert why + " (more than 16); trying int8, parameters only, about 0.0625 s" in pilot.changes[0].why
     assert pilot.changes[1].why == (
         "an exchange takes 0.0625 s (0 s of it in the codec) and a step 0.01 s: at k = 32 (k_max), with no rung left to try, exchanges "
         "would still take 0.16 of the time (more than 2 x 0.05): overlapped from now on, each round landing after the next round's steps, "
-        "at k = 8, whose steps hide the link's part"
+        "at k = 16, whose steps hide the link's part"
     )
     assert ran[0] == START and ran[1] != START  # the first round's measure, summed at once, decides the second
-    assert ran[1] == Choice(32, "int8", 0) and ran[2:] == [Choice(8, "int8", 0, overlap=True)] * 78  # the trial measured at once too
+    assert ran[1] == Choice(32, "int8", 0) and ran[2:] == [Choice(16, "int8", 0, overlap=True)] * 78  # the trial measured at once too
     coded = Pilot(Autopilot(k_max=32), Choice(16, "int8", 0))  # a codec's compute is not hidden: k keeps it under ρ
     fly([coded], step_s=0.01, link_s=lambda rung: 0.0625, rounds=5, codec_s=lambda rung: 0.01)
-    assert coded.choice == Choice(32, "int8", 0, overlap=True)  # 0.0725 s: 0.0625 s hidden by k = 8, 0.01 s needs k = 19
+    assert coded.choice == Choice(32, "int8", 0, overlap=True)  # 0.0725 s: 0.0625 s hidden by k = 16, 0.01 s needs k = 19
     kept = Pilot(Autopilot(k_max=32, overlap=False), START)  # overlap_averaging(False): never overlapped
     assert fly([kept], step_s=0.01, link_s=slow_link, rounds=80)[-1] == Choice(32, "int8", 0)
     plain = Pilot(Autopilot(k_max=32, payloads=("float32",), updater_periods=(4,)), Choice(32, "float32", 4))
