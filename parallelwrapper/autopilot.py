@@ -13,6 +13,7 @@ What it measures, over every worker (each round's header carries each worker's n
         while the choice in force has no measure, its exchange is summed over the workers at once
         (a four-number all-reduce) and decided on as it lands, else the next round's header
         carries it
+    e   overlapped: seconds a round landed late still cost a worker (launched, then waited for)
 
 What it chooses. The exchange and the wait before it cost x + w once per round of k steps, so
 their share of a worker's time is (x + w) / (x + w + k·c). With first-come batches the wait is at
@@ -53,7 +54,10 @@ Its last resort is overlap: where no rung is left to try and even k_max leaves t
 above twice ρ (x/(x + k_max·c) > 2ρ; the wait w is an imbalance, which overlap does not hide), it
 lands each round after the next round's steps (overlap_averaging) from the next round on, at the
 k whose steps hide the link's part with a margin (k·c ≥ 2(x − x_c)) and keep the codec's, which is
-not hidden, under ρ; and decides nothing more.
+not hidden, under ρ. Overlapped, it measures what each round landed late still cost a worker (its
+launch, and its wait to land: e) and only lengthens k: where e/(e + k·c) > ρ, the link took about
+k·c + e, and k becomes the one whose steps take twice that (at most k_max). It never shortens k or
+leaves overlap.
 
 Every rank makes the same choice: it decides from the header's sums alone (each worker's measures
 and its model's sizes, summed by the round's all-reduce, are the same numbers on every rank),
@@ -232,6 +236,7 @@ class PilotState(TypedDict):
     codecs: dict[int, tuple[float, int]]
     trial: int | None
     done: bool
+    exposed: NotRequired[tuple[float, int]]  # overlapped rounds' cost, a _Mean's (value, count)
     changes: list[tuple[int, ChoiceFields, str]]  # (round, choice, why)
 
 
@@ -282,6 +287,7 @@ class Pilot:
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
         self._done = False  # a rung tried did not pay: the search for a rung is over
         self._sizes = Sizes(0, 0)  # the model's, from the last header (a worker's mean)
+        self._exposed = _Mean()  # overlapped: seconds a round landed late still cost a worker, at the k in force
 
     def header(self, compute_s: float, exchange_s: float, codec_s: float, waited_s: float, sizes: Sizes) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's,
@@ -304,7 +310,10 @@ class Pilot:
         if batches > 0 and compute_s > 0:
             self._step.add(compute_s / batches)
         if exchange_s > 0 and self._ran == now:  # a measure of what is in force
-            self._measure(exchange_s / workers, codec_s / workers, waited_s / workers)
+            if now.overlap:
+                self._exposed.add(exchange_s / workers)
+            else:
+                self._measure(exchange_s / workers, codec_s / workers, waited_s / workers)
         self._ran = now
         self._sizes = Sizes(parameters / workers, state / workers)
         return self._decided(rounds)
@@ -344,15 +353,17 @@ class Pilot:
         self._wait.add(waited_s)
 
     def _decided(self, rounds: int) -> Change | None:
-        """Decide what the round after round `rounds` runs with: the change, if any."""
+        """Decide what the next round to start after round `rounds` landed runs with: the change,
+        if any. Overlapped, the round after it has done its steps already."""
         now = self.choice
         decided = self._decide(self._sizes)
         if decided == now:
             return None
-        change = Change(rounds + 1, decided, self._why)
+        change = Change(rounds + 1 + now.overlap, decided, self._why)
         self.changes.append(change)
         self._links.pop(self.rungs.index(decided.rung), None)  # measured afresh at its k
         self._wait = _Mean()  # dealt batches: the wait for a slower worker grows with k
+        self._exposed = _Mean()
         self.choice = decided
         return change
 
@@ -361,7 +372,7 @@ class Pilot:
         here, step = self.rungs.index(now.rung), self._step.value
         link = self._links.get(here)
         if now.overlap:
-            return now  # its last resort: it stays
+            return self._lengthened(now)  # its last resort: it stays, at k as long as the link needs
         if self._step.count == 0 or step <= 0 or link is None or link.seconds.count < max(1, now.updaters_every):
             return now  # not measured enough yet
         x, w = link.seconds.value, self._wait.value
@@ -426,6 +437,23 @@ class Pilot:
             k *= 2
         return min(k, spec.k_max)
 
+    def _lengthened(self, now: Choice) -> Choice:
+        """Overlapped at `now`: a longer k where the rounds landed late still cost a worker more
+        than ρ of its time (measured twice: a round's exposed seconds vary on a slow link). A
+        round that waited to land took the link its steps' time and the wait: the new k is the
+        one whose steps take HIDE times that, as at the switch."""
+        spec, step, exposed = self.spec, self._step.value, self._exposed.value
+        if self._exposed.count < 2 or step <= 0 or now.k >= spec.k_max or self._need(exposed, step) <= now.k:
+            return now
+        link = now.k * step + exposed
+        k = now.k
+        while k * step < HIDE * link and k < spec.k_max:
+            k *= 2
+        self._why = (f"overlapped rounds at k = {now.k} still cost {exposed:.3g} s each to launch and land, and a step takes {step:.3g} s: "
+                     f"{exposed / (exposed + now.k * step):.2g} of the time (more than {spec.exchange_share:.2g}); the link takes about "
+                     f"{link:.3g} s: k = {k}{' (k_max)' if k == spec.k_max else ''}, whose steps hide it")
+        return now.rung.at(k, overlap=True)
+
     @property
     def _enough(self) -> int:
         """The k past which it takes bytes off before it lengthens the round: half of k_max (a
@@ -484,7 +512,7 @@ class Pilot:
             "choice": _fields(self.choice), "why": self._why,
             "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "wait": _pair(self._wait),
             "links": {i: _pair(e.seconds) for i, e in self._links.items()}, "codecs": {i: _pair(e.codec) for i, e in self._links.items()},
-            "trial": self._trial, "done": self._done,
+            "trial": self._trial, "done": self._done, "exposed": _pair(self._exposed),
             "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
         }  # fmt: skip
 
@@ -492,6 +520,7 @@ class Pilot:
         self.choice = Choice(**state["choice"])
         self._why, self._step, self._wait = state["why"], _Mean(*state["step"]), _Mean(*state["wait"])
         self._trial, self._done = state["trial"], state["done"]
+        self._exposed = _Mean(*state.get("exposed", (0.0, 0)))  # none in a checkpoint from before it was measured
         self._ran = None if state["ran"] is None else Choice(**state["ran"])
         codecs = state.get("codecs", {})  # none in a checkpoint from before codecs were measured: no codec time
         self._links = {int(i): _Exchange(_Mean(*m), _Mean(*codecs.get(i, (0.0, 0)))) for i, m in state["links"].items()}

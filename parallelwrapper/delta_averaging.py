@@ -61,6 +61,12 @@ class DeltaAverager:
         self._coded_trailer: tuple[dist.Work, torch.Tensor] | None = None
         self._world: tuple[int, int] = (1, 0)  # the group's size and this rank, for the coders
 
+    @property
+    def steady(self) -> bool:
+        """Whether the next launch goes as every later one will: coded, with a wire codec (not its
+        first round in full precision)."""
+        return self._wire is None or all(s.coder is not None for s in self._groups if s.data.is_floating_point())
+
     @torch.no_grad()
     def start_coding(self, group: ProcessGroup = None) -> None:
         """With a wire codec: code from the first launch on, the deltas taken from the tensors as

@@ -49,8 +49,9 @@ def fly(
     reported in the next header, with `wait_s` before it (at once, summed apart, while the choice
     in force is unmeasured: Pilot.measured), but 0 for the first round of a coded
     rung that sends the optimizer's state where the rung before did not send it every round (that
-    round averages every worker's state anew, in float32: no measure of the rung). The choice each
-    round ran with."""
+    round averages every worker's state anew, in float32: no measure of the rung). Overlapped, the
+    measure is what the next round's steps do not hide of the link, and the codec's seconds. The
+    choice each round ran with."""
     ran: list[Choice] = []
     previous: Rung | None = None
     exchange, coded = 0.0, 0.0
@@ -62,6 +63,8 @@ def fly(
         rung = choice.rung
         anew = rung != previous and rung.payload != "float32" and rung.updaters_every != 0 and (previous is None or previous.updaters_every != 1)
         exchange, coded = (0.0, 0.0) if anew else (link_s(rung) + codec_s(rung), codec_s(rung))
+        if choice.overlap:  # what the steps of the round after it do not hide, and its codec's compute
+            exchange, coded = max(0.0, link_s(rung) - choice.k * step_s) + codec_s(rung), 0.0
         previous = rung
         if changed[0] is None and pilots[0].unmeasured:  # measured at once, not in the next header
             fair = len(pilots) * float(exchange > 0)
@@ -113,6 +116,30 @@ def test_a_slow_link_takes_bytes_off_first_straight_to_the_rung_they_need_then_o
     assert fly([kept], step_s=0.01, link_s=slow_link, rounds=80)[-1] == Choice(32, "int8", 0)
     plain = Pilot(Autopilot(k_max=32, payloads=("float32",), updater_periods=(4,)), Choice(32, "float32", 4))
     assert not any(c.overlap for c in fly([plain], step_s=0.01, link_s=slow_link, rounds=20))  # DES-LOC's period does not overlap
+
+
+@pytest.mark.fast
+def test_overlapped_rounds_the_steps_do_not_hide_lengthen_k_and_never_shorten_it() -> None:
+    # Overlapped at k = 16 (0.16 s of steps), a link of 0.5 s leaves 0.34 s a round to wait:
+    # 68% of the time. After two such rounds it takes the link for 0.16 + 0.34 s, and k = 128,
+    # whose 1.28 s of steps take more than twice that; there nothing waits, and it stays.
+    pilot = Pilot(Autopilot(k_max=128), Choice(16, "int8", 0, overlap=True))
+    ran = fly([pilot], step_s=0.01, link_s=lambda rung: 0.5, rounds=12)
+    assert [(c.round, c.choice) for c in pilot.changes] == [(5, Choice(128, "int8", 0, overlap=True))]  # decided as round 3 lands: round 4 has done its steps
+    assert pilot.changes[0].why == (
+        "overlapped rounds at k = 16 still cost 0.34 s each to launch and land, and a step takes 0.01 s: 0.68 of the time (more than 0.05); "
+        "the link takes about 0.5 s: k = 128 (k_max), whose steps hide it"
+    )
+    assert ran[-1] == Choice(128, "int8", 0, overlap=True)
+    bounded = Pilot(Autopilot(k_max=32), Choice(16, "int8", 0, overlap=True))  # at k_max it stays, whatever it waits
+    assert fly([bounded], step_s=0.01, link_s=lambda rung: 0.5, rounds=12)[-1] == Choice(32, "int8", 0, overlap=True)
+    hidden = Pilot(Autopilot(k_max=128), Choice(64, "int8", 0, overlap=True))  # a link its steps hide: no shorter k
+    assert fly([hidden], step_s=0.01, link_s=lambda rung: 0.05, rounds=12)[-1] == Choice(64, "int8", 0, overlap=True) and not hidden.changes
+    resumed = Pilot(Autopilot(k_max=128), Choice(16, "int8", 0, overlap=True))  # a checkpoint between its two measures
+    fly([resumed], step_s=0.01, link_s=lambda rung: 0.5, rounds=2)
+    again = Pilot(Autopilot(k_max=128), Choice(16, "int8", 0, overlap=True))
+    again.load_state_dict(resumed.state_dict())
+    assert again.state_dict() == resumed.state_dict()
 
 
 @pytest.mark.fast
@@ -326,8 +353,10 @@ def _slowed(seconds_per_mb: float) -> None:
     dist.all_reduce = slow_all_reduce
     wire.send_coded = slow_send_coded
     import parallelwrapper.averaging as averaging
+    import parallelwrapper.delta_averaging as delta_averaging
 
     averaging.send_coded = slow_send_coded  # type: ignore[attr-defined]
+    delta_averaging.send_coded = slow_send_coded  # type: ignore[attr-defined]  # overlapped rounds
 
 
 def _model() -> nn.Module:
@@ -393,16 +422,23 @@ def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equa
     assert slow_end.k == 32 and {c.payload for c in slow_choices} == {"int8"}, slow_choices  # no payload keeps k at 16: it stays with the fewest bytes
 
 
-def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[bool]], list[int], list[torch.Tensor]]:
-    """int8 of the parameters alone at k of at most 4, over a link far too slow for it: the choices
-    it made, each fit's Scores' overlap, each fit's all-reduces of the parameters in full
+def _slow_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, a tenth of a second late: a step as long as a large model's."""
+    time.sleep(0.1)
+    return nn.functional.cross_entropy(output, target)
+
+
+def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[tuple[int, bool]]], list[int], list[torch.Tensor]]:
+    """int8 of the parameters alone at k of at most 8, steps of 0.1 s, over a link far too slow
+    for it that no step hides (each send waits its bytes' time before it goes): the choices it
+    made, each fit's Scores' k and overlap, each fit's all-reduces of the parameters in full
     precision, and the parameters after a second fit resumed from the first's own state in a new
     round engine (as a checkpoint resumes it)."""
     import torch.distributed as dist
 
     from parallelwrapper.types import Score
 
-    _slowed(5.0)  # 5 s a MB: an int8 round of 75k parameters takes about 0.4 s, a step a millisecond
+    _slowed(2.0)  # 2 s a MB: an int8 round of 75k parameters takes about 0.15 s
     whole: list[int] = []  # the all-reduces of a buffer of parameters (a coded round sends none)
     slowed = dist.all_reduce
 
@@ -413,9 +449,9 @@ def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[
 
     dist.all_reduce = counted
     in_full: list[int] = []
-    job = Job(_model(), torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, nn.functional.cross_entropy, None)
-    config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=4, payloads=("int8",), updater_periods=(0,))}))
-    overlaps: list[list[bool]] = []
+    job = Job(_model(), torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, _slow_loss, None)
+    config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=8, payloads=("int8",), updater_periods=(0,))}))
+    fits: list[list[tuple[int, bool]]] = []
     own = None
     for _ in range(2):
         rounds = Rounds(Replica(job.model, job, config, CPU, rank, world), config, CPU, rank, world)
@@ -423,20 +459,23 @@ def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[
             rounds.load_own_state(own)
         reports: list[object] = []
         rounds.run(1, ListSource(_tiny_data(48), rank, world), reports.append)
-        overlaps.append([r.overlap for r in reports if isinstance(r, Score)])
+        fits.append([(r.k, r.overlap) for r in reports if isinstance(r, Score)])
         in_full.append(len(whole) - sum(in_full))
         own = rounds.own_state()
     assert rounds.pilot is not None
-    return [c.choice for c in rounds.pilot.changes], overlaps, in_full, [p.detach().clone() for p in job.model.parameters()]
+    return [c.choice for c in rounds.pilot.changes], fits, in_full, [p.detach().clone() for p in job.model.parameters()]
 
 
-def test_a_link_too_slow_for_k_max_and_the_fewest_bytes_overlaps_and_a_resumed_engine_stays_overlapped() -> None:
+def test_a_link_too_slow_for_k_max_and_the_fewest_bytes_overlaps_lengthens_k_and_a_resumed_engine_stays_overlapped() -> None:
     workers = run_group(_overlapping_worker, 2, timeout=150)
-    (changes, overlaps, in_full, params), other = workers[0], workers[1]
-    assert changes == other[0] == [Choice(4, "int8", 0, overlap=True)]  # from its start (k = 2), after one measure
-    first, resumed = overlaps
-    assert first[0] is False and first[-1] is True and first == sorted(first), first  # the round that measured it, then overlapped
-    assert resumed and all(resumed), resumed  # the choice in force at the end, from the first round on
+    (changes, fits, in_full, params), other = workers[0], workers[1]
+    # From its start (k = 4), one measure (0.15 s against steps of 0.1 s: 16% at k_max) overlaps it
+    # at k = 4, whose 0.4 s of steps take twice the link's 0.15 s. No step hides this link, so two
+    # overlapped rounds measure 0.15 s left each, and k goes to its bound.
+    assert changes == other[0] == [Choice(4, "int8", 0, overlap=True), Choice(8, "int8", 0, overlap=True)]
+    first, resumed = fits
+    assert first[:2] == [(4, False), (4, True)] and first[-2] == (8, True), first  # each Score says the k it ran with
+    assert resumed and all(overlap and k == 8 for k, overlap in resumed), resumed  # the choice in force at the end, from the first round on
     # The first fit codes every round: the overlapped ones from the average the switch landed on.
     # A fit that starts overlapped sends its first round in full precision (its buffers are built
     # at its first step).

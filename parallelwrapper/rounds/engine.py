@@ -154,35 +154,38 @@ class Rounds:
         book = ScoreBook(report, every, self.config.report_score_after_averaging, self.started)
         self._cut.epoch_starts(self.counters)
         in_flight: Sent | Launched | None = None  # a round launched and not landed (overlap_averaging)
+        flying = Work()  # its local work
         while True:
+            started = time.perf_counter()
             work = self._timed(False, self._local_work, in_flight is not None)
-            self._count_settled()
+            work.seconds = time.perf_counter() - started - self._count_settled()
             land_now = not (self._stream is not None and self._averaging)
             if in_flight is not None:
                 totals = self._timed(True, self._land, in_flight, work)
-                if self._settle(totals, book):
+                if self._settle(totals, book, flying.k, late=True):
                     self._after_landing(totals, True, book)
                     return
                 upcoming = self.counters.rounds + 1
                 land_now = totals.stop > 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
-            in_flight = self._timed(True, self._launch, work)
+            in_flight, flying = self._timed(True, self._launch, work), work
             if land_now:
                 totals = self._timed(True, self._land, in_flight, work, True)
                 in_flight = None
-                epoch_done = self._settle(totals, book)
+                epoch_done = self._settle(totals, book, work.k)
                 self._after_landing(totals, epoch_done, book)
                 if epoch_done:
                     return
 
-    def _count_settled(self) -> None:
+    def _count_settled(self) -> float:
         """The seconds this round's first step waited for the last round's optimizer state to land
         are that round's exchange's, not local work: for the Score, and for the autopilot's measure
-        of the exchange (when it has one), which the next header carries."""
+        of the exchange (when it has one), which the next header carries. Returns them."""
         moved, self._sync.settled_in_step = self._sync.settled_in_step, 0.0
         self._seconds[0] -= moved
         self._seconds[1] += moved
         if self._exchange_s > 0:
             self._exchange_s += moved
+        return moved
 
     def _timed(self, exchange: bool, fn: Callable[A, R], *args: A.args, **kwargs: A.kwargs) -> R:
         """fn(*args), its seconds counted as local work or as exchange for the next Score."""
@@ -221,7 +224,7 @@ class Rounds:
         self._cut.round_starts(self._batches_per_round())
         if self.hooks.observer is not None:
             self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
-        work = Work(first_step=trainer.local_steps)
+        work = Work(first_step=trainer.local_steps, k=self.k)
         self._sync.prepare(self._averaging)
         if self._averaging and self._together is not None:
             return self._lockstep_work(work)
@@ -268,7 +271,7 @@ class Rounds:
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
         elif self.pilot is not None:
-            work.pilot = self.pilot.header(self._seconds[0], self._exchange_s, self._codec_s, self._wait_s, self._sizes())
+            work.pilot = self.pilot.header(work.seconds, self._exchange_s, self._codec_s, self._wait_s, self._sizes())
             if not overlapped:
                 # Every worker arrives first: the exchange's seconds after it are the link's and the
                 # codec's, not the wait for a slower worker, which no k or payload shortens.
@@ -305,8 +308,9 @@ class Rounds:
 
     # -- after a round ---------------------------------------------------------------------------
 
-    def _settle(self, totals: RoundTotals, book: ScoreBook) -> bool:
-        """Counters and score reports for a round's totals; True when it ended the epoch."""
+    def _settle(self, totals: RoundTotals, book: ScoreBook, k: int, late: bool = False) -> bool:
+        """Counters and score reports for a round's totals (`k`: the k it ran with; `late`:
+        landed after the next round's local work); True when it ended the epoch."""
         epoch_done = totals.epoch_done
         c, averaged = self.counters, self._averaging  # a warm-up's last gradient round counts before it
         if totals.samples > 0:
@@ -315,8 +319,8 @@ class Rounds:
             seconds, self._seconds = (self._seconds[0], self._seconds[1]), [0.0, 0.0]
             config = self.config
             every = config.average_updaters_every if config.average_updaters else 0
-            ran = InForce(self.k if averaged else 1, config.payload_dtype, every, self._stream is not None, config.fragments)
-            change = self._steer(totals, seconds[1]) if averaged else None
+            ran = InForce(k if averaged else 1, config.payload_dtype, every, self._stream is not None, config.fragments)
+            change = self._steer(totals, seconds[1], late) if averaged else None
             ran = dataclasses.replace(ran, why=None if change is None else change.why)
             book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)
         if epoch_done:
@@ -324,34 +328,37 @@ class Rounds:
         self.trainer.landed(c, book.whole.score if epoch_done else totals.score, epoch_done)
         return epoch_done
 
-    def _steer(self, totals: RoundTotals, exchange_s: float) -> Change | None:
+    def _steer(self, totals: RoundTotals, exchange_s: float, late: bool) -> Change | None:
         """With the autopilot, after an averaging round (a gradient round's header has no pilot's
         part): measure, and decide what the next round runs with (autopilot.py). The
         exchange is a fair measure of its rung when its header rode with the payload, or when the
         header went alone and the payload after it was the rung's own (SyncExchange.alone_s: a
         float32 average anew, or coded in buffers built before the round): then its seconds
-        alone; not when it averaged anew for a coded rung."""
+        alone; not when it averaged anew for a coded rung. Overlapped, the measure is what a round
+        landed `late` still cost, its launch and its wait to land, where it went as every later
+        round will (StreamExchange.steady); of one landed at once, none."""
         if self.pilot is None:
             return None
         pilot, sync = self.pilot, self._sync
         change = pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
-        fair = sync.steady or sync.alone_s > 0
-        if fair:
-            self._exchange_s, self._wait_s = (exchange_s - self._waited if sync.steady else sync.alone_s), self._waited
-            self._codec_s = sync.codec_s
+        if self._stream is not None:
+            steady = late and self._stream.steady  # not a fit's first round, sent in full precision
+            self._exchange_s, self._codec_s, self._wait_s = (exchange_s if steady else 0.0), 0.0, 0.0
         else:
-            self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
-        if change is None and pilot.unmeasured:  # the same on every worker: decided from the sums
-            # Too few measures of what is in force to decide on: this exchange's, summed now, and
-            # not again in the next header (Pilot.measured).
-            summed = all_reduce_values([self._exchange_s, self._codec_s, self._wait_s, float(fair)], self._device, self.group)
-            self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
-            change = pilot.measured(summed, totals.workers, self.counters.rounds)
+            fair = sync.steady or sync.alone_s > 0
+            if fair:
+                self._exchange_s, self._wait_s = (exchange_s - self._waited if sync.steady else sync.alone_s), self._waited
+                self._codec_s = sync.codec_s
+            else:
+                self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
+            if change is None and pilot.unmeasured:  # the same on every worker: decided from the sums
+                # Too few measures of what is in force to decide on: this exchange's, summed now, and
+                # not again in the next header (Pilot.measured).
+                summed = all_reduce_values([self._exchange_s, self._codec_s, self._wait_s, float(fair)], self._device, self.group)
+                self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
+                change = pilot.measured(summed, totals.workers, self.counters.rounds)
         if change is not None:
-            self._use(change.choice)
-            if self._stream is not None and change.choice.overlap:
-                self._sync.settle()  # the round just landed at once, its optimizer state too: every replica holds its average
-                self._stream.start_from_average()
+            self._use(change.choice, landed=True)
         return change
 
     def _sizes(self) -> Sizes:
@@ -360,22 +367,31 @@ class Rounds:
         parameters = sum(t.numel() for t in trained_parameters(trainer.model, trainer.optimizer))
         return Sizes(parameters, sum(t.numel() for t in optimizer_state_tensors(trainer.optimizer)))
 
-    def _use(self, choice: Choice) -> None:
+    def _use(self, choice: Choice, landed: bool = False) -> None:
         """Send the next averagings as `choice` says: its payload and optimizer-state period (k is
         read at each round's start); overlapped, each landed after the next round's local work
-        (streaming.py, its buffers built at the next round's first step, from the average every
-        replica holds). Another rung rebuilds the buffers at the next round."""
+        (streaming.py). Another rung rebuilds the buffers at the next round. `landed`: a round
+        just landed at once, its optimizer state too (SyncExchange.use settles it), so every
+        replica holds its average: a switch to overlap builds its buffers and codes from it;
+        else (a resumed pilot's choice) they are built at the fit's first step."""
         config = dataclasses.replace(self.config, payload_dtype=choice.payload, **in_config(choice.rung))
         if config != self.config:
             self.config = config
             self._sync.use(self.config)
-        if choice.overlap and self._stream is None:
-            # The autopilot's last resort: k and the rung stay (autopilot.py). The exchanges are
-            # given a fixed setting's config, overlapped at that k (which places fragments): the
-            # synchronous one lets its buffers go and builds none (no averaging round lands there).
-            fixed = dataclasses.replace(config, autopilot=None, averaging_frequency=choice.k, overlap_averaging=True)
-            self._sync.use(fixed)
-            self._stream = StreamExchange(self.trainer, fixed, self._device, self.group, self.world_size)
+        if not choice.overlap:
+            return
+        # The autopilot's last resort: the rung stays, k only lengthens (autopilot.py). The
+        # exchanges are given a fixed setting's config, overlapped at that k (which places
+        # fragments): the synchronous one lets its buffers go and builds none (no averaging round
+        # lands there).
+        fixed = dataclasses.replace(config, autopilot=None, averaging_frequency=choice.k, overlap_averaging=True)
+        if self._stream is not None:
+            self._stream.use(fixed)
+            return
+        self._sync.use(fixed)
+        self._stream = StreamExchange(self.trainer, fixed, self._device, self.group, self.world_size)
+        if landed:
+            self._stream.start_from_average()
 
     def _validation_due(self, rounds: int) -> bool:
         every = self.config.validation_every

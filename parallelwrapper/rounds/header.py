@@ -23,10 +23,12 @@ class Work:
     samples: int = 0
     batches: int = 0
     first_step: int = 0
+    k: int = 1  # the local steps it may take: the k in force at its start
     loss_sum: float = 0.0
     skipped: bool = False  # dropped by the NaN policy
     finished: bool = False  # this worker (with a hierarchy: its node) has no batch left in the epoch
     pilot: list[float] = dataclasses.field(default_factory=list)  # with the autopilot: its part of the header
+    seconds: float = 0.0  # in its steps (not waiting for the last round's state): the autopilot's measure
 
     @property
     def weight(self) -> float:

@@ -52,6 +52,7 @@ class Launched:
     weight: float  # this worker's weight in the payload
     skipped: bool  # this worker's contribution was dropped: its state is not worth keeping
     local_steps: int  # Trainer.local_steps at the launch
+    steady: bool = True  # it went as every later round will (StreamExchange.steady)
 
 
 @dataclass
@@ -83,6 +84,11 @@ def cut_fragments(tensors: list[torch.Tensor], n: int) -> list[list[torch.Tensor
     return runs
 
 
+def _place(p: int, n: int, k: int) -> int:
+    """The local step of a round of k after which fragment p of n launches."""
+    return max(1, round((p + 1) * k / n))
+
+
 class StreamExchange:
     """One worker's snapshot buffers and their averaging in the background."""
 
@@ -92,10 +98,20 @@ class StreamExchange:
         self._fragments: list[_Fragment] = []  # the others
         self._steps = 0  # local steps in the round in progress
         self._layout = 0  # the state layout the buffers were built for
+        # The last round landed went as every later one will: coded where a codec is set, and not
+        # landed with the whole state averaged anew (the autopilot's measure of overlapped rounds).
+        self.steady = False
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
         self._delta, self._fragments = None, []
+
+    def use(self, config: Config) -> None:
+        """Another k (the autopilot's, overlapped; everything else as it was): the fragments
+        launch at its places from the next round on."""
+        self.config = config
+        for p, f in enumerate(self._fragments):
+            f.at_step = _place(p, len(self._fragments) + 1, config.averaging_frequency)
 
     def _state_layout(self) -> int:
         return state_layout(self.trainer.optimizer, self.config.average_updaters)
@@ -108,7 +124,7 @@ class StreamExchange:
         self._layout = self._state_layout()
         runs = cut_fragments(averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters), self.config.fragments)
         k, wire = self.config.averaging_frequency, self.config.payload_dtype
-        self._fragments = [_Fragment(DeltaAverager(run, self.device, 1, wire), max(1, round((p + 1) * k / len(runs)))) for p, run in enumerate(runs[:-1])]
+        self._fragments = [_Fragment(DeltaAverager(run, self.device, 1, wire), _place(p, len(runs), k)) for p, run in enumerate(runs[:-1])]
         self._delta = DeltaAverager(runs[-1], self.device, HEADER_LEN, wire)
         return self._delta
 
@@ -173,8 +189,9 @@ class StreamExchange:
             f.sent = False
         self._steps = 0
         header, layout = round_header(work, self._state_layout(), self._layout, stop)
+        steady = delta.steady and all(f.delta.steady for f in self._fragments)
         delta.launch(work.weight, header, self.group)
-        return Launched(layout, work.weight, work.skipped, self.trainer.local_steps)
+        return Launched(layout, work.weight, work.skipped, self.trainer.local_steps, steady)
 
     def land(self, launched: Launched, skipped_since: bool, at_once: bool, at_average: Callable[[], None] | None = None) -> RoundTotals:
         """Wait for a launched round and move the state by its average (and the outer step).
@@ -189,6 +206,7 @@ class StreamExchange:
         check_diverged(totals)
         self._move(self._delta, launched, totals.samples, skipped_since, at_average if totals.layouts_agree else None)
         gather = bool(self._fragments) and (at_once or totals.epoch_done)
+        self.steady = launched.steady and not gather and totals.layouts_agree
         if gather or not totals.layouts_agree:
             for f in self._fragments:
                 self._land_fragment(f)
