@@ -1,4 +1,4 @@
-"""The autopilot (`.averaging_frequency("auto")`): k, the payload, the optimizer state's period and, as its last resort, overlap, chosen round by round.
+"""The autopilot (`.averaging_frequency("auto")`): k, the payload, the optimizer state's period and, where allowed, overlap as its last resort, chosen round by round.
 
 It chooses from what the rounds measure.
 
@@ -50,7 +50,8 @@ the rung before it, one with more bytes only if its measure still fits; else the
 back to that one and stops there: fewer bits win only where the link is slower than the codec (on
 loopback an int8 round costs about what float32's does, benchmarks/README.md).
 
-Its last resort is overlap: where no rung is left to try and even k_max leaves the link's share
+Its last resort, where the user lets it (`Autopilot.overlap`: overlapped rounds cost loss per
+step, which it does not measure), is overlap: where no rung is left to try and even k_max leaves the link's share
 above twice ρ (x/(x + k_max·c) > 2ρ; the wait w is an imbalance, which overlap does not hide), it
 lands each round after the next round's steps (overlap_averaging) from the next round on, at the
 k whose steps hide the link's part with a margin (k·c ≥ 2(x − x_c)) and keep the codec's, which is
@@ -89,14 +90,15 @@ PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local wo
 class Autopilot:
     """`.averaging_frequency("auto", ...)`: the bounds of the autopilot's choices. `payloads` and
     `updater_periods` are what it may choose among: one value when the user set that option;
-    `overlap`, whether it may turn overlap_averaging on (not when the user set it off)."""
+    `overlap`, whether it may turn overlap_averaging on, as its last resort (off unless asked:
+    overlapped rounds train worse per step, docs/guides/autopilot.md)."""
 
     k_min: int = 1
     k_max: int = 128
     exchange_share: float = 0.05  # ρ: the share of a worker's time in exchanges aimed at
     payloads: tuple[str, ...] = PAYLOADS
     updater_periods: tuple[int, ...] = UPDATER_PERIODS
-    overlap: bool = True  # it may land rounds a round late, as its last resort (False: the user set overlap_averaging(False))
+    overlap: bool = False  # it may land rounds a round late, as its last resort (averaging_frequency("auto", overlap=True))
 
     def __post_init__(self) -> None:
         fix = 'e.g. .averaging_frequency("auto", k_min=1, k_max=128, exchange_share=0.05)'
@@ -296,10 +298,11 @@ class Pilot:
         the choice it runs the round with, which every worker's must equal."""
         return [compute_s, exchange_s, codec_s, waited_s, float(sizes.parameters), float(sizes.state), float(self.choice.k), self._code(self.choice)]
 
-    def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int) -> Change | None:
+    def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int, late: bool = False) -> Change | None:
         """A round landed: `summed`, the pilot's part of its header over every worker; `batches`
-        trained in it; `rounds` landed so far. Measures, and decides what the next round runs
-        with (returned when it changes anything)."""
+        trained in it; `rounds` landed so far; `late`: after the next round's local work
+        (overlapped). Measures, and decides what the next round to start runs with (returned
+        when it changes anything)."""
         compute_s, exchange_s, codec_s, waited_s, parameters, state, k_sum, rung_sum = summed
         now = self.choice
         if (k_sum, rung_sum) != (workers * now.k, workers * self._code(now)):
@@ -316,7 +319,7 @@ class Pilot:
                 self._measure(exchange_s / workers, codec_s / workers, waited_s / workers)
         self._ran = now
         self._sizes = Sizes(parameters / workers, state / workers)
-        return self._decided(rounds)
+        return self._decided(rounds, late)
 
     def _code(self, choice: Choice) -> float:
         """The choice's rung and overlap as one number for the header: the rung's place from 1,
@@ -352,14 +355,14 @@ class Pilot:
         link.codec.add(codec_s)
         self._wait.add(waited_s)
 
-    def _decided(self, rounds: int) -> Change | None:
+    def _decided(self, rounds: int, late: bool = False) -> Change | None:
         """Decide what the next round to start after round `rounds` landed runs with: the change,
-        if any. Overlapped, the round after it has done its steps already."""
+        if any. Landed `late`, the round after it has done its steps already."""
         now = self.choice
         decided = self._decide(self._sizes)
         if decided == now:
             return None
-        change = Change(rounds + 1 + now.overlap, decided, self._why)
+        change = Change(rounds + 1 + late, decided, self._why)
         self.changes.append(change)
         self._links.pop(self.rungs.index(decided.rung), None)  # measured afresh at its k
         self._wait = _Mean()  # dealt batches: the wait for a slower worker grows with k
@@ -530,7 +533,7 @@ class Pilot:
 def levers(options: dict[str, Any]) -> dict[str, Any]:
     """The builder's options with the autopilot's levers narrowed to what the user left free: a
     payload or an optimizer-state period the user set is the only one it may choose, and overlap
-    set off is never turned on."""
+    set off is never turned on, even where averaging_frequency("auto", overlap=True) allowed it."""
     spec = options.get("autopilot")
     if spec is None:
         return options

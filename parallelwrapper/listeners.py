@@ -35,13 +35,19 @@ def exchange_share(scores: Sequence[Score]) -> float:
 
 def autopilot_changes(scores: Sequence[Score]) -> list[dict[str, int | str | bool | None]]:
     """The autopilot's changes over `scores` (`.averaging_frequency("auto")`): from which round
-    on, the k, payload, optimizer-state period and overlap it chose (as the next score ran them),
+    on, the k, payload, optimizer-state period and overlap it chose (as the first later score that
+    ran otherwise ran them: overlapped, the round after a decision has done its steps already),
     and why."""
-    return [
-        {"round": before.round + 1, "k": after.k, "payload": after.payload, "updaters_every": after.updaters_every, "overlap": after.overlap, "why": before.why}
-        for before, after in zip(scores, scores[1:])
-        if before.why
-    ]
+
+    def choice(s: Score) -> tuple[int, str, int, bool]:
+        return s.k, s.payload, s.updaters_every, s.overlap
+
+    changes: list[dict[str, int | str | bool | None]] = []
+    for i, before in enumerate(scores):
+        after = next((s for s in scores[i + 1 :] if choice(s) != choice(before)), None) if before.why else None
+        if after is not None:
+            changes.append({"round": after.round, "k": after.k, "payload": after.payload, "updaters_every": after.updaters_every, "overlap": after.overlap, "why": before.why})
+    return changes
 
 
 @dataclass

@@ -226,6 +226,8 @@ class Rounds:
             self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
         work = Work(first_step=trainer.local_steps, k=self.k)
         self._sync.prepare(self._averaging)
+        if self._averaging and self._stream is not None:
+            self._stream.prepare()
         if self._averaging and self._together is not None:
             return self._lockstep_work(work)
         most, step = (math.inf, trainer.train_step) if self._averaging else (1, trainer.accumulate)
@@ -340,7 +342,7 @@ class Rounds:
         if self.pilot is None:
             return None
         pilot, sync = self.pilot, self._sync
-        change = pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds)
+        change = pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds, late)
         if self._stream is not None:
             steady = late and self._stream.steady  # not a fit's first round, sent in full precision
             self._exchange_s, self._codec_s, self._wait_s = (exchange_s if steady else 0.0), 0.0, 0.0

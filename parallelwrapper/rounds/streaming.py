@@ -138,6 +138,15 @@ class StreamExchange:
             assert delta is not None
             delta.start_coding(self.group)
 
+    def prepare(self) -> None:
+        """Before an averaging round's local work. At a fit's first round with a coded payload of
+        the parameters alone, every replica holds the same parameters (a fit starts from one
+        state, and the last one ended on the average): the buffers are built now and code the
+        first round too. With the optimizer's state, which an optimizer makes at its first step,
+        they are built at the first step, and the first round goes in full precision."""
+        if self._delta is None and not self.config.average_updaters and self.config.payload_dtype != "float32":
+            self.start_from_average()
+
     # -- the first n − 1 fragments, through the round --------------------------------------------
 
     def stepped(self, loss: torch.Tensor, samples: int) -> None:
