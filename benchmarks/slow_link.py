@@ -296,7 +296,7 @@ def main() -> None:
         default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
         help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4]:K, "
              "wrapper-auto (the autopilot: no K; k is at most --eval-every, each score being a fit() of that many steps), "
-             "wrapper-auto-overlap (the same, allowed to overlap as its last resort), none",
+             "wrapper-auto-sync (the same, never overlapped), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
     parser.add_argument("--procs-per-node", type=int, default=1, help="ranks per namespace (2: a node's ranks share its loopback; for wrapper-node)")

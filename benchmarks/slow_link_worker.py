@@ -17,11 +17,9 @@ Contenders (every one trains the same model from the same init on the same batch
                      the nodes average every K (run with several ranks per node)
   wrapper-auto       this project with .averaging_frequency("auto") and no other lever set (no payload,
                      no average_updaters, default bounds): the autopilot picks k, the payload and the
-                     optimizer state's period; wrapper-auto:K bounds k below by K (k_min). Every
-                     Score's choice goes in the JSON ("scores")
-  wrapper-auto-overlap  wrapper-auto with .averaging_frequency("auto", overlap=True): it may overlap,
-                     as its last resort (wrapper-auto-sync in results from before overlap was off by
-                     default was wrapper-auto, and their wrapper-auto this)
+                     optimizer state's period (and, its last resort, overlap); wrapper-auto:K bounds k
+                     below by K (k_min). Every Score's choice goes in the JSON ("scores")
+  wrapper-auto-sync  wrapper-auto with .overlap_averaging(False): the autopilot never overlaps
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
   torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
@@ -93,7 +91,7 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-encoded": {"gradient_encoding": True},  # SHARED_GRADIENTS, threshold-encoded, the defaults: run as wrapper-encoded:1
     "wrapper-node": {"hierarchy": "node"},  # needs several ranks per node (slow_link.py --procs-per-node 2)
     "wrapper-auto": {"auto": True},  # .averaging_frequency("auto"), nothing else set; :K sets k_min
-    "wrapper-auto-overlap": {"auto": True, "overlap": True},  # the same, allowed to overlap
+    "wrapper-auto-sync": {"auto": True, "overlap_averaging": False},  # the same, never overlapped
 }
 AUTOS = tuple(name for name, change in WRAPPERS.items() if change.get("auto"))
 
@@ -175,7 +173,9 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         if change.get("auto"):
             # Nothing else of the autopilot's levers: its payload, optimizer-state period and
             # bounds are its own (a .payload_dtype() or .average_updaters() call would fix them).
-            b = b.averaging_frequency("auto", k_min=k, overlap=change.get("overlap", False))  # wrapper-auto:K: k no lower than K (default 1)
+            b = b.averaging_frequency("auto", k_min=k)  # wrapper-auto:K: k no lower than K (default 1)
+            if "overlap_averaging" in change:
+                b = b.overlap_averaging(change["overlap_averaging"])
         else:
             b = (
                 b.averaging_frequency(k)

@@ -1,4 +1,4 @@
-"""The autopilot (`.averaging_frequency("auto")`): k, the payload, the optimizer state's period and, where allowed, overlap as its last resort, chosen round by round.
+"""The autopilot (`.averaging_frequency("auto")`): k, the payload, the optimizer state's period and, as its last resort, overlap, chosen round by round.
 
 It chooses from what the rounds measure.
 
@@ -50,8 +50,7 @@ the rung before it, one with more bytes only if its measure still fits; else the
 back to that one and stops there: fewer bits win only where the link is slower than the codec (on
 loopback an int8 round costs about what float32's does, benchmarks/README.md).
 
-Its last resort, where the user lets it (`Autopilot.overlap`: overlapped rounds cost loss per
-step, which it does not measure), is overlap: where no rung is left to try and even k_max leaves the link's share
+Its last resort is overlap: where no rung is left to try and even k_max leaves the link's share
 above twice ρ (x/(x + k_max·c) > 2ρ; the wait w is an imbalance, which overlap does not hide), it
 lands each round after the next round's steps (overlap_averaging) from the next round on, at the
 k whose steps hide the link's part with a margin (k·c ≥ 2(x − x_c)) and keep the codec's, which is
@@ -90,15 +89,14 @@ PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local wo
 class Autopilot:
     """`.averaging_frequency("auto", ...)`: the bounds of the autopilot's choices. `payloads` and
     `updater_periods` are what it may choose among: one value when the user set that option;
-    `overlap`, whether it may turn overlap_averaging on, as its last resort (off unless asked:
-    overlapped rounds train worse per step, docs/guides/autopilot.md)."""
+    `overlap`, whether it may turn overlap_averaging on (not when the user set it off)."""
 
     k_min: int = 1
     k_max: int = 128
     exchange_share: float = 0.05  # ρ: the share of a worker's time in exchanges aimed at
     payloads: tuple[str, ...] = PAYLOADS
     updater_periods: tuple[int, ...] = UPDATER_PERIODS
-    overlap: bool = False  # it may land rounds a round late, as its last resort (averaging_frequency("auto", overlap=True))
+    overlap: bool = True  # it may land rounds a round late, as its last resort (False: the user set overlap_averaging(False))
 
     def __post_init__(self) -> None:
         fix = 'e.g. .averaging_frequency("auto", k_min=1, k_max=128, exchange_share=0.05)'
@@ -520,7 +518,12 @@ class Pilot:
         }  # fmt: skip
 
     def load_state_dict(self, state: PilotState) -> None:
+        """Take `state` (state_dict's) as this pilot's. A choice overlapped where this pilot may
+        not overlap (resumed with `.overlap_averaging(False)`) runs its k and rung with rounds
+        landed at once."""
         self.choice = Choice(**state["choice"])
+        if self.choice.overlap and not self.spec.overlap:
+            self.choice = dataclasses.replace(self.choice, overlap=False)
         self._why, self._step, self._wait = state["why"], _Mean(*state["step"]), _Mean(*state["wait"])
         self._trial, self._done = state["trial"], state["done"]
         self._exposed = _Mean(*state.get("exposed", (0.0, 0)))  # none in a checkpoint from before it was measured
@@ -533,7 +536,7 @@ class Pilot:
 def levers(options: dict[str, Any]) -> dict[str, Any]:
     """The builder's options with the autopilot's levers narrowed to what the user left free: a
     payload or an optimizer-state period the user set is the only one it may choose, and overlap
-    set off is never turned on, even where averaging_frequency("auto", overlap=True) allowed it."""
+    set off is never turned on."""
     spec = options.get("autopilot")
     if spec is None:
         return options

@@ -326,8 +326,8 @@ CONFLICTS: tuple[Conflict, ...] = (
              _AUTO + "deterministic(True): it chooses from measured times, which differ from run to run; set a fixed k",
              ".averaging_frequency('auto').deterministic(True)"),
     Conflict(("autopilot", "overlap_averaging"), lambda c, j: c.autopilot is not None and c.overlap_averaging,
-             _AUTO + "overlap_averaging(True): to let it overlap, as its last resort where k_max and the fewest bytes "
-             "leave exchanges above its share of the time, use .averaging_frequency('auto', overlap=True); to overlap "
+             _AUTO + "overlap_averaging(True): it turns overlap on itself, as its last resort where k_max and the fewest "
+             "bytes leave exchanges above its share of the time (overlap_averaging(False) keeps it off); to overlap "
              "from the first round, set a fixed k",
              ".averaging_frequency('auto').overlap_averaging(True)"),
     Conflict(("autopilot", "hierarchy"), lambda c, j: c.autopilot is not None and c.hierarchy != "none",

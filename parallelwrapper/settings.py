@@ -169,19 +169,19 @@ class Settings:
         return self._set("prefetch_buffer", n)
 
     def averaging_frequency(
-        self, k: int | str, *, k_min: int = 1, k_max: int = 128, exchange_share: float = 0.05, payloads: Sequence[str] | None = None, overlap: bool = False
+        self, k: int | str, *, k_min: int = 1, k_max: int = 128, exchange_share: float = 0.05, payloads: Sequence[str] | None = None
     ) -> Self:
         """Local iterations per worker between two averagings. Default: 1. "auto": the autopilot
         chooses k in [k_min, k_max] each round, starting in their middle (16), from the measured
         seconds of a step and of an exchange, so that exchanges take at most `exchange_share` of
         the time; where that needs k above k_max / 2 it first sends fewer bytes: one of
         `payloads` (default float32, bfloat16, int8) with the optimizer's state every round,
-        every 2 or 4 rounds, or never, tried and kept only if faster. With `overlap=True`, as its
-        last resort where k_max and the fewest bytes leave the link above that share, it overlaps
-        the rounds (overlap_averaging): faster steps, a higher loss per step (off by default). A
-        payload_dtype or average_updaters set explicitly is kept. See docs/guides/autopilot.md."""
+        every 2 or 4 rounds, or never, tried and kept only if faster; as its last resort, where
+        k_max and the fewest bytes leave the link above that share, it overlaps the rounds
+        (overlap_averaging). A payload_dtype, average_updaters or overlap_averaging(False) set
+        explicitly is kept. See docs/guides/autopilot.md."""
         if k == "auto":
-            spec = Autopilot(k_min, k_max, exchange_share, overlap=bool(overlap))
+            spec = Autopilot(k_min, k_max, exchange_share)
             return self._set("autopilot", spec if payloads is None else dataclasses.replace(spec, payloads=tuple(payloads)))
         if isinstance(k, str):
             raise ValueError(f"averaging_frequency takes an int >= 1 or 'auto', got {k!r}; e.g. .averaging_frequency(8) or .averaging_frequency('auto')")

@@ -93,7 +93,7 @@ def test_a_fast_link_keeps_float32_and_a_small_k() -> None:
 
 @pytest.mark.fast
 def test_a_slow_link_takes_bytes_off_first_straight_to_the_rung_they_need_then_overlaps() -> None:
-    pilot = Pilot(Autopilot(k_max=32, overlap=True), START)
+    pilot = Pilot(Autopilot(k_max=32), START)
     ran = fly([pilot], step_s=0.01, link_s=slow_link, rounds=80)
     # float32 with the state would need k = 950: no rung keeps k at 16 (half of k_max), so it tries
     # the one that sends least, about 1/8 of the bytes, and keeps it (measured 8x faster). That one
@@ -109,10 +109,10 @@ def test_a_slow_link_takes_bytes_off_first_straight_to_the_rung_they_need_then_o
     )
     assert ran[0] == START and ran[1] != START  # the first round's measure, summed at once, decides the second
     assert ran[1] == Choice(32, "int8", 0) and ran[2:] == [Choice(16, "int8", 0, overlap=True)] * 78  # the trial measured at once too
-    coded = Pilot(Autopilot(k_max=32, overlap=True), Choice(16, "int8", 0))  # a codec's compute is not hidden: k keeps it under ρ
+    coded = Pilot(Autopilot(k_max=32), Choice(16, "int8", 0))  # a codec's compute is not hidden: k keeps it under ρ
     fly([coded], step_s=0.01, link_s=lambda rung: 0.0625, rounds=5, codec_s=lambda rung: 0.01)
     assert coded.choice == Choice(32, "int8", 0, overlap=True)  # 0.0725 s: 0.0625 s hidden by k = 16, 0.01 s needs k = 19
-    kept = Pilot(Autopilot(k_max=32), START)  # not allowed to (the default): never overlapped
+    kept = Pilot(Autopilot(k_max=32, overlap=False), START)  # overlap_averaging(False): never overlapped
     assert fly([kept], step_s=0.01, link_s=slow_link, rounds=80)[-1] == Choice(32, "int8", 0)
     plain = Pilot(Autopilot(k_max=32, payloads=("float32",), updater_periods=(4,)), Choice(32, "float32", 4))
     assert not any(c.overlap for c in fly([plain], step_s=0.01, link_s=slow_link, rounds=20))  # DES-LOC's period does not overlap
@@ -123,7 +123,7 @@ def test_overlapped_rounds_the_steps_do_not_hide_lengthen_k_and_never_shorten_it
     # Overlapped at k = 16 (0.16 s of steps), a link of 0.5 s leaves 0.34 s a round to wait:
     # 68% of the time. After two such rounds it takes the link for 0.16 + 0.34 s, and k = 128,
     # whose 1.28 s of steps take more than twice that; there nothing waits, and it stays.
-    pilot = Pilot(Autopilot(overlap=True, k_max=128), Choice(16, "int8", 0, overlap=True))
+    pilot = Pilot(Autopilot(k_max=128), Choice(16, "int8", 0, overlap=True))
     ran = fly([pilot], step_s=0.01, link_s=lambda rung: 0.5, rounds=12)
     assert [(c.round, c.choice) for c in pilot.changes] == [(5, Choice(128, "int8", 0, overlap=True))]  # decided as round 3 lands, late: round 4 has done its steps
     assert pilot.changes[0].why == (
@@ -131,15 +131,18 @@ def test_overlapped_rounds_the_steps_do_not_hide_lengthen_k_and_never_shorten_it
         "the link takes about 0.5 s: k = 128 (k_max), whose steps hide it"
     )
     assert ran[-1] == Choice(128, "int8", 0, overlap=True)
-    bounded = Pilot(Autopilot(overlap=True, k_max=32), Choice(16, "int8", 0, overlap=True))  # at k_max it stays, whatever it waits
+    bounded = Pilot(Autopilot(k_max=32), Choice(16, "int8", 0, overlap=True))  # at k_max it stays, whatever it waits
     assert fly([bounded], step_s=0.01, link_s=lambda rung: 0.5, rounds=12)[-1] == Choice(32, "int8", 0, overlap=True)
-    hidden = Pilot(Autopilot(overlap=True, k_max=128), Choice(64, "int8", 0, overlap=True))  # a link its steps hide: no shorter k
+    hidden = Pilot(Autopilot(k_max=128), Choice(64, "int8", 0, overlap=True))  # a link its steps hide: no shorter k
     assert fly([hidden], step_s=0.01, link_s=lambda rung: 0.05, rounds=12)[-1] == Choice(64, "int8", 0, overlap=True) and not hidden.changes
-    resumed = Pilot(Autopilot(overlap=True, k_max=128), Choice(16, "int8", 0, overlap=True))  # a checkpoint between its two measures
+    resumed = Pilot(Autopilot(k_max=128), Choice(16, "int8", 0, overlap=True))  # a checkpoint between its two measures
     fly([resumed], step_s=0.01, link_s=lambda rung: 0.5, rounds=2)
-    again = Pilot(Autopilot(overlap=True, k_max=128), Choice(16, "int8", 0, overlap=True))
+    again = Pilot(Autopilot(k_max=128), Choice(16, "int8", 0, overlap=True))
     again.load_state_dict(resumed.state_dict())
     assert again.state_dict() == resumed.state_dict()
+    barred = Pilot(Autopilot(k_max=128, overlap=False), START)  # resumed with overlap_averaging(False): the same k and rung, landed at once
+    barred.load_state_dict(resumed.state_dict())
+    assert barred.choice == Choice(16, "int8", 0)
 
 
 @pytest.mark.fast
@@ -187,15 +190,8 @@ def test_the_bounds_and_the_levers_the_user_set_are_kept() -> None:
     assert levers(options)["autopilot"].rungs == (Rung("float32", 4),)
     options = ParallelWrapper.builder(model).averaging_frequency("auto").average_updaters(False)._options
     assert levers(options)["autopilot"].rungs == (Rung("float32", 0), Rung("bfloat16", 0), Rung("int8", 0))
-    assert not levers(options)["autopilot"].overlap  # overlap only where allowed, and never where set off
-    allowed = ParallelWrapper.builder(model).averaging_frequency("auto", overlap=True)._options
-    assert levers(allowed)["autopilot"].overlap and not levers({**allowed, "overlap_averaging": False})["autopilot"].overlap
+    assert levers(options)["autopilot"].overlap and not levers({**options, "overlap_averaging": False})["autopilot"].overlap
     assert "autopilot" not in ParallelWrapper.builder(model).averaging_frequency("auto").averaging_frequency(4)._options
-    from parallelwrapper.app.options import RunOptions, builder
-
-    for flag in (False, True):  # pw-fit --averaging-frequency auto [--overlap-averaging]
-        options = builder(model, RunOptions(averaging_frequency="auto", overlap_averaging=flag))._options
-        assert levers(options)["autopilot"].overlap is flag and not options.get("overlap_averaging")
 
 
 @pytest.mark.fast
@@ -266,16 +262,16 @@ def test_a_climb_the_link_does_not_bear_goes_back_and_stays() -> None:
 
 @pytest.mark.fast
 def test_a_resumed_pilot_decides_as_the_uninterrupted_one() -> None:
-    whole = Pilot(Autopilot(k_max=32, overlap=True), START)
+    whole = Pilot(Autopilot(k_max=32), START)
     fly([whole], 0.01, slow_link, 80)
-    first = Pilot(Autopilot(k_max=32, overlap=True), START)
+    first = Pilot(Autopilot(k_max=32), START)
     fly([first], 0.01, slow_link, 23)  # mid-descent
-    resumed = Pilot(Autopilot(k_max=32, overlap=True), START)
+    resumed = Pilot(Autopilot(k_max=32), START)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint keeps it
     fly([resumed], 0.01, slow_link, 57, first=24)
     assert resumed.changes == whole.changes and resumed.choice == whole.choice
     older = {k: v for k, v in first.state_dict().items() if k != "codecs"}  # a checkpoint from before codecs were measured
-    earlier = Pilot(Autopilot(k_max=32, overlap=True), START)
+    earlier = Pilot(Autopilot(k_max=32), START)
     earlier.load_state_dict(older)  # type: ignore[arg-type]
     fly([earlier], 0.01, slow_link, 57, first=24)
     assert earlier.choice == whole.choice  # its links taken as having no codec time: slow_link has none
@@ -306,7 +302,7 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
     for options, reason in (
         ({"training_mode": TrainingMode.SHARED_GRADIENTS}, "TrainingMode.SHARED_GRADIENTS, which averages every step"),
         ({"deterministic": True}, r"deterministic\(True\): it chooses from measured times"),
-        ({"overlap_averaging": True}, r"overlap_averaging\(True\): to let it overlap, as its last resort .*, use \.averaging_frequency\('auto', overlap=True\)"),
+        ({"overlap_averaging": True}, r"overlap_averaging\(True\): it turns overlap on itself, as its last resort"),
         ({"hierarchy": "node"}, r"hierarchy\('node'\)"),
         ({"pipeline": Pipeline()}, "a pipeline"),
         ({"on_worker_failure": "replace"}, r"on_worker_failure\('replace'\), whose replacement and slots it does not size"),
@@ -460,7 +456,7 @@ def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[
     dist.all_reduce = counted
     in_full: list[int] = []
     job = Job(_model(), torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, _slow_loss, None)
-    config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=8, payloads=("int8",), updater_periods=(0,), overlap=True)}))
+    config = Config(**levers({"workers": world, "autopilot": Autopilot(k_max=8, payloads=("int8",), updater_periods=(0,))}))
     fits: list[list[tuple[int, bool]]] = []
     own = None
     for _ in range(2):

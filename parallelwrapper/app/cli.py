@@ -74,7 +74,7 @@ def _run_options(f: F) -> F:
         click.option("--outer-lr", type=click.FloatRange(min=0, min_open=True), default=None, help="DiLoCo/SlowMo: after each averaging, step an outer SGD at this learning rate on the round's change (1 with no momentum: plain averaging). Default: off."),
         click.option("--outer-momentum", type=click.FloatRange(min=0, max=1, max_open=True), default=0.0, show_default=True, help="The outer SGD's Nesterov momentum (needs --outer-lr)."),
         _declared("warmup_sync_steps"),
-        _declared("overlap_averaging", "With --averaging-frequency auto: the autopilot may overlap, as its last resort. In pw-fit compare: its averaging runs."),
+        _declared("overlap_averaging", "In pw-fit compare: its averaging runs."),
         _declared("fragments", "In pw-fit compare, its averaging runs overlap with N > 1."),
         click.option("--gradient-threshold", type=click.FloatRange(min=0, min_open=True), default=None, help="Shared gradients threshold-encoded (DL4J, Strom 2015): only entries of lr x gradient past this τ are sent, τ then adapting (needs --training-mode shared-gradients; in pw-fit compare, the τ its --encoded run starts from, default 1e-3). Default: dense."),
         _declared("payload_dtype"),
@@ -126,7 +126,7 @@ _K = _KOrAuto()
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @_run_options
-@_declared("averaging_frequency", "Or auto: the autopilot chooses k (1 to 128), the payload and the optimizer state's period from the measured step and exchange times, and with --overlap-averaging it may overlap as its last resort (a --payload-dtype or --average-updaters-every other than its default is kept).", type=_K, default="3")
+@_declared("averaging_frequency", "Or auto: the autopilot chooses k (1 to 128), the payload, the optimizer state's period and, as its last resort, overlap, from the measured step and exchange times (a --payload-dtype or --average-updaters-every other than its default is kept).", type=_K, default="3")
 @_declared("training_mode")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
 @click.option("--tensorboard", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write the scores, validations, epoch figures, learning rate and replacements here as TensorBoard scalars (needs the tensorboard package: pip install tensorboard). Default: off.")

@@ -202,6 +202,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         ParallelWrapper.builder(model)
         .workers(options.workers)
         .prefetch_buffer(options.prefetch_buffer)
+        .averaging_frequency(options.averaging_frequency)
         .report_score_after_averaging(options.report_score_after_averaging)
         .training_mode(options.training_mode)
         .optimizer(choice.cls, lr=options.learning_rate, **choice.kwargs)
@@ -212,14 +213,11 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .fragments(options.fragments)
         .listeners(*listeners)
     )
-    # With "auto" the autopilot chooses the payload and the optimizer state's period, unless they
-    # are other than their defaults (a builder's option set is kept), and with --overlap-averaging
-    # it may overlap, as its last resort.
+    # With "auto" the autopilot chooses the payload, the optimizer state's period and overlap,
+    # unless they are other than their defaults (a builder's option set is kept).
     auto = options.averaging_frequency == "auto"
-    if auto:
-        b = b.averaging_frequency("auto", overlap=options.overlap_averaging)
-    else:
-        b = b.averaging_frequency(options.averaging_frequency).overlap_averaging(options.overlap_averaging)
+    if not auto or options.overlap_averaging:
+        b = b.overlap_averaging(options.overlap_averaging)
     if not auto or options.payload_dtype != "float32":
         b = b.payload_dtype(options.payload_dtype)
     if not auto or (options.average_updaters, options.average_updaters_every) != (True, 1):
