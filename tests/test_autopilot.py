@@ -465,7 +465,10 @@ def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[
             rounds.load_own_state(own)
         reports: list[object] = []
         rounds.run(1, ListSource(_tiny_data(48), rank, world), reports.append)
-        fits.append([(r.k, r.overlap) for r in reports if isinstance(r, Score)])
+        scores = [r for r in reports if isinstance(r, Score)]
+        fits.append([(r.k, r.overlap) for r in scores])
+        # Each Score's local work is its own round's, not the one done while it was in flight.
+        assert all(0.09 < s.step_s < 0.2 for s in scores), [s.step_s for s in scores]
         in_full.append(len(whole) - sum(in_full))
         own = rounds.own_state()
     assert rounds.pilot is not None

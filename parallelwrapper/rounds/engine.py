@@ -72,7 +72,7 @@ class Rounds:
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self.seq = 0  # rounds started over this worker's life, the same on every worker: the observer's tags (types.RoundObserver)
         self._cut = RoundCut(world_size * (1 if lockstep is None else lockstep.size))  # which batches each round trains, and their steps
-        self._seconds = [0.0, 0.0]  # in local work, in exchanges, since the last round settled: its Score's
+        self._unscored_s = 0.0  # seconds in exchanges since the last round settled: the next Score's (its local work's are its Work's)
         # `.averaging_frequency("auto")`: the autopilot's choice of k and rung is in force (autopilot.py).
         start = Choice(config.averaging_frequency, config.payload_dtype, config.average_updaters_every if config.average_updaters else 0)
         self.pilot = None if config.autopilot is None else Pilot(config.autopilot, start)
@@ -157,21 +157,21 @@ class Rounds:
         flying = Work()  # its local work
         while True:
             started = time.perf_counter()
-            work = self._timed(False, self._local_work, in_flight is not None)
+            work = self._local_work(in_flight is not None)
             work.seconds = time.perf_counter() - started - self._count_settled()
             land_now = not (self._stream is not None and self._averaging)
             if in_flight is not None:
-                totals = self._timed(True, self._land, in_flight, work)
-                if self._settle(totals, book, flying.k, late=True):
+                totals = self._timed(self._land, in_flight, work)
+                if self._settle(totals, book, flying, late=True):
                     self._after_landing(totals, True, book)
                     return
                 upcoming = self.counters.rounds + 1
                 land_now = totals.stop > 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
-            in_flight, flying = self._timed(True, self._launch, work), work
+            in_flight, flying = self._timed(self._launch, work), work
             if land_now:
-                totals = self._timed(True, self._land, in_flight, work, True)
+                totals = self._timed(self._land, in_flight, work, True)
                 in_flight = None
-                epoch_done = self._settle(totals, book, work.k)
+                epoch_done = self._settle(totals, book, work)
                 self._after_landing(totals, epoch_done, book)
                 if epoch_done:
                     return
@@ -181,19 +181,18 @@ class Rounds:
         are that round's exchange's, not local work: for the Score, and for the autopilot's measure
         of the exchange (when it has one), which the next header carries. Returns them."""
         moved, self._sync.settled_in_step = self._sync.settled_in_step, 0.0
-        self._seconds[0] -= moved
-        self._seconds[1] += moved
+        self._unscored_s += moved
         if self._exchange_s > 0:
             self._exchange_s += moved
         return moved
 
-    def _timed(self, exchange: bool, fn: Callable[A, R], *args: A.args, **kwargs: A.kwargs) -> R:
-        """fn(*args), its seconds counted as local work or as exchange for the next Score."""
+    def _timed(self, fn: Callable[A, R], *args: A.args, **kwargs: A.kwargs) -> R:
+        """fn(*args), its seconds counted as exchange for the next Score."""
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            self._seconds[exchange] += time.perf_counter() - start
+            self._unscored_s += time.perf_counter() - start
 
     # -- local work ------------------------------------------------------------------------------
 
@@ -310,18 +309,19 @@ class Rounds:
 
     # -- after a round ---------------------------------------------------------------------------
 
-    def _settle(self, totals: RoundTotals, book: ScoreBook, k: int, late: bool = False) -> bool:
-        """Counters and score reports for a round's totals (`k`: the k it ran with; `late`:
-        landed after the next round's local work); True when it ended the epoch."""
+    def _settle(self, totals: RoundTotals, book: ScoreBook, work: Work, late: bool = False) -> bool:
+        """Counters and score reports for a round's totals (`work`: this worker's local work in it,
+        its k and seconds; `late`: landed after the next round's local work); True when it ended
+        the epoch."""
         epoch_done = totals.epoch_done
         c, averaged = self.counters, self._averaging  # a warm-up's last gradient round counts before it
         if totals.samples > 0:
             c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
             c.position += totals.batches
-            seconds, self._seconds = (self._seconds[0], self._seconds[1]), [0.0, 0.0]
+            seconds, self._unscored_s = (work.seconds, self._unscored_s), 0.0
             config = self.config
             every = config.average_updaters_every if config.average_updaters else 0
-            ran = InForce(k if averaged else 1, config.payload_dtype, every, self._stream is not None, config.fragments)
+            ran = InForce(work.k if averaged else 1, config.payload_dtype, every, self._stream is not None, config.fragments)
             change = self._steer(totals, seconds[1], late) if averaged else None
             ran = dataclasses.replace(ran, why=None if change is None else change.why)
             book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)
