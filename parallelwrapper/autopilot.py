@@ -442,14 +442,13 @@ class Pilot:
         """Overlapped at `now`: a longer k where the rounds landed late still cost a worker more
         than ρ of its time (measured twice: a round's exposed seconds vary on a slow link). A
         round that waited to land took the link its steps' time and the wait: the new k is the
-        one whose steps take HIDE times that, as at the switch."""
+        one whose steps take HIDE times that, as at the switch (longer than now.k, whose codec's
+        part already kept under ρ)."""
         spec, step, exposed = self.spec, self._step.value, self._exposed.value
         if self._exposed.count < 2 or step <= 0 or now.k >= spec.k_max or self._need(exposed, step) <= now.k:
             return now
         link = now.k * step + exposed
-        k = now.k
-        while k * step < HIDE * link and k < spec.k_max:
-            k *= 2
+        k = self._overlapped_k(link, 0.0, step)
         self._why = (f"overlapped rounds at k = {now.k} still cost {exposed:.3g} s each to launch and land, and a step takes {step:.3g} s: "
                      f"{exposed / (exposed + now.k * step):.2g} of the time (more than {spec.exchange_share:.2g}); the link takes about "
                      f"{link:.3g} s: k = {k}{' (k_max)' if k == spec.k_max else ''}, whose steps hide it")

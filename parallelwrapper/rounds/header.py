@@ -28,7 +28,7 @@ class Work:
     skipped: bool = False  # dropped by the NaN policy
     finished: bool = False  # this worker (with a hierarchy: its node) has no batch left in the epoch
     pilot: list[float] = dataclasses.field(default_factory=list)  # with the autopilot: its part of the header
-    seconds: float = 0.0  # in its steps (not waiting for the last round's state): the autopilot's measure
+    seconds: float = 0.0  # in its steps (not waiting for the last round's state): its Score's, and the autopilot's measure
 
     @property
     def weight(self) -> float:
