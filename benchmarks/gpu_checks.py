@@ -5,12 +5,16 @@ only with a faked GPU count, each run for real on `cuda:0`, each a short fit on 
 
 Each check prints one line, PASS or FAIL and what it saw; the exit code is the number that
 failed. With one GPU, one worker has it alone (an NCCL group of one) and two workers share it
-(gloo, with the warning that says so).
+(gloo, with the warning that says so). The checks of the levers (the autopilot, coded payloads,
+overlap, DES-LOC) train on at most NEW_BATCHES batches; where two workers train, each saves the
+replica it holds at the epoch's end (from a validation step, which every worker runs on the
+landed average), and the two must be bitwise equal and the model that fit() returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 import time
@@ -20,12 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from common import LR, MOMENTUM, lenet, mnist_batches
 from parallelwrapper import InferenceMode, ParallelInference, ParallelWrapper
 
 DEVICE = "cuda:0"  # --device: "cpu" tries the script itself on a machine without a GPU
+NEW_BATCHES = 300  # at most, for each check of a lever
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD, as benchmarks/overlap_outer.py
 
 
 class FormatProbe(nn.Module):
@@ -39,6 +46,19 @@ class FormatProbe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen += torch.tensor([float(x.is_contiguous(memory_format=torch.channels_last)), 1.0], device=x.device)
         return self.net(x)  # type: ignore[no-any-return]
+
+
+class SaveReplica:
+    """A validation step that saves the model this worker holds, on the CPU (not in the main
+    process, which tries the step on a batch before training)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+        if dist.is_initialized():
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, f"{self.directory}/{dist.get_rank()}.pt")
+        return {"val_loss": float(nn.functional.cross_entropy(model(batch[0]), batch[1]))}
 
 
 def _builder(model: nn.Module, workers: int = 1) -> Any:
@@ -121,6 +141,107 @@ def inference(train: list[Any], test: list[Any]) -> str:
     return f"ParallelInference on cuda:0: accuracy {accuracy:.4f} on {len(y)} test images"
 
 
+def _two_workers(configure: Callable[[Any], Any], train: list[Any], test: list[Any]) -> tuple[float, Any, str]:
+    """Two workers sharing DEVICE fit train[:NEW_BATCHES] with `configure(builder)`: the test
+    accuracy, the history, and the replicas' bitwise agreement (asserted), in words."""
+    with tempfile.TemporaryDirectory() as directory:
+        builder = configure(_builder(lenet(), workers=2)).validation(test[:2], every=None, step=SaveReplica(directory))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*share 1 GPUs")
+            wrapper = builder.build()
+        with wrapper as w:
+            history = w.fit(train[:NEW_BATCHES])
+            final = {k: v.detach().cpu() for k, v in w.model.state_dict().items()}
+            placement, accuracy = str(w.placement), _accuracy(w, test)
+        replicas = [torch.load(f"{directory}/{rank}.pt") for rank in (0, 1)]
+    assert "gloo" in placement, placement
+    for key, value in final.items():
+        assert torch.equal(replicas[0][key], replicas[1][key]), f"{key}: the replicas differ by {float((replicas[0][key] - replicas[1][key]).abs().max()):.2e}"
+        assert torch.equal(replicas[0][key], value), f"{key}: fit() returned a model apart from the replicas"
+    return accuracy, history, "both replicas bitwise the returned model"
+
+
+def _in_force(history: Any) -> str:
+    last = history.scores[-1]
+    return f"k {last.k}, {last.payload}, state every {last.updaters_every}, overlap {last.overlap}"
+
+
+def _each(contenders: dict[str, Callable[[], str]]) -> str:
+    """Every contender's line, each run even after one failed; an AssertionError with them all if one did."""
+    lines, failed = [], False
+    for name, contender in contenders.items():
+        try:
+            lines.append(f"{name}: {contender()}")
+        except Exception as e:  # noqa: BLE001 - each contender reports, whatever failed
+            failed, said = True, " ".join(str(e).split("\n\n")[0].split())
+            lines.append(f"{name}: FAILED {type(e).__name__}: {said[:300]}")
+    if failed:
+        raise AssertionError("; ".join(lines))
+    return "; ".join(lines)
+
+
+def autopilot_one(train: list[Any], test: list[Any]) -> str:
+    """averaging_frequency("auto"), one worker alone on DEVICE (an NCCL group of one on a GPU)."""
+    with _builder(lenet()).averaging_frequency("auto").build() as w:
+        history = w.fit(train[:NEW_BATCHES])
+        placement, accuracy = str(w.placement), _accuracy(w, test)
+    last = history.scores[-1]
+    assert last.k > 0 and last.payload and accuracy > 0.9, (placement, last.k, last.payload, accuracy)
+    changes = sum(1 for s in history.scores if s.why)
+    return f"{placement.split(',')[0]}; {len(history.scores)} rounds, last {_in_force(history)}, {changes} changes; test accuracy {accuracy:.4f}"
+
+
+def autopilot_two(train: list[Any], test: list[Any]) -> str:
+    """averaging_frequency("auto"), two workers sharing DEVICE (gloo)."""
+    accuracy, history, agree = _two_workers(lambda b: b.averaging_frequency("auto"), train, test)
+    last = history.scores[-1]
+    assert last.k > 0 and last.payload and accuracy > 0.9, (last.k, last.payload, accuracy)
+    changes = sum(1 for s in history.scores if s.why)
+    return f"{len(history.scores)} rounds, last {_in_force(history)}, {changes} changes; test accuracy {accuracy:.4f}, {agree}"
+
+
+def _coded(configure: Callable[[Any], Any], payload: str, train: list[Any], test: list[Any]) -> str:
+    accuracy, history, agree = _two_workers(configure, train, test)
+    sent = history.scores[-1].payload
+    assert sent == payload and accuracy > 0.9, (sent, accuracy)
+    return f"{accuracy:.4f}, {agree}"
+
+
+def payloads(train: list[Any], test: list[Any]) -> str:
+    """payload_dtype int8 and int4 on CUDA tensors, the parameters alone and with the optimizer's state."""
+    contenders: dict[str, Callable[[], str]] = {}
+    for payload in ("int8", "int4"):
+        for state in (False, True):
+            configure = functools.partial(lambda b, p, s: b.payload_dtype(p).average_updaters(s), p=payload, s=state)
+            contenders[f"{payload} {'with state' if state else 'params only'}"] = functools.partial(_coded, configure, payload, train, test)
+    return _each(contenders)
+
+
+def _overlapped(configure: Callable[[Any], Any], train: list[Any], test: list[Any]) -> str:
+    accuracy, history, agree = _two_workers(configure, train, test)
+    overlapped = sum(1 for s in history.scores if s.overlap)
+    assert overlapped > 0 and accuracy > 0.9, (overlapped, accuracy)
+    return f"{overlapped} of {len(history.scores)} rounds overlapped, {_in_force(history)}; {accuracy:.4f}, {agree}"
+
+
+def overlap(train: list[Any], test: list[Any]) -> str:
+    """overlap_averaging(True): int8 with the parameters alone (k = 3), and float32 with DiLoCo's outer step (k = 16)."""
+    int8 = lambda b: b.overlap_averaging(True).payload_dtype("int8").average_updaters(False)  # noqa: E731
+    outer = lambda b: b.overlap_averaging(True).averaging_frequency(16).outer_optimizer(torch.optim.SGD, **OUTER)  # noqa: E731
+    return _each({
+        "int8, params only": functools.partial(_overlapped, int8, train, test),
+        "outer SGD, k 16": functools.partial(_overlapped, outer, train, test),
+    })  # fmt: skip
+
+
+def des_loc(train: list[Any], test: list[Any]) -> str:
+    """average_updaters(every=4): the momentum travels every 4th round and at the epoch's end."""
+    accuracy, history, agree = _two_workers(lambda b: b.average_updaters(every=4), train, test)
+    every = history.scores[-1].updaters_every
+    assert every == 4 and accuracy > 0.9, (every, accuracy)
+    return f"{len(history.scores)} rounds, {_in_force(history)}; {accuracy:.4f}, {agree}"
+
+
 CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
     "one worker on cuda:0 (NCCL)": one_worker,
     "two workers sharing cuda:0 (gloo)": two_share_one_gpu,
@@ -128,6 +249,11 @@ CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
     "bf16-mixed and 16-mixed": precisions,
     "checkpoint resume on cuda": resume_on_cuda,
     "ParallelInference on cuda": inference,
+    "autopilot, 1 worker": autopilot_one,
+    "autopilot, 2 workers": autopilot_two,
+    "int8 and int4 payloads": payloads,
+    "overlap: int8, outer": overlap,
+    "DES-LOC every=4": des_loc,
 }
 
 
@@ -150,12 +276,12 @@ def main() -> int:
         try:
             line, ok = check(train, test), True
         except Exception as e:  # noqa: BLE001 - every check reports, whatever failed
-            line, ok = f"{type(e).__name__}: {str(e)[:300]} | {traceback.format_exc(limit=-3)[-600:]}", False
+            line, ok = f"{type(e).__name__}: {str(e)[:1600]} | {traceback.format_exc(limit=-3)[-600:]}", False
         failed += not ok
         results[name] = {"ok": ok, "saw": line}
         print(f"{'PASS' if ok else 'FAIL'} {name}: {line}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+        with open(args.out, "w") as f:  # after each check: a run cut short keeps what it saw
+            json.dump(results, f, indent=2)
     return failed
 
 
