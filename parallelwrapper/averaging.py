@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import DeltaCoder, codec, uncoded_or
-from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, wait_trailer
+from .wire import Flight, decode_coded, drop_coded, rank_and_size, send_coded, send_trailer, wait_trailer
 
 ProcessGroup = dist.ProcessGroup | None  # None: the default group
 
@@ -325,12 +325,16 @@ class FlatAverager:
 
     def start_coding(self, group: ProcessGroup = None) -> None:
         """With a wire codec: the next deltas are taken from the tensors as they are now, which must
-        be bitwise equal on every rank of the group (an average just landed, or a fit()'s start)."""
+        be bitwise equal on every rank of the group (an average just landed, or a fit()'s start).
+        A worker alone codes nothing: its average is its own state, exactly."""
         if self._wire is None:
+            return
+        rank, size = rank_and_size(group)
+        if size == 1:
             return
         for g in self._groups:
             if g.data.is_floating_point() and g.coder is None:
-                g.coder = DeltaCoder(self._wire, g.data, dist.get_world_size(group), dist.get_rank(group))
+                g.coder = DeltaCoder(self._wire, g.data, size, rank)
 
     @torch.no_grad()
     def release(self, settle: bool = True) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .averaging import ProcessGroup, by_dtype, flat_buffer, put_trailer, views
 from .codec import DeltaCoder, uncoded_or
-from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, wait_trailer
+from .wire import Flight, decode_coded, drop_coded, rank_and_size, send_coded, send_trailer, wait_trailer
 
 
 @dataclass
@@ -62,19 +62,27 @@ class DeltaAverager:
         self._world: tuple[int, int] = (1, 0)  # the group's size and this rank, for the coders
 
     @property
+    def _codes(self) -> bool:
+        """Whether its rounds go coded: with a wire codec, and peers to send them to."""
+        return self._wire is not None and self._world[0] > 1
+
+    @property
     def steady(self) -> bool:
         """Whether the next launch goes as every later one will: coded, with a wire codec (not its
         first round in full precision)."""
-        return self._wire is None or all(s.coder is not None for s in self._groups if s.data.is_floating_point())
+        return not self._codes or all(s.coder is not None for s in self._groups if s.data.is_floating_point())
 
     @torch.no_grad()
     def start_coding(self, group: ProcessGroup = None) -> None:
         """With a wire codec: code from the first launch on, the deltas taken from the tensors as
         they are now, which must be bitwise equal on every rank of the group (an average every
-        replica holds), instead of after a first round in full precision."""
+        replica holds), instead of after a first round in full precision. A worker alone codes
+        nothing: its average is its own state, exactly."""
         if self._wire is None:
             return
-        self._world = (dist.get_world_size(group), dist.get_rank(group))
+        self._world = rank_and_size(group)[::-1]
+        if not self._codes:
+            return
         for s in self._groups:
             if s.coder is None and s.data.is_floating_point():
                 for t, _, part in s.members:
@@ -86,7 +94,7 @@ class DeltaAverager:
         """Snapshot the tensors and start summing weight · snapshot, and the trailer, over the group."""
         assert not self._in_flight, "land() the previous averaging first"
         if self._wire is not None:
-            self._world = (dist.get_world_size(group), dist.get_rank(group))
+            self._world = rank_and_size(group)[::-1]
         coded = any(s.coder is not None for s in self._groups)
         if coded:
             self._coded_trailer = send_trailer(trailer, self._trailer_len, self._groups[0].total.device, group)
@@ -142,7 +150,7 @@ class DeltaAverager:
                     decode_coded(s.coder, flight.works, 1.0 / total_weight)  # the average, and the next start
             elif total_weight != 0:
                 s.data.div_(total_weight)  # the average
-                if self._wire is not None and s.data.is_floating_point():
+                if self._wire is not None and self._codes and s.data.is_floating_point():
                     s.coder = DeltaCoder(self._wire, s.data, *self._world)  # landed in full precision: the start
         if total_weight == 0:
             return

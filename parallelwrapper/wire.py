@@ -2,7 +2,12 @@
 
 codec.py encodes and decodes. The pieces go by sends and receives (on gloo, twice as fast as an
 all_gather of the same bytes); the few numbers of a round's trailer go beside them, summed exactly
-in float64. Knows nothing of the protocol."""
+in float64. Knows nothing of the protocol.
+
+The rounds' sends and receives (coded payloads, threshold-encoded gradients) go through
+`point_to_point`: gloo's sends and receives read and write host memory only (a CUDA tensor's
+address handed to its socket fails with "writev: Bad address"), where its all-reduce takes a CUDA
+tensor. So on gloo, as when workers share a GPU, a GPU tensor goes through a copy on the host."""
 
 from __future__ import annotations
 
@@ -19,20 +24,62 @@ from .codec import DeltaCoder
 class Flight:
     """A group's collectives in flight: an all-reduce of `buffer`, or (None) a coded round's, per piece."""
 
-    works: list[list[dist.Work]]
+    works: list[list[Sending]]
     buffer: torch.Tensor | None
 
 
-def send_coded(coder: DeltaCoder, scale: float, group: dist.ProcessGroup | None) -> list[list[dist.Work]]:
+def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in `group` (None: the default group) and the group's size. A group
+    made apart from the default one (hosts/inprocess.py's group of one) answers itself:
+    dist.get_rank(group) asks the default group, which may not exist."""
+    return (dist.get_rank(), dist.get_world_size()) if group is None else (group.rank(), group.size())
+
+
+class _ViaHost:
+    """A send or receive of a device tensor through a copy on the host (`point_to_point`): its
+    wait() lands a receive's copy in the device tensor."""
+
+    def __init__(self, work: dist.Work, host: torch.Tensor, into: torch.Tensor | None) -> None:
+        self.work, self.host, self.into = work, host, into  # host: kept alive until the work is done
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.into is not None:
+            self.into.copy_(self.host)
+        return True
+
+
+Sending = dist.Work | _ViaHost  # a send or receive in flight: wait() for it
+
+
+def via_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether a send or receive of `tensor` over `group` must go through a copy on the host."""
+    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+def point_to_point(ops: Sequence[tuple[bool, torch.Tensor, int, int]], group: dist.ProcessGroup | None) -> list[Sending]:
+    """Start sends (True) and receives (False) of (tensor, global peer rank, tag) over `group`:
+    those in flight, to wait() for. On gloo a tensor off the CPU goes through a host copy."""
+    if not ops:
+        return []
+    if not via_host(ops[0][1], group):
+        return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer, group, tag) for send, t, peer, tag in ops]))
+    pinned = ops[0][1].is_cuda
+    hosts = [t.to("cpu") if send else torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for send, t, _, _ in ops]
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, h, peer, group, tag) for (send, _, peer, tag), h in zip(ops, hosts, strict=True)])
+    assert len(works) == len(ops), "gloo answers each send and receive with its own work"
+    return [_ViaHost(w, h, None if send else t) for w, h, (send, t, _, _) in zip(works, hosts, ops, strict=True)]
+
+
+def send_coded(coder: DeltaCoder, scale: float, group: dist.ProcessGroup | None) -> list[list[Sending]]:
     """Encode the coder's change times `scale` and send each piece to every other rank of the
     group, receiving theirs into its inbox: per piece, the sends and receives in flight."""
     peers = [(r, r if group is None else dist.get_global_rank(group, r)) for r in range(coder.ranks) if r != coder.rank]
     payloads = list(coder.encode(scale))  # all, then sent: sending while encoding slowed both on 2 cores
-    ops = [[dist.P2POp(op, t, peer, group, i) for r, peer in peers for op, t in ((dist.isend, p), (dist.irecv, coder.inbox[i][r]))] for i, p in enumerate(payloads)]
-    return [dist.batch_isend_irecv(o) if o else [] for o in ops]
+    return [point_to_point([op for r, peer in peers for op in ((True, p, peer, i), (False, coder.inbox[i][r], peer, i))], group) for i, p in enumerate(payloads)]
 
 
-def decode_coded(coder: DeltaCoder, works: list[list[dist.Work]], alpha: float) -> None:
+def decode_coded(coder: DeltaCoder, works: list[list[Sending]], alpha: float) -> None:
     """Each piece, once every rank's payload of it is in: start + alpha · Σ decoded."""
     for piece, piece_works in enumerate(works):
         for work in piece_works:
@@ -40,7 +87,7 @@ def decode_coded(coder: DeltaCoder, works: list[list[dist.Work]], alpha: float) 
         coder.decode(piece, alpha)
 
 
-def drop_coded(works: list[list[dist.Work]]) -> None:
+def drop_coded(works: list[list[Sending]]) -> None:
     """Wait for a coded round's sends and receives, and decode nothing (nobody trained)."""
     for piece_works in works:
         for work in piece_works:
@@ -60,4 +107,4 @@ def wait_trailer(sent: tuple[dist.Work, torch.Tensor]) -> list[float]:
     return sent[1].tolist()
 
 
-__all__ = ["Flight", "decode_coded", "drop_coded", "send_coded", "send_trailer", "wait_trailer"]
+__all__ = ["Flight", "Sending", "decode_coded", "drop_coded", "point_to_point", "rank_and_size", "send_coded", "send_trailer", "wait_trailer"]

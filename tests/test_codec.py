@@ -267,3 +267,45 @@ def test_a_fits_first_round_goes_coded_where_every_worker_starts_from_the_same_s
     for mine, exact, before in ((coded[1], full[1], full[0]), (params_coded[0], params_full[0], start)):
         gap, progress = (mine - exact).norm(), (exact - before).norm()
         assert 0 < gap < progress / 20, (gap.item(), progress.item())
+
+
+# -- through a copy on the host, as gloo's sends need for GPU tensors --------------------------------
+
+
+def _via_host_rounds(rank: int, world: int) -> dict[bool, list[torch.Tensor]]:
+    """int8 rounds of an MLP's parameters, sent directly and through host copies (wire.via_host
+    forced, as for CUDA tensors on gloo): the parameters after each round, by whether forced."""
+    from parallelwrapper import wire
+
+    batches, out = make_batches(6 * world), {}
+    for forced in (False, True):
+        wire.via_host = lambda t, g, forced=forced: forced  # type: ignore[misc]
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        averager = FlatAverager(list(model.parameters()), CPU, trailer=1, wire="int8")
+        averager.start_coding()
+        history = []
+        for r in range(6):
+            x, y = batches[r * world + rank]
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            averager.send(1.0 / world, [1.0])
+            assert averager.wait() == [float(world)]
+            averager.apply(1.0)
+            history.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+        out[forced] = history
+    return out
+
+
+def test_sends_through_host_copies_land_bitwise_as_direct_ones() -> None:
+    """Gloo's sends and receives read and write host memory only (a CUDA tensor's failed with
+    "writev: Bad address" on a GPU shared by two workers), so there they go through copies on the
+    host (wire.point_to_point). Forced on the CPU, every round lands bitwise as sent directly, the
+    same on both ranks."""
+    results = run_group(_via_host_rounds, 2, timeout=120)
+    for rank in results:
+        for direct, via in zip(rank[False], rank[True], strict=True):
+            assert torch.equal(direct, via)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][True], results[1][True], strict=True))
+    assert not torch.equal(results[0][True][0], results[0][True][-1])  # it trained

@@ -140,3 +140,30 @@ def test_a_failure_is_the_same_worker_error_as_from_spawned_workers(step: Any, f
     assert str(error).splitlines()[0].startswith(first_line)
     assert (error.rank, error.epoch, error.local_step) == (0, 0, 4) and "Traceback" in str(error)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("updaters", [True, False])
+def test_one_worker_with_a_coded_payload_or_the_autopilot_trains_as_with_float32(updaters: bool) -> None:
+    """A coded payload needs the rank of the worker's group, which the group of one answers
+    itself (it failed with 'Default process group has not been initialized'); and a worker alone
+    takes its change exactly, so int8, int4 and the autopilot (which starts in int8) train
+    bitwise as float32 does."""
+    data = make_batches(12)
+
+    def trained(**options: Any) -> list[torch.Tensor]:
+        builder = one_worker(dropout_mlp()).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9).average_updaters(updaters)
+        for name, value in options.items():
+            builder = getattr(builder, name)(value)
+        with builder.build() as w:
+            assert runs_in_process(w.config)
+            w.fit(data, epochs=2)
+            return [p.detach().clone() for p in w.model.parameters()]
+
+    full = trained(payload_dtype="float32")
+    for options in ({"payload_dtype": "int8"}, {"payload_dtype": "int4"}, {"averaging_frequency": "auto"}):
+        if "averaging_frequency" in options and not updaters:
+            options = {**options, "payload_dtype": "int8"}  # the builder keeps what is set: the autopilot's k alone
+        got = trained(**options)
+        if "averaging_frequency" in options:
+            continue  # another k: trained, not the same steps
+        assert all(torch.equal(a, b) for a, b in zip(got, full, strict=True)), options

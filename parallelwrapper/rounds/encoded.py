@@ -34,7 +34,7 @@ from ..averaging import FlatAverager
 from ..config import GradientEncoding
 from ..threshold import Residual, decode_add_, encode_, is_bitmap, scratch, sparse_entries
 from ..types import EncodingStats
-from ..wire import send_trailer, wait_trailer
+from ..wire import Sending, point_to_point, rank_and_size, send_trailer, wait_trailer
 from .state import gradient_tensors, trained_parameters
 
 _META = 2  # after the header: senders, entries sent; then one message length per rank
@@ -45,7 +45,7 @@ class _Flight:
     meta: tuple[dist.Work, torch.Tensor]
     message: torch.Tensor  # this rank's, int32
     group: dist.ProcessGroup | None
-    works: list[dist.Work] | None = None  # the messages' sends and receives, once the lengths are in
+    works: list[Sending] | None = None  # the messages' sends and receives, once the lengths are in
     received: list[torch.Tensor] | None = None  # every rank's message, in rank order
     sums: list[float] | None = None
 
@@ -87,7 +87,7 @@ class EncodedGradients:
             for grad, lr, (lo, hi) in zip(self.grads, self._lrs(), self._slices):
                 values[lo:hi].add_(grad.reshape(-1), alpha=lr)
             message, count = encode_(values, self.residual.threshold, self._scratch)
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        rank, size = rank_and_size(group)
         lengths = [0.0] * size
         lengths[rank] = float(message.numel())
         meta = [*(trailer or [0.0] * self._trailer), float(sender), float(count), *lengths]
@@ -101,17 +101,17 @@ class EncodedGradients:
         assert flight is not None
         flight.sums = wait_trailer(flight.meta)
         group = flight.group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        rank, size = rank_and_size(group)
         lengths = [round(x) for x in flight.sums[self._trailer + _META :]]
         flight.received = [flight.message if r == rank else torch.empty(lengths[r], dtype=torch.int32, device=self.device) for r in range(size)]
         ops = []
         for r in range(size):
             peer = r if group is None else dist.get_global_rank(group, r)
             if r != rank and flight.message.numel():
-                ops.append(dist.P2POp(dist.isend, flight.message, peer, group))
+                ops.append((True, flight.message, peer, 0))
             if r != rank and lengths[r]:
-                ops.append(dist.P2POp(dist.irecv, flight.received[r], peer, group))
-        flight.works = dist.batch_isend_irecv(ops) if ops else []
+                ops.append((False, flight.received[r], peer, 0))
+        flight.works = point_to_point(ops, group)
         if self._buffers is not None:
             self._buffers.wait()
         return flight.sums[: self._trailer]
