@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common import LR, MOMENTUM, lenet, mnist_batches
-from parallelwrapper import InferenceMode, ParallelInference, ParallelWrapper
+from parallelwrapper import InferenceMode, ParallelInference, ParallelWrapper, TrainingMode
 
 DEVICE = "cuda:0"  # --device: "cpu" tries the script itself on a machine without a GPU
 NEW_BATCHES = 300  # at most, for each check of a lever
@@ -242,6 +242,14 @@ def des_loc(train: list[Any], test: list[Any]) -> str:
     return f"{len(history.scores)} rounds, {_in_force(history)}; {accuracy:.4f}, {agree}"
 
 
+def threshold(train: list[Any], test: list[Any]) -> str:
+    """Threshold-encoded shared gradients (DL4J's): each worker's message goes by sends and receives."""
+    configure = lambda b: b.training_mode(TrainingMode.SHARED_GRADIENTS).gradient_encoding(threshold=1e-3)  # noqa: E731
+    accuracy, history, agree = _two_workers(configure, train, test)
+    assert accuracy > 0.9, accuracy
+    return f"{len(history.scores)} scores; {accuracy:.4f}, {agree}"
+
+
 CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
     "one worker on cuda:0 (NCCL)": one_worker,
     "two workers sharing cuda:0 (gloo)": two_share_one_gpu,
@@ -254,6 +262,7 @@ CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
     "int8 and int4 payloads": payloads,
     "overlap: int8, outer": overlap,
     "DES-LOC every=4": des_loc,
+    "threshold-encoded gradients": threshold,
 }
 
 
