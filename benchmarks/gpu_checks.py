@@ -250,6 +250,28 @@ def threshold(train: list[Any], test: list[Any]) -> str:
     return f"{len(history.scores)} scores; {accuracy:.4f}, {agree}"
 
 
+def pipeline(train: list[Any], test: list[Any]) -> str:
+    """One worker of two pipeline stages, both on DEVICE: on a GPU refused at build (they would pass
+    activations over gloo, whose sends fail on GPU tensors: 'writev: Bad address' on an H200
+    before the refusal); on the CPU it trains."""
+    builder = (
+        ParallelWrapper.builder(lenet()).optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM, nesterov=True)
+        .loss_fn(nn.functional.cross_entropy).workers(1).pipeline(stages=2).devices([DEVICE] * 2).averaging_frequency(3)
+    )  # fmt: skip
+    if DEVICE.startswith("cuda"):
+        try:
+            builder.build().close()
+        except ValueError as e:
+            assert str(e).startswith("pipeline(stages=2): stages on cuda:0, cuda:0 would pass activations over gloo"), e
+            return f"refused at build: {str(e)[:140]}..."
+        raise AssertionError("two stages sharing a GPU were not refused")
+    with builder.build() as w:
+        w.fit(train[:NEW_BATCHES])
+        placement, accuracy = str(w.placement), _accuracy(w, test)
+    assert accuracy > 0.9, (placement, accuracy)
+    return f"{placement}; test accuracy {accuracy:.4f}"
+
+
 CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
     "one worker on cuda:0 (NCCL)": one_worker,
     "two workers sharing cuda:0 (gloo)": two_share_one_gpu,
@@ -263,6 +285,7 @@ CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
     "overlap: int8, outer": overlap,
     "DES-LOC every=4": des_loc,
     "threshold-encoded gradients": threshold,
+    "pipeline, 2 stages on one device": pipeline,
 }
 
 
@@ -272,6 +295,7 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/gpu_checks.json")
     parser.add_argument("--device", default=DEVICE, help="cuda:0; cpu only to try this script where there is no GPU")
     parser.add_argument("--batches", type=int, default=469, help="training batches of 128 (469: one epoch)")
+    parser.add_argument("--only", help="run only the checks whose names contain this")
     args = parser.parse_args()
     globals()["DEVICE"] = args.device
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -282,6 +306,8 @@ def main() -> int:
     results: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "gpu": gpu, "batches": len(train)}
     failed = 0
     for name, check in CHECKS.items():
+        if args.only and args.only not in name:
+            continue
         try:
             line, ok = check(train, test), True
         except Exception as e:  # noqa: BLE001 - every check reports, whatever failed

@@ -182,8 +182,16 @@ def _backend_and_threads(
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if own_gpu else "gloo"
-        if len(set(cuda)) < len(cuda):  # gloo because workers share a GPU, not because some are on the CPU
+        if len(set(cuda)) < len(cuda) and stages == 1:  # gloo because workers share a GPU, not because some are on the CPU
             notes.append(_share_note(len(cuda), len(set(cuda)), fix))
+    if stages > 1 and backend == "gloo" and cuda:
+        # torch's pipeline schedules send activations between stages by sends and receives, which
+        # gloo makes from host memory only: a CUDA tensor's fail ("writev: Bad address", measured).
+        raise ValueError(
+            f"pipeline(stages={stages}): stages on {', '.join(devices)} would pass activations over gloo, which sends "
+            f"from host memory only (a GPU tensor's send fails); give each stage a GPU of its own ({len(devices)} GPUs, "
+            f"NCCL) or put every stage on the CPU: .devices({['cpu'] * len(devices)})"
+        )
     # Oversubscribed cores cost more than they give: each worker's threads would fight the others'.
     threads = config.threads_per_worker if config.threads_per_worker is not None else max(1, cores // len(devices))
     if len(devices) > cores:

@@ -138,6 +138,11 @@ def test_stages_are_placed_worker_by_worker() -> None:
     assert shared.notes == ("4 processes (2 workers x 2 stages) on 2 CPU cores: they take turns on the cores and every step waits for the slowest stage; use .workers(n) with n x 2 <= 2",)
     with pytest.raises(ValueError, match=r"devices names 2 devices for 4 processes \(2 workers x 2 stages\); give one device per stage"):
         resolve(Config(workers=2, pipeline=spec, devices=("cpu", "cpu")), gpus=0, cores=2)
+    # Stages that would share a GPU go over gloo, whose sends fail on GPU tensors (seen on an H200:
+    # "writev: Bad address"): refused with what to do, as is a GPU stage beside a CPU one.
+    for workers, gpus_here, devices in ((1, 1, None), (2, 2, None), (1, 2, ("cuda:0", "cpu"))):
+        with pytest.raises(ValueError, match=r"^pipeline\(stages=2\): stages on cuda:0, .* would pass activations over gloo, .*give each stage a GPU of its own .*\.devices\(\['cpu', 'cpu'"):
+            resolve(Config(workers=workers, pipeline=spec, devices=devices), gpus=gpus_here, cores=16)
 
 
 def _trained(model: nn.Module) -> TrainingState:
