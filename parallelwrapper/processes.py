@@ -90,7 +90,12 @@ def exit_message(exitcode: int, stage: str) -> str:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
-        return f"the process was killed by {name}{during} (out of memory?)"
+        why = {
+            "SIGKILL": " (out of memory? the kernel's OOM killer sends SIGKILL)",
+            "SIGABRT": " (aborted: a library's C++ error or failed assertion, said on the worker's stderr above)",
+            "SIGSEGV": " (a crash in native code: its stack, if any, is on the worker's stderr above)",
+        }.get(name, "")
+        return f"the process was killed by {name}{during}{why}"
     hint = (
         "; its own error is on stderr above. A script that trains must guard its entry point with "
         "`if __name__ == '__main__':`, because each worker imports the main module"

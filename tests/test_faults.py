@@ -173,6 +173,18 @@ def test_killed_worker_is_named_without_waiting_for_a_collective_timeout() -> No
     assert error.rank == 1 and "SIGKILL" in str(error)
 
 
+@pytest.mark.fast
+def test_a_process_killed_by_a_signal_is_said_with_what_that_signal_usually_means() -> None:
+    """SIGKILL is what the OOM killer sends; SIGABRT is a library's C++ error (gloo's, on a GPU
+    tensor it cannot send), which was reported as '(out of memory?)' too."""
+    from parallelwrapper.processes import exit_message
+
+    assert exit_message(-signal.SIGKILL, "training") == "the process was killed by SIGKILL while training (out of memory? the kernel's OOM killer sends SIGKILL)"
+    assert "out of memory" not in exit_message(-signal.SIGABRT, "") and "C++ error" in exit_message(-signal.SIGABRT, "")
+    assert exit_message(-signal.SIGTERM, "") == "the process was killed by SIGTERM"
+    assert exit_message(3, "") == "the process exited with code 3"
+
+
 def test_stalled_worker_is_named_with_where_it_is() -> None:
     w = builder().training_step(stalling_step).stall_timeout(3).build()
     error = fails_fast(w, mark(make_batches(20), 9), limit_s=25)
