@@ -421,10 +421,11 @@ def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equa
     fast_choices, slow_choices = fast[0][0], slow[0][0]
     fast_end, slow_end = fast_choices[1], slow_choices[1]
     # From int8 (the fewest bytes) the fast link climbs to more bits (float32 on a quiet machine)
-    # and never goes down (the dealt batches' wait for the slower worker grows with k: it moves k,
-    # never the payload back); the slowed one keeps int8, at k_max.
-    bits = [BITS[c.payload] for c in fast_choices[2:]]
-    assert bits == sorted(bits) and BITS[fast_end.payload] > 8, fast_choices
+    # and ends above int8. On a loaded machine a noisy measure may try fewer bits on the way, and
+    # the autopilot comes back after one round (fewer bits are kept only when 10% faster: on
+    # loopback they are not): that try once failed an assertion that bits never go down. The
+    # slowed one keeps int8, at k_max.
+    assert BITS[fast_end.payload] > 8, fast_choices
     assert slow_end.k == 32 and {c.payload for c in slow_choices} == {"int8"}, slow_choices  # no payload keeps k at 16: it stays with the fewest bytes
 
 
