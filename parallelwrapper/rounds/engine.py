@@ -325,11 +325,11 @@ class Rounds:
         if totals.samples > 0:
             c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
             c.position += totals.batches
-            seconds, self._unscored_s = (work.seconds, self._unscored_s), 0.0
             config = self.config
             every = config.average_updaters_every if config.average_updaters else 0
             ran = InForce(work.k if averaged else 1, config.payload_dtype, every, self._stream is not None, config.fragments)
-            change = self._steer(totals, seconds[1], late) if averaged else None
+            change = self._steer(totals, self._unscored_s, late) if averaged else None
+            seconds, self._unscored_s = (work.seconds, self._unscored_s), 0.0  # the pilot's own all-reduce included
             ran = dataclasses.replace(ran, why=None if change is None else change.why)
             book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)
         if epoch_done:
@@ -363,7 +363,9 @@ class Rounds:
             if change is None and pilot.unmeasured:  # the same on every worker: decided from the sums
                 # Too few measures of what is in force to decide on: this exchange's, summed now, and
                 # not again in the next header (Pilot.measured).
-                summed = all_reduce_values([self._exchange_s, self._codec_s, self._wait_s, float(fair)], self._device, self.group)
+                # Its seconds are the exchange's, for the Score: a worker whose exchange ended first
+                # waits here for the others' (1-2 s a fit at 10 Mbit/s, counted nowhere before).
+                summed = self._timed(all_reduce_values, [self._exchange_s, self._codec_s, self._wait_s, float(fair)], self._device, self.group)
                 self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
                 change = pilot.measured(summed, totals.workers, self.counters.rounds)
         if change is not None:
