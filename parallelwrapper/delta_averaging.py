@@ -17,6 +17,11 @@ from .codec import DeltaCoder, uncoded_or
 from .wire import Flight, decode_coded, drop_coded, rank_and_size, send_coded, send_trailer, wait_trailer
 
 
+def _size_and_rank(group: ProcessGroup) -> tuple[int, int]:
+    rank, size = rank_and_size(group)
+    return size, rank
+
+
 @dataclass
 class _Snapshots:
     """The tensors of one dtype in a DeltaAverager."""
@@ -80,7 +85,7 @@ class DeltaAverager:
         nothing: its average is its own state, exactly."""
         if self._wire is None:
             return
-        self._world = rank_and_size(group)[::-1]
+        self._world = _size_and_rank(group)
         if not self._codes:
             return
         for s in self._groups:
@@ -94,7 +99,7 @@ class DeltaAverager:
         """Snapshot the tensors and start summing weight · snapshot, and the trailer, over the group."""
         assert not self._in_flight, "land() the previous averaging first"
         if self._wire is not None:
-            self._world = rank_and_size(group)[::-1]
+            self._world = _size_and_rank(group)
         coded = any(s.coder is not None for s in self._groups)
         if coded:
             self._coded_trailer = send_trailer(trailer, self._trailer_len, self._groups[0].total.device, group)
