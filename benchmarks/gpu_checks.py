@@ -16,6 +16,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +35,8 @@ from parallelwrapper import InferenceMode, ParallelInference, ParallelWrapper, T
 
 DEVICE = "cuda:0"  # --device: "cpu" tries the script itself on a machine without a GPU
 NEW_BATCHES = 300  # at most, for each check of a lever
+DATA_DIR = ""  # --data-dir, for the checks that run pw-fit
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: torchrun's script
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD, as benchmarks/overlap_outer.py
 
 
@@ -272,6 +277,41 @@ def pipeline(train: list[Any], test: list[Any]) -> str:
     return f"{placement}; test accuracy {accuracy:.4f}"
 
 
+def _run(args: list[str], timeout: float = 240) -> str:
+    """Run a command with this Python and the repository on its path; its output, asserting rc 0."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert done.returncode == 0, f"rc {done.returncode}: {(done.stdout + done.stderr)[-800:]}"
+    return done.stdout
+
+
+def cli(train: list[Any], test: list[Any]) -> str:
+    """pw-fit, the main job: 2 workers sharing DEVICE with the autopilot, one epoch."""
+    device = "cuda" if DEVICE.startswith("cuda") else "cpu"
+    with tempfile.TemporaryDirectory() as out:
+        shown = _run(["-c", "from parallelwrapper.app.cli import main; main()", "--device", device, "--workers", "2", "--epochs", "1",
+                      "--averaging-frequency", "auto", "--data-dir", DATA_DIR, "--out", out])  # fmt: skip
+        with open(f"{out}/summary.json") as f:
+            summary = json.load(f)
+    accuracy = summary["test_accuracy"]
+    assert accuracy > 0.97, summary
+    return f"{shown.splitlines()[0][:90]}; test accuracy {accuracy:.4f}, {summary['train_samples_per_second']:,.0f} samples/s, {len(summary['autopilot_changes'])} autopilot changes"
+
+
+def torchrun(train: list[Any], test: list[Any]) -> str:
+    """tests/scripts/torchrun_train.py under torchrun, 1 process (NCCL on a GPU) and 2 sharing DEVICE."""
+    lines = []
+    for n in (1, 2):
+        with tempfile.TemporaryDirectory() as out:
+            _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "tests/scripts/torchrun_train.py", out])
+            with open(f"{out}/history.json") as f:
+                history = json.load(f)
+            states = [torch.load(f"{out}/rank{r}.pt") for r in range(n)]
+        assert all(torch.equal(v, states[0]["model"][k]) for st in states for k, v in st["model"].items()), "ranks ended apart"
+        lines.append(f"{n} process{'es' if n > 1 else ''}: {history['scores']} scores, samples {history['samples']}")
+    return "; ".join(lines) + ", ranks equal"
+
+
 CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
     "one worker on cuda:0 (NCCL)": one_worker,
     "two workers sharing cuda:0 (gloo)": two_share_one_gpu,
@@ -286,6 +326,8 @@ CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
     "DES-LOC every=4": des_loc,
     "threshold-encoded gradients": threshold,
     "pipeline, 2 stages on one device": pipeline,
+    "pw-fit, 2 workers, auto": cli,
+    "torchrun, 1 and 2 processes": torchrun,
 }
 
 
@@ -297,7 +339,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=469, help="training batches of 128 (469: one epoch)")
     parser.add_argument("--only", help="run only the checks whose names contain this")
     args = parser.parse_args()
-    globals()["DEVICE"] = args.device
+    globals()["DEVICE"], globals()["DATA_DIR"] = args.device, args.data_dir
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("torch sees no CUDA device on this machine")
     train = mnist_batches(args.data_dir)[: args.batches]
