@@ -167,3 +167,24 @@ def test_one_worker_with_a_coded_payload_or_the_autopilot_trains_as_with_float32
         if "averaging_frequency" in options:
             continue  # another k: trained, not the same steps
         assert all(torch.equal(a, b) for a, b in zip(got, full, strict=True)), options
+
+
+@pytest.mark.parametrize(
+    "configure",
+    [
+        lambda b: b.training_mode("shared-gradients").gradient_encoding(threshold=1e-3),
+        lambda b: b.overlap_averaging(True).payload_dtype("int8").average_updaters(False).fragments(2),
+        lambda b: b.outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).overlap_averaging(True).payload_dtype("int8"),
+        lambda b: b.average_updaters(every=4).warmup_sync_steps(2),
+    ],
+    ids=["threshold-encoded", "overlap-int8-fragments", "outer-overlap-int8", "des-loc-warmup"],
+)
+def test_one_worker_in_process_trains_with_each_lever(configure: Any) -> None:
+    """Each lever on a worker alone, in the caller's process, whose group of one knows no global
+    ranks: threshold-encoded gradients asked for one ('... is not registered') and failed."""
+    model = dropout_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with configure(one_worker(model).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)).build() as w:
+        assert runs_in_process(w.config)
+        history = w.fit(make_batches(12), epochs=2)
+    assert history.scores and not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

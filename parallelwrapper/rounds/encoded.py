@@ -106,10 +106,12 @@ class EncodedGradients:
         flight.received = [flight.message if r == rank else torch.empty(lengths[r], dtype=torch.int32, device=self.device) for r in range(size)]
         ops = []
         for r in range(size):
+            if r == rank:
+                continue  # (a group made apart from the default one knows no global rank: a worker alone's)
             peer = r if group is None else dist.get_global_rank(group, r)
-            if r != rank and flight.message.numel():
+            if flight.message.numel():
                 ops.append((True, flight.message, peer, 0))
-            if r != rank and lengths[r]:
+            if lengths[r]:
                 ops.append((False, flight.received[r], peer, 0))
         flight.works = point_to_point(ops, group)
         if self._buffers is not None:
