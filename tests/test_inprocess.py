@@ -119,6 +119,16 @@ def nan_on_batch_4(model: nn.Module, batch: Any) -> torch.Tensor:
     return loss * float("nan") if int(y[0]) == 7 else loss
 
 
+def test_a_nan_with_an_outer_optimizer_names_the_outer_settings_too() -> None:
+    """DiLoCo's outer lr 0.7 and momentum 0.9 at pw-fit's k = 3 drove LeNet's loss to NaN in 17
+    steps; the message named only the learning rate."""
+    data = make_batches(8)
+    data[4] = (data[4][0], torch.full_like(data[4][1], 7))
+    builder = one_worker(dropout_mlp()).training_step(nan_on_batch_4).outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    with builder.build() as w, pytest.raises(WorkerError, match=r"^worker 0 failed in epoch 0 \(local step 4\): loss is nan .*; lower the learning rate or the outer optimizer's \(DiLoCo's"):
+        w.fit(data)
+
+
 @pytest.mark.parametrize(
     ("step", "first_line"),
     [
