@@ -202,22 +202,28 @@ def _train(rank: int, world: int) -> dict[str, Any]:
         optimizer.step()
         tensors = list(model.parameters()) + [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
         averager = FlatAverager(tensors, CPU, trailer=1, wire=None if name == "float32" else name)
-        history = []
-        for r in range(ROUNDS):
-            for j in range(K):
-                x, y = batches[(r * K + j) * world + rank]
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-            if r == 0:
-                averager.average(1.0 / world)
-            else:
-                averager.send(1.0 / world, [1.0])
-                assert averager.wait() == [float(world)]
-                averager.apply(1.0)
-            history.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
-        out[name] = history
+        out[name] = _rounds(model, optimizer, averager, batches, rank, world, K, anew_first=True)
     return out
+
+
+def _rounds(model: nn.Module, optimizer: torch.optim.Optimizer, averager: FlatAverager, batches: list[Any], rank: int, world: int, k: int, anew_first: bool) -> list[torch.Tensor]:
+    """k local steps on this rank's share of `batches`, then an averaging (with `anew_first` the
+    first in full precision), until the batches run out: the parameters after each round."""
+    history = []
+    for r in range(len(batches) // (k * world)):
+        for j in range(k):
+            x, y = batches[(r * k + j) * world + rank]
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        if r == 0 and anew_first:
+            averager.average(1.0 / world)
+        else:
+            averager.send(1.0 / world, [1.0])
+            assert averager.wait() == [float(world)]
+            averager.apply(1.0)
+        history.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+    return history
 
 
 def test_an_mlp_trained_with_each_payload_ends_close_to_float32() -> None:
@@ -284,17 +290,7 @@ def _via_host_rounds(rank: int, world: int) -> dict[bool, list[torch.Tensor]]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         averager = FlatAverager(list(model.parameters()), CPU, trailer=1, wire="int8")
         averager.start_coding()
-        history = []
-        for r in range(6):
-            x, y = batches[r * world + rank]
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            averager.send(1.0 / world, [1.0])
-            assert averager.wait() == [float(world)]
-            averager.apply(1.0)
-            history.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
-        out[forced] = history
+        out[forced] = _rounds(model, optimizer, averager, batches, rank, world, 1, anew_first=False)
     return out
 
 
