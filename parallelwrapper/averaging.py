@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import DeltaCoder, codec, uncoded_or
-from .wire import Flight, decode_coded, drop_coded, rank_and_size, send_coded, send_trailer, wait_trailer
+from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, size_and_rank, wait_trailer
 
 ProcessGroup = dist.ProcessGroup | None  # None: the default group
 
@@ -329,7 +329,7 @@ class FlatAverager:
         A worker alone codes nothing: its average is its own state, exactly."""
         if self._wire is None:
             return
-        rank, size = rank_and_size(group)
+        size, rank = size_and_rank(group)
         if size == 1:
             return
         for g in self._groups:

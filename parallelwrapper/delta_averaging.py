@@ -14,12 +14,7 @@ import torch.distributed as dist
 
 from .averaging import ProcessGroup, by_dtype, flat_buffer, put_trailer, views
 from .codec import DeltaCoder, uncoded_or
-from .wire import Flight, decode_coded, drop_coded, rank_and_size, send_coded, send_trailer, wait_trailer
-
-
-def _size_and_rank(group: ProcessGroup) -> tuple[int, int]:
-    rank, size = rank_and_size(group)
-    return size, rank
+from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, size_and_rank, wait_trailer
 
 
 @dataclass
@@ -85,7 +80,7 @@ class DeltaAverager:
         nothing: its average is its own state, exactly."""
         if self._wire is None:
             return
-        self._world = _size_and_rank(group)
+        self._world = size_and_rank(group)
         if not self._codes:
             return
         for s in self._groups:
@@ -99,7 +94,7 @@ class DeltaAverager:
         """Snapshot the tensors and start summing weight · snapshot, and the trailer, over the group."""
         assert not self._in_flight, "land() the previous averaging first"
         if self._wire is not None:
-            self._world = _size_and_rank(group)
+            self._world = size_and_rank(group)
         coded = any(s.coder is not None for s in self._groups)
         if coded:
             self._coded_trailer = send_trailer(trailer, self._trailer_len, self._groups[0].total.device, group)

@@ -28,11 +28,11 @@ class Flight:
     buffer: torch.Tensor | None
 
 
-def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This process's rank in `group` (None: the default group) and the group's size. A group
-    made apart from the default one (hosts/inprocess.py's group of one) answers itself:
-    dist.get_rank(group) asks the default group, which may not exist."""
-    return (dist.get_rank(), dist.get_world_size()) if group is None else (group.rank(), group.size())
+def size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """The size of `group` (None: the default group) and this process's rank in it, as a
+    DeltaCoder takes them. A group made apart from the default one (hosts/inprocess.py's group
+    of one) answers itself: dist.get_rank(group) asks the default group, which may not exist."""
+    return (dist.get_world_size(), dist.get_rank()) if group is None else (group.size(), group.rank())
 
 
 class _ViaHost:
@@ -62,13 +62,14 @@ def point_to_point(ops: Sequence[tuple[bool, torch.Tensor, int, int]], group: di
     those in flight, to wait() for. On gloo a tensor off the CPU goes through a host copy."""
     if not ops:
         return []
-    if not via_host(ops[0][1], group):
-        return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer, group, tag) for send, t, peer, tag in ops]))
-    pinned = ops[0][1].is_cuda
-    hosts = [t.to("cpu") if send else torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for send, t, _, _ in ops]
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, h, peer, group, tag) for (send, _, peer, tag), h in zip(ops, hosts, strict=True)])
+    hosted = via_host(ops[0][1], group)
+    pinned = hosted and ops[0][1].is_cuda
+    wired = [(t.to("cpu") if send else torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)) if hosted else t for send, t, _, _ in ops]
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, w, peer, group, tag) for (send, _, peer, tag), w in zip(ops, wired, strict=True)])
+    if not hosted:
+        return list(works)
     assert len(works) == len(ops), "gloo answers each send and receive with its own work"
-    return [_ViaHost(w, h, None if send else t) for w, h, (send, t, _, _) in zip(works, hosts, ops, strict=True)]
+    return [_ViaHost(work, h, None if send else t) for work, h, (send, t, _, _) in zip(works, wired, ops, strict=True)]
 
 
 def send_coded(coder: DeltaCoder, scale: float, group: dist.ProcessGroup | None) -> list[list[Sending]]:
@@ -107,4 +108,4 @@ def wait_trailer(sent: tuple[dist.Work, torch.Tensor]) -> list[float]:
     return sent[1].tolist()
 
 
-__all__ = ["Flight", "Sending", "decode_coded", "drop_coded", "point_to_point", "rank_and_size", "send_coded", "send_trailer", "wait_trailer"]
+__all__ = ["Flight", "Sending", "decode_coded", "drop_coded", "point_to_point", "send_coded", "send_trailer", "size_and_rank", "wait_trailer"]

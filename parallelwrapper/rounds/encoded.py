@@ -34,7 +34,7 @@ from ..averaging import FlatAverager
 from ..config import GradientEncoding
 from ..threshold import Residual, decode_add_, encode_, is_bitmap, scratch, sparse_entries
 from ..types import EncodingStats
-from ..wire import Sending, point_to_point, rank_and_size, send_trailer, wait_trailer
+from ..wire import Sending, point_to_point, send_trailer, size_and_rank, wait_trailer
 from .state import gradient_tensors, trained_parameters
 
 _META = 2  # after the header: senders, entries sent; then one message length per rank
@@ -87,7 +87,7 @@ class EncodedGradients:
             for grad, lr, (lo, hi) in zip(self.grads, self._lrs(), self._slices):
                 values[lo:hi].add_(grad.reshape(-1), alpha=lr)
             message, count = encode_(values, self.residual.threshold, self._scratch)
-        rank, size = rank_and_size(group)
+        size, rank = size_and_rank(group)
         lengths = [0.0] * size
         lengths[rank] = float(message.numel())
         meta = [*(trailer or [0.0] * self._trailer), float(sender), float(count), *lengths]
@@ -101,7 +101,7 @@ class EncodedGradients:
         assert flight is not None
         flight.sums = wait_trailer(flight.meta)
         group = flight.group
-        rank, size = rank_and_size(group)
+        size, rank = size_and_rank(group)
         lengths = [round(x) for x in flight.sums[self._trailer + _META :]]
         flight.received = [flight.message if r == rank else torch.empty(lengths[r], dtype=torch.int32, device=self.device) for r in range(size)]
         ops = []
