@@ -45,6 +45,9 @@ class _Received:
             self._items.append(item)
         self._items.append(item)  # END
 
+    def epoch_length(self, epoch: int) -> int | None:
+        return None
+
     def next_batch(self) -> Any:
         return self._items.pop(0)
 

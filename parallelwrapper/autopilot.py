@@ -59,6 +59,12 @@ launch, and its wait to land: e) and only lengthens k: where e/(e + k·c) > ρ, 
 k·c + e, and k becomes the one whose steps take twice that (at most k_max). It never shortens k or
 leaves overlap.
 
+An epoch's last rounds: where every worker's source knows the epoch's length (a list, a map-style
+DataLoader; not the queue feed or an iterable), a round after which the epoch's rest would be one
+round shorter than its exchange needs (fewer than (x + w)(1 − ρ)/(ρ·c) steps) runs to the epoch's
+end instead, if that is at most k_max steps (Pilot.steps): the tail would spend a whole exchange
+on a few steps, and the epoch's end lands one anyway.
+
 Every rank makes the same choice: it decides from the header's sums alone (each worker's measures
 and its model's sizes, summed by the round's all-reduce, are the same numbers on every rank),
 whatever its own measures said, and applies the decision from the next round on. Each worker also
@@ -237,6 +243,7 @@ class PilotState(TypedDict):
     trial: int | None
     done: bool
     exposed: NotRequired[tuple[float, int]]  # overlapped rounds' cost, a _Mean's (value, count)
+    expected: NotRequired[float]  # the seconds an exchange of the choice in force was expected to take when chosen
     changes: list[tuple[int, ChoiceFields, str]]  # (round, choice, why)
 
 
@@ -288,6 +295,7 @@ class Pilot:
         self._done = False  # a rung tried did not pay: the search for a rung is over
         self._sizes = Sizes(0, 0)  # the model's, from the last header (a worker's mean)
         self._exposed = _Mean()  # overlapped: seconds a round landed late still cost a worker, at the k in force
+        self._expected = 0.0  # the seconds (with the wait) an exchange of the choice in force was expected to take when chosen
 
     def header(self, compute_s: float, exchange_s: float, codec_s: float, waited_s: float, sizes: Sizes) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's,
@@ -318,6 +326,22 @@ class Pilot:
         self._ran = now
         self._sizes = Sizes(parameters / workers, state / workers)
         return self._decided(rounds, late)
+
+    def steps(self, left: int | None) -> int:
+        """The local steps of the round about to start, with `left` steps of the epoch still to
+        take on each worker (None: not known): the choice's k; or all `left`, at most k_max,
+        where the round after it would be the epoch's last and too short for ρ (fewer steps than
+        its exchange needs). That round would cost a whole exchange for a few steps, and the
+        epoch's end lands one anyway. Overlapped, k. The exchange is the choice's measure, else
+        what it was expected to take when chosen (every worker's pilot holds the same)."""
+        now = self.choice
+        if left is None or now.overlap or not now.k < left <= self.spec.k_max:
+            return now.k
+        link = self._links.get(self.rungs.index(now.rung))
+        exchange = link.seconds.value + self._wait.value if link is not None and link.seconds.count else self._expected
+        if exchange <= 0 or self._step.value <= 0:
+            return now.k
+        return left if left - now.k < self._need(exchange, self._step.value) else now.k
 
     def _code(self, choice: Choice) -> float:
         """The choice's rung and overlap as one number for the header: the rung's place from 1,
@@ -490,6 +514,7 @@ class Pilot:
         """`rung` at the k that keeps its exchanges (with the wait before them) under ρ of the
         time; the reason says so."""
         k, rho = self._k_for(exchange_s, step_s), self.spec.exchange_share
+        self._expected = exchange_s
         bound = " (k_max)" if k == self.spec.k_max and exchange_s * (1 - rho) > rho * step_s * k else ""
         self._why += f": k = {k}{bound} keeps exchanges under {rho:.2g} of the time"
         return rung.at(k)
@@ -512,7 +537,7 @@ class Pilot:
             "choice": _fields(self.choice), "why": self._why,
             "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "wait": _pair(self._wait),
             "links": {i: _pair(e.seconds) for i, e in self._links.items()}, "codecs": {i: _pair(e.codec) for i, e in self._links.items()},
-            "trial": self._trial, "done": self._done, "exposed": _pair(self._exposed),
+            "trial": self._trial, "done": self._done, "exposed": _pair(self._exposed), "expected": self._expected,
             "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
         }  # fmt: skip
 
@@ -526,6 +551,7 @@ class Pilot:
         self._why, self._step, self._wait = state["why"], _Mean(*state["step"]), _Mean(*state["wait"])
         self._trial, self._done = state["trial"], state["done"]
         self._exposed = _Mean(*state.get("exposed", (0.0, 0)))  # none in a checkpoint from before it was measured
+        self._expected = state.get("expected", 0.0)  # none in a checkpoint from before: the epoch's last rounds run at k until measured
         self._ran = None if state["ran"] is None else Choice(**state["ran"])
         codecs = state.get("codecs", {})  # none in a checkpoint from before codecs were measured: no codec time
         self._links = {int(i): _Exchange(_Mean(*m), _Mean(*codecs.get(i, (0.0, 0)))) for i, m in state["links"].items()}

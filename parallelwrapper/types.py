@@ -35,6 +35,12 @@ class BatchSource(Protocol):
         """(batch index in the epoch, batch) or END."""
         ...
 
+    def epoch_length(self, epoch: int) -> int | None:
+        """How many batches epoch `epoch` has over every rank, where every rank's source knows it
+        before the epoch ends (a list, Epochs); else None. Every rank must answer the same: the
+        autopilot cuts the epoch's last rounds by it (Pilot.steps)."""
+        ...
+
 
 @runtime_checkable
 class Epochs(Protocol):

@@ -12,6 +12,7 @@ a checkpoint resumes the pilot where it was."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -278,6 +279,29 @@ def test_a_resumed_pilot_decides_as_the_uninterrupted_one() -> None:
 
 
 @pytest.mark.fast
+def test_an_epochs_tail_too_short_for_its_exchange_runs_in_the_round_before() -> None:
+    pilot = Pilot(Autopilot(k_max=128, payloads=("float32",), updater_periods=(0,)), Choice(64, "float32", 0))
+    assert pilot.steps(112) == 64  # nothing measured: no exchange to weigh a tail against
+    fly([pilot], step_s=1.0, link_s=lambda rung: 2.85, rounds=3)  # an exchange needs 2.85 · 0.95 / (0.05 · 1 s) = 54.15 steps
+    assert pilot.choice == Choice(64, "float32", 0) and not pilot.changes
+    # A tail of 48 steps would cost its exchange more than ρ of its time: the round runs to the epoch's end.
+    assert pilot.steps(112) == 112
+    assert pilot.steps(119) == 64  # a tail of 55 steps pays for its exchange
+    assert [pilot.steps(left) for left in (None, 64, 30, 129)] == [64] * 4  # not known, no tail, the last round, past k_max
+    resumed = Pilot(Autopilot(k_max=128, payloads=("float32",), updater_periods=(0,)), START)
+    resumed.load_state_dict(json.loads(json.dumps(pilot.state_dict())))
+    assert resumed.steps(112) == 112
+    # Just after a change, the new choice's exchange is what it was expected to take.
+    climbed = Pilot(Autopilot(k_max=256), START)
+    fly([climbed], step_s=0.01, link_s=slow_link, rounds=1)
+    assert climbed.choice == Choice(128, "int8", 0) and climbed.unmeasured  # about 0.0625 s: 0.0625 · 0.95 / (0.05 · 0.01 s) = 119 steps
+    assert (climbed.steps(200), climbed.steps(250)) == (200, 128)
+    overlapped = Pilot(Autopilot(k_max=128), Choice(16, "int8", 0, overlap=True))
+    fly([overlapped], step_s=0.01, link_s=lambda rung: 0.5, rounds=1)
+    assert overlapped.steps(20) == 16  # a round landed late: its steps hide the link, whatever their number
+
+
+@pytest.mark.fast
 def test_every_rank_decides_the_same_from_the_sums_whatever_it_measured() -> None:
     pilots = [Pilot(Autopilot(k_max=32), START) for _ in range(3)]
     exchange = 0.0
@@ -429,10 +453,37 @@ def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equa
     assert slow_end.k == 32 and {c.payload for c in slow_choices} == {"int8"}, slow_choices  # no payload keeps k at 16: it stays with the fewest bytes
 
 
-def _slow_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy, 0.15 s late: a step as long as a large model's."""
-    time.sleep(0.15)
+def _slow_loss(output: torch.Tensor, target: torch.Tensor, seconds: float = 0.15) -> torch.Tensor:
+    """Cross-entropy, `seconds` late: a step as long as a large model's."""
+    time.sleep(seconds)
     return nn.functional.cross_entropy(output, target)
+
+
+def _folding_worker(rank: int, world: int, known: bool) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """float32 of the parameters alone at k of at most 16 (from 4), steps of 0.05 s, exchanges of
+    about 0.13 s (0.4 s a MB), ρ = 0.3, over an epoch of 22 steps a worker whose length the
+    source tells (`known`) or not: each Score's k and iteration, and the parameters at the end."""
+    from parallelwrapper.types import Score
+
+    _slowed(0.4)
+    job = Job(_model(), torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, functools.partial(_slow_loss, seconds=0.05), None)
+    auto = Autopilot(k_max=16, exchange_share=0.3, payloads=("float32",), updater_periods=(0,))
+    config = Config(**levers({"workers": world, "autopilot": auto}))
+    rounds = Rounds(Replica(job.model, job, config, CPU, rank, world), config, CPU, rank, world)
+    reports: list[object] = []
+    rounds.run(1, ListSource(_tiny_data(22), rank, world, known=known), reports.append)
+    return [(r.k, r.iteration) for r in reports if isinstance(r, Score)], [p.detach().clone() for p in job.model.parameters()]
+
+
+def test_the_autopilot_runs_an_epochs_short_tail_in_the_round_before_where_it_knows_the_length() -> None:
+    # The start round (k = 4) measures about 0.13 s against steps of 0.05 s: k = 8 (it needs
+    # 0.13 · 0.7 / (0.3 · 0.05 s) = 6 steps). After 12 steps, 10 are left: a tail of 2 steps
+    # would spend 0.13 s on 0.1 s of work, so the round takes all 10 and the epoch ends with it
+    # (iterations: the batches of both workers). Where it cannot know, the tail is a round of its own.
+    for known, rounds in ((True, [(4, 8), (8, 24), (10, 44)]), (False, [(4, 8), (8, 24), (8, 40), (8, 44)])):
+        (seen, params), (other, others) = run_group(_folding_worker, 2, known, timeout=120)
+        assert seen == other == rounds, (known, seen)
+        assert all(torch.equal(a, b) for a, b in zip(params, others))
 
 
 def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[tuple[int, bool]]], list[int], list[torch.Tensor]]:

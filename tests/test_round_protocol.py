@@ -32,10 +32,15 @@ CPU = torch.device("cpu")
 
 class ListSource:
     """Rank `rank`'s shard of an epoch, as the deterministic feed deals it: its i-th batch is the
-    epoch's batch i·world + rank (rounds are cut by those indices)."""
+    epoch's batch i·world + rank (rounds are cut by those indices). `known`: it tells the epoch's
+    length (world shards as long as this one), as a list's feed does."""
 
-    def __init__(self, batches: list[Any], rank: int = 0, world: int = 1) -> None:
+    def __init__(self, batches: list[Any], rank: int = 0, world: int = 1, known: bool = False) -> None:
         self._items = [(i * world + rank, batch) for i, batch in enumerate(batches)]
+        self._length = len(batches) * world if known else None
+
+    def epoch_length(self, epoch: int) -> int | None:
+        return self._length
 
     def next_batch(self) -> Any:
         return self._items.pop(0) if self._items else END

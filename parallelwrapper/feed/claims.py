@@ -78,6 +78,9 @@ class ClaimSource:
             self._lengths[epoch] = self._epochs.length(epoch)
         return self._lengths[epoch]
 
+    def epoch_length(self, epoch: int) -> int | None:
+        return self._length(epoch) if epoch < self._until else None
+
     def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         if self._held is None:
             self._held = self._locate(self._counter.claim())

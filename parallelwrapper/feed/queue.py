@@ -232,6 +232,9 @@ class QueueSource:
     def __init__(self, q: Queue[Item], slots: SlotReader, abort: Event | None = None, ledger: Taking | None = None) -> None:
         self._queue, self._slots, self._abort, self.ledger = q, slots, abort, ledger
 
+    def epoch_length(self, epoch: int) -> int | None:
+        return None  # the feeder's batches come as they come
+
     def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         while True:
             try:

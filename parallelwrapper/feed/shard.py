@@ -9,7 +9,7 @@ indices itself and loads only its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from torch.utils.data.distributed import DistributedSampler
 
@@ -44,6 +44,7 @@ class ShardSource:
 
     def __init__(self, data: Batches | Epochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
         self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
+        self._data = data
         self._epochs: Epochs | None = None
         self._make_epoch: Callable[[], Iterable[Batch]]
         self._sampler: DistributedSampler[object] | None = None
@@ -75,6 +76,12 @@ class ShardSource:
             raise data_raised(e, self._epoch, count) from e
         if self._sampler is None:  # else `count` is this rank's share, which may be empty
             check_epoch_length(count, skip, self._epoch)
+
+    def epoch_length(self, epoch: int) -> int | None:
+        """Of Epochs, or a list every rank holds whole; not of a presharded loader or an iterable."""
+        if self._epochs is not None:
+            return self._epochs.length(epoch)
+        return len(self._data) if isinstance(self._data, Sequence) else None
 
     def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         if self._it is None:

@@ -75,6 +75,9 @@ class RelaySource:
     def __init__(self, source: BatchSource | None, position: Position, group: dist.ProcessGroup) -> None:
         self._source, self._position, self._group = source, position, group
 
+    def epoch_length(self, epoch: int) -> int | None:
+        return None  # only the first stage holds the source: every stage must cut rounds alike
+
     def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         item = self._source.next_batch() if self._source is not None else END
         message: list[tuple[int, object] | None] = [None if isinstance(item, EndOfEpoch) else (item[0], item[1][1])]

@@ -31,6 +31,7 @@ class RoundCut:
         self.ranks = ranks  # every rank that takes batches (with a hierarchy: of every node)
         self.start = self.end = 0  # the round being trained: the epoch's batches [start, end)
         self.finished = False  # this worker has had its end of the epoch
+        self._epoch = 0  # the epoch being cut
         self._first = (0, 0)  # (the global step, the index) of the epoch's first batch
         self._held: tuple[int, Batch] | None = None  # a batch taken for a later round
         self._source: BatchSource | None = None
@@ -40,11 +41,18 @@ class RoundCut:
         self._source, self._held = source, None
 
     def epoch_starts(self, counters: Counters) -> None:
-        self.finished, self.end = False, counters.position
+        self.finished, self.end, self._epoch = False, counters.position, counters.epoch
         self._first = (math.ceil(counters.iterations / self.ranks), counters.position)
 
     def round_starts(self, batches: int) -> None:
         self.start, self.end = self.end, self.end + batches
+
+    def steps_left(self) -> int | None:
+        """Each worker's steps left in the epoch after the last round (its batches over the
+        ranks, rounded up), where the source knows the epoch's length; else None."""
+        assert self._source is not None
+        length = self._source.epoch_length(self._epoch)
+        return None if length is None else max(0, -(-(length - self.end) // self.ranks))
 
     def step_of(self, index: int) -> int:
         step, first = self._first

@@ -216,9 +216,10 @@ class Rounds:
         if self.hooks.observer is not None:
             self.hooks.observer.held_for(self.seq + later)
 
-    def _batches_per_round(self) -> int:
-        """AVERAGING: k for every rank; SHARED_GRADIENTS (and a warm-up): one each."""
-        return self._cut.ranks * (self.k if self._averaging else 1)
+    def _round_k(self) -> int:
+        """The local steps of the averaging round about to start: k; with the autopilot, the
+        epoch's rest where the round after would be too short for its exchange (Pilot.steps)."""
+        return self.k if self.pilot is None else self.pilot.steps(self._cut.steps_left())
 
     def _local_work(self, behind: bool) -> Work:
         """AVERAGING: an independent step on each of this worker's batches of the round (k, or
@@ -227,10 +228,11 @@ class Rounds:
         is still being averaged."""
         epoch, trainer = self.counters.epoch, self.trainer
         self.seq += 1
-        self._cut.round_starts(self._batches_per_round())
+        k = self._round_k() if self._averaging else 1  # SHARED_GRADIENTS (and a warm-up): one step each
+        self._cut.round_starts(self._cut.ranks * k)
         if self.hooks.observer is not None:
             self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
-        work = Work(first_step=trainer.local_steps, k=self.k)
+        work = Work(first_step=trainer.local_steps, k=k)
         self._sync.prepare(self._averaging)
         if self._averaging and self._stream is not None:
             self._stream.prepare()
@@ -258,7 +260,7 @@ class Rounds:
         (lockstep.py); the work is the group's. The round after its last batch finds it finished."""
         assert self._together is not None
         first = self._cut.step_of(self._cut.start)
-        taken = self._together.run(self.k, first, self.counters.epoch, self._next, lambda: self._cut.finished)
+        taken = self._together.run(work.k, first, self.counters.epoch, self._next, lambda: self._cut.finished)
         work.samples, work.batches, work.finished = taken.samples, taken.batches, taken.finished
         loss = [torch.tensor(taken.loss_sum)] if taken.batches else []
         work.loss_sum, work.skipped = self.trainer.checked_loss(loss, work.first_step, self.counters.epoch)

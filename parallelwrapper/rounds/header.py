@@ -23,7 +23,7 @@ class Work:
     samples: int = 0
     batches: int = 0
     first_step: int = 0
-    k: int = 1  # the local steps it may take: the k in force at its start
+    k: int = 1  # the local steps it may take: the k in force at its start (Pilot.steps: an epoch's last may be longer)
     loss_sum: float = 0.0
     skipped: bool = False  # dropped by the NaN policy
     finished: bool = False  # this worker (with a hierarchy: its node) has no batch left in the epoch
