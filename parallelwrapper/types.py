@@ -79,9 +79,10 @@ class Counters:
 
 @dataclass(frozen=True)
 class InForce:
-    """What a round ran with: k (1 in a gradient round), the payload, every how many rounds the
-    optimizer's state travelled (0: never), overlap and fragments; and, when the autopilot
-    (`.averaging_frequency("auto")`) changed any of them after it, why."""
+    """What a round ran with: k (1 in a gradient round; with the autopilot, an epoch's last round
+    that took in a short tail says the steps it could take: Pilot.steps), the payload, every how
+    many rounds the optimizer's state travelled (0: never), overlap and fragments; and, when the
+    autopilot (`.averaging_frequency("auto")`) changed any of them after it, why."""
 
     k: int
     payload: str

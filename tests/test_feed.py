@@ -135,6 +135,21 @@ def test_a_tensor_dataset_is_indexed_once_a_batch_into_the_loaders_own_batches()
         assert type(got) is type(want) and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want, strict=True))
 
 
+def test_a_source_tells_the_epochs_length_only_where_every_rank_knows_it() -> None:
+    """The autopilot cuts an epoch's last rounds by it (Pilot.steps): every rank must answer alike."""
+    data = list(range(7))
+    assert ShardSource(data, 1, 2).epoch_length(0) == ShardSource(data, 0, 2).epoch_length(5) == 7  # a list: every batch of both ranks
+    assert ShardSource(lambda: iter(data), 0, 2).epoch_length(0) is None  # a function's epochs are known as they end
+    dataset = TensorDataset(torch.arange(20))
+    presharded = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=0))
+    assert ShardSource(presharded, 0, 2).epoch_length(0) is None  # this rank's share only
+    loader = DataLoader(dataset, batch_size=3)  # 7 batches
+    shards = shards_of(loader, 2, 4)  # epochs 2 and 3, read by index
+    assert ShardSource(shards, 1, 2, epoch=2).epoch_length(3) == 7
+    claims = ClaimSource(shards, Count(), 2, 0, 4)
+    assert (claims.epoch_length(2), claims.epoch_length(3), claims.epoch_length(4)) == (7, 7, None)  # past the fit: none
+
+
 class Count:
     def __init__(self) -> None:
         self.next = 0
