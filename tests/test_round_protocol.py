@@ -438,3 +438,57 @@ def test_workers_that_start_a_fit_with_different_layouts_average_the_first_round
     coded, full = run_group(_uneven_start, 2, "int8"), run_group(_uneven_start, 2, "float32")
     for key, value in full[0].items():
         assert torch.equal(coded[0][key], value) and torch.equal(coded[1][key], value), key
+
+
+VALIDATIONS = [0]
+
+
+def _second_best(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    VALIDATIONS[0] += 1
+    return {"val_loss": float(abs(VALIDATIONS[0] - 2))}  # 1, 0, 1, 2: the best is the second
+
+
+class _LandsWhenWaited:
+    """An all-reduce that runs only when waited for: a link so slow that nothing sent in the
+    background has landed before its wait."""
+
+    def __init__(self, run: Any) -> None:
+        self._run = run
+
+    def wait(self, *args: Any) -> bool:
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+        return True
+
+
+def _restores_best(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """k = 1, four rounds with a validation after each, the second the best; every async
+    all-reduce lands only when waited for. The state a worker ends the fit with."""
+    from parallelwrapper.listeners import EarlyStopping
+
+    all_reduce = dist.all_reduce
+
+    def deferred(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if not async_op:
+            return all_reduce(tensor, *args, **kwargs)
+        return _LandsWhenWaited(lambda: all_reduce(tensor, *args, **kwargs))
+
+    dist.all_reduce = deferred
+    model = plain_model()
+    stopper = EarlyStopping(patience=5, restore_best=True)
+    job = Job(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, nn.functional.cross_entropy, None,
+              validation_data=batches(9, [4, 4]), validation_step=_second_best, early_stopping=stopper)  # fmt: skip
+    config = Config(workers=world, averaging_frequency=1, validation_every=1)
+    replica = Replica(model, job, config, CPU, rank, world)
+    rounds.Rounds(replica, config, CPU, rank, world).run(1, ListSource(batches(rank, [8] * 4), rank, world), lambda r: None)
+    return flat_state(model, replica.optimizer)
+
+
+def test_a_best_state_kept_for_restore_best_holds_the_optimizers_average() -> None:
+    """The optimizer's averaged state lands in place after its round (FlatAverager's later sums),
+    where the next step reads it. A best state copied before it landed held each worker's own
+    share of the momentum, and the replicas ended the fit apart (once on CI, under load)."""
+    first, second = run_group(_restores_best, 2)
+    for key, value in first.items():
+        assert torch.equal(value, second[key]), key

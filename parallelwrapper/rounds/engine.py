@@ -416,8 +416,12 @@ class Rounds:
         (every worker gives its own state, RNG and loss scale, and rank 0 writes); then stop if
         any worker was asked to."""
         trained = totals.samples > 0
-        early = self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds)))
-        early = early and validate(self.trainer, self.counters, book, self.group, self.rank, self.world_size)
+        due = self.trainer.validates and (epoch_done or (trained and self._validation_due(self.counters.rounds)))
+        if due:
+            # The optimizer's averaged state lands first: a best state kept (restore_best) is the
+            # whole average. Copied while it landed in place, its momentum was half a worker's own.
+            self._timed(self._sync.settle)
+        early = due and validate(self.trainer, self.counters, book, self.group, self.rank, self.world_size)
         final = epoch_done or totals.stop > 0 or early
         if epoch_done or early:  # an early stop ends the epoch's part in this fit: its loss too
             epoch = self.counters.epoch - 1 if epoch_done else self.counters.epoch
