@@ -1,4 +1,4 @@
-"""One walker over batch structures: tuples, named tuples, lists and dicts in any nesting, every other object a leaf.
+"""One walker over batch structures: tuples, named tuples, lists and mappings in any nesting, every other object a leaf.
 
 `map_leaves` is the only code in the package that decides what a container is and how to rebuild
 it. Everything that moves, measures, describes or copies a batch (or a state dict) goes through it,
@@ -10,12 +10,12 @@ This module imports nothing of the package: only torch and the standard library.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar, cast
 
 import torch
 
-__all__ = ["map_leaves", "leaves", "tensors", "move_to", "batch_size", "describe", "to_cpu"]
+__all__ = ["map_leaves", "leaves", "tensors", "move_to", "batch_size", "describe", "to_cpu", "split"]
 
 DESCRIBE_MAX_CHARS = 300  # longer descriptions are cut there and end in "..."
 
@@ -25,8 +25,9 @@ T = TypeVar("T")  # a structure that comes back as it went in: moving or copying
 def map_leaves(obj: object, fn: Callable[[object], object]) -> object:
     """The same structure with fn applied to every leaf. Containers are rebuilt with their own type:
     named tuples as type(obj)(*items), other tuples/lists as type(obj)(items), dicts (and dict
-    subclasses such as OrderedDict) as type(obj)((k, v) ...) with keys kept as they are. This is THE
-    walker; everything below uses it.
+    subclasses such as OrderedDict) as type(obj)((k, v) ...) with keys kept as they are, any other
+    Mapping (a Hugging Face BatchEncoding, a UserDict) as type(obj)(dict), or as a plain dict where
+    its type takes no dict. This is THE walker; everything below uses it.
 
     Leaves are visited depth first, in order (dicts in their iteration order); fn is called once per
     leaf and never on a container. A defaultdict keeps its default_factory.
@@ -51,6 +52,12 @@ def map_leaves(obj: object, fn: Callable[[object], object]) -> object:
         if isinstance(obj, defaultdict):  # its first argument is the factory
             return cls(obj.default_factory, pairs)
         return cls(pairs)
+    if isinstance(obj, Mapping):  # BatchEncoding(data), UserDict(dict): not dicts, but built from one
+        mapped = {k: map_leaves(v, fn) for k, v in obj.items()}
+        try:
+            return cls(mapped)
+        except TypeError:
+            return mapped
     return fn(obj)
 
 
@@ -117,7 +124,7 @@ def _render(shape: object) -> str:
     """
     if isinstance(shape, _Label):
         return shape.text
-    if isinstance(shape, dict):
+    if isinstance(shape, Mapping):
         return "{" + ", ".join(f"{k}: {_render(v)}" for k, v in shape.items()) + "}"
     items = cast("tuple[object, ...] | list[object]", shape)  # what map_leaves leaves besides
     fields = getattr(type(shape), "_fields", None) if isinstance(shape, tuple) else None
@@ -125,6 +132,25 @@ def _render(shape: object) -> str:
         inner = ", ".join(f"{f}={_render(v)}" for f, v in zip(fields, items))
         return f"{type(shape).__name__}({inner})"
     return "(" + ", ".join(_render(v) for v in items) + ")"
+
+
+def split(batch: T, parts: int) -> list[T]:
+    """The batch cut along its batch dimension into `parts` micro-batches of about equal size
+    (fewer where it has fewer samples), each the same structure: every tensor leaf whose dim 0 is
+    the batch's size is cut (torch.tensor_split: views, no copy), every other leaf is kept whole in
+    each (a scalar, a string, a tensor of another length). The samples keep their order."""
+    n = batch_size(batch)
+    parts = max(1, min(parts, n))
+
+    cuts = [
+        torch.tensor_split(leaf, parts) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == n else None
+        for leaf in leaves(batch)
+    ]
+    micro = []
+    for i in range(parts):  # map_leaves visits the leaves in the same order every time
+        chosen = iter([leaf if cut is None else cut[i] for cut, leaf in zip(cuts, leaves(batch))])
+        micro.append(cast(T, map_leaves(batch, lambda _, chosen=chosen: next(chosen))))  # type: ignore[misc]
+    return micro
 
 
 def to_cpu(state: T) -> T:

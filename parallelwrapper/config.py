@@ -165,6 +165,10 @@ class Config:
     gradient_clipping: float | None = option(
         None, "Clip each step's gradients to this total norm (None: no clipping).",
         positive(optional=True), "gradient_clipping", example=1.0, flag="--gradient-clipping")
+    accumulate: int = option(
+        1, "Each batch is one optimizer step, computed as N micro-batches (its samples cut in N along dim 0), each's "
+           "gradients added before the step: the same step in less memory.",
+        count(1), "accumulate", example=2, flag="--accumulate")
     precision: str = option(
         "32", "bf16-mixed: forward and loss under autocast to bfloat16 (16-mixed: float16, loss scaled); weights and averaging stay float32.",
         choice(*PRECISIONS), "precision", example="bf16-mixed", flag="--precision")
@@ -356,6 +360,10 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(("pipeline", "training_step"), lambda c, j: j is not None and c.pipeline is not None and (j.training_step is not None or j.loss_fn is None),
              _STAGES + "training_step: the last stage computes the loss from (inputs, targets) batches; use .loss_fn(fn)",
              ".pipeline(stages=2).training_step(fn)"),
+    Conflict(("pipeline", "accumulate"), lambda c, j: c.pipeline is not None and c.accumulate > 1,
+             _STAGES + "accumulate({c.accumulate}): a pipeline cuts each batch into micro-batches itself; use "
+             ".pipeline(stages={c.pipeline.stages}, microbatches={c.accumulate}) instead",
+             ".pipeline(stages=2).accumulate(2)"),
     Conflict(("pipeline", "before_step"), lambda c, j: j is not None and c.pipeline is not None and j.before_step is not None,
              _STAGES + "before_step: each stage holds only a part of the model; drop .before_step(fn)",
              ".pipeline(stages=2).before_step(fn)"),

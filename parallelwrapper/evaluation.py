@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import SupportsFloat
 
 import torch
 
 from .batches import batch_size, describe, move_to
 from .feed.data import epoch_iterable
-from .job import Job
+from .job import Job, OutputLoss
 from .types import Batch, Output
 
 Values = dict[str, SupportsFloat]  # {name: batch mean}: numbers, or tensors of one element
@@ -26,8 +26,37 @@ def classification_metrics(model: torch.nn.Module, batch: Batch, loss_fn: Callab
     classifier, whose outputs are class scores (batch, classes, ...) for targets of class indices
     (batch, ...), as cross_entropy takes them. Other outputs are a ValueError that says to pass a
     validation step of one's own."""
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+        raise ValueError(
+            f"the default metrics score (inputs, targets) batches, got a {type(batch).__name__} {describe(batch)}; for a model "
+            f"that computes its own loss build with .loss_from_output(), else pass a step fn(model, batch) -> {{name: value}}: "
+            f".validation(data, step=fn) or evaluate(data, step=fn)"
+        )
     inputs, targets = batch
     return scored_outputs(model(inputs), targets, loss_fn)
+
+
+def output_metrics(model: torch.nn.Module, batch: Batch, step: OutputLoss) -> Values:
+    """Of a model that computes its own loss (`.loss_from_output()`): that loss and, where the
+    output has `logits` and the batch `labels` of the logits' shape less the last dimension, the
+    share of argmax(logits) == labels over the labels that count (-100, Hugging Face's ignored
+    label, left out)."""
+    output = step.outputs(model, batch)
+    metrics: Values = {"loss": step.loss(output)}
+    logits, labels = OutputLoss.get(output, "logits"), OutputLoss.get(batch, "labels") if isinstance(batch, Mapping) else None
+    if isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor) and logits.shape[:-1] == labels.shape:
+        counted = labels != -100
+        hits = (logits.argmax(dim=-1) == labels) & counted
+        metrics["accuracy"] = hits.sum().float() / counted.sum().clamp(min=1)
+    return metrics
+
+
+def job_metrics(job: Job) -> Metrics:
+    """The metrics a job scores by default, unprefixed: its own loss and accuracy
+    (`output_metrics`) for a model that computes its loss, else `classification_metrics`."""
+    if isinstance(job.training_step, OutputLoss):
+        return functools.partial(output_metrics, step=job.training_step)
+    return functools.partial(classification_metrics, loss_fn=job.loss_fn)
 
 
 def scored_outputs(outputs: Output, targets: object, loss_fn: Callable[..., torch.Tensor] | None) -> Values:
@@ -81,8 +110,8 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
-def _default_validation(model: torch.nn.Module, batch: Batch, loss_fn: Callable[..., torch.Tensor] | None) -> Values:
-    return validation_of(classification_metrics(model, batch, loss_fn))
+def _default_validation(model: torch.nn.Module, batch: Batch, metrics: Metrics) -> Values:
+    return validation_of(metrics(model, batch))
 
 
 def validation_of(metrics: Values) -> Values:
@@ -94,7 +123,7 @@ def validation_metrics(job: Job) -> Metrics:
     """What a validation scores: the job's validation step, or val_loss and val_accuracy."""
     if job.validation_step is not None:
         return job.validation_step
-    return functools.partial(_default_validation, loss_fn=job.loss_fn)
+    return functools.partial(_default_validation, metrics=job_metrics(job))
 
 
 def check_validation(job: Job, model: torch.nn.Module, precision: str) -> None:
@@ -115,4 +144,4 @@ def check_validation(job: Job, model: torch.nn.Module, precision: str) -> None:
         ) from e
 
 
-__all__ = ["autocast", "check_validation", "classification_metrics", "metric_sums", "scored_outputs", "validation_metrics", "validation_of"]
+__all__ = ["autocast", "check_validation", "classification_metrics", "job_metrics", "metric_sums", "output_metrics", "scored_outputs", "validation_metrics", "validation_of"]

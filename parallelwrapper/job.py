@@ -9,7 +9,8 @@ its parts (`optimizer_name`, the specs' `name`). Imports only naming.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +20,51 @@ from .naming import describe, qualified, short
 
 INTERVALS = ("epoch", "step")  # when a learning-rate scheduler steps (schedule.py)
 # The builder's setters of the job's parts (the rest set config.Config's options, declared there).
-PARTS = ("optimizer", "lr_scheduler", "outer_optimizer", "before_step", "loss_fn", "training_step", "validation", "listeners")
+PARTS = ("optimizer", "lr_scheduler", "outer_optimizer", "before_step", "loss_fn", "loss_from_output", "training_step", "validation", "listeners")
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 TrainingStep = Callable[[torch.nn.Module, Any], torch.Tensor]
 OptimizerFn = Callable[[torch.nn.Module], torch.optim.Optimizer]
 BeforeStep = Callable[[torch.nn.Module, torch.optim.Optimizer], None]
 ValidationStep = Callable[[torch.nn.Module, Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class OutputLoss:
+    """`.loss_from_output(key)`: the training step of a model that computes its own loss, as a
+    Hugging Face model does when the batch holds its labels. The model is called on the batch
+    (`model(**batch)` for a mapping, `model(*batch)` for a tuple or list, else `model(batch)`) and
+    the loss is the output's `key` (an item or attribute: `output.loss`), or its first element
+    where the model returns a tuple (return_dict=False)."""
+
+    key: str = "loss"
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return self.loss(self.outputs(model, batch))
+
+    @staticmethod
+    def outputs(model: torch.nn.Module, batch: Any) -> Any:
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        return model(*batch) if isinstance(batch, (list, tuple)) else model(batch)
+
+    def loss(self, output: Any) -> torch.Tensor:
+        found = self.get(output, self.key)
+        if found is None and isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            found = output[0]  # return_dict=False: the loss comes first
+        if not isinstance(found, torch.Tensor):
+            raise ValueError(
+                f"loss_from_output: the model returned a {type(output).__name__} with no {self.key!r} tensor; a Hugging Face "
+                f"model computes its loss only when the batch holds its labels ('labels'), or name the output's loss with "
+                f".loss_from_output(key=...)"
+            )
+        return found
+
+    @staticmethod
+    def get(output: Any, key: str) -> Any:
+        """The output's `key`, as an item of a mapping (a ModelOutput is one) or an attribute; None without it."""
+        if isinstance(output, Mapping):
+            return output.get(key)
+        return getattr(output, key, None)
 
 
 @dataclass(frozen=True)
@@ -44,8 +84,11 @@ class SchedulerSpec:
     @property
     def name(self) -> str:
         """The scheduler as a checkpoint's fingerprint and error messages name it."""
-        qualname = getattr(self.factory, "__qualname__", type(self.factory).__name__)
-        return short(f"{qualname}(optimizer, **{describe(self.kwargs)}) per {self.interval}")
+        if isinstance(self.factory, functools.partial):  # with its arguments: a change of them is a change
+            factory = describe(self.factory)
+        else:
+            factory = getattr(self.factory, "__qualname__", type(self.factory).__name__)
+        return short(f"{factory}(optimizer, **{describe(self.kwargs)}) per {self.interval}")
 
 
 @dataclass(frozen=True)
@@ -90,7 +133,9 @@ class Job:
     def optimizer_name(self) -> str:
         """The optimizer as a checkpoint's fingerprint and error messages name it."""
         if self.optimizer_fn is not None:
-            return short(f"{qualified(self.optimizer_fn)}(model)")
+            # A partial by its function and arguments: resumed with another learning rate, it is another optimizer.
+            fn = describe(self.optimizer_fn) if isinstance(self.optimizer_fn, functools.partial) else qualified(self.optimizer_fn)
+            return short(f"{fn}(model)")
         return short(f"{qualified(self.optimizer_cls)}({describe(self.optimizer_kwargs)})")
 
 
@@ -101,7 +146,7 @@ def check_job(job: Job, world_size: int) -> list[str]:
     config.CONFLICTS' to say, what a spawned worker cannot receive sendable.py's."""
     if job.early_stopping is not None and job.validation_data is None:
         raise ValueError("EarlyStopping stops on validation metrics: add .validation(data, every=...)")
-    if job.validation_data is not None and job.validation_step is None and job.loss_fn is None:
+    if job.validation_data is not None and job.validation_step is None and job.loss_fn is None and not isinstance(job.training_step, OutputLoss):
         raise ValueError("validation: with .training_step(fn) the default metrics (val_loss, val_accuracy) have no "
                          "loss to use; pass .validation(data, step=fn) with fn(model, batch) -> {name: value}")
     optimizer = _check_optimizer(job)
@@ -172,4 +217,4 @@ def _check_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, vali
                          f".validation(data, every=...), or drop monitor= to step on the averaged training loss")
 
 
-__all__ = ["INTERVALS", "PARTS", "BeforeStep", "Job", "LossFn", "OptimizerFn", "OuterSpec", "SchedulerSpec", "TrainingStep", "ValidationStep", "check_job"]
+__all__ = ["INTERVALS", "PARTS", "BeforeStep", "Job", "LossFn", "OptimizerFn", "OuterSpec", "OutputLoss", "SchedulerSpec", "TrainingStep", "ValidationStep", "check_job"]

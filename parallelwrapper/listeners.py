@@ -6,7 +6,10 @@ each in the fit's History and hands it to the listeners. A listener is any objec
 `on_fit_start(config, epochs)`, `on_score(score)`, `on_validation(validation)`,
 `on_epoch_end(epoch)`, `on_worker_replaced(rank, reason, lost_round)`, `on_fit_end(history)`, or a
 plain callable, which receives each `Score`. Listeners run in the main process (on rank 0 under
-torchrun), between rounds: a slow listener slows nothing but the reporting.
+torchrun), between rounds: a slow listener slows nothing but the reporting. One that raises
+KeyboardInterrupt stops the fit as Ctrl-C does: every record already made still reaches the
+History and every listener, the round in flight lands (saved, with checkpoints on), and fit()
+raises KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -77,12 +80,22 @@ def check_listeners(listeners: Sequence[object]) -> None:
 
 
 def notify(listeners: Sequence[object], method: str, *args: object) -> None:
+    """Call `method` of each listener with `args` (a plain callable hears each Score). A
+    KeyboardInterrupt raised in one (a listener's way to stop the fit, or a Ctrl-C that came
+    while it ran) is raised once every listener has heard: the others do not miss the record.
+    The host then stops as for a Ctrl-C (hosts/runtime.py, hosts/spawned.py)."""
+    interrupted: KeyboardInterrupt | None = None
     for listener in listeners:
         fn = getattr(listener, method, None)
-        if fn is not None:
-            fn(*args)
-        elif method == "on_score" and callable(listener):
-            listener(*args)
+        try:
+            if fn is not None:
+                fn(*args)
+            elif method == "on_score" and callable(listener):
+                listener(*args)
+        except KeyboardInterrupt as e:
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
 
 
 # Where each record goes: its History list, and the listener method that hears it.

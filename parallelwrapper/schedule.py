@@ -25,8 +25,11 @@ are not averaged, so every worker's learning rates stay equal without any commun
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -102,6 +105,42 @@ class Schedule:
 # The attribute that holds the length a scheduler of this kind is planned over: the run's whole
 # length, as people size them. Warm-ups (LinearLR, ConstantLR) and periodic ones are not checked.
 PLANNED_LENGTH = {"OneCycleLR": "total_steps", "CosineAnnealingLR": "T_max", "PolynomialLR": "total_iters"}
+# The names a LambdaLR's or MultiplicativeLR's function gives the length it is planned over, as a
+# functools.partial keyword or a closure variable: transformers' warm-up schedules (linear, cosine,
+# polynomial: `get_*_schedule_with_warmup`) pass theirs as partial(..., num_training_steps=...).
+LENGTH_NAMES = ("num_training_steps",)
+
+
+def planned_length(scheduler: object) -> tuple[str, int] | None:
+    """Where a scheduler's planned length is read from and that length, or None where it cannot be
+    read: a torch scheduler's attribute of PLANNED_LENGTH, or a LambdaLR's or MultiplicativeLR's
+    variable of LENGTH_NAMES (a partial's keyword or a closure variable), from the first of its
+    functions (one per param group) that has one."""
+    kind = type(scheduler).__name__
+    if kind in PLANNED_LENGTH:
+        return PLANNED_LENGTH[kind], int(getattr(scheduler, PLANNED_LENGTH[kind]))
+    if not isinstance(scheduler, (torch.optim.lr_scheduler.LambdaLR, torch.optim.lr_scheduler.MultiplicativeLR)):
+        return None
+    for fn in scheduler.lr_lambdas:
+        variables = _variables(fn)
+        for name in LENGTH_NAMES:
+            if isinstance(variables.get(name), int):
+                return name, variables[name]
+    return None
+
+
+def _variables(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The values a function was given beside its argument: a partial's keywords, a closure's variables."""
+    if isinstance(fn, functools.partial):
+        return dict(fn.keywords)
+    names, cells = getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()
+    variables = {}
+    for name, cell in zip(names, cells, strict=False):
+        try:
+            variables[name] = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+    return variables
 
 
 def steps_per_epoch(batches: int, world_size: int) -> int:
@@ -113,19 +152,20 @@ def sizing_warning(schedule: Schedule, iterations: int, batches: int) -> str | N
     """What is wrong with a per-step schedule's planned length for a fit of `batches` batches that
     starts after `iterations` (over the wrapper's life), or None: a length it would step past, or
     one sized the plain loop's way (every batch a step) where N workers split the batches. A length
-    between the two is taken as planned over this fit and later ones."""
-    kind = type(schedule.scheduler).__name__
-    if schedule.interval != "step" or kind not in PLANNED_LENGTH:
+    between the two is taken as planned over this fit and later ones. Only a length that
+    planned_length can read is checked."""
+    length = planned_length(schedule.scheduler) if schedule.interval == "step" else None
+    if length is None:
         return None
-    attribute = PLANNED_LENGTH[kind]
-    planned = int(getattr(schedule.scheduler, attribute)) - schedule.steps  # what is left of it
+    kind, (attribute, total) = type(schedule.scheduler).__name__, length
+    planned = total - schedule.steps  # what is left of it
     n = schedule.world_size
     taken = math.ceil((iterations + batches) / n) - schedule.steps
     why = f"this fit's {batches} batches split across {n} workers are {taken} global steps (each worker's)"
     if taken > planned:
         return (
             f"lr_scheduler: {kind} has {planned} steps left ({attribute}), but {why}: it would step past its end "
-            f"({kind} then raises or turns back); size it as epochs * builder.steps_per_epoch(data)"
+            f"(where a OneCycleLR raises and a cosine turns back up); size it as epochs * builder.steps_per_epoch(data)"
         )
     if n > 1 and planned == batches:
         return (
@@ -143,4 +183,4 @@ def make_schedule(spec: SchedulerSpec | None, optimizer: torch.optim.Optimizer, 
     return Schedule(spec.build(optimizer), spec.interval, spec.monitor, world_size)
 
 
-__all__ = ["PLANNED_LENGTH", "Schedule", "make_schedule", "sizing_warning", "steps_per_epoch"]
+__all__ = ["LENGTH_NAMES", "PLANNED_LENGTH", "Schedule", "make_schedule", "planned_length", "sizing_warning", "steps_per_epoch"]

@@ -22,7 +22,7 @@ else:  # Python 3.10: typing_extensions comes with torch
 from .autopilot import Autopilot
 from .config import GradientEncoding, NanPolicy, Pipeline, TrainingMode, parse_enum
 from .feed.data import Batches, compact
-from .job import BeforeStep, LossFn, OptimizerFn, OuterSpec, SchedulerSpec, TrainingStep, ValidationStep
+from .job import BeforeStep, LossFn, OptimizerFn, OuterSpec, OutputLoss, SchedulerSpec, TrainingStep, ValidationStep
 
 
 class Settings:
@@ -120,6 +120,16 @@ class Settings:
         gradients. Default: no clipping."""
         return self._set("gradient_clipping", max_norm)
 
+    def accumulate(self, n: int) -> Self:
+        """Gradient accumulation: each batch is one optimizer step, computed as `n` micro-batches
+        (its samples cut in n along dim 0, in order), each micro-batch's loss weighted by its share
+        of the samples and backpropagated before the next, so the step equals one on the whole
+        batch in about 1/n of the activation memory. Schedules, clipping, the loss scale
+        (16-mixed) and shared gradients act once per step, after all n. k counts steps (batches),
+        as without it. To port Hugging Face's `gradient_accumulation_steps=n` with per-device
+        batches of b, give batches of n·b. Default: 1."""
+        return self._set("accumulate", n)
+
     def precision(self, name: str) -> Self:
         """"32" (default), "bf16-mixed" or "16-mixed": each worker's forward and loss under autocast
         to bfloat16 or float16; 16-mixed scales the loss with each worker's own GradScaler (a step
@@ -145,6 +155,17 @@ class Settings:
     def loss_fn(self, fn: LossFn) -> Self:
         """`fn(model(inputs), targets) -> scalar loss` for `(inputs, targets)` batches. Default: cross_entropy."""
         self._loss_fn, self._training_step = fn, None
+        return self
+
+    def loss_from_output(self, key: str = "loss") -> Self:
+        """For a model that computes its own loss, as a Hugging Face model does given the batch's
+        labels: each step calls `model(**batch)` (a mapping batch, a BatchEncoding included;
+        `model(*batch)` for a tuple) and trains on `output.loss` (its `key`). The default validation
+        and `evaluate()` then report the same loss (val_loss) and, where the output has `logits`
+        and the batch `labels`, the accuracy of argmax(logits) (labels of -100 left out)."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"loss_from_output takes the name of the output's loss, e.g. .loss_from_output('loss'); got {key!r}")
+        self._training_step, self._loss_fn = OutputLoss(key), None
         return self
 
     def training_step(self, fn: TrainingStep) -> Self:

@@ -204,6 +204,16 @@ class TrainingState:
 
 
 @dataclass(frozen=True)
+class DataOrder:
+    """What keeps the training data's order across a resume (feed/order.py): the checkpoint
+    directory where the process that draws the epochs keeps each one's order (None: it keeps
+    none), and the orders a resumed run read from there, by epoch."""
+
+    keep_in: str | None = None
+    kept: dict[int, StateDict] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class FitCommand:
     """What every worker starts a fit() from: the wrapper's state, the counters, and (resuming
     from a checkpoint) each rank's own state: its RNG's, and its GradScaler's with 16-mixed; and
@@ -216,6 +226,7 @@ class FitCommand:
     start: float  # when the fit() began, by time.monotonic(): system-wide on one machine, and under torchrun rank 0's own (it reports)
     shards: Epochs | None = None  # spawned workers that read their shards: the fit's epochs, sent once (feed/epochs.shards_of); None: fed through the queue
     claims: str | None = None  # with shards: the store key every worker claims its batches from (feed/claims.py); None: dealt
+    order: DataOrder = DataOrder()  # where the epochs' orders are kept, and those a resume read (feed/order.py)
 
 
 @dataclass(frozen=True)
@@ -381,6 +392,7 @@ __all__ = [
     "EndOfEpoch",
     "Epochs",
     "EpochEnd",
+    "DataOrder",
     "FitCommand",
     "Hooks",
     "Output",

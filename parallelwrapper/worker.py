@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .batches import batch_size, describe, move_to
+from .batches import batch_size, describe, move_to, split
 from .checkpoint import rng_state
 from .config import Config, NanPolicy
 from .evaluation import autocast, metric_sums, validation_metrics
@@ -109,8 +109,9 @@ class Replica:
             return self.job.training_step(self.model, batch)
         if not isinstance(batch, (list, tuple)) or len(batch) != 2:
             raise TrainingError(
-                f"expected an (inputs, targets) batch, got {describe(batch)}; "
-                f"for other batches use .training_step(fn) with fn(model, batch) -> loss"
+                f"expected an (inputs, targets) batch, got a {type(batch).__name__} {describe(batch)}; for a model that "
+                f"computes its own loss (a Hugging Face model given labels) use .loss_from_output(), for other batches "
+                f".training_step(fn) with fn(model, batch) -> loss"
             )
         inputs, targets = batch
         assert self.job.loss_fn is not None
@@ -129,13 +130,25 @@ class Replica:
         return loss.detach().float().reshape(()) * n, n
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
-        """The batch's loss (on the device), its gradients added to .grad."""
+        """The batch's loss (on the device), its gradients added to .grad. With accumulate(n) the
+        batch goes through as n micro-batches, each's loss weighted by its share of the samples:
+        the sum of their gradients is the whole batch's (of a mean loss)."""
+        if self.config.accumulate == 1:
+            return self._backward(batch, 1.0)
+        n = batch_size(batch)
+        losses = [self._backward(micro, batch_size(micro) / n) for micro in split(batch, self.config.accumulate)]
+        return torch.stack(losses).sum()
+
+    def _backward(self, batch: Batch, weight: float) -> torch.Tensor:
+        """Backward of `weight` · the batch's loss; that weighted loss, detached."""
         with self._autocast():
             loss = self.loss(batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TrainingError(f"the loss must be a scalar tensor, got {describe(loss)}")
+        if weight != 1.0:
+            loss = loss * weight
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
-        return loss
+        return loss.detach()
 
     @property
     def validates(self) -> bool:

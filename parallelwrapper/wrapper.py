@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -21,16 +20,17 @@ from . import checkpoint, pipeline, replacement
 from .autopilot import levers
 from .config import Config, refuse
 from .env import Placement, resolve, torchrun_env
-from .evaluation import check_validation, classification_metrics, metric_sums
+from .evaluation import check_validation, job_metrics, metric_sums
+from .feed import order
 from .feed.data import Batches, check_epochs, epoch_iterable
 from .hosts import Host, TorchrunWorker, start_host
-from .job import Job, check_job
+from .job import Job, ValidationStep, check_job
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
 from .parts import Parts
 from .schedule import sizing_warning, steps_per_epoch
 from .sendable import check_sendable
 from .settings import Settings
-from .types import Counters, FitCommand, Report, TrainingState, WorkerError
+from .types import Counters, DataOrder, FitCommand, Report, TrainingState, WorkerError
 
 
 class ParallelWrapper:
@@ -142,12 +142,14 @@ class ParallelWrapper:
         if self._closed:
             raise RuntimeError("this ParallelWrapper is closed; build a new one to train again")
         check_epochs(data, epochs)
-        rng = None
+        rng, kept = None, {}
         until_epoch = self.counters.epoch + epochs
         if resume is None and self.counters == Counters():
             resume = self._auto_resume()
         if resume is not None:
             rng = self._restore(resume, accept_changes)
+            kept = order.read(resume)  # each epoch's order, where the data shuffles (feed/order.py)
+            order.check_resumable(data, DataOrder(kept=kept), self.counters.epoch, self.counters.position, os.fspath(resume))
             until_epoch = epochs
             if until_epoch <= self.counters.epoch:
                 raise ValueError(
@@ -169,7 +171,7 @@ class ParallelWrapper:
         try:
             if self._pool is None:
                 self._pool = self._start_host()
-            state = self._pool.fit(self._command(until_epoch, rng, start), data, on_report)  # held by no name here
+            state = self._pool.fit(self._command(until_epoch, rng, start, kept), data, on_report)  # held by no name here
         except BaseException:
             # A failed round leaves the workers' states apart or a collective half done: start
             # afresh next time. The user's model keeps its state from before this fit().
@@ -202,12 +204,16 @@ class ParallelWrapper:
         if message is not None:
             warnings.warn(message, stacklevel=3)
 
-    def _command(self, until_epoch: int, rng: list[dict[str, Any]] | None, start: float) -> FitCommand:
+    def _command(self, until_epoch: int, rng: list[dict[str, Any]] | None, start: float, kept: dict[int, dict[str, Any]]) -> FitCommand:
         """What every worker starts this fit from, which began at `start`. Spawned workers get the
         state's own tensors in shared memory (Parts.shipped: no copy); any other host a copy, since
-        it trains on what it is given and the user's own model must not change under it."""
+        it trains on what it is given and the user's own model must not change under it. The
+        process that draws the data's epochs (this one, rank 0 under torchrun) keeps their orders
+        beside the checkpoints; `kept`: those a resume read."""
         spawned = self.placement.torchrun is None and not self.placement.in_process
-        return FitCommand(until_epoch, dataclasses.replace(self.counters), self._parts.shipped() if spawned else self._parts.state(), rng, start)
+        state = self._parts.shipped() if spawned else self._parts.state()
+        data_order = DataOrder(self.config.checkpoint_dir if self.is_main else None, kept)
+        return FitCommand(until_epoch, dataclasses.replace(self.counters), state, rng, start, order=data_order)
 
     def _start_host(self) -> Host:
         """The host the placement calls for, with the features it asks of the wrapper (replacement)."""
@@ -236,20 +242,25 @@ class ParallelWrapper:
         self.counters = Counters(**payload["counters"])
         return list(payload["rng"])
 
-    def evaluate(self, data: Batches, *, device: str | torch.device | None = None) -> dict[str, float]:
-        """Mean loss (NaN without a loss function) and accuracy (argmax(outputs) == targets) of the
-        averaged model over `(inputs, targets)` batches, in this process, on `device` (default:
-        where the model's parameters are), scored as the workers' validation scores them."""
+    def evaluate(self, data: Batches, *, device: str | torch.device | None = None, step: ValidationStep | None = None) -> dict[str, float]:
+        """The averaged model's mean metrics over `data`, in this process, on `device` (default:
+        where the model's parameters are), with the number of samples: by default the loss (NaN
+        without a loss function) and the accuracy of `(inputs, targets)` batches, or, built with
+        `.loss_from_output()`, the model's own loss (and accuracy where its output has logits and
+        the batch labels); or whatever `step(model, batch) -> {name: batch mean}` returns. Scored
+        as the workers' validation scores, in eval mode without gradients."""
         home = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         device = home if device is None else torch.device(device)
         # Elsewhere (the workers trained on a GPU, the model came back to the CPU): a copy goes
         # there, and the user's model stays where it is.
         model = self.model if device == home else copy.deepcopy(self.model).to(device)
-        metrics = functools.partial(classification_metrics, loss_fn=self._job.loss_fn)
-        sums, count = metric_sums(model, epoch_iterable(data)(), metrics, device)
+        sums, count = metric_sums(model, epoch_iterable(data)(), step or job_metrics(self._job), device)
         if count == 0:
             raise ValueError("evaluate() got no batches")
-        return {"loss": sums.get("loss", math.nan) / count, "accuracy": sums["accuracy"] / count, "samples": float(count)}
+        means = {name: total / count for name, total in sums.items()}
+        if step is None:
+            means = {"loss": math.nan, **means}  # without a loss function, the accuracy alone
+        return {**means, "samples": float(count)}
 
 
 def _len(data: Batches) -> int | None:
@@ -261,11 +272,16 @@ def _len(data: Batches) -> int | None:
 
 
 def batch_count(data: Batches | int, where: str) -> int:
-    """Batches in an epoch of `data`, or a ValueError naming `where` for data without a length."""
+    """Batches in an epoch of `data`, or a ValueError naming `where` for data without a length:
+    what it lacks and the count to pass instead."""
     count = data if isinstance(data, int) else _len(data)
-    if count is None or count < 0:
-        raise ValueError(f"{where}(data) takes batches with a len() (a list, a DataLoader) or their number; got {type(data).__name__}")
-    return count
+    if count is not None and count >= 0:
+        return count
+    instead = f"the number of batches an epoch yields, e.g. {where}(1000)"
+    if isinstance(data, torch.utils.data.DataLoader) and isinstance(data.dataset, torch.utils.data.IterableDataset):
+        raise ValueError(f"{where}(data): this DataLoader reads an IterableDataset, which has no len(); pass {instead}")
+    lacks = f"got {count}, a negative count" if isinstance(data, int) else f"a {type(data).__name__} has no len()"
+    raise ValueError(f"{where}(data): {lacks}; pass batches with a len() (a list, a map-style DataLoader) or {instead}")
 
 
 class Builder(Settings):

@@ -250,6 +250,42 @@ def test_ctrl_c_stops_every_worker_and_saves_the_last_round(tmp_path: Path, work
     assert saved["counters"]["position"] == saved["counters"]["iterations"]
 
 
+def paced_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    time.sleep(0.01)  # a few rounds to each message of reports (rank 0 sends them every 0.25 s)
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+class Ear:
+    """A listener that writes down the rounds it hears; at round `press` it raises
+    KeyboardInterrupt, as a listener that stops the fit does."""
+
+    def __init__(self, press: int | None = None) -> None:
+        self.press, self.heard = press, list[int]()
+
+    def on_score(self, score: Any) -> None:
+        self.heard.append(score.round)
+        if score.round == self.press:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [2, 1], ids=["spawned", "in-process"])
+def test_ctrl_c_in_a_listener_loses_no_report_and_stops_as_ctrl_c_does(tmp_path: Path, workers: int) -> None:
+    """A listener's KeyboardInterrupt is a Ctrl-C: the reports that came with it still reach every
+    listener (the spawned workers' come several rounds to a message), the round in flight lands
+    and is saved, and fit() raises KeyboardInterrupt."""
+    presser, ear = Ear(press=3), Ear()
+    builder_ = builder(workers=workers).averaging_frequency(1).training_step(paced_step)
+    w = builder_.checkpoint(tmp_path, every=10_000).listeners(presser, ear).build()
+    with w, pytest.raises(KeyboardInterrupt):
+        w.fit(make_batches(200))
+    saved = torch.load(tmp_path / FILENAME, weights_only=False)["counters"]["rounds"]
+    assert presser.heard == ear.heard == list(range(1, saved + 1))  # every round to the stop, by both
+    assert saved < 200 // workers  # stopped, not at the epoch's end
+    if workers == 1:  # reports come one by one: the stop lands in the round after the press's
+        assert saved == 4
+
+
 # -- 5: NaN ---------------------------------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ DOCUMENTS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 TIMEOUT_S = 120
 TRAIN_IMAGES, TEST_IMAGES = 1024, 256
 # What the pip stub accepts: the installs of README's install, test and CUDA commands.
-PIP_INSTALLS = ("install torch==2.13.0", "install -e .", "install -e .[test,docs,tensorboard]")
+PIP_INSTALLS = ("install torch==2.13.0", "install -e .", "install -e .[test,docs,tensorboard,hf]")
 
 
 @dataclass(frozen=True)

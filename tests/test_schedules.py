@@ -5,6 +5,7 @@ Spawned workers (their learning rates logged from `before_step`) and real gloo."
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from pathlib import Path
@@ -15,9 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.lr_scheduler import OneCycleLR, ReduceLROnPlateau, StepLR
+from torch.optim.lr_scheduler import LambdaLR, MultiplicativeLR, OneCycleLR, ReduceLROnPlateau, StepLR
 
 from parallelwrapper import ParallelWrapper, TrainingMode
+from parallelwrapper.schedule import Schedule, planned_length, sizing_warning
 from tiny import make_batches, mlp
 
 pytestmark = pytest.mark.timeout(180)
@@ -259,15 +261,40 @@ def test_steps_per_epoch_is_the_global_step_count_of_an_epoch() -> None:
     builder = ParallelWrapper.builder(mlp()).workers(2)
     assert builder.steps_per_epoch(make_batches(11)) == 6 and builder.steps_per_epoch(12) == 6
     assert ParallelWrapper.builder(mlp()).workers(3).steps_per_epoch(12) == 4
-    with pytest.raises(ValueError, match=r"steps_per_epoch\(data\) takes batches with a len\(\)"):
+    with pytest.raises(ValueError, match=r"^steps_per_epoch\(data\): a function has no len\(\); pass batches with a len\(\)"):
         builder.steps_per_epoch(lambda: iter(make_batches(2)))
+
+
+class Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+    """A stream of samples without a len(), as a tokenized corpus read on the fly is."""
+
+    def __iter__(self) -> Any:
+        return iter(torch.zeros(8, 2))
+
+
+@pytest.mark.fast
+def test_steps_per_epoch_of_an_iterable_dataset_asks_for_the_batch_count() -> None:
+    """It says what the loader lacks and what to pass, not that it wants the DataLoader it got."""
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=4)
+    message = (
+        r"^steps_per_epoch\(data\): this DataLoader reads an IterableDataset, which has no len\(\); pass the number of "
+        r"batches an epoch yields, e.g. steps_per_epoch\(1000\)$"
+    )
+    with pytest.raises(ValueError, match=message):
+        ParallelWrapper.builder(mlp()).workers(2).steps_per_epoch(loader)
 
 
 def _one_cycle_fit(total_steps: int, epochs: int = 2) -> list[str]:
     """The lr_scheduler warnings of a 2-worker fit of `epochs` over a DataLoader of 8 batches."""
+    return _per_step_fit(OneCycleLR, epochs, max_lr=0.1, total_steps=total_steps)
+
+
+def _per_step_fit(factory: Any, epochs: int, **kwargs: Any) -> list[str]:
+    """The lr_scheduler warnings of a 2-worker fit of `epochs` over a DataLoader of 8 batches,
+    `factory(optimizer, **kwargs)` stepping per step."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 10), torch.randint(0, 3, (64,))), batch_size=8)
     builder = ParallelWrapper.builder(mlp()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.1).averaging_frequency(2)
-    builder.lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=total_steps)
+    builder.lr_scheduler(factory, interval="step", **kwargs)
     with warnings.catch_warnings(record=True) as caught, builder.build() as wrapper:
         warnings.simplefilter("always")
         wrapper.fit(data, epochs=epochs)
@@ -282,3 +309,45 @@ def test_a_schedule_sized_the_one_process_way_warns_once_at_fit_and_one_sized_fo
     assert plain[0].startswith("lr_scheduler: OneCycleLR has 16 steps planned (total_steps), one per batch as a one-process loop counts")
     assert "are 8 global steps (each worker's)" in plain[0] and "end 50% of the way through" in plain[0]
     assert _one_cycle_fit(total_steps=epochs * batches // 2) == []
+
+
+def test_a_transformers_warmup_schedule_sized_the_one_process_way_warns_too() -> None:
+    """transformers' get_linear_schedule_with_warmup (a LambdaLR over partial(...,
+    num_training_steps=...)), as a BERT fine-tune sizes it: one step per batch warns on 2
+    workers, epochs * steps_per_epoch does not (issue 50)."""
+    transformers = pytest.importorskip("transformers")
+    warmup = transformers.get_linear_schedule_with_warmup
+    epochs, batches = 1, 8
+    plain = _per_step_fit(warmup, epochs, num_warmup_steps=1, num_training_steps=batches)  # len(loader)
+    assert len(plain) == 1, plain
+    assert plain[0].startswith("lr_scheduler: LambdaLR has 8 steps planned (num_training_steps), one per batch as a one-process loop counts")
+    steps = epochs * ParallelWrapper.builder(mlp()).workers(2).steps_per_epoch(batches)
+    assert _per_step_fit(warmup, epochs, num_warmup_steps=1, num_training_steps=steps) == []
+
+
+def closure_schedule(optimizer: torch.optim.Optimizer, num_training_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: 1 - step / num_training_steps)
+
+
+@pytest.mark.fast
+def test_a_lambda_schedules_planned_length_is_read_from_its_partial_or_closure() -> None:
+    """transformers' cosine and polynomial warm-ups, a closure's and a MultiplicativeLR's lengths are
+    read and checked as OneCycleLR's total_steps is; a lambda that names no length is not checked."""
+    transformers = pytest.importorskip("transformers")
+    optimizer = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    schedulers = [
+        transformers.get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=16),
+        transformers.get_polynomial_decay_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=16),
+        closure_schedule(optimizer, num_training_steps=16),
+        MultiplicativeLR(optimizer, functools.partial(shrink, num_training_steps=16)),
+    ]
+    for scheduler in schedulers:
+        assert planned_length(scheduler) == ("num_training_steps", 16)
+        message = sizing_warning(Schedule(scheduler, "step", None, world_size=2), iterations=0, batches=16)
+        assert message is not None and "16 steps planned (num_training_steps), one per batch" in message
+        assert sizing_warning(Schedule(scheduler, "step", None, world_size=2), iterations=0, batches=32) is None
+    assert planned_length(LambdaLR(optimizer, lambda step: 1.0)) is None
+
+
+def shrink(step: int, num_training_steps: int) -> float:
+    return 0.99

@@ -9,10 +9,13 @@ import functools
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+from parallelwrapper import ParallelWrapper
 from parallelwrapper.checkpoint import ACCEPTABLE, CheckpointError, load
 from parallelwrapper.naming import describe, qualified
 
@@ -47,6 +50,29 @@ def test_accept_changes_takes_only_the_fields_rebuilt_from_this_run(tmp_path: Pa
     with pytest.raises(ValueError, match=r"\['tensors', 'workers'\] cannot be accepted; only \['optimizer', 'lr_scheduler', 'outer_optimizer'\]"):
         load(tmp_path, {}, accept=["workers", "tensors", "optimizer"])
     assert ACCEPTABLE == ("optimizer", "lr_scheduler", "outer_optimizer")
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+@pytest.mark.fast
+def test_a_partial_optimizer_is_named_with_its_arguments_and_another_rate_refuses_to_resume(tmp_path: Path) -> None:
+    """`.optimizer(functools.partial(make_optimizer, lr=...))` was fingerprinted as `functools.partial`:
+    a resume with another learning rate went through (issue 50). One worker on the CPU trains in
+    this process: fit() spawns nothing."""
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+
+    def builder(lr: float) -> Any:
+        optimizer = functools.partial(make_optimizer, lr=lr)
+        return ParallelWrapper.builder(nn.Linear(4, 2)).workers(1).optimizer(optimizer).checkpoint(tmp_path, every=1)
+
+    with builder(0.1).build() as first:
+        first.fit(data)
+    name = f"partial({qualified(make_optimizer)}, lr={{}})(model)"
+    with builder(0.05).build() as second, pytest.raises(CheckpointError, match=r"\(optimizer differs\)") as refused:
+        second.fit(data, epochs=2, resume=tmp_path)
+    assert f"optimizer: checkpoint has '{name.format(0.1)}', this run has '{name.format(0.05)}'" in str(refused.value)
 
 
 def _run(*args: str | Path) -> subprocess.CompletedProcess[str]:

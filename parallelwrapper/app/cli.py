@@ -66,6 +66,7 @@ def _run_options(f: F) -> F:
         click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any (shared round-robin, over gloo, when the workers outnumber them), else the CPU; cuda: the same, or an error without a GPU."),
         _declared("seed", "pw-fit also seeds the model's initial weights and the shuffling with it.", default=123),
         _declared("gradient_clipping"),
+        _declared("accumulate"),
         _declared("precision"),
         click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files (gzipped or not). Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist)."),
         click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir."),

@@ -48,7 +48,7 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 _MIRRORED = (
     "workers", "prefetch_buffer", "report_score_after_averaging", "average_updaters", "average_updaters_every", "training_mode",
     "seed", "overlap_averaging", "deterministic", "checkpoint_every", "precision", "gradient_clipping", "warmup_sync_steps",
-    "payload_dtype", "fragments",
+    "payload_dtype", "fragments", "accumulate",
 )  # fmt: skip
 LR_SCHEDULES: tuple[str, ...] = ("none", "step", "cosine", "onecycle")
 
@@ -85,6 +85,7 @@ class RunOptions:
     resume: Path | None = None  # a checkpoint directory to continue from (and to keep saving to)
     precision: str = "32"  # or "bf16-mixed" (Builder.precision)
     gradient_clipping: float | None = None  # Builder.gradient_clipping(max_norm)
+    accumulate: int = 1  # each batch a step of N micro-batches (Builder.accumulate)
     validation_every: int = 0  # validate on the test set every N averagings too (0: at epoch ends only)
     early_stopping_patience: int | None = None  # stop after this many validations without a better val_loss
     lr_schedule: str = "none"  # or step, cosine, onecycle (see with_lr_schedule)
@@ -211,6 +212,7 @@ def builder(model: torch.nn.Module, options: RunOptions, listeners: Sequence[Any
         .precision(options.precision)
         .warmup_sync_steps(options.warmup_sync_steps)
         .fragments(options.fragments)
+        .accumulate(options.accumulate)
         .listeners(*listeners)
     )
     # With "auto" the autopilot chooses the payload, the optimizer state's period and overlap,

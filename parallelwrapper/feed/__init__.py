@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-from ..types import BatchSource, Counters, Epochs
+from ..types import BatchSource, Counters, DataOrder, Epochs
 from .claims import ClaimSource, Counter
 from .data import Batches
 from .epochs import ListEpochs
@@ -22,18 +22,21 @@ from .shard import ShardSource
 Transport: TypeAlias = "QueueSource | Epochs | Batches"  # what a host names: its queue, epochs sent once per fit, or the data it holds
 
 
-def source(transport: Transport, rank: int, world_size: int, counters: Counters, until_epoch: int, claims: Counter | None = None) -> BatchSource:
+def source(
+    transport: Transport, rank: int, world_size: int, counters: Counters, until_epoch: int, claims: Counter | None = None, order: DataOrder | None = None
+) -> BatchSource:
     """Rank `rank`'s batches of a fit that starts where `counters` stand and runs to `until_epoch`:
     a queue as it is; of data the rank reads itself (`Epochs`, or a list or tuple of batches),
     claimed first-come from `claims` where there is a counter, else its dealt shard (a
-    DataLoader, a generator or a function: always dealt)."""
+    DataLoader, a generator or a function: always dealt), its epochs in the order kept for a
+    resume (`order`, feed/order.py)."""
     if isinstance(transport, QueueSource):
         return transport
     if claims is not None and isinstance(transport, (list, tuple)):
         transport = ListEpochs(transport)
     if claims is not None and isinstance(transport, Epochs):
         return ClaimSource(transport, claims, counters.epoch, counters.position, until_epoch)
-    return ShardSource(transport, rank, world_size, counters.epoch, counters.position)
+    return ShardSource(transport, rank, world_size, counters.epoch, counters.position, order)
 
 
 __all__ = ["Transport", "source"]

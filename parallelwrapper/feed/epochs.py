@@ -90,8 +90,11 @@ class DatasetEpochs:
     epochs: list[Epoch]
 
     @staticmethod
-    def of(loader: DataLoader[Sample], first: int, until: int) -> DatasetEpochs:
-        return DatasetEpochs(loader.dataset, loader.collate_fn, first, [_epoch_indices(loader) for _ in range(first, until)])
+    def of(loader: DataLoader[Sample], first: int, until: int, draw: Callable[[int], Epoch] | None = None) -> DatasetEpochs:
+        """Epochs `first` to `until` - 1 of `loader`, each's batches given by `draw(epoch)`
+        (feed/order.py: kept for a resume), or drawn from the loader."""
+        draw = draw or (lambda _: packed(drawn(loader)[1]))
+        return DatasetEpochs(loader.dataset, loader.collate_fn, first, [draw(epoch) for epoch in range(first, until)])
 
     def length(self, epoch: int) -> int:
         """How many batches epoch `epoch` has."""
@@ -125,12 +128,12 @@ def shardable(data: Batches, feed: str, replaces: bool) -> bool:
     return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or (map_style_loader(data) and distributed_sampler(data) is None))
 
 
-def shards_of(data: Batches, first_epoch: int, until_epoch: int) -> Epochs:
+def shards_of(data: Batches, first_epoch: int, until_epoch: int, draw: Callable[[int], Epoch] | None = None) -> Epochs:
     """What spawned workers get to read their shards of `data` (shardable) from, once per fit():
-    a DataLoader's epochs `first_epoch` to `until_epoch` - 1 as sample indices, or the list or
-    tuple of batches itself."""
+    a DataLoader's epochs `first_epoch` to `until_epoch` - 1 as sample indices (DatasetEpochs.of),
+    or the list or tuple of batches itself."""
     if isinstance(data, DataLoader):
-        return DatasetEpochs.of(data, first_epoch, until_epoch)
+        return DatasetEpochs.of(data, first_epoch, until_epoch, draw)
     assert isinstance(data, (list, tuple)), "shardable data is a DataLoader, a list or a tuple"
     return ListEpochs(data)
 
@@ -139,12 +142,19 @@ def loader_share(loader: DataLoader[Sample], rank: int, world_size: int) -> Data
     """One pass over an `indexed_loader`'s batches i ≡ rank (mod world_size), as a loader of their
     own: the pass's batches drawn as sample indices, as iterating `loader` draws them (its random
     streams left where iterating it leaves them), and only this rank's loaded and collated, by
-    `loader`'s settings. Its processes (num_workers) start afresh for each pass; in a spawned
-    worker, a daemon that may start none, the share loads in the worker itself."""
-    seed, batches = _drawn(loader)
+    `loader`'s settings (`loader_over`)."""
+    seed, batches = drawn(loader)
+    return loader_over(loader, seed, batches[rank::world_size])
+
+
+def loader_over(loader: DataLoader[Sample], seed: int, batches: Epoch) -> DataLoader[Sample]:
+    """A loader of exactly `batches` (of sample indices, as `drawn` gives them, or `packed`),
+    loaded and collated by `loader`'s settings, its processes seeded from `seed` as `loader`'s
+    would be. Its processes (num_workers) start afresh for each pass; in a spawned worker, a
+    daemon that may start none, it loads in the worker itself."""
     processes = 0 if multiprocessing.current_process().daemon else loader.num_workers
     return DataLoader(
-        loader.dataset, batch_sampler=batches[rank::world_size], collate_fn=loader.collate_fn, num_workers=processes,
+        loader.dataset, batch_sampler=unpacked(batches), collate_fn=loader.collate_fn, num_workers=processes,
         pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context, generator=torch.Generator().manual_seed(seed),
         prefetch_factor=loader.prefetch_factor if processes else None, pin_memory_device=loader.pin_memory_device,
@@ -152,7 +162,7 @@ def loader_share(loader: DataLoader[Sample], rank: int, world_size: int) -> Data
     )  # fmt: skip
 
 
-def _drawn(loader: DataLoader[Sample]) -> tuple[int, list[list[object]]]:
+def drawn(loader: DataLoader[Sample]) -> tuple[int, list[list[object]]]:
     """(base seed, batches): one pass's batches of sample indices, drawn as iterating the loader
     draws them: its iterator takes the base seed of its processes from the generator (the global
     one when None) before the sampler draws its own, so the random streams stay where the loader
@@ -162,13 +172,22 @@ def _drawn(loader: DataLoader[Sample]) -> tuple[int, list[list[object]]]:
     return seed, [list(batch) for batch in loader.batch_sampler]
 
 
-def _epoch_indices(loader: DataLoader[Sample]) -> Epoch:
-    """One epoch's batches of sample indices (`_drawn`), ints packed in tensors."""
-    _, batches = _drawn(loader)
+def packed(batches: list[list[object]]) -> Epoch:
+    """An epoch's batches of sample indices, ints packed in two tensors (its indices end to end,
+    where each batch starts); other keys kept as lists."""
     if not all(type(i) is int for batch in batches for i in batch):
         return batches
     starts = torch.tensor([0, *itertools.accumulate(len(batch) for batch in batches)], dtype=torch.int64)
     return torch.tensor([i for batch in batches for i in batch], dtype=torch.int64), starts
 
 
-__all__ = ["DatasetEpochs", "ListEpochs", "indexed_loader", "loader_share", "map_style_loader", "shardable", "shards_of"]
+def unpacked(batches: Epoch) -> list[list[object]]:
+    """`packed`'s batches as lists again."""
+    if isinstance(batches, list):
+        return batches
+    flat, starts = batches
+    bounds = starts.tolist()
+    return [flat[a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+
+
+__all__ = ["DatasetEpochs", "ListEpochs", "drawn", "indexed_loader", "loader_over", "loader_share", "map_style_loader", "packed", "shardable", "shards_of", "unpacked"]

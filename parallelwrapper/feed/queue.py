@@ -22,8 +22,9 @@ from multiprocessing.synchronize import Event
 from typing import Protocol, TypeAlias, TypeVar
 
 from ..processes import main_process_gone
-from ..types import END, Batch, EndOfEpoch
-from .data import Batches, check_epoch_length, data_raised, epoch_iterable
+from ..types import END, Batch, DataOrder, EndOfEpoch
+from .data import Batches, check_epoch_length, data_raised
+from .order import EpochOrder
 from .slots import SlotReader, SlotWriter
 
 T = TypeVar("T")
@@ -62,7 +63,8 @@ class Unput:
 class Feeder:
     """A daemon thread that puts epochs `first_epoch` to `until_epoch - 1` of batches into the
     workers' queues, skipping the first `skip` batches of the first (already trained, when
-    resuming). Indices keep counting from 0, so the deterministic deal is the same as it was."""
+    resuming), drawn in the order kept for a resume (`order`, order.py). Indices keep counting
+    from 0, so the deterministic deal is the same as it was."""
 
     def __init__(
         self,
@@ -73,8 +75,9 @@ class Feeder:
         queues: Sequence[Queue[Item]],
         workers: int,
         slots: SlotWriter,
+        order: DataOrder | None = None,
     ) -> None:
-        self._make_epoch = epoch_iterable(data)
+        self._make_epoch = EpochOrder(data, first_epoch, order, trains_here=False)
         self._first_epoch, self._until_epoch, self._skip = first_epoch, until_epoch, skip
         self._queues, self._workers, self._slots = list(queues), workers, slots
         self._stop = threading.Event()

@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from torch.utils.data.distributed import DistributedSampler
 
-from ..types import END, Batch, EndOfEpoch, Epochs
+from ..types import END, Batch, DataOrder, EndOfEpoch, Epochs
 from .data import Batches, check_epoch_length, data_raised, distributed_sampler, epoch_iterable
 from .epochs import indexed_loader, loader_share
+from .order import EpochOrder
 
 
 def rank_share(data: Batches, rank: int, world_size: int) -> Iterator[Batch]:
@@ -38,11 +39,12 @@ class ShardSource:
     Every rank iterates the same data (same order: seed any shuffling the same on every rank)
     and keeps its own shard, so no data is sent between machines. A DataLoader whose sampler is
     a DistributedSampler is sharded already: all its batches are this rank's, and its sampler
-    is told the epoch (`set_epoch`) so that shuffling differs between epochs. Of `Epochs` sent
-    to spawned workers (epochs.py), only this rank's batches are loaded, by index.
+    is told the epoch (`set_epoch`, as is anything of other data that has it: order.py) so that
+    shuffling differs between epochs. Of `Epochs` sent to spawned workers (epochs.py), only this
+    rank's batches are loaded, by index. A resumed epoch is drawn in the order kept for it (`order`).
     """
 
-    def __init__(self, data: Batches | Epochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0) -> None:
+    def __init__(self, data: Batches | Epochs, rank: int, world_size: int, epoch: int = 0, skip: int = 0, order: DataOrder | None = None) -> None:
         self._rank, self._world, self._epoch, self._skip = rank, world_size, epoch, skip
         self._data = data
         self._epochs: Epochs | None = None
@@ -51,7 +53,7 @@ class ShardSource:
         if isinstance(data, Epochs):
             self._epochs, self._make_epoch = data, self._indices
         else:
-            self._make_epoch, self._sampler = epoch_iterable(data), distributed_sampler(data)
+            self._make_epoch, self._sampler = EpochOrder(data, epoch, order, trains_here=True), distributed_sampler(data)
         self._it: Iterator[tuple[int, Batch]] | None = None
 
     def _mine(self, index: int) -> bool:
@@ -85,8 +87,6 @@ class ShardSource:
 
     def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         if self._it is None:
-            if self._sampler is not None:
-                self._sampler.set_epoch(self._epoch)
             skip, self._skip = self._skip, 0  # only the first epoch resumes mid-way
             self._it = self._shard(skip)
         item = next(self._it, None)

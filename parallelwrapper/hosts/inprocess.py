@@ -57,11 +57,11 @@ class InProcessWorker:
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Train as a spawned worker 0 would on `command`; return its final state (model, optimizer, schedule)."""
-        source = feed.source(data, 0, 1, command.counters, command.until_epoch)
-        with stop_on_signals(self._hooks, (signal.SIGINT,)):
+        source = feed.source(data, 0, 1, command.counters, command.until_epoch, order=command.order)
+        with stop_on_signals(self._hooks, (signal.SIGINT,), on_report) as report:
             until_epoch = self._worker.start(command)
             del command  # loaded: the copy of the state goes now, not at the fit's end
-            self._worker.train(until_epoch, source, on_report)
+            self._worker.train(until_epoch, source, report)
         return self._worker.replica.state_dicts()
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ from ..env import Placement
 from ..feed.data import FeedError
 from ..job import Job
 from ..rounds import Lockstep, Rounds
-from ..types import BatchSource, FitCommand, Hooks, Reporter, StateDict, Stopped, TrainingError, WorkerError
+from ..types import BatchSource, FitCommand, Hooks, Report, Reporter, StateDict, Stopped, TrainingError, WorkerError
 from ..worker import Replica
 
 _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
@@ -193,35 +193,57 @@ class SignalHooks(Hooks):
 
 
 @contextlib.contextmanager
-def stop_on_signals(hooks: SignalHooks, signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+def stop_on_signals(hooks: SignalHooks, signals: tuple[signal.Signals, ...], on_report: Reporter) -> Iterator[Reporter]:
     """With checkpoints on, the first of `signals` finishes the round and saves it (a second one,
     `_REPEAT_S` or more later, interrupts at once); then the signal takes effect as it would have:
     KeyboardInterrupt for SIGINT, the previous handler (by default: the end of the process) for
-    the others. A stop that another worker asked for ends in KeyboardInterrupt. Without
-    checkpoints, nothing changes."""
+    the others. A stop that another worker asked for ends in KeyboardInterrupt, and so does one
+    asked in the fit's last round, which ends the fit anyway. Without checkpoints, nothing changes.
+
+    Yields `on_report` as the worker is to call it: with checkpoints on, a KeyboardInterrupt
+    raised in it (a listener's, or a Ctrl-C that came while one ran) is the first SIGINT; left to
+    unwind the round loop, it would stop the fit unsaved, with the round's other records unheard.
+    Without checkpoints it propagates at once, as a Ctrl-C does."""
     hooks.signalled = None
     if hooks.checkpointer is None or threading.current_thread() is not threading.main_thread():
-        yield
+        yield on_report
         return
-    first = 0.0
+    first, again = 0.0, False
 
     def first_stops_second_interrupts(signum: int, frame: FrameType | None) -> None:
-        nonlocal first
+        nonlocal first, again
         if hooks.signalled is None:
             hooks.signalled, first = signum, time.monotonic()
         elif time.monotonic() - first >= _REPEAT_S:
+            again = True
             raise KeyboardInterrupt
+
+    def reporting(report: Report) -> None:
+        nonlocal first
+        try:
+            on_report(report)
+        except KeyboardInterrupt:
+            if again:  # a second signal's, come while a listener ran: at once, as anywhere else
+                raise
+            if hooks.signalled is None:  # a later one is the same request
+                hooks.signalled, first = signal.SIGINT, time.monotonic()
 
     previous = {s: signal.signal(s, first_stops_second_interrupts) for s in signals}
     try:
-        yield
-    except Stopped as stop:
+        try:
+            yield reporting
+        except Stopped as stop:
+            why = str(stop)
+        else:
+            if hooks.signalled is None:
+                return
+            why = "stopped at the end of the fit: the stop was asked in its last round"
         for s, handler in previous.items():
             signal.signal(s, handler)
         previous = {}
         if hooks.signalled not in (None, signal.SIGINT):
             signal.raise_signal(hooks.signalled)  # the checkpoint is saved: now as the signal meant
-        raise KeyboardInterrupt(str(stop)) from None
+        raise KeyboardInterrupt(why) from None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -28,6 +28,7 @@ from ..env import Placement, collective_timeout, resolve
 from ..feed.claims import claimed
 from ..feed.data import Batches
 from ..feed.epochs import shardable, shards_of
+from ..feed.order import EpochOrder
 from ..feed.queue import Feeder, Item, drain
 from ..feed.slots import SlotWriter
 from ..job import Job
@@ -203,6 +204,8 @@ class WorkerPool:
 
         Ctrl-C: with checkpoints on, the workers finish the round and save it (for up to
         `_STOP_GRACE_S`), then KeyboardInterrupt propagates; without, it propagates at once.
+        A KeyboardInterrupt raised in `on_report` (a listener's, or a Ctrl-C that came while one
+        ran) is one, once the reports that came with it are all passed on.
         With on_worker_failure("replace"), a worker's failure replaces it (replacement/).
         """
         self._stop.clear()
@@ -215,9 +218,10 @@ class WorkerPool:
             # a key of this fit's in the store (feed/claims.py), or each reads its dealt shard.
             self._fits += 1
             claims = f"pw-claims/{self._fits}" if claimed(self.config) else None
-            command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch), claims=claims)
+            order = EpochOrder(data, c.epoch, command.order, trains_here=False, up_front=True)
+            command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch, order.indices), claims=claims)
         else:
-            feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, self._placement.world_size, self.slots)
+            feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, self._placement.world_size, self.slots, command.order)
         for q in self._commands:
             q.put(command)
         # The queues hold the command until they have sent it; its state is the main process's
@@ -227,21 +231,33 @@ class WorkerPool:
             feeder.start()
         done: set[int] = set()
         finals: dict[int, TrainingState] = {}  # worker 0's: its stages', with a pipeline
+        # Left mid-message, a KeyboardInterrupt raised while reporting would lose the reports that
+        # came with it: it waits until they are passed on (a later one is the same request).
+        pressed: list[KeyboardInterrupt] = []
+
+        def report(record: Report) -> None:
+            try:
+                on_report(record)
+            except KeyboardInterrupt as e:
+                pressed.append(e)
+
         try:
             while len(done) < len(self._processes):
                 if feeder is not None and feeder.error is not None:
                     raise feeder.error
                 try:
-                    message = self._receive("training", on_report)
+                    if pressed:
+                        raise pressed[0]
+                    message = self._receive("training", report)
                 except KeyboardInterrupt:
                     if self.config.checkpoint_dir is None:
                         raise
-                    self._stop_gracefully(on_report)
+                    self._stop_gracefully(report)
                     raise
                 except WorkerError as error:
                     if self._replacer is None or feeder is None or done:
                         raise
-                    self._replacer.replace(error, feeder, until_epoch, self._supervisor, lambda m: self._pass_on(m, on_report), on_report)
+                    self._replacer.replace(error, feeder, until_epoch, self._supervisor, lambda m: self._pass_on(m, report), report)
                     continue
                 if message is not None and message[0] == "done":
                     done.add(message[1])
@@ -251,6 +267,8 @@ class WorkerPool:
             if feeder is not None:
                 feeder.stop()
         self._drain()
+        if pressed:  # in the last reports of the fit, which every worker has finished and saved
+            raise pressed[0]
         if self._join is not None:
             return self._join([finals[s] for s in range(self._placement.stages)])
         return finals[0]

@@ -157,12 +157,12 @@ class TorchrunWorker:
         counters = command.counters
         self._fits += 1  # every rank counts its fits alike: the key of this fit's claims
         counter = None if self._claims is None else StoreCounter(self._claims, f"fit-{self._fits}")
-        source = feed.source(data, self._worker.rank, self._workers, counters, command.until_epoch, counter)
-        with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM)):
+        source = feed.source(data, self._worker.rank, self._workers, counters, command.until_epoch, counter, command.order)
+        with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM), on_report) as report:
             try:
                 until_epoch = self._worker.start(command)
                 del command  # loaded: the copy of the state goes now, not at the fit's end
-                self._worker.train(until_epoch, source, on_report)
+                self._worker.train(until_epoch, source, report)
             except WorkerError as e:
                 if not _PEER_GONE.search(e.summary):
                     raise
