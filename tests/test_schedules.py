@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -289,19 +288,6 @@ def _one_cycle_fit(total_steps: int, epochs: int = 2) -> list[str]:
     return _per_step_fit(OneCycleLR, epochs, max_lr=0.1, total_steps=total_steps)
 
 
-def _per_step_fit(factory: Any, epochs: int, **kwargs: Any) -> list[str]:
-    """The lr_scheduler warnings of a 2-worker fit of `epochs` over a DataLoader of 8 batches,
-    `factory(optimizer, **kwargs)` stepping per step."""
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 10), torch.randint(0, 3, (64,))), batch_size=8)
-    builder = ParallelWrapper.builder(mlp()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.1).averaging_frequency(2)
-    builder.lr_scheduler(factory, interval="step", **kwargs)
-    with warnings.catch_warnings(record=True) as caught, builder.build() as wrapper:
-        warnings.simplefilter("always")
-        wrapper.fit(data, epochs=epochs)
-        assert wrapper.lr_scheduler.last_epoch == epochs * wrapper.steps_per_epoch(data)
-    return [str(w.message) for w in caught if str(w.message).startswith("lr_scheduler")]
-
-
 def test_a_schedule_sized_the_one_process_way_warns_once_at_fit_and_one_sized_for_the_split_does_not() -> None:
     epochs, batches = 2, 8
     plain = _one_cycle_fit(total_steps=epochs * batches)
@@ -311,18 +297,21 @@ def test_a_schedule_sized_the_one_process_way_warns_once_at_fit_and_one_sized_fo
     assert _one_cycle_fit(total_steps=epochs * batches // 2) == []
 
 
+@pytest.mark.fast
 def test_a_transformers_warmup_schedule_sized_the_one_process_way_warns_too() -> None:
     """transformers' get_linear_schedule_with_warmup (a LambdaLR over partial(...,
     num_training_steps=...)), as a BERT fine-tune sizes it: one step per batch warns on 2
     workers, epochs * steps_per_epoch does not (issue 50)."""
     transformers = pytest.importorskip("transformers")
-    warmup = transformers.get_linear_schedule_with_warmup
     epochs, batches = 1, 8
-    plain = _per_step_fit(warmup, epochs, num_warmup_steps=1, num_training_steps=batches)  # len(loader)
-    assert len(plain) == 1, plain
-    assert plain[0].startswith("lr_scheduler: LambdaLR has 8 steps planned (num_training_steps), one per batch as a one-process loop counts")
     steps = epochs * ParallelWrapper.builder(mlp()).workers(2).steps_per_epoch(batches)
-    assert _per_step_fit(warmup, epochs, num_warmup_steps=1, num_training_steps=steps) == []
+    for planned, warns in ((batches, True), (steps, False)):  # len(loader), then sized for the split
+        optimizer = torch.optim.SGD(mlp().parameters(), lr=0.1)
+        scheduler = transformers.get_linear_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=planned)
+        message = sizing_warning(Schedule(scheduler, "step", None, world_size=2), iterations=0, batches=epochs * batches)
+        assert (message is not None) == warns, message
+        if warns:
+            assert message.startswith("lr_scheduler: LambdaLR has 8 steps planned (num_training_steps), one per batch as a one-process loop counts")
 
 
 def closure_schedule(optimizer: torch.optim.Optimizer, num_training_steps: int) -> LambdaLR:
