@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +287,19 @@ def test_steps_per_epoch_of_an_iterable_dataset_asks_for_the_batch_count() -> No
 def _one_cycle_fit(total_steps: int, epochs: int = 2) -> list[str]:
     """The lr_scheduler warnings of a 2-worker fit of `epochs` over a DataLoader of 8 batches."""
     return _per_step_fit(OneCycleLR, epochs, max_lr=0.1, total_steps=total_steps)
+
+
+def _per_step_fit(factory: Any, epochs: int, **kwargs: Any) -> list[str]:
+    """The lr_scheduler warnings of a 2-worker fit of `epochs` over a DataLoader of 8 batches,
+    `factory(optimizer, **kwargs)` stepping per step."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 10), torch.randint(0, 3, (64,))), batch_size=8)
+    builder = ParallelWrapper.builder(mlp()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.1).averaging_frequency(2)
+    builder.lr_scheduler(factory, interval="step", **kwargs)
+    with warnings.catch_warnings(record=True) as caught, builder.build() as wrapper:
+        warnings.simplefilter("always")
+        wrapper.fit(data, epochs=epochs)
+        assert wrapper.lr_scheduler.last_epoch == epochs * wrapper.steps_per_epoch(data)
+    return [str(w.message) for w in caught if str(w.message).startswith("lr_scheduler")]
 
 
 def test_a_schedule_sized_the_one_process_way_warns_once_at_fit_and_one_sized_for_the_split_does_not() -> None:
