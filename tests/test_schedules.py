@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -354,3 +355,29 @@ def test_a_lambda_schedules_planned_length_is_read_from_its_partial_or_closure()
 
 def shrink(step: int, num_training_steps: int) -> float:
     return 0.99
+
+
+def warm_up_from_zero(step: int, num_warmup_steps: int) -> float:
+    return min(1.0, step / num_warmup_steps)
+
+
+def slow_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if dist.is_initialized() and dist.get_rank() == 1:
+        time.sleep(0.2)
+
+
+def test_a_warm_up_from_lr_0_on_first_come_workers_averages_every_group() -> None:
+    """A per-step warm-up from lr 0 (as transformers' are) on 2 first-come workers, one slow: at
+    the first round's end the fast one has stepped past lr 0 and the slow one has not. A group
+    at lr 0 used to be left out of the average on the worker that saw 0 alone, so the two sent
+    buffers of different sizes and gloo aborted (2 runs in 3, issue 50's BERT recipe); a group
+    stands still only where its schedule began at 0."""
+    data = make_batches(8, size=8)
+    builder = (
+        ParallelWrapper.builder(mlp()).workers(2).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.1).averaging_frequency(2)
+        .before_step(slow_rank_1).lr_scheduler(LambdaLR, interval="step", lr_lambda=functools.partial(warm_up_from_zero, num_warmup_steps=2))
+    )  # fmt: skip
+    with builder.build() as wrapper:
+        history = wrapper.fit(data)
+    assert history.scores and all(math.isfinite(s.score) for s in history.scores)
+    assert wrapper.lr_scheduler.last_epoch == wrapper.steps_per_epoch(data)

@@ -4,10 +4,18 @@ Synchronous steps are SHARED_GRADIENTS', a warm-up's and a node's.
 
 AVERAGING's state is the trained parameters, the buffers and (with average_updaters) the
 optimizer's state. Frozen parameters (requires_grad=False), those that no param group of the
-optimizer holds, and those of a param group whose learning rate is 0 now, are left out: they are the same on every worker and nothing moves them,
-so averaging them would only cost bytes and, with uneven weights, an ulp of rounding. Their
-optimizer state is averaged all the same; when a schedule moves a group's lr off 0, the layout
-changes on every worker alike, and the state is averaged anew.
+optimizer holds, and those of a param group that stands still, are left out: they are the same
+on every worker and nothing moves them, so averaging them would only cost bytes and, with uneven
+weights, an ulp of rounding. Their optimizer state is averaged all the same.
+
+A group stands still where its learning rate is 0 and was 0 when its schedule began
+(`initial_lr`, which torch's schedulers set): a group frozen by lr 0, with or without a
+schedule. Its lr then changes only where every worker agrees (at a landing, a validation, an
+epoch's end), so the layout changes on every worker alike, and the state is averaged anew. A
+group that a per-step schedule brings to 0 from elsewhere (a warm-up from 0, as transformers'
+are) is averaged: each worker steps its schedule by its own steps within a round, so at a
+round's end one worker may be at that 0 while another has moved on, and the two would send
+buffers of different layouts.
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ import torch.distributed as dist
 
 
 def _still(group: Mapping[str, object]) -> bool:
-    """A param group that no step moves: its learning rate (a number, or a tensor) is 0."""
-    return float(cast(SupportsFloat, group.get("lr", 1.0))) == 0.0
+    """A param group that no step moves: its learning rate (a number, or a tensor) is 0, and was
+    0 when its schedule began (none: it is its own initial rate)."""
+    lr = float(cast(SupportsFloat, group.get("lr", 1.0)))
+    return lr == 0.0 and float(cast(SupportsFloat, group.get("initial_lr", lr))) == 0.0
 
 
 def trained_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
