@@ -1,7 +1,8 @@
 """A resume trains every sample of the interrupted epoch exactly once, whatever the loader (issue 50).
 
 The model counts: its one parameter `seen` gains exactly 1/N at a sample's index each time one
-of N workers trains on that sample (SGD at lr 1 on the loss -Σ seen[ids], averaged every step),
+of N workers trains on that sample (SGD at lr 1 on the loss -Σ seen[ids], averaged every step
+over N equal weights),
 so N·seen after an epoch is how often each sample was trained. A fit is stopped mid-epoch by a
 listener, after a checkpoint every round, and resumed by a new wrapper: every count must be 1.
 Before the epochs' orders were kept, a shuffled loader drew another order on resume and counted
@@ -51,9 +52,13 @@ def shuffled(generator: torch.Generator | None = None) -> DataLoader[tuple[torch
 
 
 def counting(workers: int, directory: Path, *listeners: object, feed: str = "auto") -> ParallelWrapper:
+    """k = 1 and one batch per worker a round, so that every round averages N equal weights: the
+    queue gives each worker at most k batches a round, and the shards are dealt (a first-come
+    claim may take two of a round's batches, which would count 2 for one worker's samples)."""
     return (
         ParallelWrapper.builder(Counts()).workers(workers).threads_per_worker(1).training_step(count_step)
-        .optimizer(torch.optim.SGD, lr=1.0).feed(feed).checkpoint(directory, every=1).listeners(*listeners).build()
+        .optimizer(torch.optim.SGD, lr=1.0).feed(feed).deterministic(feed == "auto" and workers > 1)
+        .checkpoint(directory, every=1).listeners(*listeners).build()
     )  # fmt: skip
 
 
