@@ -12,8 +12,9 @@ positions), `forward(x)` returns logits flattened to (B * T, 256) so that `F.cro
 y)` with targets flattened to (B * T,) is the loss: every contender and the wrapper's default loss
 use it unchanged. The default size (7 layers, width 256, 8 heads, context 128) has 5.6M
 parameters (`parameter_count()`); `python benchmarks/gpt_arena.py` prints it and the corpus size.
-With `--des-loc 1,4,0` it races `.average_updaters(every=m)` for each m (0: never, the parameters alone) on 2 spawned workers (loopback)
-and tables each run's bytes sent per worker, measured, and final validation loss (benchmarks/README.md).
+With `--des-loc 1,4,0` it races `.average_updaters(every=m)` for each m (0: never, the parameters alone) on 2 spawned workers (loopback),
+with `--payloads float32-diloco,sparse-params-diloco,...` the payloads (PAYLOAD_RACE), and tables each run's bytes sent per worker,
+measured, seconds and final validation loss (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -150,38 +151,61 @@ def _written(pids: set[int]) -> int:
     return total
 
 
-def des_loc_race(everies: list[int], layers: int, width: int, context: int, steps: int, k: int, batch: int, seed: int = 0) -> list[dict[str, float]]:
-    """`.average_updaters(every=m)` for each m (0: `.average_updaters(False)`), AdamW lr 1e-3, 2 spawned workers, k local steps a
-    round, `steps` steps a worker on the same batches (dealt: `.deterministic(True)`). Each run's
-    bytes written per worker (wchar of its worker processes, measured) and final validation loss."""
+def race(contenders: dict[str, dict[str, object]], layers: int, width: int, context: int, steps: int, k: int, batch: int, seed: int = 0) -> list[dict[str, object]]:
+    """Each contender (a name and its builder changes: `average_updaters` True, False or every=m,
+    `payload_dtype`, `outer` as (lr, momentum)) trains with AdamW lr 1e-3 on 2 spawned workers,
+    k local steps a round, `steps` steps a worker on the same batches (dealt:
+    `.deterministic(True)`). Each run's bytes written per worker (wchar of its worker processes,
+    measured), seconds and final validation loss."""
+    import time
+
     from parallelwrapper import ParallelWrapper
 
     train, val_text = corpus()
     val = val_batches(val_text, 64, context, limit=8)
     data = list(train_batches(train, batch, 2 * steps, seed, context))
-    rows = []
-    for every in everies:
+    rows: list[dict[str, object]] = []
+    for name, change in contenders.items():
         torch.manual_seed(seed)
         model = CharGPT(layers, width, max(1, width // 32), context)
         builder = (
             ParallelWrapper.builder(model).optimizer(torch.optim.AdamW, lr=1e-3).workers(2).threads_per_worker(1)
-            .averaging_frequency(k).deterministic(True)
+            .averaging_frequency(k).deterministic(True).payload_dtype(str(change.get("payload_dtype", "float32")))
         )  # fmt: skip
-        builder = builder.average_updaters(every=every) if every else builder.average_updaters(False)
-        before = _descendants()
+        every = change.get("average_updaters", True)
+        builder = builder.average_updaters(every=every) if isinstance(every, int) and not isinstance(every, bool) else builder.average_updaters(bool(every))
+        if "outer" in change:
+            lr, momentum = change["outer"]  # type: ignore[misc]
+            builder = builder.outer_optimizer(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        before, start = _descendants(), time.perf_counter()
         with builder.build() as w:
             w.fit(data, epochs=1)
             workers = _descendants() - before
             sent = _written(workers) / 2
-            rows.append({"every": every, "rounds": w.counters.rounds, "bytes_per_worker": sent, "val_loss": val_loss(w.model, val), "parameters": parameter_count(model)})
+            rows.append({"name": name, "rounds": w.counters.rounds, "bytes_per_worker": sent, "seconds": time.perf_counter() - start,
+                         "val_loss": val_loss(w.model, val), "parameters": parameter_count(model)})  # fmt: skip
     return rows
+
+
+# --payloads: float32 DiLoCo (the outer optimizer, the whole state) against coded payloads of the
+# parameters alone under the same outer optimizer, and sparse under plain averaging (its error
+# feedback standing in for outer momentum, as in SparseLoCo).
+PAYLOAD_RACE: dict[str, dict[str, object]] = {
+    "float32-diloco": {"outer": (0.7, 0.9)},
+    "float32-params-diloco": {"average_updaters": False, "outer": (0.7, 0.9)},  # DiLoCo's own: each worker keeps its AdamW state
+    "int8-params-diloco": {"payload_dtype": "int8", "average_updaters": False, "outer": (0.7, 0.9)},
+    "sparse-params-diloco": {"payload_dtype": "sparse", "average_updaters": False, "outer": (0.7, 0.9)},
+    "sparse-params-average": {"payload_dtype": "sparse", "average_updaters": False},
+}
 
 
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Print the arena's sizes, or with --des-loc race .average_updaters(every=m) for each m given.")
+    parser = argparse.ArgumentParser(description="Print the arena's sizes, or race .average_updaters(every=m) for each m given (--des-loc), or payloads (--payloads).")
     parser.add_argument("--des-loc", default=None, help="comma-separated m, e.g. 1,4,0 (0: never)")
+    parser.add_argument("--payloads", default=None, help=f"comma-separated contenders of {list(PAYLOAD_RACE)}, the first the reference")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--context", type=int, default=CONTEXT)
@@ -189,17 +213,21 @@ if __name__ == "__main__":
     parser.add_argument("--k", type=int, default=8, help="local steps a round")
     parser.add_argument("--batch", type=int, default=16, help="windows a step")
     args = parser.parse_args()
-    if args.des_loc is None:
+    if args.des_loc is None and args.payloads is None:
         train, val = corpus()
         m = CharGPT()
         print(f"corpus: {len(train)} training bytes, {len(val)} validation bytes; CharGPT: {parameter_count(m):,} parameters")
     else:
-        rows = des_loc_race([int(m) for m in args.des_loc.split(",")], args.layers, args.width, args.context, args.steps, args.k, args.batch)
+        if args.des_loc is not None:
+            contenders: dict[str, dict[str, object]] = {f"every={m}": {"average_updaters": int(m) or False} for m in args.des_loc.split(",")}
+        else:
+            contenders = {name: PAYLOAD_RACE[name] for name in args.payloads.split(",")}
+        rows = race(contenders, args.layers, args.width, args.context, args.steps, args.k, args.batch, args.seed)
         base = rows[0]
-        print("| every | rounds | MB sent per worker | / first row's | final validation loss (nats/byte) | / first row's |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| contender | rounds | MB sent per worker | / first row's | seconds | final validation loss (nats/byte) | / first row's |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
-            fewer, loss = base["bytes_per_worker"] / r["bytes_per_worker"], r["val_loss"] / base["val_loss"]
-            print(f"| {r['every']} | {r['rounds']} | {r['bytes_per_worker'] / 1e6:.2f} | {fewer:.2f}x fewer | {r['val_loss']:.4f} | {loss:.4f} |")
+            fewer, loss = float(base["bytes_per_worker"]) / float(r["bytes_per_worker"]), float(r["val_loss"]) / float(base["val_loss"])  # type: ignore[arg-type]
+            print(f"| {r['name']} | {r['rounds']} | {float(r['bytes_per_worker']) / 1e6:.2f} | {fewer:.2f}x fewer | {float(r['seconds']):.1f} | {r['val_loss']:.4f} | {loss:.4f} |")  # type: ignore[arg-type]
         size = f"CharGPT {args.layers} layers, width {args.width}, context {args.context}: {base['parameters']:,} parameters"
         print(f"{size}; 2 workers, k = {args.k}, {args.steps} steps a worker of {args.batch} windows")

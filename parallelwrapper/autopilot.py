@@ -83,7 +83,9 @@ from typing import Any, NotRequired, TypedDict, cast
 
 PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it may choose, when none is set
 UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state travels, when not set (0: never)
-BITS = {"float32": 32, "bfloat16": 16, "int8": 8}
+# Bits a number, per payload, scales aside; sparse's are its indices', values' and steps' bytes over
+# its block, 8 · 148 / 4096 (codec.Sparse; test_codec holds the two to each other).
+BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4, "sparse": 0.2890625}
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
@@ -149,8 +151,12 @@ class Autopilot:
     def rungs(self) -> tuple[Rung, ...]:
         """Every way it may send a round, in a fixed order (the header names a rung by its place):
         each payload with each optimizer-state period, except that a coded payload carries the
-        optimizer's state with the parameters, one residual for both, every round or never."""
-        return tuple(Rung(p, m) for p in self.payloads for m in self.updater_periods if p == "float32" or m in (0, 1))
+        optimizer's state with the parameters, one residual for both, every round or never, and
+        sparse the parameters alone (config.CONFLICTS says why)."""
+        return tuple(
+            Rung(p, m) for p in self.payloads for m in self.updater_periods
+            if p == "float32" or (m in (0, 1) and (p != "sparse" or m == 0))
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,22 @@ class Shards:
     index: int  # this rank's part
 
 
+@dataclass(frozen=True)
+class Errors:
+    """A coded averager's error feedback, per group of one dtype (None: not coded): what one
+    worker has yet to send, kept across fits and in checkpoints (codec.DeltaCoder.error)."""
+
+    codec: str
+    tensors: list[torch.Tensor | None]
+
+    def state_dict(self) -> dict[str, object]:
+        return {"codec": self.codec, "tensors": self.tensors}
+
+    @staticmethod
+    def of(state: dict[str, object]) -> Errors:
+        return Errors(str(state["codec"]), list(state["tensors"]))  # type: ignore[call-overload]
+
+
 @dataclass
 class _Group:
     """The tensors of one dtype in a FlatAverager."""
@@ -315,26 +331,39 @@ class FlatAverager:
             flight.works[0][0].wait()
         self._in_flight, self._later = [], []
 
-    def average(self, share: float, group: ProcessGroup = None) -> None:
+    def average(self, share: float, group: ProcessGroup = None, errors: Errors | None = None) -> None:
         """Replace every tensor by Σ_i share_i · tensor_i, where share_i = w_i / Σw, in full
         precision; with a wire codec, the result is the start of the next round's deltas."""
         self.send(share, group=group, exact=True)
         self.wait()
         self.apply(1.0)
-        self.start_coding(group)
+        self.start_coding(group, errors)
 
-    def start_coding(self, group: ProcessGroup = None) -> None:
+    def start_coding(self, group: ProcessGroup = None, errors: Errors | None = None) -> None:
         """With a wire codec: the next deltas are taken from the tensors as they are now, which must
         be bitwise equal on every rank of the group (an average just landed, or a fit()'s start).
-        A worker alone codes nothing: its average is its own state, exactly."""
+        A worker alone codes nothing: its average is its own state, exactly. `errors` (`errors()`
+        of an averager of the same codec and sizes: an earlier fit's, a checkpoint's) is what this
+        worker has yet to send, fed back into its next change; else it starts at zero."""
         if self._wire is None:
             return
         size, rank = size_and_rank(group)
         if size == 1:
             return
-        for g in self._groups:
+        fits = errors is not None and errors.codec == self._wire and len(errors.tensors) == len(self._groups)
+        for i, g in enumerate(self._groups):
             if g.data.is_floating_point() and g.coder is None:
                 g.coder = DeltaCoder(self._wire, g.data, size, rank)
+                kept = errors.tensors[i] if fits and errors is not None else None
+                if kept is not None and kept.shape == g.coder.error.shape:
+                    g.coder.error.copy_(kept)
+
+    def errors(self) -> Errors | None:
+        """With a wire codec: each group's error fed back (what this worker has yet to send), a
+        copy on the CPU; None without a codec or before coding starts."""
+        if self._wire is None or all(g.coder is None for g in self._groups):
+            return None
+        return Errors(self._wire, [None if g.coder is None else g.coder.error.detach().to("cpu", copy=True) for g in self._groups])
 
     @torch.no_grad()
     def release(self, settle: bool = True) -> None:
@@ -351,4 +380,4 @@ class FlatAverager:
                     _let_go(view)
 
 
-__all__ = ["FlatAverager", "ProcessGroup", "Shards", "all_reduce_values", "by_dtype", "flat_buffer", "put_trailer", "views"]
+__all__ = ["Errors", "FlatAverager", "ProcessGroup", "Shards", "all_reduce_values", "by_dtype", "flat_buffer", "put_trailer", "views"]

@@ -5,10 +5,15 @@ Every rank's encoding is decoded and summed onto that average.
     bfloat16, float16   the change cast, 2 bytes a number
     int8, int4          block-quantized: a float32 scale per BLOCK numbers (absmax / 127 or / 7,
                         symmetric), then 1 byte a number, or half a byte (two codes a byte)
+    sparse              the largest SPARSE_K of each SPARSE_BLOCK numbers (1.56%): their indices
+                        in the block (2 bytes each), their values at 2 bits (±0.5, ±1.5 steps,
+                        a float32 step per block): 148 bytes a block of 16 KiB, 110.7x fewer
 
 Error feedback: what the codes lose stays in `error` and is added to the next round's change, so
 over many rounds nothing is lost in total: what was sent plus the error equals the sum of the
-true changes. The sum after the exchange is taken in the buffer's dtype (float32), rank after
+true changes. For the sparse codec the error holds most of each change (every entry not among a
+block's largest), as in SparseLoCo (arXiv 2508.15706): an entry goes once its accumulated change
+is among its block's largest. The sum after the exchange is taken in the buffer's dtype (float32), rank after
 rank in rank order, so every rank computes bitwise the same average from the same bytes.
 
 A `DeltaCoder` works on the flat buffer CHUNK numbers at a time: the chunk of the state, its
@@ -38,7 +43,8 @@ BLOCK = 256  # numbers per scale, int8 and int4
 CHUNK = 1 << 18  # numbers encoded at a time on the CPU (see above)
 PIECE_BYTES = 4 << 20  # encoded bytes a piece holds, about (1 MiB to all in one: within noise on loopback)
 TINY = 1e-30  # a block's absmax is at least this: a block of zeros gets a finite scale and codes 0
-CODECS = ("bfloat16", "float16", "int8", "int4")
+SPARSE_BLOCK, SPARSE_K = 4096, 64  # the sparse codec's block (indices fit an int16) and the entries it sends of each
+CODECS = ("bfloat16", "float16", "int8", "int4", "sparse")
 
 
 @dataclass
@@ -55,12 +61,16 @@ class Codec:
     chunk, its codes and scales come shaped by `view` and `wire`, once, not at every call."""
 
     name: str
-    bits: int  # per number, scales aside
+    bits: float  # per number, scales aside (the sparse codec's: its indices' and values' bytes over its block)
     block: int  # the numbers that share a scale (1: no scale); a chunk holds whole blocks
 
     def nbytes(self, numel: int) -> int:
         """The bytes of `numel` numbers' payload, a tail block padded: codes, then scales."""
-        return -(-numel // self.block) * self.block * self.bits // 8 + self.scale_bytes(numel)
+        return self.code_bytes(numel) + self.scale_bytes(numel)
+
+    def code_bytes(self, numel: int) -> int:
+        """The codes' bytes of `numel` numbers, a tail block padded."""
+        return int(-(-numel // self.block) * self.block * self.bits) // 8
 
     def scale_bytes(self, numel: int) -> int:
         return 0 if self.block == 1 else -(-numel // self.block) * 4
@@ -116,13 +126,13 @@ class Blocks(Codec):
 
     def __init__(self, bits: int) -> None:
         assert bits in (4, 8)
-        self.name, self.bits, self.levels = f"int{bits}", bits, 2 ** (bits - 1) - 1
+        self.name, self.bits, self.levels, self.code_width = f"int{bits}", bits, 2 ** (bits - 1) - 1, BLOCK * bits // 8
 
     def view(self, numbers: torch.Tensor) -> torch.Tensor:
         return numbers.view(-1, BLOCK)
 
     def wire(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return codes.view(torch.int8).view(-1, BLOCK * self.bits // 8), scales.view(-1, 1)
+        return codes.view(torch.int8).view(-1, self.code_width), scales.view(-1, 1)
 
     def encode_(self, delta: torch.Tensor, scale: float, codes: torch.Tensor, scales: torch.Tensor, scratch: Scratch) -> None:
         # The codes of scale · x are x's (blocks scale alike), so only the scales carry `scale`:
@@ -150,6 +160,50 @@ class Blocks(Codec):
         total.addcmul_(decoded, scales, value=alpha)
 
 
+class Sparse(Codec):
+    """The largest `k` entries (by magnitude) of each block of `block` numbers: each block's codes
+    are its k indices (int16) then their values at 2 bits, four to a byte, as levels (q - 1.5) ·
+    step, q in 0..3, step = the block's largest sent magnitude / 1.5. Everything else stays in the
+    error. Indices within a block are distinct, so decoding scatters without collisions, bitwise
+    the same on every rank."""
+
+    name = "sparse"
+
+    def __init__(self, block: int = SPARSE_BLOCK, k: int = SPARSE_K) -> None:
+        assert block <= 1 << 15 and k % 4 == 0 and k <= block
+        self.block, self.k = block, k
+        self.bits = 8 * (2 * k + k // 4) / block
+
+    def code_bytes(self, numel: int) -> int:
+        return -(-numel // self.block) * (2 * self.k + self.k // 4)
+
+    def view(self, numbers: torch.Tensor) -> torch.Tensor:
+        return numbers.view(-1, self.block)
+
+    def wire(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return codes.view(-1, 2 * self.k + self.k // 4), scales.view(-1, 1)
+
+    def encode_(self, delta: torch.Tensor, scale: float, codes: torch.Tensor, scales: torch.Tensor, scratch: Scratch) -> None:
+        index = torch.topk(torch.abs(delta, out=scratch.numbers), self.k, dim=1, sorted=False).indices
+        chosen = delta.gather(1, index)
+        step = scratch.step
+        torch.amax(chosen.abs(), dim=1, keepdim=True, out=step)
+        step.clamp_min_(TINY).div_(1.5)
+        q = chosen.div_(step).add_(1.5).round_().clamp_(0, 3)  # the nearest of the 4 levels
+        delta.scatter_add_(1, index, (q - 1.5).mul_(step).neg_())  # the error: x − (q − 1.5) · step
+        torch.mul(step, scale, out=scales)
+        codes[:, : 2 * self.k].copy_(index.to(torch.int16).view(torch.uint8).view(-1, 2 * self.k))
+        packed = q.to(torch.uint8).view(-1, self.k // 4, 4)
+        codes[:, 2 * self.k :].copy_(packed[..., 0] | packed[..., 1] << 2 | packed[..., 2] << 4 | packed[..., 3] << 6)
+
+    def decode_add_(self, codes: torch.Tensor, scales: torch.Tensor, total: torch.Tensor, alpha: float, scratch: Scratch) -> None:
+        index = codes[:, : 2 * self.k].contiguous().view(torch.int16).long()
+        packed = codes[:, 2 * self.k :]
+        q = torch.stack([packed & 3, packed >> 2 & 3, packed >> 4 & 3, packed >> 6], dim=2).view(-1, self.k)
+        values = (q.to(total.dtype) - 1.5).mul_(scales).mul_(alpha)
+        total.scatter_add_(1, index, values)
+
+
 def uncoded_or(payload: str | torch.dtype | None) -> str | None:
     """A payload dtype's codec name, or None for float32 (and None): what travels uncoded."""
     name = None if payload is None else str(payload).removeprefix("torch.")
@@ -157,8 +211,10 @@ def uncoded_or(payload: str | torch.dtype | None) -> str | None:
 
 
 def codec(name: str | torch.dtype) -> Codec:
-    """The codec of a payload dtype: "bfloat16", "float16", "int8", "int4" (or the torch dtype)."""
+    """The codec of a payload dtype: "bfloat16", "float16", "int8", "int4", "sparse" (or the torch dtype)."""
     name = str(name).removeprefix("torch.")
+    if name == "sparse":
+        return Sparse()
     if name in ("bfloat16", "float16"):
         return Cast(getattr(torch, name))
     if name in ("int8", "int4"):
@@ -209,9 +265,10 @@ class DeltaCoder:
         self.start[:numel].copy_(state)
         self.error = torch.zeros_like(self.start)
         chunk = CHUNK if state.device.type == "cpu" else padded  # on a GPU one kernel per pass is faster
-        per_piece = max(chunk, (piece_bytes or PIECE_BYTES) * 8 // c.bits // chunk * chunk)
+        chunk = min(padded, -(-chunk // block) * block)  # whole blocks (the sparse codec's are 4096 numbers)
+        per_piece = max(chunk, (piece_bytes or PIECE_BYTES) // max(1, c.code_bytes(chunk)) * chunk)
         numbers = torch.empty(min(chunk, padded), dtype=state.dtype, device=state.device)
-        per_block = torch.empty(2, chunk // BLOCK, 1, dtype=state.dtype, device=state.device)  # step, inverse
+        per_block = torch.empty(2, max(1, chunk // max(block, BLOCK)), 1, dtype=state.dtype, device=state.device)  # step, inverse
         self.nbytes = sum(c.nbytes(min(per_piece, padded - lo)) for lo in range(0, padded, per_piece))
         payload = torch.empty(self.nbytes, dtype=torch.uint8, device=state.device)
         self._pieces, offset = [], 0
@@ -222,9 +279,10 @@ class DeltaCoder:
             chunks = []
             for a in range(lo, hi, chunk):
                 b, n = min(a + chunk, hi), min(a + chunk, hi, numel) - a
-                code_range = slice((a - lo) * c.bits // 8, (b - lo) * c.bits // 8)
+                code_range = slice(c.code_bytes(a - lo), c.code_bytes(b - lo))
                 scale_range = slice((a - lo) // block, (b - lo) // block) if block > 1 else slice(0, 0)
-                work = Scratch(c.view(numbers[: b - a]), per_block[0, : (b - a) // BLOCK], per_block[1, : (b - a) // BLOCK])
+                blocks = (b - a) // max(block, BLOCK)
+                work = Scratch(c.view(numbers[: b - a]), per_block[0, :blocks], per_block[1, :blocks])
                 heads = state[a : a + n], self.start[a : a + n], self.error[a : a + n]
                 chunks.append(_Chunk(*heads, c.view(self.start[a:b]), c.view(self.error[a:b]), *c.wire(codes[code_range], scales[scale_range]), work))
             self._pieces.append(_Piece(payload[offset : offset + size], chunks))
@@ -286,4 +344,4 @@ class DeltaCoder:
         self.start[: self.state.numel()].copy_(self.state)
 
 
-__all__ = ["BLOCK", "CHUNK", "CODECS", "Blocks", "Cast", "Codec", "DeltaCoder", "Scratch", "codec", "uncoded_or"]
+__all__ = ["BLOCK", "CHUNK", "CODECS", "SPARSE_BLOCK", "SPARSE_K", "Blocks", "Cast", "Codec", "DeltaCoder", "Scratch", "Sparse", "codec", "uncoded_or"]

@@ -277,7 +277,7 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["--outer-lr", "1", "--outer-momentum", "1"], ["--outer-momentum", "0<=x<1"]),
         (["--outer-momentum", "0.5"], ["outer_momentum 0.5 is the outer optimizer's", "--outer-lr LR"]),
         (["--warmup-sync-steps", "-1"], ["--warmup-sync-steps"]),
-        (["--payload-dtype", "int16"], ["--payload-dtype", "'int16' is not one of 'float32', 'bfloat16', 'float16', 'int8', 'int4'"]),
+        (["--payload-dtype", "int16"], ["--payload-dtype", "'int16' is not one of 'float32', 'bfloat16', 'float16', 'int8', 'int4', 'sparse'"]),
         (["compare", "--warmup-sync-steps", "5"], ["drop --warmup-sync-steps"]),
         (["compare", "--outer-lr", "1", "--frequencies", ""], ["give averaging frequencies with --outer-lr"]),
         (["--microbatches", "4"], ["microbatches 4 cut a pipeline's batches", "--stages N"]),

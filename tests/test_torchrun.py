@@ -21,7 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from parallelwrapper import ParallelWrapper
-from torchrun_train import data, model
+from torchrun_train import data, model, sparse_builder
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_train.py"
 TIMEOUT_S = 120
@@ -42,7 +42,7 @@ def check(result: subprocess.CompletedProcess[str] | Any) -> None:
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
 
 
-def spawned_reference() -> dict[str, torch.Tensor]:
+def spawned_reference(sparse: bool = False) -> dict[str, torch.Tensor]:
     """The same training with spawned workers: the deterministic feed deals batch i to worker
     i mod 2, exactly the torchrun shard, so the results must be bitwise equal."""
     net = model()
@@ -50,6 +50,8 @@ def spawned_reference() -> dict[str, torch.Tensor]:
         ParallelWrapper.builder(net).optimizer(torch.optim.Adam, lr=0.01).workers(2).averaging_frequency(2)
         .deterministic(True).seed(3).threads_per_worker(1)
     )
+    if sparse:
+        builder = sparse_builder(builder)
     with builder.build() as w:
         w.fit(data(), epochs=2)
     return net.state_dict()
@@ -78,6 +80,19 @@ def test_one_node_two_processes(tmp_path: Path, feed: str) -> None:
     )
     check(result)
     assert_ranks_equal_reference(tmp_path)
+
+
+def test_the_sparse_payload_under_torchrun_equals_spawned_workers(tmp_path: Path) -> None:
+    """Sparse rounds between two torchrun ranks: each rank decodes both ranks' entries in rank
+    order, so the ranks end bitwise equal, and equal to the same run on spawned workers."""
+    result = subprocess.run(
+        torchrun("--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(SCRIPT), str(tmp_path), "sparse"),
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env(),
+    )  # fmt: skip
+    check(result)
+    states = [torch.load(tmp_path / f"rank{r}.pt")["model"] for r in (0, 1)]
+    for key, value in spawned_reference(sparse=True).items():
+        assert torch.equal(states[0][key], states[1][key]) and torch.equal(states[0][key], value), key
 
 
 UNEQUAL = Path(__file__).parent / "scripts" / "torchrun_unequal.py"

@@ -92,7 +92,7 @@ class RunOptions:
     outer_lr: float | None = None  # an outer SGD with Nesterov momentum after each averaging (None: none)
     outer_momentum: float = 0.0  # its momentum (Builder.outer_optimizer)
     warmup_sync_steps: int = 0  # shared gradients for the first N steps, then averaging (Builder.warmup_sync_steps)
-    payload_dtype: str = "float32"  # or bfloat16, float16, int8, int4: what an averaging sends (Builder.payload_dtype)
+    payload_dtype: str = "float32"  # or bfloat16, float16, int8, int4, sparse: what an averaging sends (Builder.payload_dtype)
     fragments: int = 1  # with overlap_averaging: the state averaged in n fragments through the round (Builder.fragments)
     max_replacements: int = 0  # replace a failed worker up to N times (Builder.on_worker_failure("replace", max_replacements=N)); 0: a failure ends the run
     gradient_threshold: float | None = None  # shared gradients threshold-encoded, τ starting here (Builder.gradient_encoding); None: dense

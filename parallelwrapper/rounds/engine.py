@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..autopilot import Change, Choice, Pilot, Sizes, in_config
-from ..averaging import all_reduce_values
+from ..averaging import Errors, all_reduce_values
 from ..config import Config, TrainingMode
 from ..types import Batch, BatchSource, Counters, Hooks, InForce, Phase, Reporter, StateDict, Stopped
 from .cut import RoundCut
@@ -101,6 +101,9 @@ class Rounds:
             own["autopilot"] = self.pilot.state_dict()
         if self.config.gradient_encoding is not None:
             own["gradient_encoding"] = self._sync.encoding_residual().state_dict()
+        errors = self._sync.errors()
+        if errors is not None:  # a coded payload's error fed back: what this worker has yet to send
+            own["codec_errors"] = errors.state_dict()
         return own
 
     def load_own_state(self, own: StateDict) -> None:
@@ -108,6 +111,8 @@ class Rounds:
         self.trainer.load_own_state(own)
         if self.config.gradient_encoding is not None and "gradient_encoding" in own:
             self._sync.encoding_residual().load_state_dict(own["gradient_encoding"])
+        if "codec_errors" in own:
+            self._sync.keep_errors(Errors.of(own["codec_errors"]))
         if self.pilot is not None and "autopilot" in own:
             self.pilot.load_state_dict(own["autopilot"])
             self._use(self.pilot.choice)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..averaging import FlatAverager, Shards, all_reduce_values
+from ..averaging import Errors, FlatAverager, Shards, all_reduce_values
 from ..config import Config
 from ..threshold import Residual
 from ..types import EncodingStats
@@ -111,6 +111,7 @@ class SyncExchange:
         self._shards = shards  # with a hierarchy: each rank of a node sends its part across nodes
         self._payload: FlatAverager | EncodedGradients | None = None
         self.residual: Residual | None = None  # with gradient encoding: this worker's, kept from fit to fit
+        self._errors: Errors | None = None  # a coded payload's error fed back, kept from buffers to buffers, fit to fit
         self._layout: int | None = None  # the state layout the payload was built for
         self._gradients = False  # the payload holds gradients (SHARED_GRADIENTS, a warm-up)
         self._reference = 0.0  # Σw of the last round that trained, the same on every worker
@@ -167,6 +168,7 @@ class SyncExchange:
         """Between fits, the model's tensors own their storage; after a failure (not `settle`),
         what of the last average is still on its way is dropped."""
         if isinstance(self._payload, FlatAverager):
+            self._errors = self._payload.errors() or self._errors  # what this worker has yet to send goes on
             self._payload.release(settle)
         elif self._payload is not None:
             self._payload.release()
@@ -186,7 +188,7 @@ class SyncExchange:
             # Every worker starts a fit() (and leaves a warm-up) from the same state: the first
             # round's deltas are taken from it, and go encoded too.
             self._payload = state_buffers(self.trainer, self.config, self.device, self._shards)
-            self._payload.start_coding(self._groups[True][0])
+            self._payload.start_coding(self._groups[True][0], self._errors)
             self._layout, self._early = self.state_layout(True), True
         if not averaging:
             self._gradient_payload()
@@ -201,6 +203,14 @@ class SyncExchange:
         if config.payload_dtype == "float32" or config.overlap_averaging or self._anew:
             return False
         return not config.average_updaters or holds_state(trainer.optimizer, trained_parameters(trainer.model, trainer.optimizer))
+
+    def errors(self) -> Errors | None:
+        """A coded payload's error fed back: what this worker has yet to send (for a checkpoint)."""
+        return (self._payload.errors() if isinstance(self._payload, FlatAverager) else None) or self._errors
+
+    def keep_errors(self, errors: Errors) -> None:
+        """Feed `errors` (a checkpoint's) back into the next coded buffers this worker builds."""
+        self._errors = errors
 
     def state_layout(self, averaging: bool) -> int:
         return state_layout(self.trainer.optimizer, self.config.average_updaters) if averaging else 0
@@ -263,7 +273,7 @@ class SyncExchange:
                 group = self._groups[True][0]
                 self._payload = anew_buffers(self.trainer, self.config, self.device, group, agree, self._shards)
                 start = time.perf_counter()
-                self._payload.average(share, group)
+                self._payload.average(share, group, self._errors)
                 if self.config.payload_dtype == "float32":  # the rung's own bytes: a measure of it
                     self.alone_s = time.perf_counter() - start
                 self._anew = False

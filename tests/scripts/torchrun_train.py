@@ -1,8 +1,9 @@
-"""Trains a small model under torchrun and saves each rank's final state: `torchrun ... OUT_DIR [loader]`.
+"""Trains a small model under torchrun and saves each rank's final state: `torchrun ... OUT_DIR [loader|sparse]`.
 
 Used by tests/test_torchrun.py. The data is the same on every rank (same seed); the wrapper
 keeps each rank's shard (batch i on rank i mod world size). With `loader`, the same batches come
-from a DataLoader over a TensorDataset (16 a batch, in order) instead of a list.
+from a DataLoader over a TensorDataset (16 a batch, in order) instead of a list; with `sparse`, the
+parameters alone travel as the sparse payload (`sparse_builder`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +37,11 @@ def loader() -> torch.utils.data.DataLoader[tuple[torch.Tensor, ...]]:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=16)
 
 
-def main(out: Path, from_loader: bool) -> None:
+def sparse_builder(builder: Any) -> Any:
+    return builder.payload_dtype("sparse").average_updaters(False)
+
+
+def main(out: Path, mode: str) -> None:
     net = model()
     builder = (
         ParallelWrapper.builder(net)
@@ -45,8 +51,10 @@ def main(out: Path, from_loader: bool) -> None:
         .seed(3)
         .threads_per_worker(1)
     )
+    if mode == "sparse":
+        builder = sparse_builder(builder)
     with builder.build() as wrapper:
-        history = wrapper.fit(loader() if from_loader else data(), epochs=2)
+        history = wrapper.fit(loader() if mode == "loader" else data(), epochs=2)
         rank = int(os.environ["RANK"])
         torch.save({"model": net.state_dict(), "optimizer": wrapper.optimizer.state_dict()}, out / f"rank{rank}.pt")
         if wrapper.is_main:
@@ -56,4 +64,4 @@ def main(out: Path, from_loader: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] == ["loader"])
+    main(Path(sys.argv[1]), (sys.argv[2:] or ["list"])[0])
