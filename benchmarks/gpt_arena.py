@@ -193,6 +193,7 @@ def race(contenders: dict[str, dict[str, object]], layers: int, width: int, cont
 PAYLOAD_RACE: dict[str, dict[str, object]] = {
     "float32-diloco": {"outer": (0.7, 0.9)},
     "float32-params-diloco": {"average_updaters": False, "outer": (0.7, 0.9)},  # DiLoCo's own: each worker keeps its AdamW state
+    "float32-params-average": {"average_updaters": False},  # PeriodicModelAverager's rounds
     "int8-params-diloco": {"payload_dtype": "int8", "average_updaters": False, "outer": (0.7, 0.9)},
     "sparse-params-diloco": {"payload_dtype": "sparse", "average_updaters": False, "outer": (0.7, 0.9)},
     "sparse-params-average": {"payload_dtype": "sparse", "average_updaters": False},

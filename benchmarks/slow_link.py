@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument(
         "--contenders",
         default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
-        help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4]:K, "
+        help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4|-params-sparse]:K, "
              "wrapper-auto (the autopilot: no K; k is at most --eval-every, each score being a fit() of that many steps), "
              "wrapper-auto-sync (the same, never overlapped), none",
     )  # fmt: skip

@@ -10,7 +10,7 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-overlap K  wrapper K with .overlap_averaging(True): the averaging runs during the next K steps
   wrapper-outer K    wrapper K with an outer Nesterov SGD (--outer-lr, --outer-momentum; DiLoCo, SlowMo)
   wrapper-bf16 K     wrapper K with .payload_dtype(torch.bfloat16): deltas sent in bfloat16, error fed back
-  wrapper-params-int8 K, wrapper-params-int4 K   wrapper-params K with .payload_dtype("int8"/"int4"):
+  wrapper-params-int8 K, wrapper-params-int4 K, wrapper-params-sparse K   wrapper-params K with .payload_dtype("int8"/"int4"/"sparse"):
                      block-quantized deltas, error fed back (1/4 and 1/8 of PMA's bytes, plus scales)
   wrapper-encoded 1  this project with SHARED_GRADIENTS and .gradient_encoding(): threshold-encoded updates every step
   wrapper-node K     wrapper K with .hierarchy("node"): a node's ranks average gradients every step,
@@ -88,6 +88,7 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-bf16": {"payload_dtype": torch.bfloat16},
     "wrapper-params-int8": {"average_updaters": False, "payload_dtype": "int8"},
     "wrapper-params-int4": {"average_updaters": False, "payload_dtype": "int4"},
+    "wrapper-params-sparse": {"average_updaters": False, "payload_dtype": "sparse"},
     "wrapper-encoded": {"gradient_encoding": True},  # SHARED_GRADIENTS, threshold-encoded, the defaults: run as wrapper-encoded:1
     "wrapper-node": {"hierarchy": "node"},  # needs several ranks per node (slow_link.py --procs-per-node 2)
     "wrapper-auto": {"auto": True},  # .averaging_frequency("auto"), nothing else set; :K sets k_min

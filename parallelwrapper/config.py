@@ -316,7 +316,7 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(("payload_dtype", "average_updaters"), lambda c, j: c.payload_dtype == "sparse" and c.average_updaters,
              "payload_dtype('sparse') sends the largest 64 of each 4096 numbers of a change, which suits the parameters but "
              "not the optimizer's state (Adam's second moments, coded so, go astray: a loss 2.4x higher on a small job): add "
-             ".average_updaters(False), each worker keeping its own, as DiLoCo does",
+             ".average_updaters(False) (pw-fit: --no-average-updaters), each worker keeping its own, as DiLoCo does",
              ".payload_dtype('sparse')"),
     Conflict(("average_updaters_every", "hierarchy"), lambda c, j: c.average_updaters_every > 1 and c.hierarchy == "node",
              _EVERY + "hierarchy('node'), whose shards carry the optimizer state with the parameters: drop one",
