@@ -142,15 +142,14 @@ def split(batch: T, parts: int) -> list[T]:
     n = batch_size(batch)
     parts = max(1, min(parts, n))
 
-    cuts = [
-        torch.tensor_split(leaf, parts) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == n else None
-        for leaf in leaves(batch)
-    ]
-    micro = []
-    for i in range(parts):  # map_leaves visits the leaves in the same order every time
-        chosen = iter([leaf if cut is None else cut[i] for cut, leaf in zip(cuts, leaves(batch))])
-        micro.append(cast(T, map_leaves(batch, lambda _, chosen=chosen: next(chosen))))  # type: ignore[misc]
-    return micro
+    found = leaves(batch)
+    cuts = [torch.tensor_split(leaf, parts) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == n else None for leaf in found]
+
+    def micro(i: int) -> T:  # map_leaves visits the leaves in the same order every time
+        chosen = iter([leaf if cut is None else cut[i] for cut, leaf in zip(cuts, found)])
+        return cast(T, map_leaves(batch, lambda _: next(chosen)))
+
+    return [micro(i) for i in range(parts)]
 
 
 def to_cpu(state: T) -> T:

@@ -95,12 +95,13 @@ def path_of(location: str | os.PathLike[str]) -> Path:
     return path / FILENAME if path.is_dir() else path
 
 
-def save(directory: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
-    """Write atomically: a temporary file, fsync, rename over the old checkpoint."""
+def save(directory: str | os.PathLike[str], payload: dict[Any, Any], name: str = FILENAME) -> Path:
+    """Write `name` (the checkpoint, or a file beside it: feed/order.py's) atomically: a temporary
+    file, fsync, rename over the old one."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / FILENAME
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
+    target = directory / name
+    fd, tmp = tempfile.mkstemp(prefix=f".{Path(name).stem}-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)

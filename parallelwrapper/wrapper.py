@@ -149,7 +149,7 @@ class ParallelWrapper:
         if resume is not None:
             rng = self._restore(resume, accept_changes)
             kept = order.read(resume)  # each epoch's order, where the data shuffles (feed/order.py)
-            order.check_resumable(data, DataOrder(kept=kept), self.counters.epoch, self.counters.position, os.fspath(resume))
+            order.check_resumable(data, kept, self.counters.epoch, self.counters.position, os.fspath(resume))
             until_epoch = epochs
             if until_epoch <= self.counters.epoch:
                 raise ValueError(

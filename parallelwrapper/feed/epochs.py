@@ -90,11 +90,11 @@ class DatasetEpochs:
     epochs: list[Epoch]
 
     @staticmethod
-    def of(loader: DataLoader[Sample], first: int, until: int, draw: Callable[[int], Epoch] | None = None) -> DatasetEpochs:
-        """Epochs `first` to `until` - 1 of `loader`, each's batches given by `draw(epoch)`
-        (feed/order.py: kept for a resume), or drawn from the loader."""
-        draw = draw or (lambda _: packed(drawn(loader)[1]))
-        return DatasetEpochs(loader.dataset, loader.collate_fn, first, [draw(epoch) for epoch in range(first, until)])
+    def of(loader: DataLoader[Sample], first: int, until: int, epochs: list[Epoch] | None = None) -> DatasetEpochs:
+        """Epochs `first` to `until` - 1 of `loader`: their batches as given (feed/order.py's,
+        kept for a resume), or drawn from the loader."""
+        epochs = epochs if epochs is not None else [packed(drawn(loader)[1]) for _ in range(first, until)]
+        return DatasetEpochs(loader.dataset, loader.collate_fn, first, epochs)
 
     def length(self, epoch: int) -> int:
         """How many batches epoch `epoch` has."""
@@ -128,12 +128,12 @@ def shardable(data: Batches, feed: str, replaces: bool) -> bool:
     return feed == "auto" and not replaces and (isinstance(data, (list, tuple)) or (map_style_loader(data) and distributed_sampler(data) is None))
 
 
-def shards_of(data: Batches, first_epoch: int, until_epoch: int, draw: Callable[[int], Epoch] | None = None) -> Epochs:
+def shards_of(data: Batches, first_epoch: int, until_epoch: int, epochs: list[Epoch] | None = None) -> Epochs:
     """What spawned workers get to read their shards of `data` (shardable) from, once per fit():
     a DataLoader's epochs `first_epoch` to `until_epoch` - 1 as sample indices (DatasetEpochs.of),
     or the list or tuple of batches itself."""
     if isinstance(data, DataLoader):
-        return DatasetEpochs.of(data, first_epoch, until_epoch, draw)
+        return DatasetEpochs.of(data, first_epoch, until_epoch, epochs)
     assert isinstance(data, (list, tuple)), "shardable data is a DataLoader, a list or a tuple"
     return ListEpochs(data)
 

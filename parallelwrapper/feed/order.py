@@ -23,15 +23,14 @@ each epoch before it is read, on every rank, as DistributedSampler and `datasets
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from .. import checkpoint
 from ..types import Batch, DataOrder, Sample, StateDict
 from .data import Batches, epoch_iterable
 from .epochs import Epoch, drawn, indexed_loader, loader_over, packed
@@ -77,10 +76,10 @@ def read(location: str | os.PathLike[str]) -> dict[int, StateDict]:
     return kept
 
 
-def check_resumable(data: Batches, order: DataOrder, epoch: int, position: int, where: str) -> None:
+def check_resumable(data: Batches, kept: dict[int, StateDict], epoch: int, position: int, where: str) -> None:
     """A ValueError where a resume mid-epoch would train another order: a shuffling loader whose
-    epoch `epoch` the checkpoint at `where` kept no order of."""
-    if position > 0 and epoch not in order.kept and (stateful(data) or shuffles(data)):
+    epoch `epoch` the checkpoint at `where` kept no order of (`kept`: `read`'s)."""
+    if position > 0 and epoch not in kept and (stateful(data) or shuffles(data)):
         raise ValueError(
             f"resume: the checkpoint at {where} is {position} batches into epoch {epoch} of a shuffling loader, but keeps "
             f"no record of that epoch's order ({ORDER_FILE} is missing or older): the resumed epoch would draw another "
@@ -94,14 +93,13 @@ class EpochOrder:
 
     `trains_here`: this process also trains (one worker in the caller's process, a torchrun
     rank): its global RNG then follows the training's own RNG state, which the checkpoint restored,
-    and is never set from a kept order. `up_front`: the fit's epochs are all drawn at its start
-    (`indices`, for spawned workers that read their own shards), and all are kept; else each is
-    drawn as it begins, and the last two are kept (a checkpoint lags the drawing by at most its
-    read-ahead).
+    and is never set from a kept order. Each epoch is drawn as it begins, and the last two are
+    kept (a checkpoint lags the drawing by at most its read-ahead), or all of a fit's at its start
+    (`up_front`).
     """
 
-    def __init__(self, data: Batches, first: int, order: DataOrder | None, *, trains_here: bool, up_front: bool = False) -> None:
-        self._data, self._epoch, self._trains_here, self._up_front = data, first, trains_here, up_front
+    def __init__(self, data: Batches, first: int, order: DataOrder | None, *, trains_here: bool) -> None:
+        self._data, self._epoch, self._trains_here = data, first, trains_here
         self._order = order or DataOrder()
         self._kept: dict[int, StateDict] = dict(self._order.kept)
         self._make = epoch_iterable(data)
@@ -128,12 +126,18 @@ class EpochOrder:
         seed, batches = self.draw(epoch)
         return loader_over(loader, seed, batches)
 
-    def indices(self, epoch: int) -> Epoch:
-        """Epoch `epoch`'s batches of sample indices, the epoch told first (`set_epoch`)."""
-        set_epoch(self._data, epoch)
-        return self.draw(epoch)[1]
+    def up_front(self, until: int) -> list[Epoch]:
+        """The batches of sample indices of every epoch from here to `until` - 1, drawn now (for
+        spawned workers that read their own shards), each epoch told first (`set_epoch`); all of
+        them kept, in one write."""
+        epochs = []
+        for epoch in range(self._epoch, until):
+            set_epoch(self._data, epoch)
+            epochs.append(self.draw(epoch, write=False)[1])
+        self._write(self._kept)
+        return epochs
 
-    def draw(self, epoch: int) -> tuple[int, Epoch]:
+    def draw(self, epoch: int, write: bool = True) -> tuple[int, Epoch]:
         """Epoch `epoch`'s base seed and batches of sample indices: as kept, or drawn from the loader
         (and kept). After a kept epoch the loader's generator, and the global RNG where this process
         does not train, go on from where they were after that epoch's draw."""
@@ -148,27 +152,19 @@ class EpochOrder:
         seed, batches = drawn(loader)
         epoch_batches = packed(batches)
         after = {"generator": None if loader.generator is None else loader.generator.get_state(), "global": torch.get_rng_state()}
-        self._keep(epoch, {"seed": seed, "batches": epoch_batches, **after})
+        self._keep(epoch, {"seed": seed, "batches": epoch_batches, **after}, write)
         return seed, epoch_batches
 
-    def _keep(self, epoch: int, what: StateDict) -> None:
-        """Keep epoch `epoch`'s order in memory and, where this process keeps them, in ORDER_FILE
-        (atomically: a temporary file renamed over the old one)."""
+    def _keep(self, epoch: int, what: StateDict, write: bool = True) -> None:
+        """Keep epoch `epoch`'s order in memory and, with `write`, the last two epochs' in ORDER_FILE."""
         self._kept[epoch] = what
-        if self._order.keep_in is None:
-            return
-        recent = {e: v for e, v in self._kept.items() if self._up_front or e > epoch - _KEPT_EPOCHS}
-        directory = Path(self._order.keep_in)
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".data-order-", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(recent, f)
-            os.replace(tmp, directory / ORDER_FILE)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        if write:
+            self._write({e: v for e, v in self._kept.items() if e > epoch - _KEPT_EPOCHS})
+
+    def _write(self, kept: dict[int, StateDict]) -> None:
+        """`kept` in ORDER_FILE, where this process keeps the orders (atomically, as a checkpoint is written)."""
+        if self._order.keep_in is not None:
+            checkpoint.save(self._order.keep_in, kept, ORDER_FILE)
 
 
 __all__ = ["ORDER_FILE", "EpochOrder", "check_resumable", "read", "set_epoch", "shuffles", "stateful"]

@@ -22,6 +22,7 @@ from typing import Protocol, cast
 
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.utils.data import DataLoader
 
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
@@ -218,8 +219,9 @@ class WorkerPool:
             # a key of this fit's in the store (feed/claims.py), or each reads its dealt shard.
             self._fits += 1
             claims = f"pw-claims/{self._fits}" if claimed(self.config) else None
-            order = EpochOrder(data, c.epoch, command.order, trains_here=False, up_front=True)
-            command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch, order.indices), claims=claims)
+            # A loader's epochs are drawn now, in the order kept for a resume, and kept (feed/order.py).
+            epochs = EpochOrder(data, c.epoch, command.order, trains_here=False).up_front(until_epoch) if isinstance(data, DataLoader) else None
+            command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch, epochs), claims=claims)
         else:
             feeder = Feeder(data, c.epoch, until_epoch, c.position, self.data_queues, self._placement.world_size, self.slots, command.order)
         for q in self._commands:
