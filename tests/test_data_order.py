@@ -11,7 +11,10 @@ Before the epochs' orders were kept, a shuffled loader drew another order on res
 
 from __future__ import annotations
 
+import functools
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +38,25 @@ def count_step(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return -model.seen[batch[0]].sum()
 
 
+_STEPS = [0]  # steps this process took through `slowed`
+
+
+def slowed(model: nn.Module, batch: list[torch.Tensor], step: Any) -> torch.Tensor:
+    """`step`, taking 0.3 s from each process's fourth step on: a listener's stop at round 3 then
+    reaches spawned workers long before the epoch's end, however loaded the machine (they raced
+    through the whole epoch first once in CI, and the checkpoint was at its end)."""
+    _STEPS[0] += 1
+    if _STEPS[0] > 3:
+        time.sleep(0.3)
+    return step(model, batch)
+
+
+def stopping(step: Any) -> Any:
+    """`step` slowed, for a run that a listener stops at round 3 (`stop_at`)."""
+    _STEPS[0] = 0  # one worker in this process: it counts from here
+    return functools.partial(slowed, step=step)
+
+
 class Stop(RuntimeError):
     pass
 
@@ -51,20 +73,20 @@ def shuffled(generator: torch.Generator | None = None) -> DataLoader[tuple[torch
     return DataLoader(TensorDataset(torch.arange(SAMPLES)), batch_size=BATCH, shuffle=True, generator=generator)
 
 
-def counting(workers: int, directory: Path, *listeners: object, feed: str = "auto") -> ParallelWrapper:
-    """k = 1 and one batch per worker a round, so that every round averages N equal weights: the
-    queue gives each worker at most k batches a round, and the shards are dealt (a first-come
-    claim may take two of a round's batches, which would count 2 for one worker's samples)."""
+def counting(workers: int, directory: Path, *listeners: object, feed: str = "auto", step: Any = count_step) -> ParallelWrapper:
+    """k = 1 and batches dealt (worker i takes batch i mod N, through the queue or from its shard),
+    so that every round averages one batch of each worker, N equal weights: first come, one
+    worker may take two of a round's batches, and its samples would count 2 (seen under load)."""
     return (
-        ParallelWrapper.builder(Counts()).workers(workers).threads_per_worker(1).training_step(count_step)
-        .optimizer(torch.optim.SGD, lr=1.0).feed(feed).deterministic(feed == "auto" and workers > 1)
+        ParallelWrapper.builder(Counts()).workers(workers).threads_per_worker(1).training_step(step)
+        .optimizer(torch.optim.SGD, lr=1.0).feed(feed).deterministic(workers > 1)
         .checkpoint(directory, every=1).listeners(*listeners).build()
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(("workers", "feed"), [(1, "auto"), (2, "auto"), (2, "queue")], ids=["in-process", "shards", "queue"])
 def test_a_shuffled_loader_resumed_mid_epoch_trains_every_sample_once(tmp_path: Path, workers: int, feed: str) -> None:
-    with counting(workers, tmp_path, stop_at(3), feed=feed) as wrapper, pytest.raises(Exception, match='stopped by the test'):
+    with counting(workers, tmp_path, stop_at(3), feed=feed, step=stopping(count_step)) as wrapper, pytest.raises(Exception, match='stopped by the test'):
         wrapper.fit(shuffled(), epochs=1)
     position = checkpoint_counters(tmp_path)["position"]
     assert 0 < position < SAMPLES // BATCH, "the checkpoint is mid-epoch"
@@ -81,20 +103,21 @@ def mlp_step(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), torch.sin(3 * x))
 
 
-def deterministic(directory: Path, *listeners: object) -> ParallelWrapper:
+def deterministic(directory: Path, *listeners: object, step: Any = mlp_step) -> ParallelWrapper:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
     return (
         ParallelWrapper.builder(model).workers(2).threads_per_worker(1).deterministic(True).averaging_frequency(2)
-        .training_step(mlp_step).optimizer(torch.optim.SGD, lr=0.1).checkpoint(directory, every=1).listeners(*listeners).build()
+        .training_step(step).optimizer(torch.optim.SGD, lr=0.1).checkpoint(directory, every=1).listeners(*listeners).build()
     )  # fmt: skip
 
 
 def test_deterministic_resume_with_a_shuffling_loader_is_bitwise(tmp_path: Path) -> None:
     with deterministic(tmp_path / "whole") as whole:
         whole.fit(shuffled(), epochs=2)  # the loader shuffles from the global RNG, seeded above
-    with deterministic(tmp_path / "cut", stop_at(3)) as cut, pytest.raises(Exception, match='stopped by the test'):
+    with deterministic(tmp_path / "cut", stop_at(3), step=stopping(mlp_step)) as cut, pytest.raises(Exception, match='stopped by the test'):
         cut.fit(shuffled(), epochs=2)
+    assert checkpoint_counters(tmp_path / "cut")["position"] > 0, "the checkpoint is mid-epoch"
     with deterministic(tmp_path / "cut") as resumed:
         torch.manual_seed(99)  # a resumed process draws from another RNG state
         resumed.fit(shuffled(), epochs=2, resume=tmp_path / "cut")
