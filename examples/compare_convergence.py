@@ -29,10 +29,10 @@ def main() -> None:
     args = parser.parse_args()
 
     # Everything the runs share: DL4J's example setup (LeNet, 2 workers, batch 128, Nesterov).
-    base = RunOptions(workers=2, batch_size=128, optimizer="nesterov", epochs=1, data_dir=args.data_dir)
+    base = RunOptions.of(workers=2, batch_size=128, optimizer="nesterov", epochs=1, data_dir=args.data_dir)
     options = CompareOptions(base, frequencies=(1, 4, 16), shared_gradients=True, evals_per_epoch=8, target_accuracy=0.97, out=args.out)
     if args.tiny:
-        base = RunOptions(workers=2, data_dir=args.data_dir, train_samples=2048, test_samples=1000)
+        base = RunOptions.of(workers=2, data_dir=args.data_dir, train_samples=2048, test_samples=1000)
         options = CompareOptions(base, frequencies=(1, 4), evals_per_epoch=2, target_accuracy=0.5, out=args.out)
 
     results = compare(options, echo=print)  # prints each run's progress, then compare.md's table

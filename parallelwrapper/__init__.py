@@ -5,8 +5,9 @@
         history = wrapper.fit(batches, epochs=1)
 """
 
+from .autopilot import Autopilot
 from .checkpoint import CheckpointError, checkpoint_counters
-from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, NanPolicy, TrainingMode, check_option
+from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, GradientEncoding, NanPolicy, Pipeline, TrainingMode
 from .inference import InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, History, JsonlWriter, ProgressBar, ScoreLogger, autopilot_changes, exchange_share
 from .tensorboard_logger import TensorBoardLogger
@@ -15,6 +16,7 @@ from .types import EpochEnd, Score, TrainingError, Validation, WorkerError
 from .wrapper import Builder, ParallelWrapper
 
 __all__ = [
+    "Autopilot",
     "Builder",
     "CONFLICTS",
     "CheckpointError",
@@ -22,6 +24,7 @@ __all__ = [
     "CsvWriter",
     "EarlyStopping",
     "EpochEnd",
+    "GradientEncoding",
     "History",
     "InferenceError",
     "InferenceMode",
@@ -33,6 +36,7 @@ __all__ = [
     "PRECISIONS",
     "ParallelInference",
     "ParallelWrapper",
+    "Pipeline",
     "ProgressBar",
     "RoundPayload",
     "Score",
@@ -44,7 +48,6 @@ __all__ = [
     "WorkerError",
     "autopilot_changes",
     "checkpoint_counters",
-    "check_option",
     "exchange_share",
     "round_payload",
 ]

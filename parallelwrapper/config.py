@@ -174,7 +174,7 @@ class Config:
         choice(*PRECISIONS), "precision", example="bf16-mixed", flag="--precision")
     validation_every: int | None = option(
         50, "With .validation(data): averagings between validations (None: at epoch ends only).",
-        count(1, optional=True), "validation", keyword="every", example=10)
+        count(1, optional=True), "validation", keyword="every", example=10, flag="--validation-every")
     warmup_sync_steps: int = option(
         0, "Post-local SGD: share gradients every step for the first N steps, then average every averaging_frequency.",
         count(0), "warmup_sync_steps", example=200, flag="--warmup-sync-steps", fingerprint=True)
@@ -190,7 +190,7 @@ class Config:
         choice(*FAILURE_POLICIES), "on_worker_failure", example="replace")
     max_replacements: int = option(
         3, "With on_worker_failure('replace'): replacements over the wrapper's life before a failure raises.",
-        count(0), "on_worker_failure", keyword="max_replacements", example=5)
+        count(0), "on_worker_failure", keyword="max_replacements", example=5, flag="--max-replacements")
     auto_resume: bool = option(
         True, "Under torchrun with checkpoints: a restarted group resumes from the last checkpoint.",
         boolean(), "auto_resume", example=False)
@@ -217,12 +217,6 @@ class Config:
 
 
 OPTIONS: dict[str, Declared] = {d.name: d for d in declared(Config)}  # every option, by name, as declared
-
-
-def check_option(name: str, value: object) -> None:
-    """A ValueError naming option `name` unless its declaration takes `value` (for a value checked
-    before the builder is: pw-fit's flags)."""
-    OPTIONS[name].check(value)
 
 
 class JobParts(Protocol):
@@ -401,5 +395,5 @@ def describe_config(config: Config) -> dict[str, object]:
 
 __all__ = [
     "CONFLICTS", "OPTIONS", "PAYLOAD_DTYPES", "PIPELINE_SCHEDULES", "PRECISIONS", "Config", "Conflict", "GradientEncoding", "NanPolicy",
-    "Pipeline", "TrainingMode", "check_int", "check_option", "describe_config", "parse_enum", "refuse",
+    "Pipeline", "TrainingMode", "check_int", "describe_config", "parse_enum", "refuse",
 ]  # fmt: skip

@@ -125,10 +125,16 @@ def declared(cls: type) -> Iterator[Declared]:
             yield Declared(f.name, f.default, f.metadata["option"])
 
 
+def changed(instance: object) -> dict[str, object]:
+    """The options of `instance` whose values differ from their declared defaults, by name: what a
+    user set, as far as a value can say (a builder started from a config counts them as set)."""
+    return {d.name: getattr(instance, d.name) for d in declared(type(instance)) if getattr(instance, d.name) != d.default}
+
+
 def validate(instance: object) -> None:
     """A ValueError naming the first option of `instance` whose value its check refuses."""
     for d in declared(type(instance)):
         d.check(getattr(instance, d.name))
 
 
-__all__ = ["Check", "Declared", "Option", "boolean", "choice", "count", "declared", "instance", "option", "positive", "validate"]
+__all__ = ["Check", "Declared", "Option", "boolean", "changed", "choice", "count", "declared", "instance", "option", "positive", "validate"]

@@ -20,20 +20,24 @@ else:  # Python 3.10: typing_extensions comes with torch
     from typing_extensions import Self
 
 from .autopilot import Autopilot
-from .config import GradientEncoding, NanPolicy, Pipeline, TrainingMode, parse_enum
+from .config import Config, GradientEncoding, NanPolicy, Pipeline, TrainingMode, parse_enum
 from .feed.data import Batches, compact
 from .job import BeforeStep, LossFn, OptimizerFn, OuterSpec, OutputLoss, SchedulerSpec, TrainingStep, ValidationStep
+from .registry import changed
 
 
 class Settings:
     """The builder's setters (wrapper.Builder adds `build()`): each sets one option of the
-    Config, or one part of the Job, and returns the builder. Their docstrings give the defaults."""
+    Config, or one part of the Job, and returns the builder. Their docstrings give the defaults.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    `config`, where given, is where the options start: those that differ from their defaults count
+    as set, as if by their setters (for options carried as data, e.g. pw-fit's flags)."""
+
+    def __init__(self, model: torch.nn.Module, config: Config | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"ParallelWrapper.builder() takes a torch.nn.Module, got {type(model).__name__}")
         self._model = model
-        self._options: dict[str, Any] = {}
+        self._options: dict[str, Any] = {} if config is None else changed(config)
         self._optimizer_cls: type[torch.optim.Optimizer] = torch.optim.SGD
         self._optimizer_kwargs: dict[str, Any] = {"lr": 0.01}
         self._optimizer_fn: OptimizerFn | None = None

@@ -96,8 +96,8 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen["train"] = options
         return Summary(
             test_accuracy=0.99, test_loss=0.03, train_samples_per_second=1000.0, wall_samples_per_second=500.0,
-            train_seconds=1.0, wall_seconds=2.0, epochs=options.epochs, workers=options.workers,
-            averaging_frequency=options.averaging_frequency, training_mode=options.training_mode.value, samples=1000, session_samples=1000,
+            train_seconds=1.0, wall_seconds=2.0, epochs=options.epochs, workers=options.config.workers,
+            averaging_frequency=options.averaging_frequency, training_mode=options.config.training_mode.value, samples=1000, session_samples=1000,
             iterations=8, rounds=1, final_epoch_loss=0.1, last_round_score=0.09, final_lr=0.04,
         )  # fmt: skip
 
@@ -113,11 +113,11 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def test_defaults_follow_dl4j_example(captured: dict[str, Any]) -> None:
     result = invoke()
     assert result.exit_code == 0, result.output
-    assert captured["train"] == RunOptions()
-    o = captured["train"]
-    assert (o.workers, o.prefetch_buffer, o.averaging_frequency, o.batch_size, o.seed) == (2, 24, 3, 128, 123)
-    assert o.report_score_after_averaging and o.average_updaters and o.training_mode is TrainingMode.AVERAGING
-    assert (o.optimizer, o.model, o.device, o.data_dir, o.out) == ("nesterov", "lenet", "auto", None, None)
+    assert captured["train"] == RunOptions.of()
+    o, c = captured["train"], captured["train"].config
+    assert (c.workers, c.prefetch_buffer, c.averaging_frequency, o.batch_size, c.seed, c.validation_every) == (2, 24, 3, 128, 123, None)
+    assert c.report_score_after_averaging and c.average_updaters and c.training_mode is TrainingMode.AVERAGING
+    assert (o.optimizer, o.model, o.device, o.data.data_dir, o.out) == ("nesterov", "lenet", "auto", None, None)
     assert "test accuracy 0.9900" in result.output
     assert "1,000 samples/s while training (start-up and validation excluded)" in result.output
     assert "500 samples/s over the wall time of 2.0 s (all included)" in result.output
@@ -126,7 +126,7 @@ def test_defaults_follow_dl4j_example(captured: dict[str, Any]) -> None:
 def test_overlap_averaging_reaches_the_run(captured: dict[str, Any]) -> None:
     result = invoke("--overlap-averaging", "--deterministic")
     assert result.exit_code == 0, result.output
-    assert captured["train"] == RunOptions(overlap_averaging=True, deterministic=True)
+    assert captured["train"] == RunOptions.of(overlap_averaging=True, deterministic=True)
 
 
 def test_every_option_reaches_the_run(captured: dict[str, Any], tmp_path: Path, mnist_dir: Path) -> None:
@@ -139,7 +139,7 @@ def test_every_option_reaches_the_run(captured: dict[str, Any], tmp_path: Path, 
         "--early-stopping-patience", "2",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert captured["train"] == RunOptions(
+    assert captured["train"] == RunOptions.of(
         workers=3, prefetch_buffer=7, averaging_frequency=5, report_score_after_averaging=False,
         average_updaters=False, training_mode=TrainingMode.SHARED_GRADIENTS, epochs=4, batch_size=64, lr=0.2,
         optimizer="adamw", model="mlp", device="cpu", seed=9, data_dir=mnist_dir, download=False,
@@ -151,7 +151,7 @@ def test_recipe_options_reach_the_run_and_the_builder(captured: dict[str, Any]) 
     result = invoke("--precision", "bf16-mixed", "--gradient-clipping", "0.5")
     assert result.exit_code == 0, result.output
     options = captured["train"]
-    assert options == RunOptions(precision="bf16-mixed", gradient_clipping=0.5)
+    assert options == RunOptions.of(precision="bf16-mixed", gradient_clipping=0.5)
     with builder(LeNet(), options).build() as w:
         assert (w.config.precision, w.config.gradient_clipping) == ("bf16-mixed", 0.5)
     assert invoke("--precision", "fp8").exit_code != 0 and invoke("--gradient-clipping", "0").exit_code != 0
@@ -162,13 +162,13 @@ def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, A
     """Off by default (DL4J's behaviour); --outer-lr turns on an outer SGD, Nesterov where it has momentum."""
     assert invoke().exit_code == 0
     o = captured["train"]
-    assert (o.outer_lr, o.outer_momentum, o.warmup_sync_steps, o.payload_dtype) == (None, 0.0, 0, "float32")
+    assert (o.outer_lr, o.outer_momentum, o.config.warmup_sync_steps, o.config.payload_dtype) == (None, 0.0, 0, "float32")
     with builder(LeNet(), o).build() as w:
         assert w.outer_optimizer is None and (w.config.warmup_sync_steps, w.config.payload_dtype) == (0, "float32")
     args = ("--outer-lr", "0.8", "--outer-momentum", "0.5", "--warmup-sync-steps", "20", "--payload-dtype", "int8")
     assert invoke(*args).exit_code == 0
     options = captured["train"]
-    assert options == RunOptions(outer_lr=0.8, outer_momentum=0.5, warmup_sync_steps=20, payload_dtype="int8")
+    assert options == RunOptions.of(outer_lr=0.8, outer_momentum=0.5, warmup_sync_steps=20, payload_dtype="int8")
     with builder(LeNet(), options).build() as w:
         assert (w.config.warmup_sync_steps, w.config.payload_dtype) == (20, "int8")
         assert w.outer_optimizer is not None and type(w.outer_optimizer) is torch.optim.SGD
@@ -181,7 +181,7 @@ def test_beyond_dl4j_options_reach_the_run_and_the_builder(captured: dict[str, A
     with builder(LeNet(), captured["train"]).build() as w:
         assert (w.config.fragments, w.config.overlap_averaging) == (3, True)
     with pytest.raises(ValueError, match=r"fragments\(3\) spreads each round's averaging"):
-        builder(LeNet(), RunOptions(fragments=3)).build()
+        builder(LeNet(), RunOptions.of(fragments=3)).build()
     assert invoke("--stages", "2", "--microbatches", "4").exit_code == 0
     with builder(LeNet(), captured["train"]).build() as w:
         assert w.config.pipeline == Pipeline(2, None, 4, "1f1b") and str(w.placement).startswith("2 workers x 2 stages")
@@ -212,6 +212,15 @@ def test_lr_schedule_reaches_the_builder(captured: dict[str, Any], name: str, op
             assert [group["max_lr"] for group in w.optimizer.param_groups] == [options.learning_rate]
 
 
+def test_flags_that_make_a_library_option_give_its_value(captured: dict[str, Any]) -> None:
+    """--max-replacements N is replacement up to N times; without it a failure ends the run. Early
+    stopping without --validation-every watches the validations at epochs' ends (validation_every None)."""
+    assert invoke().exit_code == 0 and captured["train"].config.on_worker_failure == "raise"
+    assert invoke("--max-replacements", "2", "--early-stopping-patience", "3").exit_code == 0
+    o = captured["train"]
+    assert (o.config.on_worker_failure, o.config.max_replacements, o.config.validation_every, o.early_stopping_patience) == ("replace", 2, None, 3)
+
+
 def test_lr_defaults_per_optimizer(captured: dict[str, Any]) -> None:
     assert invoke("--optimizer", "adam").exit_code == 0
     assert captured["train"].lr is None and captured["train"].learning_rate == 1e-3
@@ -227,7 +236,7 @@ def test_compare_options(captured: dict[str, Any], tmp_path: Path) -> None:
     options = captured["compare"]
     assert options.frequencies == (2, 8, 32) and not options.shared_gradients
     assert (options.evals_per_epoch, options.target_accuracy, options.out) == (3, 0.9, tmp_path)
-    assert options.base == RunOptions(workers=4, lr=0.01)
+    assert options.base == RunOptions.of(workers=4, lr=0.01)
     assert "train" not in captured
 
 
@@ -268,7 +277,6 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["compare", "--target", "1.5"], ["--target"]),
         (["compare", "--training-mode", "averaging"], ["No such option", "--training-mode"]),
         (["--workers", "3", "compare"], ["--workers given before 'compare'", "pw-fit compare --workers"]),
-        (["--early-stopping-patience", "3"], ["early stopping watches the validation loss", "add --validation-every N"]),
         (["--early-stopping-patience", "0", "--validation-every", "5"], ["--early-stopping-patience"]),
         (["--validation-every", "-1"], ["--validation-every"]),
         (["--lr-schedule", "linear"], ["--lr-schedule", "'linear' is not one of 'none', 'step', 'cosine', 'onecycle'"]),
@@ -280,9 +288,11 @@ def test_compare_defaults(captured: dict[str, Any]) -> None:
         (["--payload-dtype", "int16"], ["--payload-dtype", "'int16' is not one of 'float32', 'bfloat16', 'float16', 'int8', 'int4', 'sparse'"]),
         (["compare", "--warmup-sync-steps", "5"], ["drop --warmup-sync-steps"]),
         (["compare", "--outer-lr", "1", "--frequencies", ""], ["give averaging frequencies with --outer-lr"]),
-        (["--microbatches", "4"], ["microbatches 4 cut a pipeline's batches", "--stages N"]),
+        (["--microbatches", "4"], ["--microbatches 4 shapes a pipeline", "--stages N"]),
         (["--stages", "0"], ["--stages"]),
-        (["--pipeline-schedule", "zbv"], ["schedule 'zbv' runs a pipeline", "--stages N"]),
+        (["--pipeline-schedule", "zbv"], ["--pipeline-schedule zbv shapes a pipeline", "--stages N"]),
+        (["--stages", "1"], ["--stages", "1 is not in the range x>=2"]),  # no pipeline is no --stages, as no .pipeline()
+        (["--max-replacements", "1", "--fragments", "2", "--overlap-averaging"], ['on_worker_failure("replace") restarts every worker']),  # the library's refusal
         (["--stages", "2", "--pipeline-schedule", "interleaved"], ["--pipeline-schedule", "'interleaved' is not one of '1f1b', 'gpipe', 'zbv'"]),
     ],
 )
@@ -578,7 +588,7 @@ def test_short_compare_run_with_an_outer_optimizer_and_bfloat16(mnist_dir: Path,
         rows = [r for r in csv.DictReader(f) if r["samples"] == "1024"]
     assert [(r["run"], r["outer"], r["rounds"]) for r in rows] == [("averaging k=2", "False", "2"), ("outer k=2", "True", "2")]
     assert rows[0]["bytes_per_worker"] == rows[1]["bytes_per_worker"] and rows[0]["collectives"] == rows[1]["collectives"]
-    float32 = estimated_communication(RunOptions(averaging_frequency=2)).bytes_per_worker(2, 1)
+    float32 = estimated_communication(RunOptions.of(averaging_frequency=2)).bytes_per_worker(2, 1)
     assert float(rows[0]["bytes_per_worker"]) == pytest.approx(float32 * 0.75, rel=1e-3)  # a round in full, a round in half
     assert rows[1]["test_accuracy"] != rows[0]["test_accuracy"]
     table = (tmp_path / "compare.md").read_text()

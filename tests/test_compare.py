@@ -51,7 +51,7 @@ def test_header_bytes_match_the_real_header(monkeypatch: pytest.MonkeyPatch) -> 
     ],
 )
 def test_payload_follows_the_optimizer_state(spec: RunSpec, optimizer: str, average_updaters: bool, numbers: int, collectives: int) -> None:
-    options = spec.options(RunOptions(optimizer=optimizer, average_updaters=average_updaters))
+    options = spec.options(RunOptions.of(optimizer=optimizer, average_updaters=average_updaters))
     cost = estimated_communication(options)
     assert cost.payload_bytes == 4 * (numbers + rounds.HEADER_LEN) and cost.payload_collectives == collectives
 
@@ -62,12 +62,12 @@ def test_a_16_bit_payload_is_gathered_after_each_fits_first_round(workers: int, 
     ring all-reduce's bytes for 2 workers and as many for 4; the first fit()'s first round goes in
     float32 (the momentum does not exist before it), and the header travels beside the casts in a
     float64 all-reduce of its own."""
-    base = RunOptions(workers=workers)
+    base = RunOptions.of(workers=workers)
     full = estimated_communication(AVG.options(base))
-    cast = estimated_communication(AVG.options(RunOptions(workers=workers, payload_dtype="bfloat16")))
+    cast = estimated_communication(AVG.options(RunOptions.of(workers=workers, payload_dtype="bfloat16")))
     assert full.wire_bytes is None and cast.wire_bytes == 2 * (2 * LENET_PARAMS)
     for dtype, per_block in (("int8", 256 + 4), ("int4", 128 + 4)):  # a quarter, an eighth, and a float32 scale per 256
-        coded = estimated_communication(AVG.options(RunOptions(workers=workers, payload_dtype=dtype)))
+        coded = estimated_communication(AVG.options(RunOptions.of(workers=workers, payload_dtype=dtype)))
         assert coded.wire_bytes == -(-2 * LENET_PARAMS // 256) * per_block
     assert cast.payload_bytes == full.payload_bytes  # the float32 first round
     header = cast.ring_bytes(HEADER_BYTES)
@@ -79,7 +79,7 @@ def test_a_16_bit_payload_is_gathered_after_each_fits_first_round(workers: int, 
     assert (full.payload_collectives, cast.payload_collectives) == (2, 1)
     assert cast.collectives(10, 2) == 2 + 10 + 9  # the fits' headers alone, a payload a round, a coded round's header
     # Shared gradients never send a 16-bit payload.
-    assert estimated_communication(SG.options(RunOptions(payload_dtype="bfloat16"))).wire_bytes is None
+    assert estimated_communication(SG.options(RunOptions.of(payload_dtype="bfloat16"))).wire_bytes is None
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def test_a_16_bit_payload_is_gathered_after_each_fits_first_round(workers: int, 
     ],
 )
 def test_which_fits_first_round_goes_in_float32(optimizer: str, average_updaters: bool, overlap: bool, full_fits: int | None) -> None:
-    options = AVG.options(RunOptions(optimizer=optimizer, average_updaters=average_updaters, overlap_averaging=overlap, payload_dtype="int8"))
+    options = AVG.options(RunOptions.of(optimizer=optimizer, average_updaters=average_updaters, overlap_averaging=overlap, payload_dtype="int8"))
     cost = estimated_communication(options)
     assert cost.full_fits == full_fits
     full, coded = cost.ring_bytes(cost.payload_bytes), cost.gather_bytes(cost.wire_bytes or 0) + cost.ring_bytes(HEADER_BYTES)
@@ -101,17 +101,17 @@ def test_which_fits_first_round_goes_in_float32(optimizer: str, average_updaters
 
 
 def test_an_outer_optimizer_sends_nothing_more() -> None:
-    base = RunOptions(outer_lr=1.0, outer_momentum=0.5)
+    base = RunOptions.of(outer_lr=1.0, outer_momentum=0.5)
     outer, plain = RunSpec(TrainingMode.AVERAGING, 4, outer=True).options(base), AVG.options(base)
     assert (outer.outer_lr, outer.outer_momentum, plain.outer_lr, plain.outer_momentum) == (1.0, 0.5, None, 0.0)
     assert estimated_communication(outer) == estimated_communication(plain)
 
 
 def test_fragments_overlap_the_averaging_runs_and_add_a_collective_each_and_a_closing_average() -> None:
-    base = RunOptions(fragments=3)
-    plain, fragmented, sg = AVG.options(RunOptions()), AVG.options(base), SG.options(base)
+    base = RunOptions.of(fragments=3, overlap_averaging=True)  # pw-fit compare --fragments 3 overlaps its averaging runs
+    plain, fragmented, sg = AVG.options(RunOptions.of()), AVG.options(base).config, SG.options(base).config
     assert (fragmented.fragments, fragmented.overlap_averaging, sg.fragments, sg.overlap_averaging) == (3, True, 1, False)
-    one, three = estimated_communication(plain), estimated_communication(fragmented)
+    one, three = estimated_communication(plain), estimated_communication(AVG.options(base))
     assert three.payload_bytes == one.payload_bytes and three.fragments == 3
     # 10 rounds in 2 fit() calls: 2 more collectives a round, and a full average at each fit()'s end.
     assert three.collectives(10, 2) == one.collectives(10, 2) + 2 * 10 + 2
@@ -141,8 +141,8 @@ def test_run_specs_order() -> None:
     assert [s.label for s in run_specs(CompareOptions(frequencies=(2,), shared_gradients=False))] == ["averaging k=2"]
     auto = run_specs(CompareOptions(frequencies=("auto", 8), shared_gradients=False))
     assert [s.label for s in auto] == ["averaging k=8", "averaging k=auto"]
-    assert auto[0].options(RunOptions()).deterministic and not auto[1].options(RunOptions()).deterministic  # auto steers by times
-    outer = run_specs(CompareOptions(RunOptions(outer_lr=0.7), frequencies=(64, 16)))
+    assert auto[0].options(RunOptions.of()).config.deterministic and not auto[1].options(RunOptions.of()).config.deterministic  # auto steers by times
+    outer = run_specs(CompareOptions(RunOptions.of(outer_lr=0.7), frequencies=(64, 16)))
     assert [s.label for s in outer] == ["shared gradients", "averaging k=16", "outer k=16", "averaging k=64", "outer k=64"]
 
 
@@ -154,8 +154,8 @@ def test_run_specs_order() -> None:
         ({"frequencies": (), "shared_gradients": False}, "nothing to compare"),
         ({"evals_per_epoch": 0}, "evals_per_epoch"),
         ({"target_accuracy": 97.0}, "fraction"),
-        ({"base": RunOptions(warmup_sync_steps=10)}, "drop --warmup-sync-steps"),
-        ({"base": RunOptions(outer_lr=1.0), "frequencies": ()}, "give averaging frequencies with --outer-lr"),
+        ({"base": RunOptions.of(warmup_sync_steps=10)}, "drop --warmup-sync-steps"),
+        ({"base": RunOptions.of(outer_lr=1.0), "frequencies": ()}, "give averaging frequencies with --outer-lr"),
     ],
 )
 def test_options_are_validated(kwargs: dict[str, Any], message: str) -> None:

@@ -199,9 +199,9 @@ def test_pw_fit_maps_its_flag_to_the_builder_and_compare_refuses_it() -> None:
     from parallelwrapper.app import cli
     from parallelwrapper.app.options import RunOptions, builder
 
-    assert builder(mlp(), RunOptions(optimizer="adam", average_updaters_every=4))._options["average_updaters_every"] == 4
+    assert builder(mlp(), RunOptions.of(optimizer="adam", average_updaters_every=4))._options["average_updaters_every"] == 4
     with pytest.raises(ValueError, match=r"average_updaters\(every=4\) does not go with average_updaters\(False\)"):
-        builder(mlp(), RunOptions(average_updaters=False, average_updaters_every=4)).build()
+        builder(mlp(), RunOptions.of(average_updaters=False, average_updaters_every=4)).build()
     result = CliRunner().invoke(cli.main, ["compare", "--average-updaters-every", "4"], prog_name="pw-fit")
     assert result.exit_code == 2 and "drop --average-updaters-every" in result.output
     result = CliRunner().invoke(cli.main, ["--average-updaters-every", "0"], prog_name="pw-fit")

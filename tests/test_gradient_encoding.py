@@ -187,7 +187,7 @@ def test_adaptive_tau_keeps_the_density_in_its_band_on_mnist(mnist_dir: Path) ->
     of the step asks (up above the band, down below it, else not), brings it into [1e-4, 1e-2]
     within 30 steps and keeps it there: every 10 steps' mean in the band, and 90% of the steps
     (a step's own density varies with its batch). History's scores carry τ, density and bytes."""
-    options = RunOptions(data_dir=mnist_dir, model="mlp", training_mode=SHARED, averaging_frequency=1, train_samples=16_000, download=False)
+    options = RunOptions.of(data_dir=mnist_dir, model="mlp", training_mode=SHARED, averaging_frequency=1, train_samples=16_000, download=False)
     train, _ = load_splits(options)
     with builder(initial_model(options), options).gradient_encoding().build() as w:
         scores = w.fit(epoch_batches(train, options, 0)).scores
@@ -231,11 +231,10 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path: Path) -> None:
 @pytest.mark.fast
 def test_gradient_threshold_needs_shared_gradients_and_compare_encodes_one_run_only() -> None:
     result = CliRunner().invoke(cli.main, ["--gradient-threshold", "1e-3"], prog_name="pw-fit")
-    assert result.exit_code == 2 and "--gradient-threshold encodes shared gradients: add --training-mode shared-gradients" in result.output
-    specs = run_specs(CompareOptions(RunOptions(gradient_threshold=2e-3), frequencies=(4,), encoded=True))
-    assert [(s.label, s.options(RunOptions(gradient_threshold=2e-3)).gradient_threshold) for s in specs] == [
-        ("shared gradients", None), ("encoded shared gradients", 2e-3), ("averaging k=4", None),
-    ]  # fmt: skip
+    assert result.exit_code == 2 and "gradient_encoding does not go with the training_mode" in result.output  # the library's refusal
+    specs = run_specs(CompareOptions(frequencies=(4,), encoded=True, threshold=2e-3))
+    encodings = [(s.label, s.options(RunOptions.of(), 2e-3).config.gradient_encoding) for s in specs]
+    assert encodings == [("shared gradients", None), ("encoded shared gradients", GradientEncoding(2e-3)), ("averaging k=4", None)]
     assert CompareOptions(frequencies=(), shared_gradients=False, encoded=True).encoded  # encoded alone is a comparison
 
 
@@ -252,5 +251,5 @@ def test_pw_fit_reports_the_bytes_the_encoded_run_sent(mnist_dir: Path, tmp_path
     assert summary["encoded_bytes_per_worker"] == pytest.approx(sum(r["bytes_sent"] for r in scores))
     assert summary["final_threshold"] == scores[-1]["threshold"]
     assert f"encoded shared gradients: {summary['encoded_bytes_per_worker'] / 1e6:,.2f} MB sent per worker" in result.output
-    dense = 4 * estimated_communication(RunOptions(training_mode=SHARED)).bytes_per_worker(1, 0)  # 4 steps of LeNet's gradients
+    dense = 4 * estimated_communication(RunOptions.of(training_mode=SHARED)).bytes_per_worker(1, 0)  # 4 steps of LeNet's gradients
     assert summary["encoded_bytes_per_worker"] < 0.1 * dense

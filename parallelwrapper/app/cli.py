@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from parallelwrapper import OPTIONS, PIPELINE_SCHEDULES, CheckpointError, InferenceError, InferenceMode, TrainingMode, WorkerError, checkpoint_counters
+from parallelwrapper import OPTIONS, PIPELINE_SCHEDULES, Autopilot, CheckpointError, GradientEncoding, InferenceError, InferenceMode, Pipeline, WorkerError, checkpoint_counters
 
 from .compare import CompareOptions, compare
 from .mnist import MnistFilesMissing
 from .models import MODEL_NAMES
-from .options import DEVICES, LR_SCHEDULES, OPTIMIZERS, RunOptions
+from .options import DEVICES, FIT_CONFIG, LR_SCHEDULES, OPTIMIZERS, RunOptions
 from .predict import PredictOptions, predict_mnist
 from .run import train_mnist
 
@@ -32,12 +32,14 @@ _LR_DEFAULTS = ", ".join(f"{name} {choice.default_lr:g}" for name, choice in OPT
 
 def _declared(name: str, extra: str = "", **override: Any) -> Callable[[F], F]:
     """pw-fit's flag for the builder's option `name`, made from its declaration
-    (parallelwrapper.OPTIONS): the flag, its help (then `extra`, what pw-fit adds), its default
-    and the values it takes; `override` where pw-fit's own differ (DL4J's example: k 3, seed 123)."""
+    (parallelwrapper.OPTIONS): the flag, its help (then `extra`, what pw-fit adds), the values it
+    takes, and its default, pw-fit's (FIT_CONFIG: DL4J's example's k and seed); `override` where
+    the flag's own differ."""
     d = OPTIONS[name]
     check, flag = d.option.check, d.option.flag
     assert flag is not None, f"{name} has no pw-fit flag in its declaration"
-    kwargs: dict[str, Any] = {"default": d.default, "show_default": d.default is not None, "help": f"{d.option.help} {extra}".strip()}
+    default = override.pop("default", getattr(FIT_CONFIG, name))
+    kwargs: dict[str, Any] = {"show_default": default is not None, "help": f"{d.option.help} {extra}".strip()}
     decls = [f"{flag}/--no-{flag.removeprefix('--')}"] if check.boolean else [flag]
     if check.choices:
         kwargs["type"] = click.Choice([str(c) for c in check.choices])
@@ -45,9 +47,9 @@ def _declared(name: str, extra: str = "", **override: Any) -> Callable[[F], F]:
         kwargs["type"] = int if check.minimum is None else click.IntRange(min=check.minimum)
     elif check.positive:
         kwargs["type"] = click.FloatRange(min=0, min_open=True)
-    elif isinstance(d.default, enum.Enum):
-        kwargs["type"], kwargs["default"] = click.Choice([m.value for m in type(d.default)]), d.default.value
-    return click.option(*decls, **{**kwargs, **override})
+    elif isinstance(default, enum.Enum):
+        kwargs["type"], default = click.Choice([m.value for m in type(default)]), default.value
+    return click.option(*decls, default=default, **{**kwargs, **override})
 
 
 def _run_options(f: F) -> F:
@@ -64,7 +66,7 @@ def _run_options(f: F) -> F:
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="nesterov", show_default=True, help="nesterov: SGD, momentum 0.9, Nesterov (DL4J's NESTEROVS)."),
         click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="lenet: DL4J's LeNet; mlp: a small MLP."),
         click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any (shared round-robin, over gloo, when the workers outnumber them), else the CPU; cuda: the same, or an error without a GPU."),
-        _declared("seed", "pw-fit also seeds the model's initial weights and the shuffling with it.", default=123),
+        _declared("seed", "pw-fit also seeds the model's initial weights and the shuffling with it."),
         _declared("gradient_clipping"),
         _declared("accumulate"),
         _declared("precision"),
@@ -127,23 +129,23 @@ _K = _KOrAuto()
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @_run_options
-@_declared("averaging_frequency", "Or auto: the autopilot chooses k (1 to 128), the payload, the optimizer state's period and, as its last resort, overlap, from the measured step and exchange times (a --payload-dtype or --average-updaters-every other than its default is kept).", type=_K, default="3")
+@_declared("averaging_frequency", "Or auto: the autopilot chooses k (1 to 128), the payload, the optimizer state's period and, as its last resort, overlap, from the measured step and exchange times (a --payload-dtype or --average-updaters-every other than its default is kept).", type=_K)
 @_declared("training_mode")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write metrics.jsonl, summary.json and model.pt here.")
 @click.option("--tensorboard", type=click.Path(file_okay=False, path_type=Path), default=None, help="Write the scores, validations, epoch figures, learning rate and replacements here as TensorBoard scalars (needs the tensorboard package: pip install tensorboard). Default: off.")
 @_declared("deterministic")
-@_declared("checkpoint_dir", type=click.Path(file_okay=False, path_type=Path))
+@_declared("checkpoint_dir", type=click.Path(file_okay=False))
 @_declared("checkpoint_every")
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Continue the run whose checkpoint is in this directory (same options; --epochs counts from the run's start).")
-@click.option("--validation-every", type=click.IntRange(min=0), default=0, show_default=True, help="Also validate on the test set every N averagings (0: at each epoch's end only); val_loss and val_accuracy go to the progress bar and metrics.jsonl.")
+@_declared("validation_every", "pw-fit validates on the test set at each epoch's end, and with N every N averagings too; val_loss and val_accuracy go to the progress bar and metrics.jsonl.")
 @click.option("--lr-schedule", type=click.Choice(list(LR_SCHEDULES)), default="none", show_default=True, help="step: lr x 0.7 after each epoch; cosine: anneal to 0 over the run; onecycle: warm up to --lr and anneal, over the run (steps: ceil(batches / workers) an epoch).")
-@click.option("--max-replacements", type=click.IntRange(min=0), default=0, show_default=True, help="Replace a worker that fails (an error, a death, a stall) up to N times: every worker goes back to the last average and its round's batches are trained again (0: a failure ends the run).")
-@click.option("--stages", type=click.IntRange(min=1), default=1, show_default=True, help="Model parallelism: each worker a pipeline of N stage processes, each holding about 1/N of the model and its optimizer state, averaged stage by stage (1: no pipeline). --workers 2 --stages 2 runs 4 processes.")
+@_declared("max_replacements", "Given, pw-fit replaces a worker that fails (an error, a death, a stall): every worker goes back to the last average and its round's batches are trained again (on_worker_failure('replace')). Default: a failure ends the run.", default=None)
+@click.option("--stages", type=click.IntRange(min=2), default=None, help="Model parallelism: each worker a pipeline of N stage processes, each holding about 1/N of the model and its optimizer state, averaged stage by stage (.pipeline(stages=N)). --workers 2 --stages 2 runs 4 processes. Default: no pipeline.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=1, show_default=True, help="With --stages: cut each batch into M microbatches for the pipeline's schedule (1F1B runs GPipe when M < stages).")
 @click.option("--pipeline-schedule", type=click.Choice(list(PIPELINE_SCHEDULES)), default="1f1b", show_default=True, help="With --stages: the pipeline's schedule; zbv (zero bubble, V) has each stage hold two pieces of the model and fills the bubbles with weight gradients.")
-@click.option("--early-stopping-patience", type=click.IntRange(min=1), default=None, help="Stop when val_loss has not improved for this many validations (needs --validation-every). Default: off.")
+@click.option("--early-stopping-patience", type=click.IntRange(min=1), default=None, help="Stop when val_loss has not improved for this many validations (at each epoch's end, and every --validation-every N averagings). Default: off.")
 @click.pass_context
-def main(ctx: click.Context, /, training_mode: str, **kwargs: Any) -> None:
+def main(ctx: click.Context, /, **kwargs: Any) -> None:
     """Train a model on MNIST with a ParallelWrapper (DL4J's multi-GPU LeNet example by default),
     showing where the workers run (devices, backend), the averaged score, each epoch's mean
     training loss and test accuracy and, at the end, the test accuracy, samples per second while
@@ -156,18 +158,39 @@ def main(ctx: click.Context, /, training_mode: str, **kwargs: Any) -> None:
         if given:
             raise click.UsageError(f"{', '.join(given)} given before '{ctx.invoked_subcommand}': options go after the command, e.g. pw-fit compare --workers 2")
         return
-    if kwargs["gradient_threshold"] is not None and training_mode != TrainingMode.SHARED_GRADIENTS.value:  # in pw-fit compare it is the encoded run's
-        raise click.UsageError("--gradient-threshold encodes shared gradients: add --training-mode shared-gradients")
-    options = _make(RunOptions, training_mode=TrainingMode(training_mode), **kwargs)
+    options = _make(RunOptions.of, **_library(kwargs))
     try:
         summary = _call(train_mnist, options)
     except KeyboardInterrupt:
-        saved = options.checkpoint_dir or options.resume
+        saved = Path(options.config.checkpoint_dir) if options.config.checkpoint_dir is not None else options.resume
         if saved is None:
             raise  # nothing to resume from: click says "Aborted!"
         click.echo(f"\n{_resume_hint(ctx, saved)}", err=True)  # below the progress bar's line
         ctx.exit(130)  # as a shell reports a process that SIGINT ended
     click.echo(summary.describe())
+
+
+def _library(flags: dict[str, Any]) -> dict[str, Any]:
+    """pw-fit's flags with those that make one of the library's options as that option: --averaging-frequency
+    auto the autopilot, --stages and its pipeline's flags a Pipeline, --gradient-threshold the
+    encoding, --max-replacements N replacement. The library checks them all (RunOptions.of)."""
+    flags = dict(flags)
+    if flags.get("averaging_frequency") == "auto":
+        del flags["averaging_frequency"]
+        flags["autopilot"] = Autopilot()
+    stages, microbatches, schedule = flags.pop("stages", None), flags.pop("microbatches", 1), flags.pop("pipeline_schedule", "1f1b")
+    if stages is not None:
+        flags["pipeline"] = Pipeline(stages, None, microbatches, schedule)
+    elif (microbatches, schedule) != (1, "1f1b"):
+        given = " ".join(f for f in (f"--microbatches {microbatches}" * (microbatches != 1), f"--pipeline-schedule {schedule}" * (schedule != "1f1b")) if f)
+        raise click.UsageError(f"{given} shapes a pipeline, which --stages N makes: add --stages 2 or more")
+    threshold = flags.pop("gradient_threshold", None)
+    if threshold is not None:
+        flags["gradient_encoding"] = GradientEncoding(threshold)
+    replacements = flags.pop("max_replacements", None)
+    if replacements is not None:
+        flags.update(on_worker_failure="replace", max_replacements=replacements)
+    return flags
 
 
 def _resume_hint(ctx: click.Context, directory: Path) -> str:
@@ -216,12 +239,14 @@ def compare_command(frequencies: tuple[int | str, ...], shared_gradients: bool, 
     with averaging at several frequencies (and, with --outer-lr, each frequency again with the
     outer optimizer); table and plot test accuracy against samples and seconds, and the bytes
     each sends per worker."""
-    base = _make(RunOptions, **kwargs)
-    if base.average_updaters_every != 1:  # its bytes are computed (communication.py) for the state in every round
+    threshold = kwargs.pop("gradient_threshold")  # the encoded run's
+    kwargs["overlap_averaging"] |= kwargs["fragments"] > 1  # fragments overlap the averaging runs
+    base = _make(RunOptions.of, **_library(kwargs))
+    if base.config.average_updaters_every != 1:  # its bytes are computed (communication.py) for the state in every round
         raise click.UsageError("pw-fit compare computes each run's bytes with the optimizer state in every round: drop --average-updaters-every")
     options = _make(
         CompareOptions, base=base, frequencies=frequencies, shared_gradients=shared_gradients, encoded=encoded,
-        evals_per_epoch=evals, target_accuracy=target, out=out,
+        evals_per_epoch=evals, target_accuracy=target, out=out, **({} if threshold is None else {"threshold": threshold}),
     )  # fmt: skip
     _call(compare, options)
     click.echo(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, {out / 'compare.png'}")

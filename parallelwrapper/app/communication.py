@@ -72,16 +72,17 @@ class Communication:
         return max(rounds - (fits if self.full_fits is None else min(fits, self.full_fits)), 0)
 
 
-def estimated_communication(options: RunOptions) -> Communication:
+def estimated_communication(options: RunOptions, payload_dtype: str | None = None) -> Communication:
     """The payload of one round of `options` (its training mode, optimizer, average_updaters and
-    payload_dtype). A rank-local throwaway optimizer takes one step on zero gradients to create
-    its lazily built state (SGD momentum: one buffer per parameter; Adam: two, and a step count;
-    plain SGD: none)."""
+    payload_dtype, or `payload_dtype` where given: one the autopilot chose). A rank-local
+    throwaway optimizer takes one step on zero gradients to create its lazily built state (SGD
+    momentum: one buffer per parameter; Adam: two, and a step count; plain SGD: none)."""
+    c = options.config
     model = initial_model(options)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None
-    full_fits: int | None = None if options.overlap_averaging else 0  # streamed rounds start coding after a first one
-    if options.training_mode is not TrainingMode.SHARED_GRADIENTS and options.average_updaters:
+    full_fits: int | None = None if c.overlap_averaging else 0  # streamed rounds start coding after a first one
+    if c.training_mode is not TrainingMode.SHARED_GRADIENTS and c.average_updaters:
         optimizer = OPTIMIZERS[options.optimizer].make(params, options.learning_rate)
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -90,10 +91,12 @@ def estimated_communication(options: RunOptions) -> Communication:
             full_fits = None
         elif full_fits is not None:  # the state exists once the first fit() has stepped
             full_fits = 1
-    payload = round_payload(model, optimizer, training_mode=options.training_mode, payload_dtype=options.payload_dtype, replace=options.max_replacements > 0)
-    fragments = options.fragments if options.training_mode is TrainingMode.AVERAGING else 1
+    dtype = payload_dtype or c.payload_dtype
+    payload = round_payload(model, optimizer, training_mode=c.training_mode, payload_dtype=dtype, replace=c.on_worker_failure == "replace")
+    fragments = c.fragments if c.training_mode is TrainingMode.AVERAGING else 1
     if payload.wire_bytes is None:
-        return Communication(payload.nbytes, payload.collectives, options.workers, fragments=fragments)
-    return Communication(payload.nbytes, payload.collectives, options.workers, payload.wire_bytes, fragments, full_fits)
+        return Communication(payload.nbytes, payload.collectives, c.workers, fragments=fragments)
+    return Communication(payload.nbytes, payload.collectives, c.workers, payload.wire_bytes, fragments, full_fits)
+
 
 __all__ = ["HEADER_BYTES", "Communication", "estimated_communication"]

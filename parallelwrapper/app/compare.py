@@ -9,7 +9,7 @@ an outer optimizer in the base options (DiLoCo, Douillard et al., 2023; SlowMo, 
 each k also runs with it ("outer k=..."), beside plain averaging. A frequency "auto" races the
 autopilot (first-come: it steers by measured times).
 
-    results = compare(CompareOptions(RunOptions(data_dir=Path("../shared/data/mnist")), out=Path("runs/compare")))
+    results = compare(CompareOptions(RunOptions.of(data_dir=Path("../shared/data/mnist")), out=Path("runs/compare")))
 
 writes `compare.csv` (one row per run and evaluation point), `compare.md` (one row per run) and
 `compare.png` (test accuracy against samples and against seconds, one line per run; the
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from parallelwrapper import ParallelWrapper, Score, TrainingMode, exchange_share
+from parallelwrapper import Autopilot, GradientEncoding, ParallelWrapper, Score, TrainingMode, exchange_share
 
 from .communication import HEADER_BYTES, Communication, estimated_communication
 from .options import Batch, RunOptions, builder, epoch_batches, eval_batches, initial_model, load_splits
@@ -53,7 +53,8 @@ class CompareOptions:
     base: RunOptions = field(default_factory=RunOptions)
     frequencies: tuple[int | str, ...] = (1, 4, 16)  # one AVERAGING run per k, or "auto" (the autopilot)
     shared_gradients: bool = True  # and one SHARED_GRADIENTS run
-    encoded: bool = False  # and one SHARED_GRADIENTS run threshold-encoded, τ from base.gradient_threshold (default 1e-3)
+    encoded: bool = False  # and one SHARED_GRADIENTS run threshold-encoded, τ starting at `threshold`
+    threshold: float = 1e-3  # the encoded run's τ at the start
     evals_per_epoch: int = 8
     target_accuracy: float = 0.97
     out: Path = Path("runs/compare")
@@ -68,7 +69,9 @@ class CompareOptions:
             raise ValueError(f"evals_per_epoch must be an int >= 1, got {self.evals_per_epoch!r}")
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ValueError(f"target_accuracy is a fraction in (0, 1], e.g. 0.97; got {self.target_accuracy!r}")
-        if self.base.warmup_sync_steps:
+        if not (isinstance(self.threshold, (int, float)) and 0 < self.threshold < math.inf):
+            raise ValueError(f"threshold must be a positive number, e.g. 1e-3; got {self.threshold!r}")
+        if self.base.config.warmup_sync_steps:
             raise ValueError("compare runs each scheme from the start: drop --warmup-sync-steps (warmup_sync_steps), which pw-fit takes")
         if self.base.outer_lr is not None and not ks:
             raise ValueError("the outer optimizer steps after averagings: give averaging frequencies with --outer-lr")
@@ -87,19 +90,21 @@ class RunSpec:
             return "encoded shared gradients" if self.encoded else "shared gradients"
         return f"{'outer' if self.outer else 'averaging'} k={self.averaging_frequency}"
 
-    def options(self, base: RunOptions) -> RunOptions:
+    def options(self, base: RunOptions, threshold: float = 1e-3) -> RunOptions:
         """`base` as this run trains: its mode and k; the outer optimizer only in an outer run; the
-        payload dtype and fragments only where there are averagings (fragments overlap them).
-        Dealt (deterministic) but for the autopilot, which steers by measured times."""
+        payload dtype and fragments only where there are averagings (fragments overlap them); the
+        encoding (τ from `threshold`) only in the encoded run. Dealt (deterministic) but for the
+        autopilot, which steers by measured times."""
         outer = self.outer and base.outer_lr is not None
-        return dataclasses.replace(
-            base, training_mode=self.training_mode, averaging_frequency=self.averaging_frequency, report_score_after_averaging=True,
-            deterministic=self.averaging_frequency != "auto", outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0,
-            payload_dtype=base.payload_dtype if self.training_mode is TrainingMode.AVERAGING else "float32",
-            fragments=base.fragments if self.training_mode is TrainingMode.AVERAGING else 1,
-            overlap_averaging=self.training_mode is TrainingMode.AVERAGING and (base.overlap_averaging or base.fragments > 1),
-            gradient_threshold=(base.gradient_threshold or 1e-3) if self.encoded else None,
+        averaging, k, c = self.training_mode is TrainingMode.AVERAGING, self.averaging_frequency, base.config
+        config = dataclasses.replace(
+            c, training_mode=self.training_mode, averaging_frequency=k if isinstance(k, int) else c.averaging_frequency,
+            autopilot=None if isinstance(k, int) else Autopilot(), report_score_after_averaging=True, deterministic=isinstance(k, int),
+            payload_dtype=c.payload_dtype if averaging else "float32", fragments=c.fragments if averaging else 1,
+            overlap_averaging=averaging and c.overlap_averaging,
+            gradient_encoding=GradientEncoding(threshold) if self.encoded else None,
         )  # fmt: skip
+        return dataclasses.replace(base, config=config, outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0)
 
 
 def run_specs(options: CompareOptions) -> list[RunSpec]:
@@ -164,13 +169,13 @@ def _start_workers(wrapper: ParallelWrapper, batches: list[Batch]) -> None:
 
 def run_one(spec: RunSpec, options: CompareOptions, pieces: Sequence[list[Batch]], test: list[Batch], echo: Callable[[str], None] | None = None) -> RunResult:
     """Train one configuration over `pieces`, evaluating before the first and after each."""
-    run_options = spec.options(options.base)
+    run_options = spec.options(options.base, options.threshold)
 
     @functools.cache
     def cost_of(payload: str) -> Communication:  # by payload: the autopilot's rounds change it
-        return estimated_communication(dataclasses.replace(run_options, payload_dtype=payload))
+        return estimated_communication(run_options, payload)
 
-    cost = cost_of(run_options.payload_dtype)
+    cost = cost_of(run_options.config.payload_dtype)
     model = initial_model(run_options)  # the same initial weights in every run
     wrapper = builder(model, run_options).build()
 
@@ -216,7 +221,7 @@ def compare(options: CompareOptions, *, echo: Callable[[str], None] | None = pri
     base = options.base
     train, test_split = load_splits(base)
     specs = run_specs(options)
-    unit = base.workers * max((s.averaging_frequency for s in specs if isinstance(s.averaging_frequency, int)), default=1)
+    unit = base.config.workers * max((s.averaging_frequency for s in specs if isinstance(s.averaging_frequency, int)), default=1)
     pieces = [
         piece
         for epoch in range(base.epochs)
@@ -253,14 +258,15 @@ def write_csv(results: Sequence[RunResult], path: Path) -> None:
 
 def describe_setup(options: CompareOptions, results: Sequence[RunResult]) -> str:
     b = options.base
+    c = b.config
     samples = results[0].final.samples if results else 0
     return (
-        f"{MODEL_TITLES.get(b.model, b.model)} on MNIST, {b.workers} workers × batch {b.batch_size}, "
+        f"{MODEL_TITLES.get(b.model, b.model)} on MNIST, {c.workers} workers × batch {b.batch_size}, "
         f"{b.optimizer} lr {b.learning_rate:g}, "
         + (f"outer SGD lr {b.outer_lr:g} Nesterov momentum {b.outer_momentum:g}, " if b.outer_lr is not None else "")
-        + (f"averagings sent in {b.payload_dtype}, " if b.payload_dtype != "float32" else "")
-        + (f"averagings in {b.fragments} fragments, overlapped, " if b.fragments > 1 else "")
-        + ("averagings overlapped, " if b.overlap_averaging and b.fragments == 1 else "")
+        + (f"averagings sent in {c.payload_dtype}, " if c.payload_dtype != "float32" else "")
+        + (f"averagings in {c.fragments} fragments, overlapped, " if c.fragments > 1 else "")
+        + ("averagings overlapped, " if c.overlap_averaging and c.fragments == 1 else "")
         + f"{samples:,} training samples per run"
     )
 

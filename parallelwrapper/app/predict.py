@@ -102,7 +102,7 @@ def predict_mnist(options: PredictOptions, echo: Callable[[str], None] | None = 
     n = len(test) if options.test_samples is None else min(options.test_samples, len(test))
     ((images, labels),) = test.batches(len(test))  # the whole split, normalized as in training
     images, labels = images[:n], labels[:n]
-    devices = RunOptions(workers=options.workers, device=options.device).worker_devices()
+    devices = RunOptions.of(workers=options.workers, device=options.device).worker_devices()
     builder = ParallelInference.builder(model).workers(options.workers).inference_mode(options.inference_mode).batch_limit(options.batch_limit)
     with (builder.devices(devices) if devices is not None else builder).build() as served:
         if echo is not None:

@@ -2,8 +2,8 @@
 
     summary = train_mnist(RunOptions(workers=2, epochs=1, data_dir=Path("../shared/data/mnist")))
 
-It builds the model from a seed, configures a `ParallelWrapper` from the options (which mirror
-the builder's) and fits all epochs in one `fit()`, each epoch's batches shuffled by seed + epoch.
+It builds the model from a seed, configures a `ParallelWrapper` from the options (the library's
+travel as its own `Config`) and fits all epochs in one `fit()`, each epoch's batches shuffled by seed + epoch.
 The workers score the averaged model on the test set at each epoch's end (and every `validation_every`
 averagings, for early stopping), as the builder's validation. With `out`, it writes
 `metrics.jsonl` (one record per averaged score, validation and epoch), `summary.json` and the
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -162,11 +161,6 @@ class RunLog:
 
 # -- the run ---------------------------------------------------------------------------------------
 
-# pw-fit validates at every epoch's end: that is its test accuracy per epoch. Without --validation-every,
-# at epoch ends only: no run has this many averagings.
-_EPOCH_ENDS_ONLY = sys.maxsize
-
-
 def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[str], None] = print) -> Summary:
     """Train `options.model` on MNIST with a ParallelWrapper, validating on the test set at each
     epoch's end (and every `validation_every` averagings).
@@ -190,7 +184,8 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
     listeners += [log] if stopper is None else [log, stopper]
     board = TensorBoardLogger(options.tensorboard) if options.tensorboard is not None else None
     listeners += [board] if board is not None else []
-    b = builder(model, options, listeners).validation(eval_batches(test), every=options.validation_every or _EPOCH_ENDS_ONLY)
+    # pw-fit validates at every epoch's end (its test accuracy per epoch), and every validation_every averagings.
+    b = builder(model, options, listeners).validation(eval_batches(test), every=options.config.validation_every)
     wrapper = with_lr_schedule(b, options, batches_per_epoch).build()
     if progress:
         echo(f"{options.model} on {len(train):,} MNIST training images: {wrapper.placement}")
@@ -215,9 +210,9 @@ def train_mnist(options: RunOptions, *, progress: bool = True, echo: Callable[[s
         train_seconds=log.train_seconds,
         wall_seconds=wall,
         epochs=options.epochs,
-        workers=options.workers,
+        workers=options.config.workers,
         averaging_frequency=options.averaging_frequency,
-        training_mode=options.training_mode.value,
+        training_mode=options.config.training_mode.value,
         samples=wrapper.samples,
         session_samples=session_samples,
         iterations=wrapper.iterations,
