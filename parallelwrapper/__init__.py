@@ -8,7 +8,7 @@
 from .autopilot import Autopilot
 from .checkpoint import CheckpointError, checkpoint_counters
 from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, GradientEncoding, NanPolicy, Pipeline, TrainingMode
-from .inference import InferenceError, InferenceMode, ParallelInference
+from .inference import INFERENCE_OPTIONS, InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, History, JsonlWriter, ProgressBar, ScoreLogger, autopilot_changes, exchange_share
 from .tensorboard_logger import TensorBoardLogger
 from .traffic import RoundPayload, round_payload
@@ -24,6 +24,7 @@ __all__ = [
     "CsvWriter",
     "EarlyStopping",
     "EpochEnd",
+    "INFERENCE_OPTIONS",
     "GradientEncoding",
     "History",
     "InferenceError",

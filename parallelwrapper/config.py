@@ -57,6 +57,15 @@ def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> Non
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}" + (f"; {hint}" if hint else ""))
 
 
+def check_devices(devices: tuple[str, ...] | None) -> None:
+    """A ValueError naming the first of `devices` that is not a torch device (training's and serving's)."""
+    for d in devices or ():
+        try:
+            torch.device(d)
+        except RuntimeError as e:
+            raise ValueError(f"devices: {d!r} is not a torch device ({e})") from None
+
+
 @dataclass(frozen=True)
 class GradientEncoding:
     """`.gradient_encoding(...)`: SHARED_GRADIENTS' updates sent threshold-encoded, DL4J's way
@@ -208,11 +217,7 @@ class Config:
         validate(self)
         if self.autopilot is not None:
             self.autopilot.check_payloads(PAYLOAD_DTYPES)
-        for d in self.devices or ():  # how many there must be is env.resolve's to check
-            try:
-                torch.device(d)
-            except RuntimeError as e:
-                raise ValueError(f"devices: {d!r} is not a torch device ({e})") from None
+        check_devices(self.devices)  # how many there must be is env.resolve's to check
         refuse(self)
 
 
@@ -395,5 +400,5 @@ def describe_config(config: Config) -> dict[str, object]:
 
 __all__ = [
     "CONFLICTS", "OPTIONS", "PAYLOAD_DTYPES", "PIPELINE_SCHEDULES", "PRECISIONS", "Config", "Conflict", "GradientEncoding", "NanPolicy",
-    "Pipeline", "TrainingMode", "check_int", "describe_config", "parse_enum", "refuse",
+    "Pipeline", "TrainingMode", "check_devices", "check_int", "describe_config", "parse_enum", "refuse",
 ]  # fmt: skip

@@ -18,8 +18,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Check:
-    """What a value must be: an int (`integer`; >= `minimum` unless None), a number > 0 (`positive`), one of
-    `choices`, a bool (`boolean`), an instance of `kind`; or None where `optional`. pw-fit maps
+    """What a value must be: an int (`integer`; >= `minimum` unless None), a number > 0 (`positive`)
+    or >= `at_least`, one of `choices`, a bool (`boolean`), an instance of `kind`; or None where `optional`. pw-fit maps
     it to a click type; the config calls it on every value."""
 
     integer: bool = False
@@ -29,6 +29,7 @@ class Check:
     boolean: bool = False
     kind: type | None = None
     optional: bool = False
+    at_least: float | None = None
 
     def problem(self, value: object) -> str | None:
         """What is wrong with `value`, as the end of "must be ...", or None when it is right."""
@@ -38,6 +39,8 @@ class Check:
             return "an int" if self.minimum is None else f"an int >= {self.minimum}"
         if self.positive and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
             return "a positive number"
+        if self.at_least is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not self.at_least <= value < math.inf):
+            return f"a number >= {self.at_least:g}"
         if self.choices and value not in self.choices:
             return f"one of {list(self.choices)}"
         if self.boolean and not isinstance(value, bool):
@@ -53,6 +56,10 @@ def count(minimum: int | None = 1, *, optional: bool = False) -> Check:
 
 def positive(*, optional: bool = False) -> Check:
     return Check(positive=True, optional=optional)
+
+
+def number(at_least: float) -> Check:
+    return Check(at_least=at_least)
 
 
 def choice(*choices: object) -> Check:
@@ -137,4 +144,4 @@ def validate(instance: object) -> None:
         d.check(getattr(instance, d.name))
 
 
-__all__ = ["Check", "Declared", "Option", "boolean", "changed", "choice", "count", "declared", "instance", "option", "positive", "validate"]
+__all__ = ["Check", "Declared", "Option", "boolean", "changed", "choice", "count", "declared", "instance", "number", "option", "positive", "validate"]

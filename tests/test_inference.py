@@ -241,7 +241,7 @@ def test_pw_fit_predict_scores_a_saved_model(tmp_path: Path, mnist_dir: Path) ->
     [
         (lambda b: b.batch_limit(0), r"batch_limit must be an int >= 1, got 0"),
         (lambda b: b.queue_limit(-1), r"queue_limit must be an int >= 1"),
-        (lambda b: b.max_wait_ms(-2), r"max_wait_ms must be a number of milliseconds >= 0"),
+        (lambda b: b.max_wait_ms(-2), r"max_wait_ms must be a number >= 0, got -2"),
         (lambda b: b.workers(2).devices(["cpu"]), r"devices names 1 devices for 2 workers"),
         (lambda b: b.devices(["cuda:7"]), r"devices: cuda:7 does not exist"),
         (lambda b: b.inference_mode("fast"), r"mode must be one of \['batched', 'sequential', 'inplace'\]"),

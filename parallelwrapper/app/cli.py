@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import enum
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 from click.core import ParameterSource
 
-from parallelwrapper import OPTIONS, PIPELINE_SCHEDULES, Autopilot, CheckpointError, GradientEncoding, InferenceError, InferenceMode, Pipeline, WorkerError, checkpoint_counters
+from parallelwrapper import INFERENCE_OPTIONS, OPTIONS, PIPELINE_SCHEDULES, Autopilot, CheckpointError, GradientEncoding, InferenceError, Pipeline, WorkerError, checkpoint_counters
 
 from .compare import CompareOptions, compare
 from .mnist import MnistFilesMissing
@@ -30,15 +30,15 @@ T = TypeVar("T")
 _LR_DEFAULTS = ", ".join(f"{name} {choice.default_lr:g}" for name, choice in OPTIMIZERS.items())
 
 
-def _declared(name: str, extra: str = "", **override: Any) -> Callable[[F], F]:
-    """pw-fit's flag for the builder's option `name`, made from its declaration
-    (parallelwrapper.OPTIONS): the flag, its help (then `extra`, what pw-fit adds), the values it
-    takes, and its default, pw-fit's (FIT_CONFIG: DL4J's example's k and seed); `override` where
-    the flag's own differ."""
-    d = OPTIONS[name]
+def _declared(name: str, extra: str = "", options: Mapping[str, Any] = OPTIONS, **override: Any) -> Callable[[F], F]:
+    """pw-fit's flag for the library's option `name`, made from its declaration (the training's
+    parallelwrapper.OPTIONS, or serving's INFERENCE_OPTIONS): the flag, its help (then `extra`,
+    what pw-fit adds), the values it takes, and its default, pw-fit's (FIT_CONFIG: DL4J's
+    example's k and seed); `override` where the flag's own differ."""
+    d = options[name]
     check, flag = d.option.check, d.option.flag
     assert flag is not None, f"{name} has no pw-fit flag in its declaration"
-    default = override.pop("default", getattr(FIT_CONFIG, name))
+    default = override.pop("default", getattr(FIT_CONFIG, name) if options is OPTIONS else d.default)
     kwargs: dict[str, Any] = {"show_default": default is not None, "help": f"{d.option.help} {extra}".strip()}
     decls = [f"{flag}/--no-{flag.removeprefix('--')}"] if check.boolean else [flag]
     if check.choices:
@@ -255,10 +255,10 @@ def compare_command(frequencies: tuple[int | str, ...], shared_gradients: bool, 
 @main.command(name="predict")
 @click.option("--model-path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True, help="The state dict to score, as pw-fit --out DIR saves it (DIR/model.pt).")
 @click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="The architecture it was trained as.")
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Inference workers, one process and device each.")
-@click.option("--inference-mode", type=click.Choice([m.value for m in InferenceMode]), default=InferenceMode.BATCHED.value, show_default=True, help="batched: requests waiting while the workers are busy go together; sequential: one at a time; inplace: in this process.")
+@_declared("workers", options=INFERENCE_OPTIONS, default=2)
+@_declared("inference_mode", options=INFERENCE_OPTIONS)
 @click.option("--request-size", type=click.IntRange(min=1), default=1, show_default=True, help="Test images per request (1: single images, as a server gets them).")
-@click.option("--batch-limit", type=click.IntRange(min=1), default=32, show_default=True, help="batched: the most images in one forward pass.")
+@_declared("batch_limit", options=INFERENCE_OPTIONS)
 @click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any, else the CPU.")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files. Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist).")
 @click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir.")

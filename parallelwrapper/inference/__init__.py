@@ -11,8 +11,8 @@ exchange inputs and outputs through shared memory; INPLACE replicas in the calle
 (inplace.py).
 """
 
-from .config import InferenceConfig, InferenceMode
+from .config import INFERENCE_OPTIONS, InferenceConfig, InferenceMode
 from .requests import InferenceError
 from .server import InferenceBuilder, ParallelInference
 
-__all__ = ["InferenceBuilder", "InferenceConfig", "InferenceError", "InferenceMode", "ParallelInference"]
+__all__ = ["INFERENCE_OPTIONS", "InferenceBuilder", "InferenceConfig", "InferenceError", "InferenceMode", "ParallelInference"]

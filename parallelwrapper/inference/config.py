@@ -7,13 +7,11 @@ with the cores shared out among the workers."""
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
-import torch
-
-from ..config import Config, check_int
+from ..config import Config, check_devices
 from ..env import Placement, gpu_count, resolve
+from ..registry import Declared, count, declared, instance, number, option, validate
 
 
 class InferenceMode(enum.Enum):
@@ -33,41 +31,49 @@ class InferenceMode(enum.Enum):
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    """The options of `ParallelInference.builder(model)` (inference/settings.py gives each one's
-    meaning and default)."""
+    """The options of `ParallelInference.builder(model)`, each declared once (registry.option) as
+    the training's are: its default, what it does, what a value must be, its setter
+    (inference/settings.py) and `pw-fit predict`'s flag. Validated on construction: each value by
+    its declaration, then what one value's check cannot say."""
 
-    workers: int | None = None  # None: one per GPU, or 1 on a machine without one (the CPU is one device)
-    devices: tuple[str, ...] | None = None  # one per worker; None: cuda:i for worker i, else the CPU
-    inference_mode: InferenceMode = InferenceMode.BATCHED
-    batch_limit: int = 32  # samples in one forward pass, at most (a larger request goes alone)
-    queue_limit: int = 64  # requests waiting for a worker, at most; submit() blocks beyond
-    max_wait_ms: float = 2.0  # BATCHED: how long a batch may wait for more requests
-    input_shape: tuple[int, ...] | None = None  # one sample's shape; None: every input is a batch
-    threads_per_worker: int | None = None  # None: the cores shared out among the workers
+    workers: int | None = option(
+        None, "Workers, one process and device each (inplace: replicas in this process); None: one per GPU, or 1 without one.",
+        count(1, optional=True), "workers", example=2, flag="--workers")
+    devices: tuple[str, ...] | None = option(
+        None, "One device per worker; None: cuda:i for worker i when there are GPUs, else the CPU.",
+        instance(tuple, optional=True), "devices", example=("cpu", "cpu"))
+    inference_mode: InferenceMode = option(
+        InferenceMode.BATCHED, "batched: requests waiting while the workers are busy go together; sequential: one at a time; inplace: in this process.",
+        instance(InferenceMode), "inference_mode", example=InferenceMode.SEQUENTIAL, flag="--inference-mode")
+    batch_limit: int = option(
+        32, "batched: the most samples in one forward pass (a larger request goes alone).",
+        count(1), "batch_limit", example=64, flag="--batch-limit")
+    queue_limit: int = option(
+        64, "Requests waiting for a worker, at most; submit() blocks beyond.",
+        count(1), "queue_limit", example=128)
+    max_wait_ms: float = option(
+        2.0, "batched: milliseconds a batch may wait for more requests when a worker is free.",
+        number(0), "max_wait_ms", example=5.0)
+    input_shape: tuple[int, ...] | None = option(
+        None, "One sample's shape; None: every input is a batch.",
+        instance(tuple, optional=True), "input_shape", example=(1, 28, 28))
+    threads_per_worker: int | None = option(
+        None, "torch threads in each worker (None: the cores shared out among the workers).",
+        count(1, optional=True), "threads_per_worker", example=1)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inference_mode, InferenceMode):
-            raise TypeError(f"inference_mode must be one of {[m.value for m in InferenceMode]} or an InferenceMode, got {self.inference_mode!r}")
-        if self.workers is not None:
-            check_int("workers", self.workers, 1, "ParallelInference.builder(model).workers(2)")
-        check_int("batch_limit", self.batch_limit, 1, "the most samples in one forward pass, e.g. .batch_limit(32)")
-        check_int("queue_limit", self.queue_limit, 1, "the most requests waiting for a worker, e.g. .queue_limit(64)")
-        if not (isinstance(self.max_wait_ms, (int, float)) and math.isfinite(self.max_wait_ms) and self.max_wait_ms >= 0):
-            raise ValueError(f"max_wait_ms must be a number of milliseconds >= 0, e.g. .max_wait_ms(2); got {self.max_wait_ms!r}")
+        validate(self)
         if self.input_shape is not None and not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.input_shape):
             raise ValueError(f"input_shape is one sample's shape, sizes >= 0, e.g. .input_shape(1, 28, 28); got {self.input_shape!r}")
-        if self.threads_per_worker is not None:
-            check_int("threads_per_worker", self.threads_per_worker, 1, "or leave it unset to share the cores out")
-        for d in self.devices or ():
-            try:
-                torch.device(d)
-            except RuntimeError as e:
-                raise ValueError(f"devices: {d!r} is not a torch device ({e})") from None
+        check_devices(self.devices)
         if self.devices is not None and self.workers is not None and len(self.devices) != self.workers:
             raise ValueError(
                 f"devices names {len(self.devices)} devices for {self.workers} workers; give one device per worker, "
                 f"e.g. .devices({['cpu'] * self.workers}), or leave .workers() out to take one per device"
             )
+
+
+INFERENCE_OPTIONS: dict[str, Declared] = {d.name: d for d in declared(InferenceConfig)}  # serving's options, by name, as declared
 
 
 def placement(config: InferenceConfig) -> Placement:
@@ -77,4 +83,4 @@ def placement(config: InferenceConfig) -> Placement:
     return resolve(Config(workers=workers, devices=config.devices, threads_per_worker=config.threads_per_worker))
 
 
-__all__ = ["InferenceConfig", "InferenceMode", "placement"]
+__all__ = ["INFERENCE_OPTIONS", "InferenceConfig", "InferenceMode", "placement"]
