@@ -569,7 +569,7 @@ def test_stages_train_lenet_as_pipelines_to_the_unsplit_workers_scores(mnist_dir
         assert result.exit_code == 0, result.output
         summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
     unsplit, stages = summaries
-    assert (stages["options"]["stages"], stages["options"]["microbatches"], stages["samples"]) == (2, 4, 1024)
+    assert (stages["options"]["pipeline"]["stages"], stages["options"]["pipeline"]["microbatches"], stages["samples"]) == (2, 4, 1024)
     assert stages["test_accuracy"] == pytest.approx(unsplit["test_accuracy"], abs=1e-4) and stages["test_accuracy"] > 0.5
     assert stages["test_loss"] == pytest.approx(unsplit["test_loss"], abs=1e-4)
 
