@@ -128,3 +128,23 @@ def test_pw_fits_flags_for_the_builders_options_are_their_declarations() -> None
             assert list(param.type.choices) == [str(c) for c in d.option.check.choices], d.name
     renamed = {"--mode", "--clip-grad-norm", "--val-every", "--replace-workers", "--schedule"}  # one name per thing (CHANGELOG.md)
     assert not renamed & params.keys()
+
+
+def test_serving_declares_its_options_as_training_does() -> None:
+    """InferenceConfig's fields are registry options, each with its setter; pw-fit predict's flags
+    for them are their declarations."""
+    from parallelwrapper.app.cli import main
+    from parallelwrapper.inference.config import InferenceConfig
+    from parallelwrapper.inference.settings import InferenceSettings
+
+    serving = list(declared(InferenceConfig))
+    assert [d.name for d in serving] == list(InferenceConfig.__dataclass_fields__)
+    setters = {name for name, member in inspect.getmembers(InferenceSettings, inspect.isfunction) if not name.startswith("_")}
+    assert setters == {d.option.setter for d in serving}
+    params = {opt: p for p in main.commands["predict"].params for opt in getattr(p, "opts", [])}
+    flagged = [d for d in serving if d.option.flag is not None]
+    assert {d.name for d in flagged} == {"workers", "inference_mode", "batch_limit"}
+    for d in flagged:
+        assert (params[d.option.flag].help or "").startswith(d.option.help), d.name
+    for d in serving:
+        assert d.option.check.problem(d.default) is None and d.option.check.problem(d.option.example) is None, d.name

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from parallelwrapper import InferenceMode, ParallelInference
+from parallelwrapper import ParallelInference
 
 from .mnist import load_mnist
 from .models import MODEL_NAMES, build_model
@@ -29,11 +29,13 @@ from .options import RunOptions, check_int
 
 @dataclass(frozen=True)
 class PredictOptions:
-    """What `pw-fit predict` scores and how, validated on construction."""
+    """What `pw-fit predict` scores and how, validated on construction: its own fields here, the
+    serving options (workers, inference_mode, batch_limit: parallelwrapper.INFERENCE_OPTIONS) by
+    the library, which refuses a bad one with its message when the ParallelInference is built."""
 
     model_path: Path  # a state dict, as `pw-fit --out DIR` saves DIR/model.pt
     model: str = "lenet"  # the architecture it was trained as
-    workers: int = 2
+    workers: int = 2  # pw-fit predict's default; the library's is one per GPU
     inference_mode: str = "batched"  # an InferenceMode's value
     request_size: int = 1  # test images per request
     batch_limit: int = 32  # BATCHED: samples in one forward pass, at most
@@ -45,13 +47,7 @@ class PredictOptions:
     def __post_init__(self) -> None:
         if self.model not in MODEL_NAMES:
             raise ValueError(f"model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
-        try:
-            InferenceMode(self.inference_mode)
-        except ValueError:
-            raise ValueError(f"inference_mode must be one of {[m.value for m in InferenceMode]} or an InferenceMode, got {self.inference_mode!r}") from None
-        check_int("workers", self.workers)
         check_int("request_size", self.request_size)
-        check_int("batch_limit", self.batch_limit)
         if self.test_samples is not None:
             check_int("test_samples", self.test_samples)
 

@@ -1,13 +1,14 @@
 """The setters of `ParallelInference.builder(model)`, after DL4J's `ParallelInference.Builder`: one per option.
 
-Each has its default and meaning. They only record what they are given; `InferenceBuilder.build()`
+Each option is declared in inference/config.py (its default, meaning and check); each setter says
+what it does. They only record what they are given; `InferenceBuilder.build()`
 (server.py) validates the whole and starts the workers."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Any
 
 import torch
 
@@ -20,19 +21,6 @@ from ..config import parse_enum
 from .config import InferenceMode
 
 
-class Options(TypedDict, total=False):
-    """The options set so far: InferenceConfig's fields, as the setters take them."""
-
-    workers: int
-    devices: tuple[str, ...]
-    inference_mode: InferenceMode
-    batch_limit: int
-    queue_limit: int
-    max_wait_ms: float
-    input_shape: tuple[int, ...]
-    threads_per_worker: int
-
-
 class InferenceSettings:
     """The builder's setters: each sets one option of the InferenceConfig and returns the builder."""
 
@@ -40,7 +28,7 @@ class InferenceSettings:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ParallelInference.builder() takes a torch.nn.Module, got {type(model).__name__}")
         self._model = model
-        self._options: Options = {}
+        self._options: dict[str, Any] = {}  # InferenceConfig's options set so far, by name
 
     def workers(self, n: int) -> Self:
         """Workers, one process and device each (INPLACE: replicas in this process). Default:
