@@ -151,7 +151,7 @@ class Config:
         0, "Worker i seeds its RNGs with seed + i.",
         count(None), "seed", example=123, flag="--seed")
     devices: tuple[str, ...] | None = option(
-        None, "One device per worker (None: a GPU per worker when there are GPUs, else the CPU).",
+        None, "One device per worker (None: a GPU per worker when there are GPUs, shared round-robin when the workers outnumber them, else the CPU).",
         instance(tuple, optional=True), "devices", example=("cpu", "cpu"))
     backend: str = option(
         "auto", "auto: NCCL when every worker has a GPU of its own, else gloo.",

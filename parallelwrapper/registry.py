@@ -10,8 +10,9 @@ docs' options table against it. Imports nothing of the package.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,10 +139,22 @@ def changed(instance: object) -> dict[str, object]:
     return {d.name: getattr(instance, d.name) for d in declared(type(instance)) if getattr(instance, d.name) != d.default}
 
 
+def end_with_defaults(setters: type, options: Iterable[Declared]) -> None:
+    """End each setter's docstring with the defaults of `options` that it sets, as declared, so
+    that a default is written once, in its declaration (help() and IDEs show it)."""
+    shown: dict[str, list[str]] = {}
+    for d in options:
+        default = f"{type(d.default).__name__}.{d.default.name}" if isinstance(d.default, enum.Enum) else repr(d.default)
+        shown.setdefault(d.option.setter, []).append(f"{d.name}={default}")
+    for setter, defaults in shown.items():
+        fn = getattr(setters, setter)
+        fn.__doc__ = f"{(fn.__doc__ or '').rstrip()}\n\n        Default: {', '.join(defaults)}."
+
+
 def validate(instance: object) -> None:
     """A ValueError naming the first option of `instance` whose value its check refuses."""
     for d in declared(type(instance)):
         d.check(getattr(instance, d.name))
 
 
-__all__ = ["Check", "Declared", "Option", "boolean", "changed", "choice", "count", "declared", "instance", "number", "option", "positive", "validate"]
+__all__ = ["Check", "Declared", "Option", "boolean", "changed", "choice", "count", "declared", "end_with_defaults", "instance", "number", "option", "positive", "validate"]

@@ -1,6 +1,7 @@
 """The builder's setters, after DL4J's `ParallelWrapper.Builder`: one per option or part of the job.
 
-Each says its option's default and meaning (the option is declared in config.py). They only record
+Each says what its option means; its default is the option's declaration's (config.py), which
+ends the setter's docstring when this module loads, so that a default is written once. They only record
 what they are given (and refuse what can never be right); `wrapper.Builder.build()` validates the
 whole and builds the ParallelWrapper."""
 
@@ -20,15 +21,16 @@ else:  # Python 3.10: typing_extensions comes with torch
     from typing_extensions import Self
 
 from .autopilot import Autopilot
-from .config import Config, GradientEncoding, NanPolicy, Pipeline, TrainingMode, parse_enum
+from .config import OPTIONS, Config, GradientEncoding, NanPolicy, Pipeline, TrainingMode, parse_enum
 from .feed.data import Batches, compact
 from .job import BeforeStep, LossFn, OptimizerFn, OuterSpec, OutputLoss, SchedulerSpec, TrainingStep, ValidationStep
-from .registry import changed
+from .registry import changed, end_with_defaults
 
 
 class Settings:
     """The builder's setters (wrapper.Builder adds `build()`): each sets one option of the
-    Config, or one part of the Job, and returns the builder. Their docstrings give the defaults.
+    Config, or one part of the Job, and returns the builder. Their docstrings end with the
+    defaults of the options they set, as declared (config.Config).
 
     `config`, where given, is where the options start: those that differ from their defaults count
     as set, as if by their setters (for options carried as data, e.g. pw-fit's flags)."""
@@ -92,14 +94,14 @@ class Settings:
 
     def warmup_sync_steps(self, n: int) -> Self:
         """Post-local SGD: the first `n` steps (over the wrapper's life) average gradients every
-        step, as SHARED_GRADIENTS does, then the averaging rounds begin. Default: 0."""
+        step, as SHARED_GRADIENTS does, then the averaging rounds begin."""
         return self._set("warmup_sync_steps", n)
 
     def payload_dtype(self, dtype: torch.dtype | str) -> Self:
         """torch.bfloat16, torch.float16, "int8", "int4" or "sparse": each averaging sends the
         floats' change since the last average cast or block-quantized, or (sparse) only the largest
         64 entries of each 4096 at 2 bits with their indices (110x fewer bytes than float32), what
-        the encoding loses or leaves going with the next round (error feedback). Default: float32."""
+        the encoding loses or leaves going with the next round (error feedback)."""
         return self._set("payload_dtype", str(dtype).removeprefix("torch."))
 
     def gradient_encoding(
@@ -110,19 +112,19 @@ class Settings:
         (`threshold`, at the start), as ±τ with their index (a 2-bit bitmap when denser than 1/16);
         what is not sent stays in the residual. With `adaptive`, τ moves by at most a factor
         0.5^(1/20) a step to keep the share of entries sent in [min_density, max_density]; every 5
-        steps the residual is clipped to ±residual_clip·τ (None: never). Default: off (dense).
+        steps the residual is clipped to ±residual_clip·τ (None: never).
         See docs/guides/gradient-encoding.md."""
         return self._set("gradient_encoding", GradientEncoding(threshold, adaptive, min_density, max_density, residual_clip))
 
     def hierarchy(self, level: str) -> Self:
         """"node": under torchrun with several processes per node, a node's ranks average their
-        gradients every step and the nodes average every k steps. Default: "none"."""
+        gradients every step and the nodes average every k steps."""
         return self._set("hierarchy", level)
 
     def gradient_clipping(self, max_norm: float) -> Self:
         """Clip each step's gradients to a total norm of `max_norm` (clip_grad_norm_), after
         backward and `before_step`, before the optimizer's step; in SHARED_GRADIENTS, the averaged
-        gradients. Default: no clipping."""
+        gradients."""
         return self._set("gradient_clipping", max_norm)
 
     def accumulate(self, n: int) -> Self:
@@ -132,11 +134,11 @@ class Settings:
         batch in about 1/n of the activation memory. Schedules, clipping, the loss scale
         (16-mixed) and shared gradients act once per step, after all n. k counts steps (batches),
         as without it. To port Hugging Face's `gradient_accumulation_steps=n` with per-device
-        batches of b, give batches of n·b. Default: 1."""
+        batches of b, give batches of n·b."""
         return self._set("accumulate", n)
 
     def precision(self, name: str) -> Self:
-        """"32" (default), "bf16-mixed" or "16-mixed": each worker's forward and loss under autocast
+        """"32", "bf16-mixed" or "16-mixed": each worker's forward and loss under autocast
         to bfloat16 or float16; 16-mixed scales the loss with each worker's own GradScaler (a step
         it skips still joins its round). Parameters, gradients, optimizer state and averaging stay float32."""
         return self._set("precision", name)
@@ -185,19 +187,19 @@ class Settings:
         return self
 
     def workers(self, n: int) -> Self:
-        """Number of workers, one process and device each. Default: 2. One worker on the CPU is
+        """Number of workers, one process and device each. One worker on the CPU is
         the caller's own process: nothing is spawned, and batches are not copied. Ignored under
         torchrun, whose --nnodes and --nproc-per-node decide (with a warning)."""
         return self._set("workers", n)
 
     def prefetch_buffer(self, n: int) -> Self:
-        """Batches read ahead into the spawned workers' shared queue. Default: 24."""
+        """Batches read ahead into the spawned workers' shared queue."""
         return self._set("prefetch_buffer", n)
 
     def averaging_frequency(
         self, k: int | str, *, k_min: int = 1, k_max: int = 128, exchange_share: float = 0.05, payloads: Sequence[str] | None = None
     ) -> Self:
-        """Local iterations per worker between two averagings. Default: 1. "auto": the autopilot
+        """Local iterations per worker between two averagings. "auto": the autopilot
         chooses k in [k_min, k_max] each round, starting in their middle (16), from the measured
         seconds of a step and of an exchange, so that exchanges take at most `exchange_share` of
         the time; where that needs k above k_max / 2 it first sends fewer bytes: one of
@@ -215,11 +217,11 @@ class Settings:
         return self._set("averaging_frequency", k)
 
     def report_score_after_averaging(self, flag: bool) -> Self:
-        """Report the averaged score after every averaging (True) or once per epoch. Default: True."""
+        """Report the averaged score after every averaging (True) or once per epoch."""
         return self._set("report_score_after_averaging", bool(flag))
 
     def average_updaters(self, flag: bool = True, every: int = 1) -> Self:
-        """Average optimizer state (momentum, Adam moments, step) with the parameters. Default: True.
+        """Average optimizer state (momentum, Adam moments, step) with the parameters.
         With `every=m` (DES-LOC, arXiv 2505.22549) it travels only in every m-th round, counted over
         the wrapper's life, each worker keeping its own in between, and wherever replicas must be
         equal: at an epoch's end, a checkpoint, a validation and a stop. E.g. `.average_updaters(every=4)`.
@@ -230,18 +232,18 @@ class Settings:
         """Run each averaging in the background while the workers take the next round's steps,
         then add each worker's steps since to the average: no worker waits for a slower one or
         for the network, and the model a worker trains on is one round behind the average.
-        Replicas are equal again at every epoch's end, checkpoint and stop. Default: False."""
+        Replicas are equal again at every epoch's end, checkpoint and stop."""
         return self._set("overlap_averaging", bool(flag))
 
     def fragments(self, n: int) -> Self:
         """With overlap_averaging: cut the averaged state into n fragments of about equal bytes;
         fragment p is sent after local step round((p + 1)·k / n) of each round and lands a round
         later (Streaming DiLoCo), so each collective carries about 1/n of the bytes and they are
-        spread through the round. Replicas are equal at the same points as with one. Default: 1."""
+        spread through the round. Replicas are equal at the same points as with one."""
         return self._set("fragments", n)
 
     def training_mode(self, mode: TrainingMode | str) -> Self:
-        """TrainingMode.AVERAGING (default) or TrainingMode.SHARED_GRADIENTS."""
+        """TrainingMode.AVERAGING or TrainingMode.SHARED_GRADIENTS."""
         return self._set("training_mode", parse_enum(TrainingMode, mode, "training_mode"))
 
     def pipeline(self, stages: int = 2, split: Sequence[str] | None = None, microbatches: int = 1, schedule: str = "1f1b") -> Self:
@@ -250,14 +252,14 @@ class Settings:
         `microbatches` by the "1f1b", "gpipe" or "zbv" schedule (zero bubble: each stage holds two
         pieces of the model, in a V), and stage s averages with the other workers' stage s
         (docs/guides/pipeline.md). `split`: the layers at which stages 1.. (pieces 1.., with
-        "zbv") begin, or None for about equal parameter counts. Default: no pipeline."""
+        "zbv") begin, or None for about equal parameter counts."""
         names = None if split is None else tuple(split)
         return self._set("pipeline", Pipeline(stages, names, microbatches, schedule))
 
     def deterministic(self, flag: bool = True) -> Self:
         """Deal batch i to worker i mod N instead of first-come, so two runs give the same model
         (on a GPU, with deterministic kernels: torch.use_deterministic_algorithms). Every worker
-        then waits for the slowest at each round. Default: False."""
+        then waits for the slowest at each round."""
         return self._set("deterministic", bool(flag))
 
     def feed(self, mode: str) -> Self:
@@ -271,39 +273,38 @@ class Settings:
         pickle). Any other data (an IterableDataset, a loader with workers of its own, a
         generator, a function), and any data with on_worker_failure("replace"), goes through the
         main process's queue. "queue": every batch through the queue, first-come unless
-        .deterministic(True). Default: "auto"."""
+        .deterministic(True)."""
         return self._set("feed", mode)
 
     def seed(self, n: int) -> Self:
-        """Seed of worker i's RNGs is `n + i`. Default: 0."""
+        """Seed of worker i's RNGs is `n + i`."""
         return self._set("seed", n)
 
     def devices(self, devices: Sequence[str | torch.device]) -> Self:
-        """One device per worker, e.g. ["cuda:0", "cuda:1"]. Default: cuda:i for worker i when
-        there are GPUs (shared round-robin when workers outnumber them), else the CPU. Ignored
+        """One device per worker, e.g. ["cuda:0", "cuda:1"]. Ignored
         under torchrun, where LOCAL_RANK picks the GPU (with a warning)."""
         if isinstance(devices, (str, torch.device)):
             raise ValueError(f"devices takes one device per worker, e.g. .devices(['cpu', 'cpu']); got {devices!r}")
         return self._set("devices", tuple(str(d) for d in devices))
 
     def backend(self, name: str) -> Self:
-        """"auto" (default): NCCL when every worker has a GPU of its own, else gloo; or "gloo", or
+        """"auto": NCCL when every worker has a GPU of its own, else gloo; or "gloo", or
         "nccl", which build() refuses without a GPU per worker."""
         return self._set("backend", name)
 
     def stall_timeout(self, seconds: float) -> Self:
         """How long a spawned worker may go without progress (a batch, a step, an averaging) before fit()
-        fails naming it and where it was. Default: 300 s."""
+        fails naming it and where it was."""
         return self._set("stall_timeout", float(seconds))
 
     def checkpoint(self, directory: str | os.PathLike[str], every: int = 50) -> Self:
         """Save a checkpoint to `directory` every `every` rounds, at each epoch's end, and on
-        Ctrl-C. Resume with `fit(..., resume=directory)`. Default: no checkpoints."""
+        Ctrl-C. Resume with `fit(..., resume=directory)`."""
         self._set("checkpoint_every", every)
         return self._set("checkpoint_dir", os.fspath(directory))
 
     def on_worker_failure(self, policy: str, *, max_replacements: int = 3) -> Self:
-        """"raise" (default): a worker's failure (an error, a death, a stall) fails fit(). "replace":
+        """"raise": a worker's failure (an error, a death, a stall) fails fit(). "replace":
         a fresh process takes the failed spawned worker's rank, every worker goes back to the last
         landed average, and the batches of the abandoned round are fed again, so that each counts
         once; up to `max_replacements` times over the wrapper's life, and a batch that fails two
@@ -313,26 +314,28 @@ class Settings:
 
     def auto_resume(self, flag: bool = True) -> Self:
         """Under torchrun with `.checkpoint(dir)`: a group that torchrun restarted (--max-restarts)
-        resumes from the last checkpoint in `dir` by itself. Default: True."""
+        resumes from the last checkpoint in `dir` by itself."""
         return self._set("auto_resume", flag)
 
     def peer_timeout(self, seconds: float) -> Self:
         """Under torchrun: how long a rank may hear nothing from a peer (a dead process, a cut link)
-        before it exits with an error naming that peer, so that torchrun can restart the group.
-        Default: 30 s."""
+        before it exits with an error naming that peer, so that torchrun can restart the group."""
         return self._set("peer_timeout", float(seconds))
 
     def nan_policy(self, policy: NanPolicy | str) -> Self:
-        """NanPolicy.RAISE (default) fails fit(); NanPolicy.SKIP drops that worker from the round."""
+        """NanPolicy.RAISE fails fit(); NanPolicy.SKIP drops that worker from the round."""
         return self._set("nan_policy", parse_enum(NanPolicy, policy, "nan_policy"))
 
     def threads_per_worker(self, n: int) -> Self:
-        """torch threads in each worker. Default: the machine's cores divided among the workers."""
+        """torch threads in each worker."""
         return self._set("threads_per_worker", n)
 
     def _set(self, name: str, value: Any) -> Self:
         self._options[name] = value
         return self
 
+
+
+end_with_defaults(Settings, [d for d in OPTIONS.values() if d.name != "autopilot"])  # averaging_frequency("auto"): off unless asked for
 
 __all__ = ["Settings"]

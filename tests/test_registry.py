@@ -148,3 +148,17 @@ def test_serving_declares_its_options_as_training_does() -> None:
         assert (params[d.option.flag].help or "").startswith(d.option.help), d.name
     for d in serving:
         assert d.option.check.problem(d.default) is None and d.option.check.problem(d.option.example) is None, d.name
+
+
+def test_each_default_is_written_once_in_its_declaration() -> None:
+    """No setter of a declared option restates its default in prose; its docstring ends with the
+    declared defaults, added when settings.py loads (registry.end_with_defaults)."""
+    from parallelwrapper.inference.config import INFERENCE_OPTIONS
+    from parallelwrapper.inference.settings import InferenceSettings
+
+    for setters, options in ((Settings, [d for d in OPTIONS if d.name != "autopilot"]), (InferenceSettings, list(INFERENCE_OPTIONS.values()))):
+        for d in options:
+            method = getattr(setters, d.option.setter)
+            source = inspect.getsource(method)
+            assert "Default:" not in source and "(default)" not in source, f"{setters.__name__}.{d.option.setter} writes a default again"
+            assert f"{d.name}=" in (method.__doc__ or "").rsplit("Default: ", 1)[-1], d.name
