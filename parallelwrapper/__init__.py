@@ -10,6 +10,7 @@ from .checkpoint import CheckpointError, checkpoint_counters
 from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, GradientEncoding, NanPolicy, Pipeline, TrainingMode
 from .inference import INFERENCE_OPTIONS, InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, History, JsonlWriter, ProgressBar, ScoreLogger, autopilot_changes, exchange_share
+from .registry import declared
 from .tensorboard_logger import TensorBoardLogger
 from .traffic import RoundPayload, round_payload
 from .types import EpochEnd, Score, TrainingError, Validation, WorkerError
@@ -49,6 +50,7 @@ __all__ = [
     "WorkerError",
     "autopilot_changes",
     "checkpoint_counters",
+    "declared",
     "exchange_share",
     "round_payload",
 ]

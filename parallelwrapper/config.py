@@ -71,16 +71,17 @@ class GradientEncoding:
     """`.gradient_encoding(...)`: SHARED_GRADIENTS' updates sent threshold-encoded, DL4J's way
     (Strom, 2015; threshold.py). Validated on construction, the fix in the message."""
 
-    threshold: float = 1e-3  # τ at the start, in parameter units: an entry of lr × gradient past it is sent
+    threshold: float = option(
+        1e-3, "Shared gradients threshold-encoded (DL4J, Strom 2015): only entries of lr x gradient past this τ are sent, τ then adapting.",
+        positive(), "gradient_encoding", keyword="threshold", example=1e-2, flag="--gradient-threshold")  # in parameter units
     adaptive: bool = True  # τ steered so that each step sends between min_density and max_density of the entries
     min_density: float = 1e-4
     max_density: float = 1e-2
     residual_clip: float | None = 5.0  # every 5 steps the residual is clipped to ±residual_clip·τ (None: never)
 
     def __post_init__(self) -> None:
+        validate(self, "gradient_encoding")
         fix = "e.g. .gradient_encoding(threshold=1e-3, min_density=1e-4, max_density=1e-2, residual_clip=5.0)"
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not 0 < self.threshold < math.inf:
-            raise ValueError(f"gradient_encoding: threshold must be a positive number, got {self.threshold!r}; {fix}")
         if not 0 < self.min_density <= self.max_density <= 1:
             raise ValueError(f"gradient_encoding: need 0 < min_density <= max_density <= 1, got {self.min_density!r} and {self.max_density!r}; {fix}")
         if self.residual_clip is not None and not 1 <= self.residual_clip < math.inf:
@@ -91,16 +92,23 @@ class GradientEncoding:
 class Pipeline:
     """`.pipeline(...)`: each worker as `stages` processes, each holding a part of the model (pipeline/)."""
 
-    stages: int = 2
-    split: tuple[str, ...] | None = None  # the submodules at which stages 1.. begin; None: about equal parameter counts
-    microbatches: int = 1  # each batch cut into these, fed through the stages by the schedule
-    schedule: str = "1f1b"  # or "gpipe", or "zbv" (zero bubble, V: two pieces of the model a stage)
+    stages: int = option(
+        2, "Model parallelism: each worker a pipeline of N stage processes, each holding about 1/N of the model and its optimizer "
+           "state, averaged stage by stage.",
+        count(2), "pipeline", keyword="stages", example=4, flag="--stages")
+    split: tuple[str, ...] | None = option(
+        None, "The submodules at which stages 1.. begin (None: about equal parameter counts).",
+        instance(tuple, optional=True), "pipeline", keyword="split", example=("conv2",))
+    microbatches: int = option(
+        1, "Each batch cut into M microbatches, fed through the stages by the schedule (1F1B runs GPipe when M < stages).",
+        count(1), "pipeline", keyword="microbatches", example=4, flag="--microbatches")
+    schedule: str = option(
+        "1f1b", "The pipeline's schedule; zbv (zero bubble, V) has each stage hold two pieces of the model and fills the bubbles "
+                "with weight gradients.",
+        choice(*PIPELINE_SCHEDULES), "pipeline", keyword="schedule", example="gpipe", flag="--pipeline-schedule")
 
     def __post_init__(self) -> None:
-        check_int("stages", self.stages, 2, "a pipeline has 2 stages or more, e.g. .pipeline(stages=2)")
-        check_int("microbatches", self.microbatches, 1, "e.g. .pipeline(stages=2, microbatches=4)")
-        if self.schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pipeline: schedule must be '1f1b', 'gpipe' or 'zbv', got {self.schedule!r}; e.g. .pipeline(stages=2, schedule='gpipe')")
+        validate(self, "pipeline")
 
 
 @dataclass(frozen=True)

@@ -119,11 +119,13 @@ class Declared:
     default: object
     option: Option
 
-    def check(self, value: object) -> None:
-        """A ValueError naming the option unless its check takes `value`, with a right call."""
+    def check(self, value: object, where: str = "") -> None:
+        """A ValueError naming the option (after `where`, the option it is part of) unless its check
+        takes `value`, with a right call."""
         wrong = self.option.check.problem(value)
         if wrong is not None:
-            raise ValueError(f"{self.name} must be {wrong}, got {value!r}; e.g. {self.option.call(self.option.example)}")
+            at = f"{where}: " if where else ""
+            raise ValueError(f"{at}{self.name} must be {wrong}, got {value!r}; e.g. {self.option.call(self.option.example)}")
 
 
 def declared(cls: type) -> Iterator[Declared]:
@@ -151,10 +153,11 @@ def end_with_defaults(setters: type, options: Iterable[Declared]) -> None:
         fn.__doc__ = f"{(fn.__doc__ or '').rstrip()}\n\n        Default: {', '.join(defaults)}."
 
 
-def validate(instance: object) -> None:
-    """A ValueError naming the first option of `instance` whose value its check refuses."""
+def validate(instance: object, where: str = "") -> None:
+    """A ValueError naming the first option of `instance` whose value its check refuses (after
+    `where`, for the parts of an option: "pipeline")."""
     for d in declared(type(instance)):
-        d.check(getattr(instance, d.name))
+        d.check(getattr(instance, d.name), where)
 
 
 __all__ = ["Check", "Declared", "Option", "boolean", "changed", "choice", "count", "declared", "end_with_defaults", "instance", "number", "option", "positive", "validate"]

@@ -114,7 +114,7 @@ def test_options_a_pipeline_does_not_run_with_are_refused_with_the_reason() -> N
         ParallelWrapper.builder(LeNet()).pipeline(stages=2).hierarchy("node").build()
     with pytest.raises(ValueError, match=r"does not go with validation\(step=fn\): fn\(model, batch\) takes the whole model"):
         ParallelWrapper.builder(LeNet()).pipeline(stages=2).validation(lenet_batches(1), step=lambda model, batch: {}).build()
-    with pytest.raises(ValueError, match="schedule must be '1f1b', 'gpipe' or 'zbv'"):
+    with pytest.raises(ValueError, match=r"^pipeline: schedule must be one of \['1f1b', 'gpipe', 'zbv'\], got 'interleaved'"):
         Pipeline(2, schedule="interleaved")
     with pytest.raises(ValueError, match=r"split names the layers where pieces 1..3 begin, 3 names, got 1: \['4'\] \(with schedule='zbv' each of the 2 stages holds two pieces\)"):
         ParallelWrapper.builder(eight_layers()).pipeline(stages=2, split=("4",), schedule="zbv").build()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.config import CONFLICTS, Config
+from parallelwrapper.config import CONFLICTS, Config, GradientEncoding, Pipeline
 from parallelwrapper.job import PARTS
 from parallelwrapper.registry import declared
 from parallelwrapper.settings import Settings
@@ -118,8 +118,9 @@ def test_pw_fits_flags_for_the_builders_options_are_their_declarations() -> None
     from parallelwrapper.app.cli import main
 
     params = {opt: p for p in main.params for opt in getattr(p, "opts", [])}
-    flagged = [d for d in OPTIONS if d.option.flag is not None]
-    assert {d.name for d in flagged} >= {"workers", "averaging_frequency", "training_mode", "payload_dtype", "gradient_clipping"}
+    parts = [*declared(Pipeline), *declared(GradientEncoding)]  # the parts of .pipeline() and .gradient_encoding()
+    flagged = [d for d in [*OPTIONS, *parts] if d.option.flag is not None]
+    assert {d.name for d in flagged} >= {"workers", "averaging_frequency", "training_mode", "payload_dtype", "gradient_clipping", "stages", "threshold"}
     for d in flagged:
         param = params.get(d.option.flag)
         assert param is not None, f"pw-fit has no {d.option.flag} for {d.name}"

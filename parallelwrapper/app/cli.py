@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from parallelwrapper import INFERENCE_OPTIONS, OPTIONS, PIPELINE_SCHEDULES, Autopilot, CheckpointError, GradientEncoding, InferenceError, Pipeline, WorkerError, checkpoint_counters
+from parallelwrapper import INFERENCE_OPTIONS, OPTIONS, Autopilot, CheckpointError, GradientEncoding, InferenceError, Pipeline, WorkerError, checkpoint_counters, declared
 
 from .compare import CompareOptions, compare
 from .mnist import MnistFilesMissing
@@ -27,6 +27,9 @@ from .run import train_mnist
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
+_PIPELINE = {d.name: d for d in declared(Pipeline)}  # .pipeline(...)'s parts: --stages and its flags
+_ENCODING = {d.name: d for d in declared(GradientEncoding)}  # .gradient_encoding(...)'s: --gradient-threshold
+_TAU = f"{_ENCODING['threshold'].default:g}"  # the encoded run's τ by default
 _LR_DEFAULTS = ", ".join(f"{name} {choice.default_lr:g}" for name, choice in OPTIMIZERS.items())
 
 
@@ -79,7 +82,7 @@ def _run_options(f: F) -> F:
         _declared("warmup_sync_steps"),
         _declared("overlap_averaging", "In pw-fit compare: its averaging runs."),
         _declared("fragments", "In pw-fit compare, its averaging runs overlap with N > 1."),
-        click.option("--gradient-threshold", type=click.FloatRange(min=0, min_open=True), default=None, help="Shared gradients threshold-encoded (DL4J, Strom 2015): only entries of lr x gradient past this τ are sent, τ then adapting (needs --training-mode shared-gradients; in pw-fit compare, the τ its --encoded run starts from, default 1e-3). Default: dense."),
+        _declared("threshold", f"Needs --training-mode shared-gradients; in pw-fit compare, the τ its --encoded run starts from (default {_TAU}). Default: dense.", _ENCODING, default=None),
         _declared("payload_dtype"),
     ]  # fmt: skip
     for option in reversed(options):
@@ -140,9 +143,9 @@ _K = _KOrAuto()
 @_declared("validation_every", "pw-fit validates on the test set at each epoch's end, and with N every N averagings too; val_loss and val_accuracy go to the progress bar and metrics.jsonl.")
 @click.option("--lr-schedule", type=click.Choice(list(LR_SCHEDULES)), default="none", show_default=True, help="step: lr x 0.7 after each epoch; cosine: anneal to 0 over the run; onecycle: warm up to --lr and anneal, over the run (steps: ceil(batches / workers) an epoch).")
 @_declared("max_replacements", "Given, pw-fit replaces a worker that fails (an error, a death, a stall): every worker goes back to the last average and its round's batches are trained again (on_worker_failure('replace')). Default: a failure ends the run.", default=None)
-@click.option("--stages", type=click.IntRange(min=2), default=None, help="Model parallelism: each worker a pipeline of N stage processes, each holding about 1/N of the model and its optimizer state, averaged stage by stage (.pipeline(stages=N)). --workers 2 --stages 2 runs 4 processes. Default: no pipeline.")
-@click.option("--microbatches", type=click.IntRange(min=1), default=1, show_default=True, help="With --stages: cut each batch into M microbatches for the pipeline's schedule (1F1B runs GPipe when M < stages).")
-@click.option("--pipeline-schedule", type=click.Choice(list(PIPELINE_SCHEDULES)), default="1f1b", show_default=True, help="With --stages: the pipeline's schedule; zbv (zero bubble, V) has each stage hold two pieces of the model and fills the bubbles with weight gradients.")
+@_declared("stages", "--workers 2 --stages 2 runs 4 processes. Default: no pipeline.", _PIPELINE, default=None)
+@_declared("microbatches", "With --stages.", _PIPELINE)
+@_declared("schedule", "With --stages.", _PIPELINE)
 @click.option("--early-stopping-patience", type=click.IntRange(min=1), default=None, help="Stop when val_loss has not improved for this many validations (at each epoch's end, and every --validation-every N averagings). Default: off.")
 @click.pass_context
 def main(ctx: click.Context, /, **kwargs: Any) -> None:
@@ -230,7 +233,7 @@ def _frequencies(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @_run_options
 @click.option("--frequencies", default="1,4,16", show_default=True, callback=_frequencies, help="Averaging frequencies k to run, comma-separated; auto races the autopilot (first-come, steered by measured times) and plots its k.")
 @click.option("--shared-gradients/--no-shared-gradients", default=True, show_default=True, help="Also run shared gradients (averaged every step).")
-@click.option("--encoded/--no-encoded", default=False, show_default=True, help="Also run shared gradients threshold-encoded, τ starting at --gradient-threshold (default 1e-3); its bytes are those it sent.")
+@click.option("--encoded/--no-encoded", default=False, show_default=True, help=f"Also run shared gradients threshold-encoded, τ starting at --gradient-threshold (default {_TAU}); its bytes are those it sent.")
 @click.option("--evals", type=click.IntRange(min=1), default=8, show_default=True, help="Test-set evaluations per epoch (the points of each curve).")
 @click.option("--target", type=click.FloatRange(min=0, max=1, min_open=True), default=0.97, show_default=True, help="Accuracy whose samples and seconds to reach are tabled.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/compare"), show_default=True, help="Write compare.csv, compare.md and compare.png here.")
@@ -246,7 +249,7 @@ def compare_command(frequencies: tuple[int | str, ...], shared_gradients: bool, 
         raise click.UsageError("pw-fit compare computes each run's bytes with the optimizer state in every round: drop --average-updaters-every")
     options = _make(
         CompareOptions, base=base, frequencies=frequencies, shared_gradients=shared_gradients, encoded=encoded,
-        evals_per_epoch=evals, target_accuracy=target, out=out, **({} if threshold is None else {"threshold": threshold}),
+        evals_per_epoch=evals, target_accuracy=target, out=out, threshold=threshold,
     )  # fmt: skip
     _call(compare, options)
     click.echo(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, {out / 'compare.png'}")

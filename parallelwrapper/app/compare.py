@@ -54,7 +54,7 @@ class CompareOptions:
     frequencies: tuple[int | str, ...] = (1, 4, 16)  # one AVERAGING run per k, or "auto" (the autopilot)
     shared_gradients: bool = True  # and one SHARED_GRADIENTS run
     encoded: bool = False  # and one SHARED_GRADIENTS run threshold-encoded, τ starting at `threshold`
-    threshold: float = 1e-3  # the encoded run's τ at the start
+    threshold: float | None = None  # the encoded run's τ at the start; None: GradientEncoding's
     evals_per_epoch: int = 8
     target_accuracy: float = 0.97
     out: Path = Path("runs/compare")
@@ -69,12 +69,15 @@ class CompareOptions:
             raise ValueError(f"evals_per_epoch must be an int >= 1, got {self.evals_per_epoch!r}")
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ValueError(f"target_accuracy is a fraction in (0, 1], e.g. 0.97; got {self.target_accuracy!r}")
-        if not (isinstance(self.threshold, (int, float)) and 0 < self.threshold < math.inf):
-            raise ValueError(f"threshold must be a positive number, e.g. 1e-3; got {self.threshold!r}")
+        self.encoding()  # the library refuses a bad threshold
         if self.base.config.warmup_sync_steps:
             raise ValueError("compare runs each scheme from the start: drop --warmup-sync-steps (warmup_sync_steps), which pw-fit takes")
         if self.base.outer_lr is not None and not ks:
             raise ValueError("the outer optimizer steps after averagings: give averaging frequencies with --outer-lr")
+
+    def encoding(self) -> GradientEncoding:
+        """The encoded run's encoding: τ from `threshold`, the rest the library's defaults."""
+        return GradientEncoding() if self.threshold is None else GradientEncoding(self.threshold)
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,10 @@ class RunSpec:
             return "encoded shared gradients" if self.encoded else "shared gradients"
         return f"{'outer' if self.outer else 'averaging'} k={self.averaging_frequency}"
 
-    def options(self, base: RunOptions, threshold: float = 1e-3) -> RunOptions:
+    def options(self, base: RunOptions, encoding: GradientEncoding | None = None) -> RunOptions:
         """`base` as this run trains: its mode and k; the outer optimizer only in an outer run; the
         payload dtype and fragments only where there are averagings (fragments overlap them); the
-        encoding (τ from `threshold`) only in the encoded run. Dealt (deterministic) but for the
+        encoding (`encoding`, or the library's default) only in the encoded run. Dealt (deterministic) but for the
         autopilot, which steers by measured times."""
         outer = self.outer and base.outer_lr is not None
         averaging, k, c = self.training_mode is TrainingMode.AVERAGING, self.averaging_frequency, base.config
@@ -102,7 +105,7 @@ class RunSpec:
             autopilot=None if isinstance(k, int) else Autopilot(), report_score_after_averaging=True, deterministic=isinstance(k, int),
             payload_dtype=c.payload_dtype if averaging else "float32", fragments=c.fragments if averaging else 1,
             overlap_averaging=averaging and c.overlap_averaging,
-            gradient_encoding=GradientEncoding(threshold) if self.encoded else None,
+            gradient_encoding=(encoding or GradientEncoding()) if self.encoded else None,
         )  # fmt: skip
         return dataclasses.replace(base, config=config, outer_lr=base.outer_lr if outer else None, outer_momentum=base.outer_momentum if outer else 0.0)
 
@@ -169,7 +172,7 @@ def _start_workers(wrapper: ParallelWrapper, batches: list[Batch]) -> None:
 
 def run_one(spec: RunSpec, options: CompareOptions, pieces: Sequence[list[Batch]], test: list[Batch], echo: Callable[[str], None] | None = None) -> RunResult:
     """Train one configuration over `pieces`, evaluating before the first and after each."""
-    run_options = spec.options(options.base, options.threshold)
+    run_options = spec.options(options.base, options.encoding())
 
     @functools.cache
     def cost_of(payload: str) -> Communication:  # by payload: the autopilot's rounds change it
