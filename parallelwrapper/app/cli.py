@@ -55,6 +55,14 @@ def _declared(name: str, extra: str = "", options: Mapping[str, Any] = OPTIONS, 
     return click.option(*decls, default=default, **{**kwargs, **override})
 
 
+# pw-fit's own flags that pw-fit predict takes too, written once.
+_MODEL = click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="lenet: DL4J's LeNet; mlp: a small MLP (predict: the one it was trained as).")
+_DEVICE = click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any (shared round-robin when the workers outnumber them), else the CPU; cuda: the same, or an error without a GPU.")
+_DATA_DIR = click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files (gzipped or not). Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist).")
+_DOWNLOAD = click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir.")
+_TEST_SAMPLES = click.option("--test-samples", type=click.IntRange(min=1), default=None, help="Evaluate (predict: score) the first N test images only (for smoke tests).")  # fmt: skip
+
+
 def _run_options(f: F) -> F:
     """The options `pw-fit` and `pw-fit compare` share: the builder's as declared, then the run's."""
     options = [
@@ -67,16 +75,16 @@ def _run_options(f: F) -> F:
         click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True, help="Samples per batch (one worker step)."),
         click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help=f"Learning rate. Default per optimizer: {_LR_DEFAULTS}."),
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="nesterov", show_default=True, help="nesterov: SGD, momentum 0.9, Nesterov (DL4J's NESTEROVS)."),
-        click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="lenet: DL4J's LeNet; mlp: a small MLP."),
-        click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any (shared round-robin, over gloo, when the workers outnumber them), else the CPU; cuda: the same, or an error without a GPU."),
+        _MODEL,
+        _DEVICE,
         _declared("seed", "pw-fit also seeds the model's initial weights and the shuffling with it."),
         _declared("gradient_clipping"),
         _declared("accumulate"),
         _declared("precision"),
-        click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files (gzipped or not). Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist)."),
-        click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir."),
+        _DATA_DIR,
+        _DOWNLOAD,
         click.option("--train-samples", type=click.IntRange(min=1), default=None, help="Train on the first N training images only (for smoke tests)."),
-        click.option("--test-samples", type=click.IntRange(min=1), default=None, help="Evaluate on the first N test images only (for smoke tests)."),
+        _TEST_SAMPLES,
         click.option("--outer-lr", type=click.FloatRange(min=0, min_open=True), default=None, help="DiLoCo/SlowMo: after each averaging, step an outer SGD at this learning rate on the round's change (1 with no momentum: plain averaging). Default: off."),
         click.option("--outer-momentum", type=click.FloatRange(min=0, max=1, max_open=True), default=0.0, show_default=True, help="The outer SGD's Nesterov momentum (needs --outer-lr)."),
         _declared("warmup_sync_steps"),
@@ -257,15 +265,15 @@ def compare_command(frequencies: tuple[int | str, ...], shared_gradients: bool, 
 
 @main.command(name="predict")
 @click.option("--model-path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True, help="The state dict to score, as pw-fit --out DIR saves it (DIR/model.pt).")
-@click.option("--model", type=click.Choice(list(MODEL_NAMES)), default="lenet", show_default=True, help="The architecture it was trained as.")
+@_MODEL
 @_declared("workers", options=INFERENCE_OPTIONS, default=2)
 @_declared("inference_mode", options=INFERENCE_OPTIONS)
 @click.option("--request-size", type=click.IntRange(min=1), default=1, show_default=True, help="Test images per request (1: single images, as a server gets them).")
 @_declared("batch_limit", options=INFERENCE_OPTIONS)
-@click.option("--device", type=click.Choice(list(DEVICES)), default="auto", show_default=True, help="auto: the GPUs when there are any, else the CPU.")
-@click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="Directory of the MNIST IDX files. Default: the cache dir ($PW_DATA_DIR or ~/.cache/parallelwrapper/mnist).")
-@click.option("--download/--no-download", default=True, show_default=True, help="Download MNIST files missing from the data dir.")
-@click.option("--test-samples", type=click.IntRange(min=1), default=None, help="Score the first N test images only (for smoke tests).")
+@_DEVICE
+@_DATA_DIR
+@_DOWNLOAD
+@_TEST_SAMPLES
 def predict_command(**kwargs: Any) -> None:
     """Score a saved model on the MNIST test set with a ParallelInference of N workers: print
     where they run, the test accuracy and the samples per second (start-up excluded)."""
