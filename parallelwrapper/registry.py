@@ -3,8 +3,10 @@
 An option is a field of a frozen dataclass (config.Config) declared with `option(...)`: its name
 and type are the field's, its default the field's default, and the rest rides in the field's
 metadata as an `Option`. Everything else reads the declaration: the config's validation, the
-checkpoint's fingerprint, pw-fit's flags, and the tests that hold the builder's setters and the
-docs' options table against it. Imports nothing of the package.
+checkpoint's fingerprint, pw-fit's flags, the setters' defaults (end_with_defaults), and the
+tests that hold the builder's setters and the docs' options table against it. The parts of an
+option (Pipeline's, GradientEncoding's fields) and serving's options (InferenceConfig) are
+declared the same way. Imports nothing of the package.
 """
 
 from __future__ import annotations
