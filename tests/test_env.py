@@ -23,6 +23,7 @@ from parallelwrapper.env import (
     resolve,
     torchrun_env,
 )
+from parallelwrapper.features import placement
 
 pytestmark = pytest.mark.fast
 
@@ -157,12 +158,12 @@ def test_torchrun_processes_outnumbering_the_cores_are_noted() -> None:
 
 
 def test_replacing_workers_is_noted_where_it_cannot_happen() -> None:
-    replace = Config(on_worker_failure="replace", workers=1)
-    assert resolve(replace, gpus=0, cores=2).notes == (
+    replace = Config(on_worker_failure="replace", workers=1)  # the replacement feature's notes (features.placement)
+    assert placement(replace, gpus=0, cores=2).notes == (
         'on_worker_failure("replace") restores a lost worker from a peer, and one worker has none: a failure raises',
     )
-    assert resolve(dataclasses.replace(replace, workers=2), gpus=0, cores=2).notes == ()
-    (note,) = resolve(replace, node(2), gpus=0, cores=2).notes
+    assert placement(dataclasses.replace(replace, workers=2), gpus=0, cores=2).notes == ()
+    (note,) = placement(replace, node(2), gpus=0, cores=2).notes
     assert note.startswith('under torchrun, on_worker_failure("replace") is ignored: torchrun restarts the group')
 
 

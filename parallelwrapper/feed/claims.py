@@ -40,14 +40,12 @@ class StoreCounter:
         return int(self._store.add(self._key, 1)) - 1
 
 
-def claimed(config: Config) -> bool:
+def claimed(config: Config, alone: bool) -> bool:
     """Whether workers claim their batches first-come (else each reads its dealt shard): averaging
     rounds with the default feed, neither dealt (`deterministic`) nor in lockstep within a
-    worker (a pipeline's stages) or a node (a hierarchy's ranks)."""
-    return (
-        config.feed == "auto" and not config.deterministic and config.training_mode is TrainingMode.AVERAGING
-        and config.pipeline is None and config.hierarchy == "none"
-    )  # fmt: skip
+    worker (a pipeline's stages) or a node (a hierarchy's ranks): `alone`, the features say
+    (feature.Feature.alone)."""
+    return config.feed == "auto" and not config.deterministic and config.training_mode is TrainingMode.AVERAGING and alone
 
 
 class ClaimSource:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
+from ..feature import Feature, Plain
 from ..feed.claims import claimed
 from ..feed.data import Batches
 from ..feed.epochs import shardable, shards_of
@@ -33,7 +34,6 @@ from ..feed.order import EpochOrder
 from ..feed.queue import Feeder, Item, drain
 from ..feed.slots import SlotWriter
 from ..job import Job
-from ..pipeline import joined_state
 from ..processes import START_TIMEOUT_S, worker_context
 from ..types import FitCommand, Report, Reporter, TrainingState, WorkerError
 from .jobs import shared_pickle as _shared_pickle
@@ -88,11 +88,15 @@ ReplacingFactory = Callable[..., Replacing]
 class WorkerPool:
     """N spawned workers, their queues and their supervision."""
 
-    def __init__(self, config: Config, job: Job, placement: Placement | None = None, replacing: ReplacingFactory | None = None) -> None:
+    def __init__(
+        self, config: Config, job: Job, placement: Placement | None = None, replacing: ReplacingFactory | None = None, feature: Feature | None = None
+    ) -> None:
         """`replacing`: what makes the replacement feature's side, when `config` replaces a lost
-        worker (the wrapper hands down `replacement.replacer(config)`; without it a loss ends the fit)."""
+        worker (the wrapper hands down `replacement.replacer(config)`; without it a loss ends the fit).
+        `feature`: the config's (features.of; None: Plain), which the workers ask what they train."""
         self.config = config
-        self._placement = placement = placement or resolve(config)
+        self._feature = feature = feature or Plain()
+        self._placement = placement = placement or resolve(config, per_worker=feature.processes, notes=feature.notes(False))
         n = placement.world_size
         # A forkserver's worker (processes.py) takes the main process's environment of the moment
         # it starts, as a spawned one would.
@@ -139,7 +143,7 @@ class WorkerPool:
         self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (0 if self._replacer is None else self._replacer.slots))
         on_failure = None if self._replacer is None else self._replacer.call_away
         self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout, placement.stages, on_failure)
-        self._join = None if config.pipeline is None else functools.partial(joined_state, job=job, spec=config.pipeline)
+        self._join = functools.partial(feature.joined, job=job)  # worker 0's state, from its processes' (a pipeline's stages')
         try:
             for rank in range(processes):
                 self._spawn(rank, joins=True)
@@ -162,7 +166,7 @@ class WorkerPool:
         )  # fmt: skip
         process = self._ctx.Process(
             target=worker_entry,
-            args=(rank, self.config, self._placement, self._store.port, channels, joins, dict(os.environ)),
+            args=(rank, self.config, self._placement, self._feature, self._store.port, channels, joins, dict(os.environ)),
             name="parallelwrapper-standby" if rank is None else f"parallelwrapper-worker-{rank}",
             daemon=True,
         )
@@ -218,7 +222,7 @@ class WorkerPool:
             # Its tensors go to shared memory once; the workers claim its batches first-come from
             # a key of this fit's in the store (feed/claims.py), or each reads its dealt shard.
             self._fits += 1
-            claims = f"pw-claims/{self._fits}" if claimed(self.config) else None
+            claims = f"pw-claims/{self._fits}" if claimed(self.config, self._feature.alone) else None
             # A loader's epochs are drawn now, in the order kept for a resume, and kept (feed/order.py).
             epochs = EpochOrder(data, c.epoch, command.order, trains_here=False).up_front(until_epoch) if isinstance(data, DataLoader) else None
             command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch, epochs), claims=claims)
@@ -271,9 +275,7 @@ class WorkerPool:
         self._drain()
         if pressed:  # in the last reports of the fit, which every worker has finished and saved
             raise pressed[0]
-        if self._join is not None:
-            return self._join([finals[s] for s in range(self._placement.stages)])
-        return finals[0]
+        return self._join([finals[s] for s in range(self._placement.stages)])
 
     def _drain(self) -> None:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must

@@ -21,7 +21,38 @@ wrapper hands it what `replacer(config)` gives):
 from __future__ import annotations
 
 from ..config import Config
+from ..feature import Feature, Over
 from .replacer import Replacer
+
+
+class Replaces(Over):
+    """Replacement as a feature: what a lost spawned worker means (a fresh process in its place),
+    told once under a host where it cannot act."""
+
+    def __init__(self, workers: int, rest: Feature) -> None:
+        super().__init__(rest)
+        self.workers = workers
+
+    @property
+    def redoes(self) -> bool:
+        return True  # wherever the option is set, as the exchange always had it
+
+    def notes(self, torchrun: bool) -> tuple[str, ...]:
+        if torchrun:
+            here: tuple[str, ...] = (
+                'under torchrun, on_worker_failure("replace") is ignored: torchrun restarts the group '
+                "(--max-restarts) and with .checkpoint(dir) it resumes from the last checkpoint",
+            )
+        elif self.workers == 1:
+            here = ('on_worker_failure("replace") restores a lost worker from a peer, and one worker has none: a failure raises',)
+        else:
+            here = ()
+        return here + self.rest.notes(torchrun)
+
+
+def of(config: Config, rest: Feature) -> Feature:
+    """Replacement over `rest`, when `config` replaces a lost worker."""
+    return Replaces(config.workers, rest) if config.on_worker_failure == "replace" else rest
 
 
 def replacer(config: Config) -> type[Replacer] | None:
@@ -30,4 +61,4 @@ def replacer(config: Config) -> type[Replacer] | None:
     return Replacer if config.on_worker_failure == "replace" else None
 
 
-__all__ = ["replacer"]
+__all__ = ["Replaces", "of", "replacer"]
