@@ -13,7 +13,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 # The user's own values: the package carries them, walks them (batches.map_leaves) and hands them
 # back to the user's code, and their types are the user's. Each is named once here.
@@ -382,6 +382,16 @@ def _echo(line: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
+# A worker's message to the main process, on the results queue: (kind, process, payload).
+Message = (
+    tuple[Literal["ready"], int, tuple[int, None]]  # started, or regrouped: (its pid, nothing)
+    | tuple[Literal["parked"], int, tuple[int, tuple[int, Counters] | None]]  # after a loss: (its pid, the round it kept: (seq, counters)), replacement/keeper.py
+    | tuple[Literal["done", "stopped"], int, TrainingState | None]  # a fit ended (stopped: by a stop request), worker 0's final state
+    | tuple[Literal["error"], int, WorkerError]
+    | tuple[Literal["reports"], int, list[Report]]
+)
+
+
 __all__ = [
     "END",
     "Batch",
@@ -395,6 +405,7 @@ __all__ = [
     "DataOrder",
     "FitCommand",
     "Hooks",
+    "Message",
     "Output",
     "Phase",
     "Replacement",

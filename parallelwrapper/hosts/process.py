@@ -35,9 +35,9 @@ from ..feed.queue import Item, QueueSource, Taking
 from ..feed.slots import SlotReader
 from ..job import Job
 from ..processes import adopt_environment, main_process_gone
-from ..types import EpochEnd, FitCommand, Hooks, Phase, Report, RoundObserver, Stopped, WorkerError
+from ..types import EpochEnd, FitCommand, Hooks, Message, Phase, Report, RoundObserver, Stopped, WorkerError
 from .runtime import Worker, summary
-from .supervisor import Message, ProgressBoard
+from .supervisor import ProgressBoard
 
 # What the main process puts on a worker's command queue, in this order: to a standby, the rank it
 # takes; the job's pickle (jobs.shared_pickle); then a fit (FitCommand), a command that the

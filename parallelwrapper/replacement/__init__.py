@@ -7,9 +7,12 @@ On a loss the main process puts the lost round's batches back in the queues (ref
 process takes the lost rank, and every worker forms a new process group (regroup.py) and redoes
 the round from the survivor's copy (replacer.py); docs/design.md, "A lost worker, replaced".
 
-The spawned host asks this package two things, and neither imports it nor names its classes (the
-wrapper hands it what `replacer(config)` gives):
-- in the main process, what `replacer` makes: the side (hosts/spawned.py's Replacing) that sizes the slots its workers keep,
+The package's feature object (`Replaces`, feature.Feature, which `of` makes) says what a lost
+worker means and what the caller is told. The spawned host asks this package two things more, and
+neither imports it nor names its classes (the wrapper hands it what `replacer(config)` gives), and
+the package imports nothing of the hosts: it sees the pool as replacer.py's `Pool` and a worker
+as keeper.py's `Replaceable`, which they implement:
+- in the main process, what `replacer` makes of the config, the placement and the pool: the side (hosts/spawned.py's Replacing) that sizes the slots its workers keep,
   gives each worker's process its share (`worker_side`), hears which reports go on (`passes`),
   calls the workers away at a failure (`call_away`) and replaces the lost worker (`replace`);
 - in a worker's process, that share's `taking` (what records the worker's takes from its queue)
