@@ -17,9 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "parallelwrapper"
 # Folders of the package that are one feature each, and classes each is known to hold (so that
 # the test fails if its classes are not found where they are).
 FEATURES = {
-    "pipeline": {"StageReplica", "RelaySource", "Position"},
-    "replacement": {"Keeper", "Kept", "Replacer", "Regroup", "Ledger"},
-    "hierarchy": {"Node", "NodeSteps"},
+    "pipeline": {"Stages", "StageReplica", "RelaySource", "Position"},
+    "replacement": {"Replaces", "Keeper", "Kept", "Replacer", "Regroup", "Ledger"},
+    "hierarchy": {"Nodes", "Node", "NodeSteps"},
 }
 # Each feature's options, which only its folder and config.py read (an attribute of that name
 # read on anything). A call of one is a builder setter's (`.pipeline(stages=2)`), which sets it.
@@ -83,3 +83,14 @@ def test_a_read_is_found_and_a_setter_call_is_not() -> None:
     assert option_reads("b = b.hierarchy('node').pipeline(stages=2)", OPTIONS["hierarchy"] | OPTIONS["pipeline"]) == []
     planted = (PACKAGE / "rounds" / "engine.py").read_text() + "\nSPLIT = Config().pipeline\n"
     assert option_reads(planted, OPTIONS["pipeline"]) == [f"line {planted.count(chr(10))}: .pipeline"]
+
+
+def test_replacement_imports_nothing_of_the_hosts() -> None:
+    """It sees the pool as replacer.Pool and a worker as keeper.Replaceable, which the hosts implement."""
+    found = [
+        f"{p.name} line {node.lineno}"
+        for p in (PACKAGE / "replacement").rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module is not None and "hosts" in node.module.split(".")
+    ]
+    assert not found, f"replacement/ imports the hosts: {found}"
