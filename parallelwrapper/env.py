@@ -82,32 +82,32 @@ class Placement:
     threads: int  # torch intra-op threads for each worker process
     torchrun: TorchrunEnv | None
     notes: tuple[str, ...] = ()  # warnings for the caller to show once
-    stages: int = 1  # processes per worker: a pipeline's stages (pipeline/); devices are then by process, stage by stage
+    per_worker: int = 1  # processes per worker (feature.Feature.processes: a pipeline's stages); devices are then by process, worker by worker
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device(self.devices[local_rank])
 
     @property
     def processes(self) -> int:
-        """Processes in the whole group: one per stage of each worker."""
-        return self.world_size * self.stages
+        """Processes in the whole group: `per_worker` of each worker (a pipeline's stages)."""
+        return self.world_size * self.per_worker
 
     @property
     def in_process(self) -> bool:
         """One CPU worker trains in the caller's process: nothing to spawn, no batch to copy."""
-        return self.torchrun is None and self.world_size == 1 and self.stages == 1 and self.device(0).type == "cpu"
+        return self.torchrun is None and self.world_size == 1 and self.per_worker == 1 and self.device(0).type == "cpu"
 
     def __str__(self) -> str:
         on = self.devices[0] if len(set(self.devices)) == 1 else ", ".join(self.devices)
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         each = f"with {self.backend}, {threads} each"
         if self.torchrun is not None:
-            workers = f"{self.world_size} workers" + (f" x {self.stages} stages" if self.stages > 1 else "")
+            workers = f"{self.world_size} workers" + (f" x {self.per_worker} stages" if self.per_worker > 1 else "")
             return f"{workers} under torchrun, {len(self.devices)} on this node on {on} {each}"
         if self.in_process:
             return f"1 worker in this process on cpu, {threads}"
-        if self.stages > 1:
-            return f"{self.world_size} worker{'s' if self.world_size != 1 else ''} x {self.stages} stages on {_span(self.devices)} {each}"
+        if self.per_worker > 1:
+            return f"{self.world_size} worker{'s' if self.world_size != 1 else ''} x {self.per_worker} stages on {_span(self.devices)} {each}"
         return f"{self.world_size} workers on {on} {each}"
 
 

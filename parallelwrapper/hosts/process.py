@@ -198,8 +198,8 @@ def _serve(rank: int | None, config: Config, placement: Placement, feature: Feat
             c.results.put(("stopped" if stopped else "done", rank, done))
             done = None  # the queue holds it until it is sent; the main process owns it then
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
-        stage = rank % placement.stages if placement.stages > 1 else None
-        error = e if isinstance(e, WorkerError) else WorkerError(rank // placement.stages, summary(e) + " (while starting)", traceback.format_exc(), stage=stage)
+        stage = rank % placement.per_worker if placement.per_worker > 1 else None
+        error = e if isinstance(e, WorkerError) else WorkerError(rank // placement.per_worker, summary(e) + " (while starting)", traceback.format_exc(), stage=stage)
         c.results.put(("error", rank, error))
         # Flush before the process group goes down: the peers' "connection closed" errors must
         # reach the main process after this worker's own.

@@ -137,7 +137,7 @@ class WorkerPool:
         # The slots of prefetched batches, and those that replaceable workers keep until their round lands.
         self.slots = SlotWriter(self.free_slots, config.prefetch_buffer + (0 if self._replacer is None else self._replacer.slots))
         on_failure = None if self._replacer is None else self._replacer.call_away
-        self._supervisor = Supervisor(self._processes, self._results, self.board, config.stall_timeout, placement.stages, on_failure)
+        self._supervisor = Supervisor(self._processes, self._results, self.board, config.stall_timeout, placement.per_worker, on_failure)
         self._join = functools.partial(feature.joined, job=job)  # worker 0's state, from its processes' (a pipeline's stages')
         try:
             for rank in range(processes):
@@ -279,7 +279,7 @@ class WorkerPool:
         self._drain()
         if pressed:  # in the last reports of the fit, which every worker has finished and saved
             raise pressed[0]
-        return self._join([finals[s] for s in range(self._placement.stages)])
+        return self._join([finals[s] for s in range(self._placement.per_worker)])
 
     def _drain(self) -> None:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
