@@ -33,10 +33,6 @@ from ..types import FitCommand, Reporter, TrainingState
 from .runtime import SignalHooks, Worker, stop_on_signals
 
 
-def runs_in_process(config: Config) -> bool:
-    return resolve(config).in_process
-
-
 def group_of_one(config: Config) -> dist.ProcessGroup:
     """A gloo group of this process alone, put together as torch's `new_group` does it, but
     without a default group (which is global: the caller may have one, or want one later)."""
