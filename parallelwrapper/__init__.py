@@ -7,11 +7,12 @@
 
 from .checkpoint import CheckpointError, checkpoint_counters
 from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, NanPolicy, TrainingMode, check_option
+from .errors import TrainingError, WorkerError
 from .inference import InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, History, JsonlWriter, ProgressBar, ScoreLogger, autopilot_changes, exchange_share
 from .tensorboard_logger import TensorBoardLogger
 from .traffic import RoundPayload, round_payload
-from .types import EpochEnd, Score, TrainingError, Validation, WorkerError
+from .types import EpochEnd, Score, Validation
 from .wrapper import Builder, ParallelWrapper
 
 __all__ = [

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from .config import Config
 from .env import Placement
+from .feed.protocols import BatchSource
 from .job import Job
 from .rounds import Lockstep
-from .types import BatchSource, TrainingState
+from .types import TrainingState
 from .worker import Replica
 
 

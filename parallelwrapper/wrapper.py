@@ -20,17 +20,19 @@ from . import checkpoint, features, replacement
 from .autopilot import levers
 from .config import Config, refuse
 from .env import Placement, torchrun_env
+from .errors import WorkerError
 from .evaluation import check_validation, job_metrics, metric_sums
 from .feed import order
 from .feed.data import Batches, check_epochs, epoch_iterable
 from .hosts import Host, TorchrunWorker, start_host
 from .job import Job, ValidationStep, check_job
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
+from .messages import FitCommand
 from .parts import Parts
 from .schedule import sizing_warning, steps_per_epoch
 from .sendable import check_sendable
 from .settings import Settings
-from .types import Counters, DataOrder, FitCommand, Report, TrainingState, WorkerError
+from .types import Counters, DataOrder, Report, TrainingState
 
 
 class ParallelWrapper:

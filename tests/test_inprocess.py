@@ -16,7 +16,8 @@ from parallelwrapper import ParallelWrapper, Score, WorkerError
 from parallelwrapper.feed.data import FeedError
 from parallelwrapper.hosts.inprocess import InProcessWorker
 from parallelwrapper.hosts.spawned import WorkerPool
-from parallelwrapper.types import Counters, FitCommand, TrainingState
+from parallelwrapper.messages import FitCommand
+from parallelwrapper.types import Counters, TrainingState
 
 pytestmark = pytest.mark.timeout(120)
 

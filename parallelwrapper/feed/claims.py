@@ -6,7 +6,7 @@ workers, torchrun's for ranks on any number of machines, with no data between th
 is the fit's batch c past where it starts, epoch after epoch (`ClaimSource`), so every batch is
 trained exactly once and claims come in index order, as from the shared queue: a round still
 cuts the epoch into the same N·k batches (rounds/cut.py), and a faster worker takes more of each
-round's. Data is read by index (types.Epochs): a list or tuple of batches, or a map-style
+round's. Data is read by index (feed/protocols.Epochs): a list or tuple of batches, or a map-style
 DataLoader's epochs of sample indices (epochs.py).
 
 Claims are for averaging rounds of spawned workers and torchrun ranks with the default feed.
@@ -21,7 +21,8 @@ from typing import Protocol
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from ..config import Config, TrainingMode
-from ..types import END, Batch, EndOfEpoch, Epochs
+from ..types import Batch
+from .protocols import END, EndOfEpoch, Epochs
 
 
 class Counter(Protocol):

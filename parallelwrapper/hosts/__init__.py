@@ -15,7 +15,8 @@ from ..env import Placement
 from ..feature import Feature
 from ..feed.data import Batches
 from ..job import Job
-from ..types import FitCommand, Reporter, TrainingState
+from ..messages import FitCommand
+from ..types import Reporter, TrainingState
 from .inprocess import InProcessWorker
 from .spawned import ReplacingFactory, WorkerPool
 from .torchrun import TorchrunWorker

@@ -29,7 +29,8 @@ from ..env import Placement, collective_timeout, resolve
 from ..feature import Feature
 from ..feed.data import Batches
 from ..job import Job
-from ..types import FitCommand, Reporter, TrainingState
+from ..messages import FitCommand
+from ..types import Reporter, TrainingState
 from .runtime import SignalHooks, Worker, stop_on_signals
 
 

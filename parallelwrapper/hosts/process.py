@@ -29,13 +29,16 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 from .. import feed
 from ..config import Config
 from ..env import Placement, claim_device, collective_timeout
+from ..errors import Stopped, WorkerError
 from ..feature import Feature
 from ..feed.claims import StoreCounter
 from ..feed.queue import Item, QueueSource, Taking
 from ..feed.slots import SlotReader
+from ..hooks import Hooks, Phase, RoundObserver
 from ..job import Job
+from ..messages import FitCommand, Message
 from ..processes import adopt_environment, main_process_gone
-from ..types import EpochEnd, FitCommand, Hooks, Message, Phase, Report, RoundObserver, Stopped, WorkerError
+from ..types import EpochEnd, Report
 from .runtime import Worker, summary
 from .supervisor import ProgressBoard
 

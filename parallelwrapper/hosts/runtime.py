@@ -34,11 +34,15 @@ import torch.distributed as dist
 from ..checkpoint import make_checkpointer, rng_state, set_rng_state
 from ..config import Config
 from ..env import Placement
+from ..errors import Stopped, TrainingError, WorkerError
 from ..feature import Feature, Plain
 from ..feed.data import FeedError
+from ..feed.protocols import BatchSource
+from ..hooks import Hooks
 from ..job import Job
+from ..messages import FitCommand
 from ..rounds import Rounds
-from ..types import BatchSource, FitCommand, Hooks, Report, Reporter, StateDict, Stopped, TrainingError, WorkerError
+from ..types import Report, Reporter, StateDict
 
 _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
 # One Ctrl-C reaches a torchrun worker twice, from the terminal and forwarded by torchrun's agent:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
+from ..errors import WorkerError
 from ..feature import Feature, Plain
 from ..feed.claims import claimed
 from ..feed.data import Batches
@@ -34,8 +35,9 @@ from ..feed.order import EpochOrder
 from ..feed.queue import Feeder, Item, drain
 from ..feed.slots import SlotWriter
 from ..job import Job
+from ..messages import FitCommand, Message
 from ..processes import START_TIMEOUT_S, worker_context
-from ..types import FitCommand, Message, Report, Reporter, TrainingState, WorkerError
+from ..types import Report, Reporter, TrainingState
 from .jobs import shared_pickle as _shared_pickle
 from .process import Channels, Command, Failover, worker_entry
 from .supervisor import ProgressBoard, Supervisor

@@ -13,8 +13,10 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import TypeVar, cast
 
+from ..errors import Where, WorkerError
+from ..hooks import Phase
+from ..messages import Message
 from ..processes import exit_message, stopped
-from ..types import Message, Phase, Where, WorkerError
 
 P = TypeVar("P")  # a gathered message's payload
 

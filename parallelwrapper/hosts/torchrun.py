@@ -30,11 +30,13 @@ from ..batches import map_leaves
 from ..checkpoint import path_of
 from ..config import Config
 from ..env import Placement, TorchrunEnv, claim_device, collective_timeout
+from ..errors import WorkerError
 from ..feature import Feature, Plain
 from ..feed.claims import StoreCounter, claimed
 from ..feed.data import Batches
 from ..job import Job
-from ..types import FitCommand, Reporter, TrainingState, WorkerError
+from ..messages import FitCommand
+from ..types import Reporter, TrainingState
 from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, stop_on_signals
 

@@ -17,7 +17,7 @@ as keeper.py's `Replaceable`, which they implement:
   calls the workers away at a failure (`call_away`) and replaces the lost worker (`replace`);
 - in a worker's process, that share's `taking` (what records the worker's takes from its queue)
   and `survivor`: the worker's side (a keeper), which the round loop tells where each round
-  starts (types.RoundObserver) and its process asks at a fit's edges and at a loss
+  starts (hooks.RoundObserver) and its process asks at a fit's edges and at a loss
   (hosts/process.py's Failover and Survivor protocols).
 """
 

@@ -1,7 +1,7 @@
 """A replaceable worker's side: its takes recorded, the state each round starts from kept, its park after a loss, its regroup.
 
 Its process (hosts/process.py) builds it from what the main process gave every worker
-(`WorkerSide`), makes it the round loop's observer (types.RoundObserver) and asks it at a fit's
+(`WorkerSide`), makes it the round loop's observer (hooks.RoundObserver) and asks it at a fit's
 edges and at a loss:
 - at each round's start it keeps a copy of the state a redo of the oldest round not landed would
   start from (`Kept`): every replica holds the same average there, so any survivor's copy will do;
@@ -26,9 +26,11 @@ from typing import Protocol, cast
 import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
+from ..errors import WorkerError
 from ..feed.queue import END_SLOT, QueueSource
+from ..messages import FitCommand, Message
 from ..rounds import Rounds
-from ..types import Counters, EpochEnd, FitCommand, Message, Report, StateDict, TrainingState, WorkerError
+from ..types import Counters, EpochEnd, Report, StateDict, TrainingState
 from ..worker import Replica
 from .ledger import Ledger
 from .regroup import Join, Regroup, join
@@ -93,7 +95,7 @@ class Keeper:
         self._average: TrainingState | None = None  # held at an overlapped landing (`average_landed`)
         self._redo: Kept | None = None  # a regroup's round, kept once its fit has started
 
-    # -- the round loop's events (types.RoundObserver) --------------------------------------------
+    # -- the round loop's events (hooks.RoundObserver) --------------------------------------------
 
     def held_for(self, tag: int) -> None:
         self.ledger.retag_last(tag)

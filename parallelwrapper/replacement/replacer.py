@@ -33,9 +33,12 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 
 from ..config import Config
 from ..env import Placement, collective_timeout
+from ..errors import WorkerError
 from ..feed.queue import CallAway, Feeder, Item
+from ..hooks import Phase
+from ..messages import Message
 from ..processes import START_TIMEOUT_S
-from ..types import Counters, EpochEnd, Message, Phase, Replacement, Report, Reporter, WorkerError
+from ..types import Counters, EpochEnd, Replacement, Report, Reporter
 from .keeper import WorkerSide
 from .ledger import Ledger
 from .refeed import refeed

@@ -20,7 +20,10 @@ import torch.distributed as dist
 from ..autopilot import Change, Choice, Pilot, Sizes, in_config
 from ..averaging import Errors, all_reduce_values
 from ..config import Config, TrainingMode
-from ..types import Batch, BatchSource, Counters, Hooks, InForce, Phase, Reporter, StateDict, Stopped
+from ..errors import Stopped
+from ..feed.protocols import BatchSource
+from ..hooks import Hooks, Phase
+from ..types import Batch, Counters, InForce, Reporter, StateDict
 from .cut import RoundCut
 from .exchange import Sent, SyncExchange
 from .header import RoundTotals, Work
