@@ -8,12 +8,13 @@
 from .autopilot import Autopilot
 from .checkpoint import CheckpointError, checkpoint_counters
 from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, GradientEncoding, NanPolicy, Pipeline, TrainingMode
+from .errors import TrainingError, WorkerError
 from .inference import INFERENCE_OPTIONS, InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, History, JsonlWriter, ProgressBar, ScoreLogger, autopilot_changes, exchange_share
 from .registry import declared
 from .tensorboard_logger import TensorBoardLogger
 from .traffic import RoundPayload, round_payload
-from .types import EpochEnd, Score, TrainingError, Validation, WorkerError
+from .types import EpochEnd, Score, Validation
 from .wrapper import Builder, ParallelWrapper
 
 __all__ = [

@@ -10,7 +10,8 @@ The file is a `torch.save`d dict:
     format       1
     fingerprint  what must match to resume: the options declared with fingerprint=True (those
                  that change the arithmetic: workers, averaging_frequency, training_mode, ...),
-                 each only where not at its default, a pipeline's stages, the optimizer class
+                 each only where not at its default, how the features split the own states
+                 (a pipeline's stages: feature.Feature.fingerprint), the optimizer class
                  and arguments, the scheduler's, the outer optimizer's, and every parameter and
                  buffer's name, shape, dtype
     config       the whole config, for people
@@ -39,7 +40,7 @@ import enum
 import os
 import pickle
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from: missing, corrupt, or from another model or config."""
 
 
-def fingerprint(config: Config, job: Job, world_size: int) -> dict[str, object]:
+def fingerprint(config: Config, job: Job, world_size: int, split: Mapping[str, object] | None = None) -> dict[str, object]:
+    """What a resume must match. `split`: how the config's features split the own states
+    (feature.Feature.fingerprint: a pipeline's are by process)."""
     options = {k: v for k, v in describe_config(config).items() if k in _FINGERPRINTED and getattr(config, k) != _FINGERPRINTED[k]}
     options["workers"] = world_size
-    if config.pipeline is not None:  # its own states are by process
-        options["stages"] = config.pipeline.stages
+    options.update(split or {})
     return {
         **options,
         "optimizer": job.optimizer_name,
@@ -213,8 +215,8 @@ class Checkpointer:
         )
 
 
-def make_checkpointer(config: Config, job: Job, world_size: int) -> Checkpointer | None:
-    """The checkpointer `.checkpoint(directory)` asks for, or None."""
+def make_checkpointer(config: Config, job: Job, world_size: int, split: Mapping[str, object] | None = None) -> Checkpointer | None:
+    """The checkpointer `.checkpoint(directory)` asks for, or None (`split`: as `fingerprint`'s)."""
     if config.checkpoint_dir is None:
         return None
-    return Checkpointer(config.checkpoint_dir, config.checkpoint_every, fingerprint(config, job, world_size), describe_config(config))
+    return Checkpointer(config.checkpoint_dir, config.checkpoint_every, fingerprint(config, job, world_size, split), describe_config(config))

@@ -82,32 +82,32 @@ class Placement:
     threads: int  # torch intra-op threads for each worker process
     torchrun: TorchrunEnv | None
     notes: tuple[str, ...] = ()  # warnings for the caller to show once
-    stages: int = 1  # processes per worker: a pipeline's stages (pipeline/); devices are then by process, stage by stage
+    per_worker: int = 1  # processes per worker (feature.Feature.processes: a pipeline's stages); devices are then by process, worker by worker
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device(self.devices[local_rank])
 
     @property
     def processes(self) -> int:
-        """Processes in the whole group: one per stage of each worker."""
-        return self.world_size * self.stages
+        """Processes in the whole group: `per_worker` of each worker (a pipeline's stages)."""
+        return self.world_size * self.per_worker
 
     @property
     def in_process(self) -> bool:
         """One CPU worker trains in the caller's process: nothing to spawn, no batch to copy."""
-        return self.torchrun is None and self.world_size == 1 and self.stages == 1 and self.device(0).type == "cpu"
+        return self.torchrun is None and self.world_size == 1 and self.per_worker == 1 and self.device(0).type == "cpu"
 
     def __str__(self) -> str:
         on = self.devices[0] if len(set(self.devices)) == 1 else ", ".join(self.devices)
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         each = f"with {self.backend}, {threads} each"
         if self.torchrun is not None:
-            workers = f"{self.world_size} workers" + (f" x {self.stages} stages" if self.stages > 1 else "")
+            workers = f"{self.world_size} workers" + (f" x {self.per_worker} stages" if self.per_worker > 1 else "")
             return f"{workers} under torchrun, {len(self.devices)} on this node on {on} {each}"
         if self.in_process:
             return f"1 worker in this process on cpu, {threads}"
-        if self.stages > 1:
-            return f"{self.world_size} worker{'s' if self.world_size != 1 else ''} x {self.stages} stages on {_span(self.devices)} {each}"
+        if self.per_worker > 1:
+            return f"{self.world_size} worker{'s' if self.world_size != 1 else ''} x {self.per_worker} stages on {_span(self.devices)} {each}"
         return f"{self.world_size} workers on {on} {each}"
 
 
@@ -134,16 +134,20 @@ def resolve(
     gpus: int | None = None,
     cores: int | None = None,
     explicit: Collection[str] = (),
+    per_worker: int = 1,
+    notes: tuple[str, ...] = (),
 ) -> Placement:
     """The placement of this machine's workers. torchrun None means spawned (or in-process) workers.
     gpus/cores default to gpu_count()/core_count(); tests pass them to fake a machine. `explicit` is the
-    set of option names the user set on the builder (e.g. {"workers", "devices"})."""
+    set of option names the user set on the builder (e.g. {"workers", "devices"}). `per_worker` and
+    `notes`: what the config's features say (feature.Feature's `processes` and `notes`): the
+    processes one worker is (a pipeline's stages), and what the caller is told of them."""
     gpus = gpu_count() if gpus is None else gpus
     cores = core_count() if cores is None else cores
     if torchrun is not None:
-        return _resolve_torchrun(config, torchrun, gpus, cores, explicit)
+        return _resolve_torchrun(config, torchrun, gpus, cores, explicit, per_worker, notes)
 
-    workers, stages = config.workers, config.pipeline.stages if config.pipeline is not None else 1
+    workers, stages = config.workers, per_worker
     processes = workers * stages  # a pipeline's stages each have a device, worker by worker
     if config.devices is not None:
         if len(config.devices) != processes:
@@ -160,12 +164,8 @@ def resolve(
         f"backend 'nccl' needs one CUDA device per worker: {workers} workers, devices {list(devices)}, "
         f"{gpus} GPUs here. Use .workers({max(gpus, 1)}) or .backend('gloo')"
     )
-    backend, threads, notes = _backend_and_threads(config, devices, cores, refusal, ".workers(n)", stages)
-    if config.hierarchy != "none":
-        notes.append("hierarchy('node') applies under torchrun with several processes per node; these workers average as one group")
-    if config.on_worker_failure == "replace" and workers == 1:
-        notes.append('on_worker_failure("replace") restores a lost worker from a peer, and one worker has none: a failure raises')
-    return Placement(workers, devices, backend, threads, None, tuple(notes), stages)
+    backend, threads, told = _backend_and_threads(config, devices, cores, refusal, ".workers(n)", stages)
+    return Placement(workers, devices, backend, threads, None, (*told, *notes), stages)
 
 
 def _backend_and_threads(
@@ -212,7 +212,7 @@ def _cores_note(n: int, cores: int, fix: str, stages: int = 1) -> str:
     )
 
 
-def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, explicit: Collection[str]) -> Placement:
+def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, explicit: Collection[str], stages: int, told: tuple[str, ...]) -> Placement:
     """torchrun's --nnodes and --nproc-per-node decide the workers and LOCAL_RANK the GPU, so `workers` and
     `devices` are ignored rather than checked: a config written for spawned workers still runs here."""
     notes: list[str] = []
@@ -223,7 +223,7 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
             f"under torchrun, {' and '.join(ignored)} {verb} ignored: torchrun's --nnodes and --nproc-per-node "
             f"decide how many workers run, and each uses GPU LOCAL_RANK when there are GPUs"
         )
-    local, stages = env.local_world_size, config.pipeline.stages if config.pipeline is not None else 1
+    local = env.local_world_size
     if env.world_size % stages or local % stages:
         raise ValueError(
             f"pipeline(stages={stages}) under torchrun runs each pipeline's stages on one node, as consecutive ranks: "
@@ -234,11 +234,7 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
         f"backend 'nccl' needs one CUDA device per process: torchrun started {local} processes on this node "
         f"and it has {gpus} GPUs. Use --nproc-per-node {max(gpus, 1)} or .backend('gloo')"
     )
-    if config.on_worker_failure == "replace":
-        notes.append(
-            'under torchrun, on_worker_failure("replace") is ignored: torchrun restarts the group '
-            "(--max-restarts) and with .checkpoint(dir) it resumes from the last checkpoint"
-        )
+    notes += told
     backend, threads, more = _backend_and_threads(config, devices, cores, refusal, "--nproc-per-node n")
     return Placement(env.world_size // stages, devices, backend, threads, env, tuple(notes + more), stages)
 

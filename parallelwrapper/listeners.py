@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
-from .types import EpochEnd, Replacement, Report, Score, Validation, WorkerError
+from .errors import WorkerError
+from .types import EpochEnd, Replacement, Report, Score, Validation
 
 if TYPE_CHECKING:
     from .config import Config

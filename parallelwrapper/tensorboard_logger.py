@@ -9,8 +9,9 @@ import math
 from pathlib import Path
 
 from .codec import codec
+from .errors import WorkerError
 from .listeners import History
-from .types import EpochEnd, Score, Validation, WorkerError
+from .types import EpochEnd, Score, Validation
 
 
 class TensorBoardLogger:

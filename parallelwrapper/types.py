@@ -1,19 +1,20 @@
-"""The records, sentinels and errors that several modules share: what a fit reports, counters, hooks, `WorkerError`.
+"""The records that several modules share: what a fit reports, the counters, a training state, and the user's own values.
 
-What a fit reports (one record per event: `Score`, `EpochEnd`, `Validation`, `Replacement`), where
-a worker is, the end of its epoch, and the errors a user can meet from a worker. Imports nothing
-of the package."""
+What a fit reports (one record per event: `Score`, `EpochEnd`, `Validation`, `Replacement`), the
+counters every worker agrees on, the state a fit starts from and ends with, and the names of the
+user's own values. The errors (errors.py), the feed's protocols (feed/protocols.py), the round
+loop's hooks (hooks.py) and the hosts' messages (messages.py) live where they belong; this imports
+only the errors, whose `WorkerError` a `Replacement` carries."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
-import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
+
+from .errors import WorkerError
 
 # The user's own values: the package carries them, walks them (batches.map_leaves) and hands them
 # back to the user's code, and their types are the user's. Each is named once here.
@@ -21,48 +22,6 @@ Batch = Any  # a batch as the user's data yields it: a tensor, or tuples, lists 
 Output = Any  # what the user's model returns for a batch, as their loss function and metrics take it
 Sample = Any  # an item of the user's map-style dataset, as their DataLoader's collate function takes a list of them
 StateDict = dict[str, Any]  # a state_dict of the user's model, optimizer or schedule (or of torch's RNG, GradScaler), as torch types it
-
-
-class EndOfEpoch:
-    """The sentinel a batch source returns when this worker's share of the epoch is done."""
-
-
-END = EndOfEpoch()
-
-
-class BatchSource(Protocol):
-    def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
-        """(batch index in the epoch, batch) or END."""
-        ...
-
-    def epoch_length(self, epoch: int) -> int | None:
-        """How many batches epoch `epoch` has over every rank, where every rank's source knows it
-        before the epoch ends (a list, Epochs); else None. Every rank must answer the same: the
-        autopilot cuts the epoch's last rounds by it (Pilot.steps)."""
-        ...
-
-
-@runtime_checkable
-class Epochs(Protocol):
-    """Epochs of batches read by index: what spawned workers are sent once per fit to read their
-    shards from (feed/epochs.py: a list of batches, or a map-style DataLoader's sample indices)."""
-
-    def length(self, epoch: int) -> int:
-        """How many batches epoch `epoch` has."""
-        ...
-
-    def batch_at(self, epoch: int, index: int) -> Batch:
-        """Batch `index` of epoch `epoch`, loaded."""
-        ...
-
-
-class Phase(enum.IntEnum):
-    """Where a worker is, for the supervisor's stall watchdog."""
-
-    IDLE = 0
-    WAITING = 1  # for a batch
-    TRAINING = 2
-    AVERAGING = 3
 
 
 @dataclass
@@ -213,201 +172,19 @@ class DataOrder:
     kept: dict[int, StateDict] = dataclasses.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class FitCommand:
-    """What every worker starts a fit() from: the wrapper's state, the counters, and (resuming
-    from a checkpoint) each rank's own state: its RNG's, and its GradScaler's with 16-mixed; and
-    when the fit() began, which the records' seconds count from."""
-
-    until_epoch: int
-    counters: Counters
-    state: TrainingState
-    rng: list[StateDict] | None  # per rank, when resuming from a checkpoint
-    start: float  # when the fit() began, by time.monotonic(): system-wide on one machine, and under torchrun rank 0's own (it reports)
-    shards: Epochs | None = None  # spawned workers that read their shards: the fit's epochs, sent once (feed/epochs.shards_of); None: fed through the queue
-    claims: str | None = None  # with shards: the store key every worker claims its batches from (feed/claims.py); None: dealt
-    order: DataOrder = DataOrder()  # where the epochs' orders are kept, and those a resume read (feed/order.py)
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where a worker was: `batch` is -1 between batches; `shape` describes the batch, when known."""
-
-    epoch: int
-    batch: int
-    local_step: int
-    shape: str = ""
-
-    def __str__(self) -> str:
-        if self.batch < 0:
-            return f"in epoch {self.epoch} (local step {self.local_step})"
-        shape = f" {self.shape}" if self.shape else ""
-        return f"while training on batch {self.batch} of epoch {self.epoch}{shape} (local step {self.local_step})"
-
-
-class CheckpointWriter(Protocol):
-    """Writes a round's state to disk (checkpoint.Checkpointer); rank 0 calls it."""
-
-    def due(self, rounds: int) -> bool: ...
-
-    def save(self, state: TrainingState, counters: Counters, rng: list[StateDict]) -> None: ...
-
-
-class RoundObserver(Protocol):
-    """Who follows one worker's rounds as its round loop runs them, besides the loop itself: a
-    part that its host gives it (Hooks.observer), such as one that keeps what a redo of a lost
-    round would start from. Rounds are tagged by a count over the worker's life, the same on
-    every worker."""
-
-    @property
-    def wants_averages(self) -> bool:
-        """Whether `average_landed` is to be called: an overlapped landing then holds the average
-        in the replica for a moment, which costs a pass over the state."""
-        ...
-
-    def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
-        """Round `tag` of `epoch` starts; `finished`: this worker has had its end of the epoch;
-        rounds up to `landed` have landed: `tag - 1`, when the worker starts from their average,
-        or `tag - 2`, when round `tag - 1` is still being averaged (overlap_averaging)."""
-
-    def held_for(self, tag: int) -> None:
-        """The batch just taken from the source is held for a later round, `tag` (a take is for
-        the round in progress otherwise)."""
-
-    def average_landed(self) -> None:
-        """An overlapped round has landed and, for this call only, the replica holds its average
-        (the steps taken since are put back after it)."""
-
-
-class Hooks:
-    """What the round protocol may ask of the host it runs under, and who follows its rounds
-    (`observer`). The defaults report nothing, never stop, and checkpoint only when given a
-    writer (hosts/runtime.Worker gives it the one `.checkpoint(directory)` asks for)."""
-
-    def __init__(self) -> None:
-        self.checkpointer: CheckpointWriter | None = None
-        self.observer: RoundObserver | None = None
-        self._at: tuple[int, int, int] = (0, -1, 0)
-
-    def progress(self, phase: Phase, epoch: int, index: int, step: int) -> None:
-        """Called on every change of phase: keep it cheap (a host may write shared memory)."""
-        self._at = (epoch, index, step)
-
-    @property
-    def where(self) -> Where:
-        """Where the worker was at its last change of phase, for error messages."""
-        return Where(*self._at)
-
-    def stop_requested(self) -> bool:
-        """True when the host wants training to stop after the current round."""
-        return False
-
-    def checkpoint_due(self, rounds: int) -> bool:
-        """Whether a periodic checkpoint falls at the end of round number `rounds`."""
-        return self.checkpointer is not None and self.checkpointer.due(rounds)
-
-
-class TrainingError(RuntimeError):
-    """A worker could not train on a batch: the message says why, `where` says where."""
-
-    def __init__(self, message: str, where: Where | None = None) -> None:
-        super().__init__(message)
-        self.where = where
-
-
-class Stopped(Exception):
-    """Training stopped early, at a round boundary, because a worker's host asked."""
-
-
-_TRACEBACK = "Traceback (most recent call last):"
-
-
-class WorkerError(RuntimeError):
-    """A worker failed, under any host (spawned, in-process, torchrun).
-
-    `rank` names it; `where` says the epoch, batch and local step when known. The message reads
-    first things first: who failed where, and what happened (the worker's exception type and
-    message), on its first line; one line for each peer that failed because of it (`echoes`);
-    then the worker's traceback (`details`), once, so that on a terminal it ends, as any Python
-    traceback does, with the worker's own exception."""
-
-    def __init__(
-        self, rank: int, summary: str, details: str = "", where: Where | None = None, at: float | None = None, stage: int | None = None, echoes: tuple[str, ...] = ()
-    ) -> None:
-        place = f" {where}" if where is not None else ""
-        who = f"worker {rank}" + ("" if stage is None else f" stage {stage}")  # `stage`: of a pipeline (pipeline/)
-        head = "\n".join((f"{who} failed{place}: {summary}", *echoes))
-        tail = details.rstrip()
-        if tail.startswith(_TRACEBACK):  # told apart from the main process's, which a terminal shows above it
-            tail = f"Traceback in {who} (most recent call last):{tail[len(_TRACEBACK) :]}"
-        super().__init__(head + (f"\n\n{tail}" if tail.strip() else ""))
-        self.rank, self.summary, self.details, self.where, self.stage, self.echoes = rank, summary, details, where, stage, tuple(echoes)
-        self.at = time.monotonic() if at is None else at  # when it failed (system-wide clock): the first is the cause
-
-    @property
-    def epoch(self) -> int | None:
-        """The epoch the worker was in, or None when it failed outside one."""
-        return None if self.where is None else self.where.epoch
-
-    @property
-    def batch(self) -> int | None:
-        """The index in its epoch of the batch the worker was on, or None when it held none."""
-        return None if self.where is None or self.where.batch < 0 else self.where.batch
-
-    @property
-    def local_step(self) -> int | None:
-        """The worker's local step in its round, or None when it failed outside one."""
-        return None if self.where is None else self.where.local_step
-
-    def __reduce__(self) -> tuple[type[WorkerError], tuple[object, ...]]:  # travels from a spawned worker as a value
-        return (WorkerError, (self.rank, self.summary, self.details, self.where, self.at, self.stage, self.echoes))
-
-    def with_echoes(self, echoes: dict[int, str], stages: int = 1) -> WorkerError:
-        """This error, and one short line each, under its first, for the peers that failed because
-        of it (a lost connection, mostly: the collective library's source locations are left out).
-        `echoes` is by process: rank·stages + stage, with pipelines of `stages` processes."""
-        me = self.rank * stages + (self.stage or 0)
-        lines = tuple(f"(also {_who(p, stages)}: {_echo(line)})" for p, line in sorted(echoes.items()) if p != me)
-        return WorkerError(self.rank, self.summary, self.details, self.where, self.at, self.stage, self.echoes + lines)
-
-
-def _who(process: int, stages: int) -> str:
-    """A process named as its worker, and its stage in a pipeline."""
-    return f"worker {process}" if stages == 1 else f"worker {process // stages} stage {process % stages}"
-
-
-def _echo(line: str, limit: int = 160) -> str:
-    """A peer's summary, without gloo's and NCCL's `[file.cc:123]` source locations, cut at `limit`."""
-    line = re.sub(r"\[[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*", "", line).strip()
-    return line if len(line) <= limit else line[:limit] + "..."
-
-
 __all__ = [
-    "END",
     "Batch",
-    "BatchSource",
-    "CheckpointWriter",
     "Counters",
     "EncodingStats",
-    "EndOfEpoch",
-    "Epochs",
     "EpochEnd",
     "DataOrder",
-    "FitCommand",
-    "Hooks",
     "Output",
-    "Phase",
     "Replacement",
     "Reporter",
     "Report",
-    "RoundObserver",
     "Sample",
     "Score",
     "StateDict",
-    "Stopped",
-    "TrainingError",
     "TrainingState",
     "Validation",
-    "Where",
-    "WorkerError",
 ]

@@ -17,11 +17,13 @@ import torch
 from .batches import batch_size, describe, move_to, split
 from .checkpoint import rng_state
 from .config import Config, NanPolicy
+from .errors import TrainingError, Where
 from .evaluation import autocast, metric_sums, validation_metrics
 from .feed.shard import rank_share
+from .hooks import Hooks, Phase
 from .job import Job
 from .parts import Parts
-from .types import Batch, Counters, Hooks, Phase, StateDict, TrainingError, TrainingState, Where
+from .types import Batch, Counters, StateDict, TrainingState
 
 
 class Replica:

@@ -16,21 +16,23 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, pipeline, replacement
+from . import checkpoint, features, replacement
 from .autopilot import levers
 from .config import Config, refuse
-from .env import Placement, resolve, torchrun_env
+from .env import Placement, torchrun_env
+from .errors import WorkerError
 from .evaluation import check_validation, job_metrics, metric_sums
 from .feed import order
 from .feed.data import Batches, check_epochs, epoch_iterable
 from .hosts import Host, TorchrunWorker, start_host
 from .job import Job, ValidationStep, check_job
 from .listeners import History, Recorder, check_listeners, early_stopping_of, notify
+from .messages import FitCommand
 from .parts import Parts
 from .schedule import sizing_warning, steps_per_epoch
 from .sendable import check_sendable
 from .settings import Settings
-from .types import Counters, DataOrder, FitCommand, Report, TrainingState, WorkerError
+from .types import Counters, DataOrder, Report, TrainingState
 
 
 class ParallelWrapper:
@@ -44,7 +46,8 @@ class ParallelWrapper:
 
     def __init__(self, config: Config, job: Job, listeners: list[Any], placement: Placement | None = None) -> None:
         self.config = config
-        self.placement = placement or resolve(config, torchrun_env())
+        self._feature = features.of(config)  # what the hosts and workers ask of the config's features
+        self.placement = placement or features.placement(config, torchrun_env(), feature=self._feature)
         self._parts = Parts(job.model, job, self.placement.world_size)  # the averaged state lands here
         self.model, self.optimizer = job.model, self._parts.optimizer
         self._job = job
@@ -216,8 +219,8 @@ class ParallelWrapper:
         return FitCommand(until_epoch, dataclasses.replace(self.counters), state, rng, start, order=data_order)
 
     def _start_host(self) -> Host:
-        """The host the placement calls for, with the features it asks of the wrapper (replacement)."""
-        return start_host(self.config, self._job, self.placement, replacement.replacer(self.config))
+        """The host the placement calls for, with the features it asks (and replacement's side of a pool)."""
+        return start_host(self.config, self._job, self.placement, self._feature, replacement.replacer(self.config))
 
     def _auto_resume(self) -> str | None:
         """Under torchrun, a group that torchrun restarted (--max-restarts) resumes its first fit() from
@@ -230,7 +233,7 @@ class ParallelWrapper:
 
     def _restore(self, location: str | os.PathLike[str], accept: Iterable[str] = ()) -> list[dict[str, Any]]:
         """Load a checkpoint into the model, optimizer, schedule and counters; return each worker's own state."""
-        payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size), accept)
+        payload = checkpoint.load(location, checkpoint.fingerprint(self.config, self._job, self.world_size, self._feature.fingerprint()), accept)
         try:
             self._parts.load(TrainingState(payload["model"], payload["optimizer"], payload.get("lr_scheduler"), payload.get("outer_optimizer")))
         except (ValueError, KeyError, RuntimeError) as e:  # an accepted change that does not fit the saved state
@@ -302,9 +305,10 @@ class Builder(Settings):
         )  # fmt: skip
         refuse(config, job)
         torchrun = torchrun_env()
-        placement = resolve(config, torchrun, explicit=self._options.keys())
+        feature = features.of(config)
+        placement = features.placement(config, torchrun, feature=feature, explicit=self._options.keys())
         notes = check_job(job, placement.world_size)
-        pipeline.check(config, job)
+        feature.check(job)
         if torchrun is None:  # under torchrun nothing travels
             check_sendable(job)
         check_listeners(self._listeners)
@@ -317,7 +321,7 @@ class Builder(Settings):
         or their number) with the workers set so far (or torchrun's): ceil(batches / workers),
         the global step that a per-step schedule counts. For sizing one before build(), e.g.
         `.lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=epochs * builder.steps_per_epoch(train))`."""
-        placement = resolve(Config(**levers(self._options)), torchrun_env(), explicit=self._options.keys())
+        placement = features.placement(Config(**levers(self._options)), torchrun_env(), explicit=self._options.keys())
         return steps_per_epoch(batch_count(data, "steps_per_epoch"), placement.world_size)
 
 

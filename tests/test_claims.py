@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from parallelwrapper.feed.claims import ClaimSource
 from parallelwrapper.feed.epochs import DatasetEpochs, ListEpochs
-from parallelwrapper.types import END
+from parallelwrapper.feed.protocols import END
 
 pytestmark = pytest.mark.fast
 

@@ -24,12 +24,13 @@ from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.config import Config, describe_config
 from parallelwrapper.delta_averaging import DeltaAverager
 from parallelwrapper.env import Placement
+from parallelwrapper.errors import Where, WorkerError
 from parallelwrapper.hosts.runtime import Worker
 from parallelwrapper.job import Job
 from parallelwrapper.listeners import Recorder
 from parallelwrapper.rounds import HEADER_LEN, RoundTotals, make_header, read_header
 from parallelwrapper.rounds.scores import ScoreBook
-from parallelwrapper.types import Counters, EpochEnd, Replacement, Report, Score, TrainingState, Validation, Where, WorkerError
+from parallelwrapper.types import Counters, EpochEnd, Replacement, Report, Score, TrainingState, Validation
 
 pytestmark = pytest.mark.fast
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from parallelwrapper.config import Config
+from parallelwrapper.config import Config, Pipeline
 from parallelwrapper.env import (
     Placement,
     TorchrunEnv,
@@ -23,6 +23,7 @@ from parallelwrapper.env import (
     resolve,
     torchrun_env,
 )
+from parallelwrapper.features import placement
 
 pytestmark = pytest.mark.fast
 
@@ -157,12 +158,12 @@ def test_torchrun_processes_outnumbering_the_cores_are_noted() -> None:
 
 
 def test_replacing_workers_is_noted_where_it_cannot_happen() -> None:
-    replace = Config(on_worker_failure="replace", workers=1)
-    assert resolve(replace, gpus=0, cores=2).notes == (
+    replace = Config(on_worker_failure="replace", workers=1)  # the replacement feature's notes (features.placement)
+    assert placement(replace, gpus=0, cores=2).notes == (
         'on_worker_failure("replace") restores a lost worker from a peer, and one worker has none: a failure raises',
     )
-    assert resolve(dataclasses.replace(replace, workers=2), gpus=0, cores=2).notes == ()
-    (note,) = resolve(replace, node(2), gpus=0, cores=2).notes
+    assert placement(dataclasses.replace(replace, workers=2), gpus=0, cores=2).notes == ()
+    (note,) = placement(replace, node(2), gpus=0, cores=2).notes
     assert note.startswith('under torchrun, on_worker_failure("replace") is ignored: torchrun restarts the group')
 
 
@@ -177,6 +178,22 @@ def test_replacing_workers_is_noted_where_it_cannot_happen() -> None:
 )
 def test_in_process_is_one_cpu_worker(options: dict[str, Any], gpus: int, in_process: bool) -> None:
     assert resolve(Config(**options), gpus=gpus, cores=2).in_process is in_process
+
+
+@pytest.mark.parametrize(
+    ("options", "in_process"),
+    [
+        ({"workers": 1}, True),
+        ({"workers": 1, "devices": ("cpu",)}, True),
+        ({"workers": 2}, False),
+        ({"workers": 1, "pipeline": Pipeline(2)}, False),  # one worker, two stage processes
+        ({"workers": 1, "on_worker_failure": "replace"}, True),  # nothing to replace it from: it stays here, as with "raise"
+    ],
+)
+def test_the_features_say_whether_a_worker_runs_in_process(options: dict[str, Any], in_process: bool) -> None:
+    """What the wrapper's host follows: the placement with its features' answers (features.placement),
+    not env.resolve's alone, which knows no pipeline's stages."""
+    assert placement(Config(**options), gpus=0, cores=2).in_process is in_process
 
 
 def test_explicit_devices_win_over_auto() -> None:

@@ -154,7 +154,7 @@ def test_a_worker_error_on_screen_says_what_happened_first_and_shows_one_traceba
     lines = result.stderr.rstrip().splitlines()
     error = next(i for i, line in enumerate(lines) if not line.startswith(("Traceback (most recent call last):", "  ")))
     assert lines[error] == (
-        f"parallelwrapper.types.WorkerError: worker {workers - 1} failed while training on batch 9 of epoch 0 "
+        f"parallelwrapper.errors.WorkerError: worker {workers - 1} failed while training on batch 9 of epoch 0 "
         f"(float32[16, 10], int64[16]) (local step {step}): ValueError: this batch is bad: first feature is 7"
     ), result.stderr
     echoes = [line for line in lines if line.startswith("(also ")]

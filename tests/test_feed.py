@@ -17,8 +17,9 @@ from parallelwrapper import feed
 from parallelwrapper.config import Config
 from parallelwrapper.feed.claims import ClaimSource
 from parallelwrapper.feed.epochs import shardable, shards_of
+from parallelwrapper.feed.protocols import EndOfEpoch
 from parallelwrapper.feed.shard import ShardSource
-from parallelwrapper.types import Counters, EndOfEpoch
+from parallelwrapper.types import Counters
 
 pytestmark = pytest.mark.fast
 

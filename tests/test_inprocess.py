@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 from parallelwrapper import ParallelWrapper, Score, WorkerError
-from parallelwrapper.config import Config
 from parallelwrapper.feed.data import FeedError
-from parallelwrapper.hosts.inprocess import InProcessWorker, runs_in_process
+from parallelwrapper.hosts.inprocess import InProcessWorker
 from parallelwrapper.hosts.spawned import WorkerPool
-from parallelwrapper.types import Counters, FitCommand, TrainingState
+from parallelwrapper.messages import FitCommand
+from parallelwrapper.types import Counters, TrainingState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,11 +101,6 @@ def test_one_worker_leaves_the_callers_process_as_it_was() -> None:
         assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
 
 
-def test_only_one_worker_on_the_cpu_runs_in_process() -> None:
-    assert runs_in_process(Config(workers=1)) and runs_in_process(Config(workers=1, devices=("cpu",)))
-    assert not runs_in_process(Config(workers=2))
-
-
 def fails_on_batch_4(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
     if int(y[0]) == 7:
@@ -165,7 +160,7 @@ def test_one_worker_with_a_coded_payload_or_the_autopilot_trains_as_with_float32
         for name, value in options.items():
             builder = getattr(builder, name)(value)
         with builder.build() as w:
-            assert runs_in_process(w.config)
+            assert w.placement.in_process
             w.fit(data, epochs=2)
             return [p.detach().clone() for p in w.model.parameters()]
 
@@ -195,6 +190,6 @@ def test_one_worker_in_process_trains_with_each_lever(configure: Any) -> None:
     model = dropout_mlp()
     before = [p.detach().clone() for p in model.parameters()]
     with configure(one_worker(model).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)).build() as w:
-        assert runs_in_process(w.config)
+        assert w.placement.in_process
         history = w.fit(make_batches(12), epochs=2)
     assert history.scores and not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

@@ -23,7 +23,7 @@ import torchrun_pipeline
 from parallelwrapper import ParallelWrapper, TrainingMode, WorkerError
 from parallelwrapper.app.models import LeNet
 from parallelwrapper.config import Config, Pipeline
-from parallelwrapper.env import resolve
+from parallelwrapper.features import placement
 from parallelwrapper.job import Job, OuterSpec
 from parallelwrapper.pipeline import joined_state, stage_module
 from parallelwrapper.pipeline.split import Names, boundaries, held, pieces_in, pieces_of, scorer, stage_state
@@ -129,20 +129,20 @@ def test_a_batch_is_cut_into_the_most_equal_microbatches_up_to_m() -> None:
 @pytest.mark.fast
 def test_stages_are_placed_worker_by_worker() -> None:
     spec = Pipeline(2)
-    gpus = resolve(Config(workers=2, pipeline=spec), gpus=4, cores=16)
+    gpus = placement(Config(workers=2, pipeline=spec), gpus=4, cores=16)
     assert (gpus.devices, gpus.backend, gpus.processes) == (("cuda:0", "cuda:1", "cuda:2", "cuda:3"), "nccl", 4)
     assert str(gpus) == "2 workers x 2 stages on cuda:0..3 with nccl, 4 threads each"
-    cpu = resolve(Config(workers=1, pipeline=spec), gpus=0, cores=2)
+    cpu = placement(Config(workers=1, pipeline=spec), gpus=0, cores=2)
     assert not cpu.in_process and str(cpu) == "1 worker x 2 stages on cpu with gloo, 1 thread each"
-    shared = resolve(Config(workers=2, pipeline=spec), gpus=0, cores=2)
+    shared = placement(Config(workers=2, pipeline=spec), gpus=0, cores=2)
     assert shared.notes == ("4 processes (2 workers x 2 stages) on 2 CPU cores: they take turns on the cores and every step waits for the slowest stage; use .workers(n) with n x 2 <= 2",)
     with pytest.raises(ValueError, match=r"devices names 2 devices for 4 processes \(2 workers x 2 stages\); give one device per stage"):
-        resolve(Config(workers=2, pipeline=spec, devices=("cpu", "cpu")), gpus=0, cores=2)
+        placement(Config(workers=2, pipeline=spec, devices=("cpu", "cpu")), gpus=0, cores=2)
     # Stages that would share a GPU go over gloo, whose sends fail on GPU tensors (seen on an H200:
     # "writev: Bad address"): refused with what to do, as is a GPU stage beside a CPU one.
     for workers, gpus_here, devices in ((1, 1, None), (2, 2, None), (1, 2, ("cuda:0", "cpu"))):
         with pytest.raises(ValueError, match=r"^pipeline\(stages=2\): stages on cuda:0, .* would pass activations over gloo, .*give each stage a GPU of its own .*\.devices\(\['cpu', 'cpu'"):
-            resolve(Config(workers=workers, pipeline=spec, devices=devices), gpus=gpus_here, cores=16)
+            placement(Config(workers=workers, pipeline=spec, devices=devices), gpus=gpus_here, cores=16)
 
 
 def _trained(model: nn.Module) -> TrainingState:

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -347,6 +348,22 @@ def test_a_redo_feeds_again_what_was_taken_for_its_round_or_later() -> None:
     assert split(entries, 3, 0) == ([Entry(3, 1, 0), Entry(3, 2, 0), Entry(4, 5, 0), Entry(3, END_SLOT, 0)], [])
 
 
+class WaitingWriter(SlotWriter):
+    """A SlotWriter that says when its caller first waited for a slot: it is then told to keep
+    waiting (`pack`'s keep_waiting), which a test waits for instead of sleeping."""
+
+    def __init__(self, free: Any, slots: int) -> None:
+        super().__init__(free, slots=slots)
+        self.waiting = threading.Event()
+
+    def pack(self, batch: Any, keep_waiting: Any) -> tuple[int, str, object] | None:
+        def told() -> bool:
+            self.waiting.set()
+            return bool(keep_waiting())
+
+        return super().pack(batch, told)
+
+
 @pytest.mark.fast
 def test_a_feeder_waiting_for_a_slot_puts_back_a_lost_round_that_holds_every_slot() -> None:
     """pw-fit --max-replacements once hung here: the feeder waited for a free slot before putting
@@ -355,11 +372,11 @@ def test_a_feeder_waiting_for_a_slot_puts_back_a_lost_round_that_holds_every_slo
 
     ctx = multiprocessing.get_context("spawn")
     free, q = ctx.Queue(), ctx.Queue(maxsize=4)
-    writer, reader = SlotWriter(free, slots=2), SlotReader(free)
+    writer, reader = WaitingWriter(free, slots=2), SlotReader(free)
     feeder = Feeder([torch.full((2,), float(i)) for i in range(4)], 0, 1, 0, [q], 1, writer).start()
     try:
         lost = [q.get(timeout=10) for _ in range(2)]  # a worker took both slots' batches, then died
-        time.sleep(0.3)  # the feeder is waiting for a slot
+        assert writer.waiting.wait(10)  # the feeder is waiting for a slot
         feeder.pause()
         feeder.resume(front=[(q, item) for item in lost])
         again = [q.get(timeout=10) for _ in range(2)]

@@ -22,9 +22,9 @@ from parallelwrapper import rounds
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.averaging import all_reduce_values as reduce_header
 from parallelwrapper.config import Config
+from parallelwrapper.feed.protocols import END
 from parallelwrapper.job import Job
 from parallelwrapper.rounds import make_header, read_header
-from parallelwrapper.types import END
 from parallelwrapper.worker import Replica
 
 CPU = torch.device("cpu")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-from ..types import BatchSource, Counters, DataOrder, Epochs
+from ..types import Counters, DataOrder
 from .claims import ClaimSource, Counter
 from .data import Batches
 from .epochs import ListEpochs
+from .protocols import BatchSource, Epochs
 from .queue import QueueSource
 from .shard import ShardSource
 

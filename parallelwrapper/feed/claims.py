@@ -6,7 +6,7 @@ workers, torchrun's for ranks on any number of machines, with no data between th
 is the fit's batch c past where it starts, epoch after epoch (`ClaimSource`), so every batch is
 trained exactly once and claims come in index order, as from the shared queue: a round still
 cuts the epoch into the same N·k batches (rounds/cut.py), and a faster worker takes more of each
-round's. Data is read by index (types.Epochs): a list or tuple of batches, or a map-style
+round's. Data is read by index (feed/protocols.Epochs): a list or tuple of batches, or a map-style
 DataLoader's epochs of sample indices (epochs.py).
 
 Claims are for averaging rounds of spawned workers and torchrun ranks with the default feed.
@@ -21,7 +21,8 @@ from typing import Protocol
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from ..config import Config, TrainingMode
-from ..types import END, Batch, EndOfEpoch, Epochs
+from ..types import Batch
+from .protocols import END, EndOfEpoch, Epochs
 
 
 class Counter(Protocol):
@@ -40,14 +41,12 @@ class StoreCounter:
         return int(self._store.add(self._key, 1)) - 1
 
 
-def claimed(config: Config) -> bool:
+def claimed(config: Config, alone: bool) -> bool:
     """Whether workers claim their batches first-come (else each reads its dealt shard): averaging
     rounds with the default feed, neither dealt (`deterministic`) nor in lockstep within a
-    worker (a pipeline's stages) or a node (a hierarchy's ranks)."""
-    return (
-        config.feed == "auto" and not config.deterministic and config.training_mode is TrainingMode.AVERAGING
-        and config.pipeline is None and config.hierarchy == "none"
-    )  # fmt: skip
+    worker (a pipeline's stages) or a node (a hierarchy's ranks): `alone`, the features say
+    (feature.Feature.alone)."""
+    return config.feed == "auto" and not config.deterministic and config.training_mode is TrainingMode.AVERAGING and alone
 
 
 class ClaimSource:

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
-from ..types import Batch, Epochs, Sample
+from ..types import Batch, Sample
 from .data import Batches, distributed_sampler
+from .protocols import Epochs
 
 
 def indexed_loader(data: object) -> TypeGuard[DataLoader[Sample]]:

@@ -22,9 +22,10 @@ from multiprocessing.synchronize import Event
 from typing import Protocol, TypeAlias, TypeVar
 
 from ..processes import main_process_gone
-from ..types import END, Batch, DataOrder, EndOfEpoch
+from ..types import Batch, DataOrder
 from .data import Batches, check_epoch_length, data_raised
 from .order import EpochOrder
+from .protocols import END, EndOfEpoch
 from .slots import SlotReader, SlotWriter
 
 T = TypeVar("T")

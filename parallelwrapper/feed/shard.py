@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from torch.utils.data.distributed import DistributedSampler
 
-from ..types import END, Batch, DataOrder, EndOfEpoch, Epochs
+from ..types import Batch, DataOrder
 from .data import Batches, check_epoch_length, data_raised, distributed_sampler, epoch_iterable
 from .epochs import indexed_loader, loader_share
 from .order import EpochOrder
+from .protocols import END, EndOfEpoch, Epochs
 
 
 def rank_share(data: Batches, rank: int, world_size: int) -> Iterator[Batch]:

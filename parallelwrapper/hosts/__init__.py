@@ -12,9 +12,11 @@ from typing import Protocol
 
 from ..config import Config
 from ..env import Placement
+from ..feature import Feature
 from ..feed.data import Batches
 from ..job import Job
-from ..types import FitCommand, Reporter, TrainingState
+from ..messages import FitCommand
+from ..types import Reporter, TrainingState
 from .inprocess import InProcessWorker
 from .spawned import ReplacingFactory, WorkerPool
 from .torchrun import TorchrunWorker
@@ -31,14 +33,15 @@ class Host(Protocol):
     def kill(self) -> None: ...
 
 
-def start_host(config: Config, job: Job, placement: Placement, replacing: ReplacingFactory | None = None) -> Host:
-    """The host the placement calls for; spawned workers replace a lost one with what `replacing`
-    makes (the replacement feature's side, which hosts do not import)."""
+def start_host(config: Config, job: Job, placement: Placement, feature: Feature, replacing: ReplacingFactory | None = None) -> Host:
+    """The host the placement calls for, asking `feature` (the config's, features.of); spawned
+    workers replace a lost one with what `replacing` makes (the replacement feature's side, which
+    hosts do not import)."""
     if placement.torchrun is not None:
-        return TorchrunWorker(config, job, placement)
+        return TorchrunWorker(config, job, placement, feature)
     if placement.in_process:
-        return InProcessWorker(config, job, placement)
-    return WorkerPool(config, job, placement, replacing)
+        return InProcessWorker(config, job, placement, feature)
+    return WorkerPool(config, job, placement, replacing, feature)
 
 
 __all__ = ["Host", "InProcessWorker", "TorchrunWorker", "WorkerPool", "start_host"]

@@ -26,14 +26,12 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]
 from .. import feed
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
+from ..feature import Feature
 from ..feed.data import Batches
 from ..job import Job
-from ..types import FitCommand, Reporter, TrainingState
+from ..messages import FitCommand
+from ..types import Reporter, TrainingState
 from .runtime import SignalHooks, Worker, stop_on_signals
-
-
-def runs_in_process(config: Config) -> bool:
-    return resolve(config).in_process
 
 
 def group_of_one(config: Config) -> dist.ProcessGroup:
@@ -50,10 +48,10 @@ def group_of_one(config: Config) -> dist.ProcessGroup:
 class InProcessWorker:
     """The host interface (`fit`, `close`, `kill`) for a worker that is this process."""
 
-    def __init__(self, config: Config, job: Job, placement: Placement | None = None) -> None:
+    def __init__(self, config: Config, job: Job, placement: Placement | None = None, feature: Feature | None = None) -> None:
         self._hooks = SignalHooks()
         placement = placement or resolve(config)
-        self._worker = Worker(job, config, placement, 0, 0, group=group_of_one(config), hooks=self._hooks)
+        self._worker = Worker(job, config, placement, 0, 0, group=group_of_one(config), hooks=self._hooks, feature=feature)
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Train as a spawned worker 0 would on `command`; return its final state (model, optimizer, schedule)."""

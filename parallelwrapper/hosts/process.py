@@ -29,14 +29,18 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 from .. import feed
 from ..config import Config
 from ..env import Placement, claim_device, collective_timeout
+from ..errors import Stopped, WorkerError
+from ..feature import Feature
 from ..feed.claims import StoreCounter
 from ..feed.queue import Item, QueueSource, Taking
 from ..feed.slots import SlotReader
+from ..hooks import Hooks, Phase, RoundObserver
 from ..job import Job
+from ..messages import FitCommand, Message
 from ..processes import adopt_environment, main_process_gone
-from ..types import EpochEnd, FitCommand, Hooks, Phase, Report, RoundObserver, Stopped, WorkerError
+from ..types import EpochEnd, Report
 from .runtime import Worker, summary
-from .supervisor import Message, ProgressBoard
+from .supervisor import ProgressBoard
 
 # What the main process puts on a worker's command queue, in this order: to a standby, the rank it
 # takes; the job's pickle (jobs.shared_pickle); then a fit (FitCommand), a command that the
@@ -110,18 +114,21 @@ class Channels:
     failover: Failover | None  # with on_worker_failure("replace") (replacement/)
 
 
-def worker_entry(rank: int | None, config: Config, placement: Placement, store_port: int, channels: Channels, joins: bool, environ: dict[str, str]) -> None:
+def worker_entry(
+    rank: int | None, config: Config, placement: Placement, feature: Feature, store_port: int, channels: Channels, joins: bool, environ: dict[str, str]
+) -> None:
     """A spawned worker: join the group (unless not `joins`: a replacement's fresh process joins
     the group its regroup forms), then run fit commands until told to close. A standby (rank None)
     has its imports done and waits to be told the rank it takes.
-    `environ`: the main process's environment when it started this worker, which it takes.
+    `environ`: the main process's environment when it started this worker, which it takes;
+    `feature`: the config's (features.of), which says what the worker's process trains.
 
     Once its work is done and what it sent is flushed, the process ends at once (os._exit), as a
     forked child does: the interpreter's own teardown of torch takes a third of a second, at
     every close() of every worker, and nothing of a worker's is left for it to save. So
     `atexit` handlers do not run in a worker."""
     adopt_environment(environ)
-    _serve(rank, config, placement, store_port, channels, joins)
+    _serve(rank, config, placement, feature, store_port, channels, joins)
     for q in (channels.results, channels.free_slots):  # what this worker put in them reaches the pipe
         q.close()
         q.join_thread()
@@ -130,7 +137,7 @@ def worker_entry(rank: int | None, config: Config, placement: Placement, store_p
     os._exit(0)
 
 
-def _serve(rank: int | None, config: Config, placement: Placement, store_port: int, c: Channels, joins: bool) -> None:
+def _serve(rank: int | None, config: Config, placement: Placement, feature: Feature, store_port: int, c: Channels, joins: bool) -> None:
     world = placement.world_size
     # Ctrl-C in a terminal reaches every process of the group: the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -150,7 +157,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
             join(PrefixStore("generation-0", store), collective_timeout(config))
         hooks = _SpawnedHooks(c.board, rank, c.stop)
         # The job is the second command; the worker keeps what it trains of it (a stage's process, its own layers only).
-        worker = Worker(_unpickle_job(cast(torch.Tensor, _get(c.commands))), config, placement, rank, rank, hooks=hooks, own_model=True)
+        worker = Worker(_unpickle_job(cast(torch.Tensor, _get(c.commands))), config, placement, rank, rank, hooks=hooks, feature=feature, own_model=True)
         me = worker.rank  # the worker this process is (one of its stages, with a pipeline)
         failover = c.failover
         source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), c.abort, None if failover is None else failover.taking(rank))
@@ -194,8 +201,8 @@ def _serve(rank: int | None, config: Config, placement: Placement, store_port: i
             c.results.put(("stopped" if stopped else "done", rank, done))
             done = None  # the queue holds it until it is sent; the main process owns it then
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the main process
-        stage = rank % placement.stages if placement.stages > 1 else None
-        error = e if isinstance(e, WorkerError) else WorkerError(rank // placement.stages, summary(e) + " (while starting)", traceback.format_exc(), stage=stage)
+        stage = rank % placement.per_worker if placement.per_worker > 1 else None
+        error = e if isinstance(e, WorkerError) else WorkerError(rank // placement.per_worker, summary(e) + " (while starting)", traceback.format_exc(), stage=stage)
         c.results.put(("error", rank, error))
         # Flush before the process group goes down: the peers' "connection closed" errors must
         # reach the main process after this worker's own.

@@ -25,21 +25,24 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import FrameType, TracebackType
 
 import torch
 import torch.distributed as dist
 
-from .. import pipeline
 from ..checkpoint import make_checkpointer, rng_state, set_rng_state
 from ..config import Config
 from ..env import Placement
+from ..errors import Stopped, TrainingError, WorkerError
+from ..feature import Feature, Plain
 from ..feed.data import FeedError
+from ..feed.protocols import BatchSource
+from ..hooks import Hooks
 from ..job import Job
-from ..rounds import Lockstep, Rounds
-from ..types import BatchSource, FitCommand, Hooks, Report, Reporter, StateDict, Stopped, TrainingError, WorkerError
-from ..worker import Replica
+from ..messages import FitCommand
+from ..rounds import Rounds
+from ..types import Report, Reporter, StateDict
 
 _SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
 # One Ctrl-C reaches a torchrun worker twice, from the terminal and forwarded by torchrun's agent:
@@ -49,8 +52,8 @@ _REPEAT_S = 2.0
 
 class Worker:
     """One worker under any host: its replica and the round loop that trains it, side by side, its
-    RNG stream and threads, its checkpoints, and with a pipeline the stage of it that this process
-    is (pipeline/, asked once)."""
+    RNG stream and threads, its checkpoints, and its seat in the config's features (feature.py,
+    asked once): with a pipeline, the stage of it that this process is; with a hierarchy, its node."""
 
     def __init__(
         self,
@@ -62,31 +65,31 @@ class Worker:
         *,
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
-        lockstep: Lockstep | None = None,
+        feature: Feature | None = None,
         own_model: bool = False,
     ) -> None:
         """Process `process` of the group: worker `process`, or with a pipeline a stage of worker
-        `process // S` (a checkpoint's own states go by process). `own_model`: `job.model` is this
-        worker's alone (a spawned worker unpickled it), so it trains that one instead of a copy;
-        elsewhere it is the user's, which the wrapper holds. `hooks` get the checkpointer
-        `.checkpoint(directory)` asks for."""
+        `process // S` (a checkpoint's own states go by process). `feature`: the config's
+        (features.of; None: Plain), which says what this process trains in which groups.
+        `own_model`: `job.model` is this worker's alone (a spawned worker unpickled it), so it
+        trains that one instead of a copy; elsewhere it is the user's, which the wrapper holds.
+        `hooks` get the checkpointer `.checkpoint(directory)` asks for."""
         self.process, self._threads = process, placement.threads
+        feature = feature or Plain()
         hooks = hooks or Hooks()
-        hooks.checkpointer = make_checkpointer(config, job, placement.world_size)  # of the whole model
-        make_replica: Callable[..., Replica] = Replica
-        if config.pipeline is None:
-            self.rank, self.stage = process, None
-            self._relay: Callable[[BatchSource], BatchSource] | None = None
-        else:  # its layers, their optimizer, its groups, and the batches its pipeline's first stage relays
-            plan = pipeline.plan(job, config, placement.world_size, process)
-            job, group, make_replica = plan.job, plan.group, plan.make_replica
-            self.rank, self.stage, self._relay = plan.worker, plan.stage, plan.relay
+        hooks.checkpointer = make_checkpointer(config, job, placement.world_size, feature.fingerprint())  # of the whole model
+        seat = feature.seat(job, config, placement, process, group)
+        self.rank, self.stage, self._relay = seat.rank, seat.stage, seat.relay
         device = placement.device(local_rank)
-        model = (job.model if own_model else copy.deepcopy(job.model)).to(device)
-        self.replica = make_replica(model, job, config, device, self.rank, placement.world_size, hooks=hooks)
-        # In lockstep groups (a hierarchy's nodes) the rounds run across the groups, one rank of each in `group`.
+        model = (seat.job.model if own_model else copy.deepcopy(seat.job.model)).to(device)
+        self.replica = seat.make_replica(model, seat.job, config, device, self.rank, placement.world_size, hooks=hooks)
+        # In lockstep groups (a hierarchy's nodes) the rounds run across the groups, one rank of each in its group.
+        lockstep = seat.lockstep
         across = 1 if lockstep is None else lockstep.size
-        self.rounds = Rounds(self.replica, config, device, self.rank // across, placement.world_size // across, group=group, hooks=hooks, lockstep=lockstep)
+        self.rounds = Rounds(
+            self.replica, config, device, self.rank // across, placement.world_size // across,
+            group=seat.group, hooks=hooks, lockstep=lockstep, spread=feature.processes > 1, redoes=feature.redoes,
+        )  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + self.rank)
             self._rng = rng_state()

@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader
 
 from ..config import Config
 from ..env import Placement, collective_timeout, resolve
+from ..errors import WorkerError
+from ..feature import Feature, Plain
 from ..feed.claims import claimed
 from ..feed.data import Batches
 from ..feed.epochs import shardable, shards_of
@@ -33,12 +35,12 @@ from ..feed.order import EpochOrder
 from ..feed.queue import Feeder, Item, drain
 from ..feed.slots import SlotWriter
 from ..job import Job
-from ..pipeline import joined_state
+from ..messages import FitCommand, Message
 from ..processes import START_TIMEOUT_S, worker_context
-from ..types import FitCommand, Report, Reporter, TrainingState, WorkerError
+from ..types import Report, Reporter, TrainingState
 from .jobs import shared_pickle as _shared_pickle
 from .process import Channels, Command, Failover, worker_entry
-from .supervisor import Message, ProgressBoard, Supervisor
+from .supervisor import ProgressBoard, Supervisor
 
 _JOIN_TIMEOUT_S = 10.0
 _STOP_GRACE_S = 15.0  # after Ctrl-C, how long workers get to finish the round and checkpoint
@@ -80,23 +82,26 @@ class Replacing(Protocol):
 
 
 # How the pool makes its Replacing (what replacement.replacer gives, which the wrapper hands down):
-# (config, placement, ctx, *, store, queues, free_slots, abort, board, processes, commands,
-# standby, put_down, occupy).
-ReplacingFactory = Callable[..., Replacing]
+# of the config, the placement and the pool itself, which it sees as replacement/replacer.py's Pool.
+ReplacingFactory = Callable[[Config, Placement, "WorkerPool"], Replacing]
 
 
 class WorkerPool:
     """N spawned workers, their queues and their supervision."""
 
-    def __init__(self, config: Config, job: Job, placement: Placement | None = None, replacing: ReplacingFactory | None = None) -> None:
+    def __init__(
+        self, config: Config, job: Job, placement: Placement | None = None, replacing: ReplacingFactory | None = None, feature: Feature | None = None
+    ) -> None:
         """`replacing`: what makes the replacement feature's side, when `config` replaces a lost
-        worker (the wrapper hands down `replacement.replacer(config)`; without it a loss ends the fit)."""
+        worker (the wrapper hands down `replacement.replacer(config)`; without it a loss ends the fit).
+        `feature`: the config's (features.of; None: Plain), which the workers ask what they train."""
         self.config = config
-        self._placement = placement = placement or resolve(config)
+        self._feature = feature = feature or Plain()
+        self._placement = placement = placement or resolve(config, per_worker=feature.processes, notes=feature.notes(False))
         n = placement.world_size
         # A forkserver's worker (processes.py) takes the main process's environment of the moment
         # it starts, as a spawned one would.
-        ctx = self._ctx = worker_context()
+        ctx = self.ctx = worker_context()
         # Plain pickle copies tensors by value. Handed to Process() as objects, they would go
         # through torch's reducers instead, which move the user's model into shared memory that
         # every worker then trains in place, all at once. And the job goes through the command
@@ -107,39 +112,35 @@ class WorkerPool:
         self._job: torch.Tensor | None = _shared_pickle(job)
         # The main process serves the rendezvous store: port 0 lets the OS choose a free port,
         # so pools running side by side (tests, several trainers) never collide.
-        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout(config))
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout(config))
         if config.deterministic:
             per_worker = max(1, config.prefetch_buffer // n)
             self.data_queues: list[Queue[Item]] = [ctx.Queue(maxsize=per_worker) for _ in range(n)]
         else:
             self.data_queues = [ctx.Queue(maxsize=config.prefetch_buffer)]
-        self._free_slots: Queue[int] = ctx.Queue()
+        self.free_slots: Queue[int] = ctx.Queue()
         self._fits = 0  # fits read in shards, each claiming from a key of its own
         self._results: Queue[Message] = ctx.Queue()
         self._stop = ctx.Event()
-        self._abort = ctx.Event()
+        self.abort = ctx.Event()
         # With a pipeline each worker is `stages` processes (pipeline/): process p is stage
         # p % stages of worker p // stages; the board, commands and results are by process.
         processes = placement.processes
-        self._board = ProgressBoard(ctx, processes)
+        self.board = ProgressBoard(ctx, processes)
         # Filled by `_spawn` before any other reads them (the supervisor holds the same list): only
         # `kill`, after a start that failed, may find a None.
         self._processes = cast("list[BaseProcess]", [None] * processes)
         self._commands = cast("list[Queue[Command]]", [None] * processes)
         # A standby: a process spawned ahead, its imports done (importing torch takes seconds), for
-        # a rank that a replacement gives a fresh process (`_occupy`).
+        # a rank that a replacement gives a fresh process (`occupy`).
         self._standby: tuple[BaseProcess, Queue[Command]] | None = None
         # With on_worker_failure("replace"): its side in this process (replacement/).
-        self._replacer = None if replacing is None else replacing(
-            config, placement, ctx, store=self._store, queues=self.data_queues, free_slots=self._free_slots, abort=self._abort,
-            board=self._board, processes=self._processes, commands=self._commands,
-            standby=self._spawn_standby, put_down=self._put_down, occupy=self._occupy,
-        )  # fmt: skip
+        self._replacer = None if replacing is None else replacing(config, placement, self)
         # The slots of prefetched batches, and those that replaceable workers keep until their round lands.
-        self.slots = SlotWriter(self._free_slots, config.prefetch_buffer + (0 if self._replacer is None else self._replacer.slots))
+        self.slots = SlotWriter(self.free_slots, config.prefetch_buffer + (0 if self._replacer is None else self._replacer.slots))
         on_failure = None if self._replacer is None else self._replacer.call_away
-        self._supervisor = Supervisor(self._processes, self._results, self._board, config.stall_timeout, placement.stages, on_failure)
-        self._join = None if config.pipeline is None else functools.partial(joined_state, job=job, spec=config.pipeline)
+        self._supervisor = Supervisor(self._processes, self._results, self.board, config.stall_timeout, placement.per_worker, on_failure)
+        self._join = functools.partial(feature.joined, job=job)  # worker 0's state, from its processes' (a pipeline's stages')
         try:
             for rank in range(processes):
                 self._spawn(rank, joins=True)
@@ -155,14 +156,14 @@ class WorkerPool:
     def _spawn(self, rank: int | None, joins: bool) -> tuple[BaseProcess, Queue[Command]]:
         """Start the worker of `rank`, or a standby (None), with a command queue of its own. It
         `joins` the first process group at once; a replacement's joins the group its regroup forms."""
-        commands: Queue[Command] = self._ctx.Queue()
+        commands: Queue[Command] = self.ctx.Queue()
         channels = Channels(
-            self.data_queues, self._free_slots, commands, self._results, self._stop, self._board,
-            self._abort, None if self._replacer is None else self._replacer.worker_side,
+            self.data_queues, self.free_slots, commands, self._results, self._stop, self.board,
+            self.abort, None if self._replacer is None else self._replacer.worker_side,
         )  # fmt: skip
-        process = self._ctx.Process(
+        process = self.ctx.Process(
             target=worker_entry,
-            args=(rank, self.config, self._placement, self._store.port, channels, joins, dict(os.environ)),
+            args=(rank, self.config, self._placement, self._feature, self.store.port, channels, joins, dict(os.environ)),
             name="parallelwrapper-standby" if rank is None else f"parallelwrapper-worker-{rank}",
             daemon=True,
         )
@@ -172,12 +173,21 @@ class WorkerPool:
         process.start()
         return process, commands
 
-    def _spawn_standby(self) -> None:
+    def pid(self, rank: int) -> int | None:
+        """The process id of `rank`'s process as it is now (a replacement's: replacement/)."""
+        return self._processes[rank].pid
+
+    def command(self, word: object) -> None:
+        """Put `word` on every process's command queue (a replacement's Regroup)."""
+        for q in self._commands:
+            q.put(word)
+
+    def spawn_standby(self) -> None:
         """A standby, unless there is one."""
         if self._standby is None:
             self._standby = self._spawn(None, joins=False)
 
-    def _occupy(self, rank: int) -> None:
+    def occupy(self, rank: int) -> None:
         """A fresh process for `rank`: the standby, whose imports are done, when it is alive. It
         joins the group that the replacement's regroup forms."""
         standby, self._standby = self._standby, None
@@ -191,9 +201,9 @@ class WorkerPool:
             self._processes[rank], self._commands[rank] = process, commands
         self._supervisor.gone.discard(rank)
 
-    def _put_down(self, rank: int) -> None:
+    def put_down(self, rank: int) -> None:
         """Kill the process of `rank` (a late SIGCONT finds nothing), and have the supervisor
-        pass it over until a fresh one takes the rank (`_occupy`)."""
+        pass it over until a fresh one takes the rank (`occupy`)."""
         process = self._processes[rank]
         if process.is_alive():
             process.kill()
@@ -218,7 +228,7 @@ class WorkerPool:
             # Its tensors go to shared memory once; the workers claim its batches first-come from
             # a key of this fit's in the store (feed/claims.py), or each reads its dealt shard.
             self._fits += 1
-            claims = f"pw-claims/{self._fits}" if claimed(self.config) else None
+            claims = f"pw-claims/{self._fits}" if claimed(self.config, self._feature.alone) else None
             # A loader's epochs are drawn now, in the order kept for a resume, and kept (feed/order.py).
             epochs = EpochOrder(data, c.epoch, command.order, trains_here=False).up_front(until_epoch) if isinstance(data, DataLoader) else None
             command = dataclasses.replace(command, shards=shards_of(data, c.epoch, until_epoch, epochs), claims=claims)
@@ -271,9 +281,7 @@ class WorkerPool:
         self._drain()
         if pressed:  # in the last reports of the fit, which every worker has finished and saved
             raise pressed[0]
-        if self._join is not None:
-            return self._join([finals[s] for s in range(self._placement.stages)])
-        return finals[0]
+        return self._join([finals[s] for s in range(self._placement.per_worker)])
 
     def _drain(self) -> None:
         """Batches fed but not taken (early stopping ends a fit mid-epoch): the next fit() must
@@ -281,7 +289,7 @@ class WorkerPool:
         for q in self.data_queues:
             for item in drain(q, settle=False):
                 if isinstance(item, tuple):  # a batch, not an end of epoch
-                    self._free_slots.put(item[1][0])
+                    self.free_slots.put(item[1][0])
 
     def _stop_gracefully(self, on_report: Reporter) -> None:
         """Ask the workers to stop after this round (they checkpoint it), and wait a little."""
@@ -330,7 +338,7 @@ class WorkerPool:
                 p.kill()
         for p in started:
             p.join(timeout=_JOIN_TIMEOUT_S)
-        queues: list[_Closes | None] = [*self.data_queues, self._free_slots, *self._commands, *(commands for _, commands in standby), self._results]
+        queues: list[_Closes | None] = [*self.data_queues, self.free_slots, *self._commands, *(commands for _, commands in standby), self._results]
         for q in queues:
             if q is None:
                 continue

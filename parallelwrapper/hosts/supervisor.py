@@ -11,19 +11,13 @@ from collections.abc import Callable, Iterable
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
-from typing import Literal, TypeVar, cast
+from typing import TypeVar, cast
 
+from ..errors import Where, WorkerError
+from ..hooks import Phase
+from ..messages import Message
 from ..processes import exit_message, stopped
-from ..types import Counters, Phase, Report, TrainingState, Where, WorkerError
 
-# A worker's message to the main process, on the results queue: (kind, process, payload).
-Message = (
-    tuple[Literal["ready"], int, tuple[int, None]]  # started, or regrouped: (its pid, nothing)
-    | tuple[Literal["parked"], int, tuple[int, tuple[int, Counters] | None]]  # after a loss: (its pid, the round it kept: (seq, counters)), replacement/keeper.py
-    | tuple[Literal["done", "stopped"], int, TrainingState | None]  # a fit ended (stopped: by a stop request), worker 0's final state
-    | tuple[Literal["error"], int, WorkerError]
-    | tuple[Literal["reports"], int, list[Report]]
-)
 P = TypeVar("P")  # a gathered message's payload
 
 _POLL_S = 0.2  # the supervisor's poll: each wake-up takes a core from a worker for a moment

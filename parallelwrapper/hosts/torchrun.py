@@ -25,15 +25,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore, rendezvous  # type: ignore[attr-defined]
 
-from .. import feed, hierarchy
+from .. import feed
 from ..batches import map_leaves
 from ..checkpoint import path_of
 from ..config import Config
 from ..env import Placement, TorchrunEnv, claim_device, collective_timeout
+from ..errors import WorkerError
+from ..feature import Feature, Plain
 from ..feed.claims import StoreCounter, claimed
 from ..feed.data import Batches
 from ..job import Job
-from ..types import FitCommand, Reporter, TrainingState, WorkerError
+from ..messages import FitCommand
+from ..types import Reporter, TrainingState
 from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, stop_on_signals
 
@@ -119,7 +122,11 @@ def _digest(state: TrainingState) -> bytes:
 class TorchrunWorker:
     """The host interface (`fit`, `close`, `kill`) for this process in a torchrun group."""
 
-    def __init__(self, config: Config, job: Job, placement: Placement) -> None:
+    def __init__(self, config: Config, job: Job, placement: Placement, feature: Feature | None = None) -> None:
+        """`feature`: the config's (features.of; None: Plain), which says what this rank trains in
+        which groups (with .hierarchy("node"), its node; with a pipeline, this rank is stage
+        rank % S of worker rank // S, whose ranks are on one node)."""
+        feature = feature or Plain()
         env = placement.torchrun
         assert env is not None, "TorchrunWorker outside torchrun"
         self._rank, self._world = env.rank, env.world_size
@@ -133,7 +140,7 @@ class TorchrunWorker:
         self._fits = 0
         if self._owns_group:
             store, prefix, resume = _join(config, env)
-            if claimed(config):
+            if claimed(config, feature.alone):
                 self._claims = PrefixStore(f"{prefix}/claims", store)
             dist.init_process_group(
                 placement.backend, store=PrefixStore(prefix, store), rank=env.rank, world_size=env.world_size,
@@ -144,9 +151,7 @@ class TorchrunWorker:
                 self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout)
         self._hooks = SignalHooks()
         self._job, self._workers = job, placement.world_size
-        # with .hierarchy("node"); with a pipeline, this rank is stage rank % S of worker rank // S, whose ranks are on one node
-        group, node = hierarchy.join(config, env.rank, env.world_size, env.local_world_size) if config.pipeline is None else (None, None)
-        self._worker = Worker(job, config, placement, env.rank, env.local_rank, group=group, hooks=self._hooks, lockstep=node)
+        self._worker = Worker(job, config, placement, env.rank, env.local_rank, hooks=self._hooks, feature=feature)
         self._started = False  # whether a fit() has made every rank's state rank 0's
 
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:

@@ -6,69 +6,76 @@ Stage s holds only its layers and their optimizer state.
 - stage.py is a stage's process-side: its groups, the batches it takes, its schedule step.
 
 The round protocol is unchanged: stage s of every worker averages its own state with the others'
-stage s, in a group of its own, every k steps (hosts/runtime.py's Worker asks `plan` for its stage), with
-overlap and an outer optimizer over the stage's parameters as without a pipeline.
-Hosts ask this package two things, and name none of its classes: `check` (at build(): can the
-model be cut as asked) and `plan` (in a stage's process: what its worker trains, in which groups,
-on which batches); the main process joins the stages' states with `joined_state`.
+stage s, in a group of its own, every k steps, with overlap and an outer optimizer over the
+stage's parameters as without a pipeline. The rest of the package asks this package's `Stages`
+(feature.Feature, which `of` makes) and names none of its classes: a worker is S processes, its
+states split by stage in a checkpoint and joined by `joined`, and each stage's process has its
+seat (its layers and their optimizer, its groups, the batches it takes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from ..config import Config
+from ..config import Config, Pipeline
+from ..env import Placement
+from ..feature import Feature, Over, Seat
 from ..job import Job
-from ..types import BatchSource
-from ..worker import Replica
+from ..types import TrainingState
 from .split import Layout, cut, joined_state, layers, stage_module
 from .stage import Position, RelaySource, StageReplica, join_groups
 
 
-@dataclass(frozen=True)
-class StagePlan:
-    """What a stage's process trains: its part of the job, the replica that trains it, the
-    worker it belongs to and its stage, the worker's data-parallel group (stage s of every
-    worker), and what makes its batches of the source its worker reads."""
+class Stages(Over):
+    """The pipeline as a feature: each worker `spec.stages` processes, one a stage."""
 
-    job: Job
-    make_replica: Callable[..., Replica]
-    worker: int
-    stage: int
-    group: dist.ProcessGroup
-    relay: Callable[[BatchSource], BatchSource]
+    def __init__(self, spec: Pipeline, rest: Feature) -> None:
+        super().__init__(rest)
+        self.spec = spec
+
+    @property
+    def processes(self) -> int:
+        return self.spec.stages
+
+    @property
+    def alone(self) -> bool:
+        return False  # a worker's stages step together on the batches its first stage takes
+
+    def check(self, job: Job) -> None:
+        """A ValueError for a pipeline that cannot be cut as asked, or a schedule this torch lacks,
+        with the fix. The options that do not run with a pipeline are config.CONFLICTS'."""
+        cut(job.model, self.spec)
+        if self.spec.schedule == "zbv" and not hasattr(pipelining, "ScheduleZBVZeroBubble"):
+            raise ValueError(f"pipeline(schedule='zbv') needs torch.distributed.pipelining.ScheduleZBVZeroBubble, which torch {torch.__version__} lacks; upgrade torch, or use schedule='1f1b'")
+        self.rest.check(job)
+
+    def fingerprint(self) -> dict[str, object]:
+        return {**self.rest.fingerprint(), "stages": self.spec.stages}  # its own states are by process
+
+    def seat(self, job: Job, config: Config, placement: Placement, process: int, group: dist.ProcessGroup | None) -> Seat:
+        """The stage in process `process`: its layers and their optimizer, its groups (joined here:
+        every process of the group calls this; stage s of every worker is its round group), and
+        the batches its pipeline's first stage takes from the worker's source and relays down."""
+        position = Position.of(process, self.spec.stages)
+        whole = Layout.of(job.model, job.make_optimizer(job.model))
+        part = dataclasses.replace(job, model=stage_module(job.model, self.spec, position.stage))
+        stage_group, pipe = join_groups(position, placement.world_size)
+        make = functools.partial(StageReplica, position=position, pipe=pipe, whole=whole)
+        return Seat(part, position.worker, position.stage, stage_group, make, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe))
+
+    def joined(self, states: Sequence[TrainingState], job: Job) -> TrainingState:
+        return joined_state(list(states), job, self.spec)
 
 
-def plan(job: Job, config: Config, world_size: int, process: int) -> StagePlan:
-    """The stage in process `process` of a group of `world_size` workers: its layers and their
-    optimizer, its groups (joined here: every process of the group calls this), and the batches
-    its pipeline's first stage takes from the worker's source and relays down the pipeline."""
-    assert config.pipeline is not None
-    spec = config.pipeline
-    position = Position.of(process, spec.stages)
-    whole = Layout.of(job.model, job.make_optimizer(job.model))
-    part = dataclasses.replace(job, model=stage_module(job.model, spec, position.stage))
-    group, pipe = join_groups(position, world_size)
-    make = functools.partial(StageReplica, position=position, pipe=pipe, whole=whole)
-    return StagePlan(part, make, position.worker, position.stage, group, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe))
+def of(config: Config, rest: Feature) -> Feature:
+    """The pipeline over `rest`, when `config` asks for one."""
+    return rest if config.pipeline is None else Stages(config.pipeline, rest)
 
 
-def check(config: Config, job: Job) -> None:
-    """A ValueError for a pipeline that cannot be cut as asked, or a schedule this torch lacks,
-    with the fix. The options that do not run with a pipeline are config.CONFLICTS'."""
-    spec = config.pipeline
-    if spec is None:
-        return
-    cut(job.model, spec)
-    if spec.schedule == "zbv" and not hasattr(pipelining, "ScheduleZBVZeroBubble"):
-        raise ValueError(f"pipeline(schedule='zbv') needs torch.distributed.pipelining.ScheduleZBVZeroBubble, which torch {torch.__version__} lacks; upgrade torch, or use schedule='1f1b'")
-
-
-__all__ = ["StagePlan", "check", "joined_state", "layers", "plan", "stage_module"]
+__all__ = ["Stages", "joined_state", "layers", "of", "stage_module"]

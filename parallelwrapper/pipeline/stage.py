@@ -31,9 +31,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from ..batches import move_to
 from ..config import Config, Pipeline
 from ..evaluation import scored_outputs, validation_of
+from ..feed.protocols import END, BatchSource, EndOfEpoch
 from ..feed.shard import rank_share
+from ..hooks import Hooks
 from ..job import Job
-from ..types import END, Batch, BatchSource, EndOfEpoch, Hooks, Output, TrainingState
+from ..types import Batch, Output, TrainingState
 from ..worker import Replica
 from .split import Layout, Names, held, joined, pieces_in, pieces_of, scorer, stage_state
 

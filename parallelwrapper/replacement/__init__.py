@@ -7,21 +7,55 @@ On a loss the main process puts the lost round's batches back in the queues (ref
 process takes the lost rank, and every worker forms a new process group (regroup.py) and redoes
 the round from the survivor's copy (replacer.py); docs/design.md, "A lost worker, replaced".
 
-The spawned host asks this package two things, and neither imports it nor names its classes (the
-wrapper hands it what `replacer(config)` gives):
-- in the main process, what `replacer` makes: the side (hosts/spawned.py's Replacing) that sizes the slots its workers keep,
+The package's feature object (`Replaces`, feature.Feature, which `of` makes) says what a lost
+worker means and what the caller is told. The spawned host asks this package two things more, and
+neither imports it nor names its classes (the wrapper hands it what `replacer(config)` gives), and
+the package imports nothing of the hosts: it sees the pool as replacer.py's `Pool` and a worker
+as keeper.py's `Replaceable`, which they implement:
+- in the main process, what `replacer` makes of the config, the placement and the pool: the side (hosts/spawned.py's Replacing) that sizes the slots its workers keep,
   gives each worker's process its share (`worker_side`), hears which reports go on (`passes`),
   calls the workers away at a failure (`call_away`) and replaces the lost worker (`replace`);
 - in a worker's process, that share's `taking` (what records the worker's takes from its queue)
   and `survivor`: the worker's side (a keeper), which the round loop tells where each round
-  starts (types.RoundObserver) and its process asks at a fit's edges and at a loss
+  starts (hooks.RoundObserver) and its process asks at a fit's edges and at a loss
   (hosts/process.py's Failover and Survivor protocols).
 """
 
 from __future__ import annotations
 
 from ..config import Config
+from ..feature import Feature, Over
 from .replacer import Replacer
+
+
+class Replaces(Over):
+    """Replacement as a feature: what a lost spawned worker means (a fresh process in its place),
+    told once under a host where it cannot act."""
+
+    def __init__(self, workers: int, rest: Feature) -> None:
+        super().__init__(rest)
+        self.workers = workers
+
+    @property
+    def redoes(self) -> bool:
+        return True  # wherever the option is set, as the exchange always had it
+
+    def notes(self, torchrun: bool) -> tuple[str, ...]:
+        if torchrun:
+            here: tuple[str, ...] = (
+                'under torchrun, on_worker_failure("replace") is ignored: torchrun restarts the group '
+                "(--max-restarts) and with .checkpoint(dir) it resumes from the last checkpoint",
+            )
+        elif self.workers == 1:
+            here = ('on_worker_failure("replace") restores a lost worker from a peer, and one worker has none: a failure raises',)
+        else:
+            here = ()
+        return here + self.rest.notes(torchrun)
+
+
+def of(config: Config, rest: Feature) -> Feature:
+    """Replacement over `rest`, when `config` replaces a lost worker."""
+    return Replaces(config.workers, rest) if config.on_worker_failure == "replace" else rest
 
 
 def replacer(config: Config) -> type[Replacer] | None:
@@ -30,4 +64,4 @@ def replacer(config: Config) -> type[Replacer] | None:
     return Replacer if config.on_worker_failure == "replace" else None
 
 
-__all__ = ["replacer"]
+__all__ = ["Replaces", "of", "replacer"]

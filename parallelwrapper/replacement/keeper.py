@@ -1,7 +1,7 @@
 """A replaceable worker's side: its takes recorded, the state each round starts from kept, its park after a loss, its regroup.
 
 Its process (hosts/process.py) builds it from what the main process gave every worker
-(`WorkerSide`), makes it the round loop's observer (types.RoundObserver) and asks it at a fit's
+(`WorkerSide`), makes it the round loop's observer (hooks.RoundObserver) and asks it at a fit's
 edges and at a loss:
 - at each round's start it keeps a copy of the state a redo of the oldest round not landed would
   start from (`Kept`): every replica holds the same average there, so any survivor's copy will do;
@@ -21,17 +21,36 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
-from typing import cast
+from typing import Protocol, cast
 
 import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 
+from ..errors import WorkerError
 from ..feed.queue import END_SLOT, QueueSource
-from ..hosts.runtime import Worker, one_traceback, summary
-from ..hosts.supervisor import Message
-from ..types import Counters, EpochEnd, FitCommand, Report, StateDict, TrainingState, WorkerError
+from ..messages import FitCommand, Message
+from ..rounds import Rounds
+from ..types import Counters, EpochEnd, Report, StateDict, TrainingState
+from ..worker import Replica
 from .ledger import Ledger
 from .regroup import Join, Regroup, join
+
+
+class Replaceable(Protocol):
+    """A worker as its keeper sees it (hosts/runtime.Worker is one): its replica and round loop,
+    its own state, and its failures as WorkerErrors. A replacement imports nothing of the hosts."""
+
+    @property
+    def replica(self) -> Replica: ...
+
+    @property
+    def rounds(self) -> Rounds: ...
+
+    def own_state(self) -> StateDict: ...
+
+    def load_own_state(self, own: StateDict) -> None: ...
+
+    def failure(self, error: BaseException) -> WorkerError: ...
 
 
 @dataclass(frozen=True)
@@ -57,7 +76,7 @@ class WorkerSide:
         """What records the takes of worker `rank` from its queue (feed/queue.QueueSource's ledger)."""
         return self.ledgers[rank]
 
-    def survivor(self, rank: int, worker: Worker, source: QueueSource, results: Queue[Message], store: Store, into: Join) -> Keeper:
+    def survivor(self, rank: int, worker: Replaceable, source: QueueSource, results: Queue[Message], store: Store, into: Join) -> Keeper:
         """Worker `rank`'s side, reading `source` with its ledger, reporting on `results`, and
         joining a regroup's generation over `store` by `into`."""
         return Keeper(worker, source, self.ledgers[rank], rank, results, lambda generation: join(store, generation, self.members, self.timeout, into))
@@ -69,14 +88,14 @@ class Keeper:
 
     wants_averages = True  # an overlapped landing's average is what a round started from
 
-    def __init__(self, worker: Worker, source: QueueSource, ledger: Ledger, rank: int, results: Queue[Message], join: Callable[[int], None]) -> None:
+    def __init__(self, worker: Replaceable, source: QueueSource, ledger: Ledger, rank: int, results: Queue[Message], join: Callable[[int], None]) -> None:
         self.worker, self.source, self.ledger, self.rank, self._results, self._join = worker, source, ledger, rank, results, join
         self.kept: Kept | None = None  # the state a redo of the oldest round not landed starts from
         self._begun: tuple[StateDict | None, StateDict] | None = None  # at the last round's start: its schedule and RNG
         self._average: TrainingState | None = None  # held at an overlapped landing (`average_landed`)
         self._redo: Kept | None = None  # a regroup's round, kept once its fit has started
 
-    # -- the round loop's events (types.RoundObserver) --------------------------------------------
+    # -- the round loop's events (hooks.RoundObserver) --------------------------------------------
 
     def held_for(self, tag: int) -> None:
         self.ledger.retag_last(tag)
@@ -156,11 +175,12 @@ class Keeper:
             box = [self.kept if self.rank == command.source else None]
             dist.broadcast_object_list(box, src=command.source)
         except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout, a group given up: one more loss
+            failed = self.worker.failure(e)  # its summary and traceback
             raise WorkerError(
                 self.rank,
-                f"lost its peers while regrouping (process group generation {command.generation}): {summary(e)}; "
+                f"lost its peers while regrouping (process group generation {command.generation}): {failed.summary}; "
                 "another worker was lost as the group formed, and the main process starts the regroup again without it",
-                one_traceback(e),
+                failed.details,
             ) from None
         kept = box[0]
         assert kept is not None, "the source of a regroup kept a round"
@@ -177,4 +197,4 @@ class Keeper:
         return redo
 
 
-__all__ = ["Keeper", "Kept", "WorkerSide"]
+__all__ = ["Keeper", "Kept", "Replaceable", "WorkerSide"]

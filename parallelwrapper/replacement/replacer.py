@@ -25,29 +25,72 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.context import BaseContext
-from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from ..config import Config
 from ..env import Placement, collective_timeout
+from ..errors import WorkerError
 from ..feed.queue import CallAway, Feeder, Item
-from ..hosts.supervisor import Message, ProgressBoard, Supervisor
+from ..hooks import Phase
+from ..messages import Message
 from ..processes import START_TIMEOUT_S
-from ..types import Counters, EpochEnd, Phase, Replacement, Report, Reporter, WorkerError
+from ..types import Counters, EpochEnd, Replacement, Report, Reporter
 from .keeper import WorkerSide
 from .ledger import Ledger
 from .refeed import refeed
 from .regroup import Regroup, abandon
 
+P = TypeVar("P")  # a gathered message's payload
 
-class Commands(Protocol):
-    """A worker's command queue, as a replacement puts its word on it."""
 
-    def put(self, obj: Regroup) -> None: ...
+class Board(Protocol):
+    """The workers' progress board (hosts/supervisor.ProgressBoard), as a replacement marks a rank idle."""
+
+    def write(self, rank: int, phase: Phase, epoch: int, index: int, step: int) -> None: ...
+
+
+class Pool(Protocol):
+    """The spawned host as a replacement sees it (hosts/spawned.WorkerPool is one): its context,
+    store, queues and their free slots, abort event and board, its processes by rank, and its own
+    ways with them. A replacement imports nothing of the hosts."""
+
+    ctx: BaseContext
+    store: Store
+    data_queues: list[Queue[Item]]
+    free_slots: Queue[int]
+    abort: Event
+    board: Board
+
+    def pid(self, rank: int) -> int | None:
+        """The process id of `rank`'s process as it is now."""
+        ...
+
+    def command(self, word: Regroup) -> None:
+        """Put `word` on every process's command queue."""
+
+    def spawn_standby(self) -> None:
+        """Spawn a process ahead (its imports done), unless there is one."""
+
+    def put_down(self, rank: int) -> None:
+        """Kill `rank`'s process, which its supervisor then passes over."""
+
+    def occupy(self, rank: int) -> None:
+        """Have a fresh process take `rank` (the standby when there is one), to join the group at the next Regroup."""
+
+
+class Watch(Protocol):
+    """The host's watch over its workers (hosts/supervisor.Supervisor), as a replacement waits on them."""
+
+    gone: set[int]
+
+    def gather(
+        self, kind: str, ranks: set[int], timeout_s: float, on_other: Callable[[Message], None], stage: str, echoes: bool = False, pid: bool = False,
+        got: dict[int, P] | None = None,
+    ) -> dict[int, P]: ...
 
 
 class _Ended(Exception):
@@ -59,40 +102,19 @@ class Replacer:
     its ledgers and account, the generation of the workers' process group, and the epochs' ends
     that workers other than rank 0 send (rank 0's may be lost with it)."""
 
-    def __init__(
-        self,
-        config: Config,
-        placement: Placement,
-        ctx: BaseContext,
-        *,
-        store: Store,
-        queues: Sequence[Queue[Item]],
-        free_slots: Queue[int],
-        abort: Event,
-        board: ProgressBoard,
-        processes: Sequence[BaseProcess],
-        commands: Sequence[Commands],
-        standby: Callable[[], None],
-        put_down: Callable[[int], None],
-        occupy: Callable[[int], None],
-    ) -> None:
-        """`processes` and `commands`: the pool's, by process, as they change. The pool's own
-        ways with them: `standby` spawns a process ahead (its imports done) unless there is one;
-        `put_down` kills a rank's process, which its supervisor then passes over; `occupy` has a
-        fresh process take a rank (the standby when there is one), to join the group at the next
-        Regroup."""
+    def __init__(self, config: Config, placement: Placement, pool: Pool) -> None:
+        """`pool`: the spawned host, as the replacement sees it, whose processes it replaces."""
         n = placement.world_size
-        self._config, self._readers = config, n // len(queues)
-        self._store, self._queues, self._free_slots, self._abort, self._board = store, queues, free_slots, abort, board
-        self._processes, self._commands = processes, commands
-        self._standby, self._put_down, self._occupy = standby, put_down, occupy
+        self._config, self._pool, self._processes = config, pool, placement.processes
+        self._queues: Sequence[Queue[Item]] = pool.data_queues
+        self._readers = n // len(self._queues)
         # A replaceable worker keeps a round's slots until it lands (ledger.py): all together they
         # hold the round's N·k batches (two rounds' with overlap_averaging, the one in flight too)
         # and one taken ahead each, beyond the prefetched ones. One worker may take all of a round
         # (first-come), then one ahead and an end of epoch.
         k, in_flight = config.averaging_frequency, 2 if config.overlap_averaging else 1
         self.slots = n * (in_flight * k + 1)  # the slots its workers hold beyond the prefetched ones
-        ledgers = [Ledger(ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)]
+        ledgers = [Ledger(pool.ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)]
         self.worker_side = WorkerSide(ledgers, placement.processes, collective_timeout(config))  # what each worker's process is given
         self._account = Account(config.max_replacements)
         self._generation = 0
@@ -103,7 +125,7 @@ class Replacer:
     def started(self) -> None:
         """The pool's first processes are spawned: a standby goes ahead, for the first replacement."""
         if self._account.left > 0:
-            self._standby()
+            self._pool.spawn_standby()
 
     def fit_starts(self, start: float) -> None:
         """A fit() that began at `start` starts: no epoch of it has ended yet."""
@@ -128,9 +150,9 @@ class Replacer:
         """A worker failed: every worker leaves its wait for a batch (the abort event), at once
         (feed/queue.CallAway, one for each worker that reads a queue; a full queue has no one waiting).
         refeed drains what no one took."""
-        if self._abort.is_set():
+        if self._pool.abort.is_set():
             return
-        self._abort.set()
+        self._pool.abort.set()
         for q in self._queues:
             for _ in range(self._readers):
                 try:
@@ -138,7 +160,7 @@ class Replacer:
                 except queue.Full:
                     break
 
-    def replace(self, error: WorkerError, feeder: Feeder, until_epoch: int, supervisor: Supervisor, pass_on: Callable[[Message], object], on_report: Reporter) -> None:
+    def replace(self, error: WorkerError, feeder: Feeder, until_epoch: int, supervisor: Watch, pass_on: Callable[[Message], object], on_report: Reporter) -> None:
         """Replace the worker that failed first, and have every worker redo the round. A loss
         while they regroup (a member killed or stopped as the new group forms, the fresh process
         among them) is one more: that process goes too, the generation is given up, and the
@@ -150,7 +172,7 @@ class Replacer:
         lost: list[WorkerError] = []
 
         def on_other(message: Message) -> None:
-            if message[0] == "ready" and message[1] in starting and message[2][0] == self._processes[message[1]].pid:
+            if message[0] == "ready" and message[1] in starting and message[2][0] == self._pool.pid(message[1]):
                 ready[message[1]] = None
             elif message[0] in ("done", "stopped"):  # a worker ended the fit: nothing is left to redo it with
                 raise _Ended
@@ -163,12 +185,12 @@ class Replacer:
             self.call_away()
             feeder.pause()
             if self._generation > 0:  # a group that lost a member as it formed: whoever waits for it parks again
-                abandon(self._store, self._generation)
-            self._put_down(error.rank)
+                abandon(self._pool.store, self._generation)
+            self._pool.put_down(error.rank)
             parked.pop(error.rank, None)
             starting.discard(error.rank)
             ready.pop(error.rank, None)
-            others = set(range(len(self._processes))) - supervisor.gone
+            others = set(range(self._processes)) - supervisor.gone
             try:
                 recovering = f"recovering from worker {lost[0].rank}'s failure"
                 supervisor.gather("parked", others, self._config.stall_timeout, on_other, recovering, echoes=True, pid=True, got=parked)
@@ -178,15 +200,14 @@ class Replacer:
             except _Ended:
                 raise lost[0] from None
             source, seq, counters = newest(parked, lost)
-            front = refeed(self.worker_side.ledgers, seq, counters, feeder.take_back(), self._queues, self._free_slots)
+            front = refeed(self.worker_side.ledgers, seq, counters, feeder.take_back(), self._queues, self._pool.free_slots)
             self._generation += 1
             for rank in sorted(supervisor.gone):
-                self._board.write(rank, Phase.IDLE, counters.epoch, -1, 0)
-                self._occupy(rank)
+                self._pool.board.write(rank, Phase.IDLE, counters.epoch, -1, 0)
+                self._pool.occupy(rank)
                 starting.add(rank)
-            self._abort.clear()
-            for q in self._commands:
-                q.put(Regroup(self._generation, source, until_epoch, self._start))
+            self._pool.abort.clear()
+            self._pool.command(Regroup(self._generation, source, until_epoch, self._start))
             parked = {}  # from here, a loss parks every member again
             feeder.resume(front)
             try:
@@ -203,7 +224,7 @@ class Replacer:
         for e in lost:
             on_report(Replacement(e.rank, e, counters.rounds + 1, time.monotonic() - self._start, counters=counters))
         if self._account.left > 0:
-            self._standby()  # for the next one
+            self._pool.spawn_standby()  # for the next one
 
 
 class Account:
@@ -253,4 +274,4 @@ def newest(parked: dict[int, tuple[int, Counters] | None], lost: Sequence[Worker
     return source, seq, counters
 
 
-__all__ = ["Account", "Commands", "Replacer", "newest"]
+__all__ = ["Account", "Board", "Pool", "Replacer", "Watch", "newest"]

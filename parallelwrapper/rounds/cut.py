@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ..types import END, Batch, BatchSource, Counters
+from ..feed.protocols import END, BatchSource
+from ..types import Batch, Counters
 
 
 class RoundCut:

@@ -20,7 +20,10 @@ import torch.distributed as dist
 from ..autopilot import Change, Choice, Pilot, Sizes, in_config
 from ..averaging import Errors, all_reduce_values
 from ..config import Config, TrainingMode
-from ..types import Batch, BatchSource, Counters, Hooks, InForce, Phase, Reporter, StateDict, Stopped
+from ..errors import Stopped
+from ..feed.protocols import BatchSource
+from ..hooks import Hooks, Phase
+from ..types import Batch, Counters, InForce, Reporter, StateDict
 from .cut import RoundCut
 from .exchange import Sent, SyncExchange
 from .header import RoundTotals, Work
@@ -54,19 +57,23 @@ class Rounds:
         group: dist.ProcessGroup | None = None,
         hooks: Hooks | None = None,
         lockstep: Lockstep | None = None,
+        spread: bool = False,
+        redoes: bool = False,
     ) -> None:
         """`hooks`: the host's, which the trainer shares (hosts/runtime.Worker builds both).
         `lockstep`: this rank's group of ranks that train as one worker (a hierarchy's node);
-        `rank`, `world_size` and `group` are then the groups' (one rank of each in `group`)."""
+        `rank`, `world_size` and `group` are then the groups' (one rank of each in `group`).
+        `spread`: a worker is several processes (a pipeline's stages), each with its own state;
+        `redoes`: a lost round is redone from a copy of the whole state kept at its start (replacement)."""
         self.trainer, self.config, self.hooks = trainer, config, hooks or Hooks()
         self.rank, self.world_size, self.group = rank, world_size, group
-        self._device = device
+        self._device, self._spread = device, spread
         self._together = None if lockstep is None else lockstep.steps(trainer, device)
         shards = None if lockstep is None else lockstep.shards  # the state, across the groups
         # A gradient round (a warm-up's) in lockstep groups is every rank's: the default group.
         gradients = (group, world_size) if lockstep is None else (None, world_size * lockstep.size)
-        self._sync = SyncExchange(trainer, config, device, (group, world_size), gradients, shards)
-        self._stream = StreamExchange(trainer, config, device, group, world_size) if config.overlap_averaging else None
+        self._sync = SyncExchange(trainer, config, device, (group, world_size), gradients, shards, redoes)
+        self._stream = StreamExchange(trainer, config, device, group, world_size, redoes) if config.overlap_averaging else None
         self.counters = Counters()
         self.started = time.monotonic()  # when the fit() began, which the records' seconds count from: Worker.start sets it (FitCommand.start)
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
@@ -433,7 +440,7 @@ class Rounds:
             book.ended(self.counters, epoch, complete=epoch_done)
         if self.hooks.checkpointer is not None and (final or (trained and self.hooks.checkpoint_due(self.counters.rounds))):
             self._sync.settle()  # the optimizer's state goes in too
-            if self._together is None and self.config.pipeline is None:
+            if self._together is None and not self._spread:
                 everyone, size, writes = self.group, self.world_size, self.rank == 0
             else:  # in lockstep groups or with a pipeline, every process: the default group
                 everyone, size, writes = None, dist.get_world_size(), dist.get_rank() == 0

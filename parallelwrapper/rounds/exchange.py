@@ -52,30 +52,35 @@ from .state import (
 from .trainer import Trainer
 
 
-def average_anew(trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, share: float, agree: bool, shards: Shards | None = None) -> FlatAverager:
+def average_anew(
+    trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, share: float, agree: bool, shards: Shards | None = None, redoes: bool = False
+) -> FlatAverager:
     """Average all of the state at once, in full precision, into new buffers (returned: the
     tensors live in them until `release()`); with `agree`, every worker first takes the union of
     the optimizers' layouts."""
-    payload = anew_buffers(trainer, config, device, group, agree, shards)
+    payload = anew_buffers(trainer, config, device, group, agree, shards, redoes)
     payload.average(share, group)
     return payload
 
 
-def anew_buffers(trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, agree: bool, shards: Shards | None = None) -> FlatAverager:
+def anew_buffers(
+    trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, agree: bool, shards: Shards | None = None, redoes: bool = False
+) -> FlatAverager:
     """average_anew's buffers, before their average: with `agree`, after every worker took the
     union of the optimizers' layouts."""
     if agree and config.average_updaters:  # else only the still groups changed
         agree_on_optimizer_layout(trainer.optimizer, group)
-    return state_buffers(trainer, config, device, shards)
+    return state_buffers(trainer, config, device, shards, redoes)
 
 
-def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards: Shards | None = None) -> FlatAverager:
+def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards: Shards | None = None, redoes: bool = False) -> FlatAverager:
     """New buffers for the state an averaging round averages (the tensors live in them until
     `release()`), in the payload's wire format; the optimizer's state lands later where it can
-    (state.later_tensors): at the optimizer's next step, or whatever reads it first."""
+    (state.later_tensors): at the optimizer's next step, or whatever reads it first. `redoes`: a
+    lost round is redone from a copy of the whole state kept at its start (feature.Feature.redoes)."""
     with_state = config.average_updaters and config.average_updaters_every == 1  # else in moment_buffers
     tensors = averaged_tensors(trainer.model, trainer.optimizer, with_state)
-    later = later_tensors(trainer.optimizer, with_state, config.on_worker_failure == "replace")
+    later = later_tensors(trainer.optimizer, with_state, redoes)
     return FlatAverager(tensors, device, HEADER_LEN, config.payload_dtype, shards, later)
 
 
@@ -105,8 +110,8 @@ class Sent:
 class SyncExchange:
     """One worker's flat buffers of the state (or gradients) and their synchronous averaging."""
 
-    def __init__(self, trainer: Trainer, config: Config, device: torch.device, state: Group, gradients: Group, shards: Shards | None) -> None:
-        self.trainer, self.config, self.device = trainer, config, device
+    def __init__(self, trainer: Trainer, config: Config, device: torch.device, state: Group, gradients: Group, shards: Shards | None, redoes: bool = False) -> None:
+        self.trainer, self.config, self.device, self._redoes = trainer, config, device, redoes
         self._groups = {True: state, False: gradients}  # by `averaging`: under a hierarchy, across nodes or every rank
         self._shards = shards  # with a hierarchy: each rank of a node sends its part across nodes
         self._payload: FlatAverager | EncodedGradients | None = None
@@ -187,7 +192,7 @@ class SyncExchange:
         if averaging and self._payload is None and self._codes_from_start():
             # Every worker starts a fit() (and leaves a warm-up) from the same state: the first
             # round's deltas are taken from it, and go encoded too.
-            self._payload = state_buffers(self.trainer, self.config, self.device, self._shards)
+            self._payload = state_buffers(self.trainer, self.config, self.device, self._shards, self._redoes)
             self._payload.start_coding(self._groups[True][0], self._errors)
             self._layout, self._early = self.state_layout(True), True
         if not averaging:
@@ -271,7 +276,7 @@ class SyncExchange:
             if payload is None or not totals.layouts_agree:
                 share, agree = sent.weight / totals.samples, not totals.layouts_agree
                 group = self._groups[True][0]
-                self._payload = anew_buffers(self.trainer, self.config, self.device, group, agree, self._shards)
+                self._payload = anew_buffers(self.trainer, self.config, self.device, group, agree, self._shards, self._redoes)
                 start = time.perf_counter()
                 self._payload.average(share, group, self._errors)
                 if self.config.payload_dtype == "float32":  # the rung's own bytes: a measure of it

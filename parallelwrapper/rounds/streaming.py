@@ -92,8 +92,10 @@ def _place(p: int, n: int, k: int) -> int:
 class StreamExchange:
     """One worker's snapshot buffers and their averaging in the background."""
 
-    def __init__(self, trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, world_size: int) -> None:
+    def __init__(self, trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, world_size: int, redoes: bool = False) -> None:
+        """`redoes`: a lost round is redone from a copy of the whole state kept at its start (feature.Feature.redoes)."""
         self.trainer, self.config, self.device, self.group, self.world_size = trainer, config, device, group, world_size
+        self._redoes = redoes
         self._delta: DeltaAverager | None = None  # the last fragment's, which carries the header
         self._fragments: list[_Fragment] = []  # the others
         self._steps = 0  # local steps in the round in progress
@@ -221,7 +223,7 @@ class StreamExchange:
                 self._land_fragment(f)
             share = launched.weight / totals.samples if totals.samples > 0 else 1.0 / self.world_size
             worthless = launched.skipped or skipped_since
-            average_anew(self.trainer, self.config, self.device, self.group, 0.0 if worthless else share, agree=not totals.layouts_agree).release()
+            average_anew(self.trainer, self.config, self.device, self.group, 0.0 if worthless else share, agree=not totals.layouts_agree, redoes=self._redoes).release()
             if not totals.layouts_agree:
                 self._build()
         return totals
