@@ -11,27 +11,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
-from typing import ParamSpec, TypeVar, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from ..autopilot import Change, Choice, Pilot, Sizes, in_config
-from ..averaging import Errors, all_reduce_values
+from ..averaging import Errors
 from ..config import Config, TrainingMode
 from ..types import Batch, BatchSource, Counters, Hooks, InForce, Phase, Reporter, StateDict, Stopped
+from .clock import Clock
 from .cut import RoundCut
 from .exchange import Sent, SyncExchange
 from .header import RoundTotals, Work
 from .lockstep import Lockstep
+from .policy import Change, Choice, in_force, overlapped, policy_for
 from .scores import ScoreBook, validate
-from .state import optimizer_state_tensors, trained_parameters
 from .streaming import Launched, StreamExchange
 from .trainer import Trainer
-
-A = ParamSpec("A")  # a timed function's arguments
-R = TypeVar("R")  # and what it returns
 
 
 class _EarlyStop(Exception):
@@ -41,7 +37,8 @@ class _EarlyStop(Exception):
 class Rounds:
     """One worker's round loop over a process group (None: the default group): it runs the fits
     of its `trainer` (worker.Replica), which it calls and which never calls it, and holds the
-    counters and what of the rounds a worker keeps (the autopilot, an encoding's residual)."""
+    counters and what of the rounds a worker keeps (its policy, an encoding's residual). It asks
+    its policy (policy.py) once per landed averaging round what the next runs with."""
 
     def __init__(
         self,
@@ -65,21 +62,15 @@ class Rounds:
         shards = None if lockstep is None else lockstep.shards  # the state, across the groups
         # A gradient round (a warm-up's) in lockstep groups is every rank's: the default group.
         gradients = (group, world_size) if lockstep is None else (None, world_size * lockstep.size)
-        self._sync = SyncExchange(trainer, config, device, (group, world_size), gradients, shards)
-        self._stream = StreamExchange(trainer, config, device, group, world_size) if config.overlap_averaging else None
+        self.clock = Clock()  # the exchanges' seconds, which they measure: for the Scores and the policy
+        self._sync = SyncExchange(trainer, config, device, (group, world_size), gradients, shards, self.clock)
+        self._stream = StreamExchange(trainer, config, device, group, world_size, self.clock) if config.overlap_averaging else None
         self.counters = Counters()
         self.started = time.monotonic()  # when the fit() began, which the records' seconds count from: Worker.start sets it (FitCommand.start)
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self.seq = 0  # rounds started over this worker's life, the same on every worker: the observer's tags (types.RoundObserver)
         self._cut = RoundCut(world_size * (1 if lockstep is None else lockstep.size))  # which batches each round trains, and their steps
-        self._unscored_s = 0.0  # seconds in exchanges since the last round settled: the next Score's (its local work's are its Work's)
-        # `.averaging_frequency("auto")`: the autopilot's choice of k and rung is in force (autopilot.py).
-        start = Choice(config.averaging_frequency, config.payload_dtype, config.average_updaters_every if config.average_updaters else 0)
-        self.pilot = None if config.autopilot is None else Pilot(config.autopilot, start)
-        self._exchange_s = 0.0  # the last averaging's seconds, when a fair measure of its rung (the autopilot's)
-        self._codec_s = 0.0  # ... of those, its codec's
-        self._waited = 0.0  # of this round's exchange, the seconds in the autopilot's barrier: waiting for the others
-        self._wait_s = 0.0  # ... the last averaging's, when a fair measure
+        self.policy = policy_for(config, trainer, self.clock, device, group)  # what each averaging round runs with (policy.py)
 
     @property
     def _averaging(self) -> bool:
@@ -89,16 +80,14 @@ class Rounds:
 
     @property
     def k(self) -> int:
-        """The local steps of an averaging round: the autopilot's choice, or averaging_frequency."""
-        return self.config.averaging_frequency if self.pilot is None else self.pilot.choice.k
+        """The local steps of an averaging round: the policy's choice (averaging_frequency's, fixed)."""
+        return self.policy.choice.k
 
     def own_state(self) -> StateDict:
         """What a checkpoint holds per worker: the trainer's own (its RNG state, its loss scale),
-        and the rounds': with gradient encoding, its residual (and τ and the step count, the same
-        on every worker); the autopilot's state."""
-        own: StateDict = {**self.trainer.own_state()}
-        if self.pilot is not None:
-            own["autopilot"] = self.pilot.state_dict()
+        and the rounds': the policy's state; with gradient encoding, its residual (and τ and the
+        step count, the same on every worker)."""
+        own: StateDict = {**self.trainer.own_state(), **self.policy.state_dict()}
         if self.config.gradient_encoding is not None:
             own["gradient_encoding"] = self._sync.encoding_residual().state_dict()
         errors = self._sync.errors()
@@ -113,9 +102,8 @@ class Rounds:
             self._sync.encoding_residual().load_state_dict(own["gradient_encoding"])
         if "codec_errors" in own:
             self._sync.keep_errors(Errors.of(own["codec_errors"]))
-        if self.pilot is not None and "autopilot" in own:
-            self.pilot.load_state_dict(own["autopilot"])
-            self._use(self.pilot.choice)
+        if self.policy.load_state_dict(own):
+            self._use(self.policy.choice)
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
@@ -164,47 +152,29 @@ class Rounds:
         while True:
             started = time.perf_counter()
             work = self._local_work(in_flight is not None)
-            work.seconds = time.perf_counter() - started - self._count_settled()
+            work.seconds = time.perf_counter() - started - self.clock.settled_in_step()
             land_now = not (self._stream is not None and self._averaging)
             if in_flight is not None:
-                totals = self._timed(self._land, in_flight, work)
+                totals = self.clock.timed(self._land, in_flight, work)
                 if self._settle(totals, book, flying, late=True):
                     self._after_landing(totals, True, book)
                     return
                 upcoming = self.counters.rounds + 1
                 land_now = totals.stop > 0 or self.hooks.checkpoint_due(upcoming) or self._validation_due(upcoming)
-            in_flight, flying = self._timed(self._launch, work), work
+            in_flight, flying = self.clock.timed(self._launch, work), work
             if land_now:
-                totals = self._timed(self._land, in_flight, work, True)
+                totals = self.clock.timed(self._land, in_flight, work, True)
                 in_flight = None
                 if last and totals.epoch_done:
                     # The state still on its way (the optimizer's, FlatAverager's `later` or every
                     # m-th round's moments) is this round's exchange: for its Score and the
-                    # autopilot's measure. Else it landed when the fit let its buffers go, seen by
+                    # policy's measure. Else it landed when the fit let its buffers go, seen by
                     # neither (2.27 s a fit at 200 Mbit/s).
-                    self._timed(self._sync.settle)
+                    self.clock.timed(self._sync.settle)
                 epoch_done = self._settle(totals, book, work)
                 self._after_landing(totals, epoch_done, book)
                 if epoch_done:
                     return
-
-    def _count_settled(self) -> float:
-        """The seconds this round's first step waited for the last round's optimizer state to land
-        are that round's exchange's, not local work: for the Score, and for the autopilot's measure
-        of the exchange (when it has one), which the next header carries. Returns them."""
-        moved, self._sync.settled_in_step = self._sync.settled_in_step, 0.0
-        self._unscored_s += moved
-        if self._exchange_s > 0:
-            self._exchange_s += moved
-        return moved
-
-    def _timed(self, fn: Callable[A, R], *args: A.args, **kwargs: A.kwargs) -> R:
-        """fn(*args), its seconds counted as exchange for the next Score."""
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._unscored_s += time.perf_counter() - start
 
     # -- local work ------------------------------------------------------------------------------
 
@@ -221,11 +191,6 @@ class Rounds:
         if self.hooks.observer is not None:
             self.hooks.observer.held_for(self.seq + later)
 
-    def _round_k(self) -> int:
-        """The local steps of the averaging round about to start: k; with the autopilot, the
-        epoch's rest where the round after would be too short for its exchange (Pilot.steps)."""
-        return self.k if self.pilot is None else self.pilot.steps(self._cut.steps_left())
-
     def _local_work(self, behind: bool) -> Work:
         """AVERAGING: an independent step on each of this worker's batches of the round (k, or
         with the first-come feed as many as it takes first). SHARED_GRADIENTS: one
@@ -233,7 +198,7 @@ class Rounds:
         is still being averaged."""
         epoch, trainer = self.counters.epoch, self.trainer
         self.seq += 1
-        k = self._round_k() if self._averaging else 1  # SHARED_GRADIENTS (and a warm-up): one step each
+        k = self.policy.steps(self._cut.steps_left) if self._averaging else 1  # SHARED_GRADIENTS (and a warm-up): one step each
         self._cut.round_starts(self._cut.ranks * k)
         if self.hooks.observer is not None:
             self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
@@ -285,18 +250,12 @@ class Rounds:
         overlapped = self._stream is not None and self._averaging
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
-        elif self.pilot is not None:
-            work.pilot = self.pilot.header(work.seconds, self._exchange_s, self._codec_s, self._wait_s, self._sizes())
-            if not overlapped:
-                # Every worker arrives first: the exchange's seconds after it are the link's and the
-                # codec's, not the wait for a slower worker, which no k or payload shortens.
-                start = time.perf_counter()
-                all_reduce_values([0.0], self._device, self.group)
-                self._waited = time.perf_counter() - start
+        else:
+            work.policy = self.policy.header(work)
         if overlapped:
             assert self._stream is not None
             return self._stream.launch(work, stop)
-        return self._sync.launch(work, self._averaging, stop, self._moments_due())
+        return self._sync.launch(work, self._averaging, stop, self._moments_due(), meet=self._averaging and self.policy.meets)
 
     def _moments_due(self) -> bool:
         """With `.average_updaters(every=m)`: whether the optimizer's state travels in the round
@@ -335,8 +294,8 @@ class Rounds:
             config = self.config
             every = config.average_updaters_every if config.average_updaters else 0
             ran = InForce(work.k if averaged else 1, config.payload_dtype, every, self._stream is not None, config.fragments)
-            change = self._steer(totals, self._unscored_s, late) if averaged else None
-            seconds, self._unscored_s = (work.seconds, self._unscored_s), 0.0  # the pilot's own all-reduce included
+            change = self._steer(totals, late) if averaged else None
+            seconds, self.clock.unscored = (work.seconds, self.clock.unscored), 0.0  # the policy's own all-reduce included
             ran = dataclasses.replace(ran, why=None if change is None else change.why)
             book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)
         if epoch_done:
@@ -344,46 +303,13 @@ class Rounds:
         self.trainer.landed(c, book.whole.score if epoch_done else totals.score, epoch_done)
         return epoch_done
 
-    def _steer(self, totals: RoundTotals, exchange_s: float, late: bool) -> Change | None:
-        """With the autopilot, after an averaging round (a gradient round's header has no pilot's
-        part): measure, and decide what the next round runs with (autopilot.py). The
-        exchange is a fair measure of its rung when its header rode with the payload, or when the
-        header went alone and the payload after it was the rung's own (SyncExchange.alone_s: a
-        float32 average anew, or coded in buffers built before the round): then its seconds
-        alone; not when it averaged anew for a coded rung. Overlapped, the measure is what a round
-        landed `late` still cost, its launch and its wait to land, where it went as every later
-        round will (StreamExchange.steady); of one landed at once, none."""
-        if self.pilot is None:
-            return None
-        pilot, sync = self.pilot, self._sync
-        change = pilot.landed(totals.pilot, totals.batches, totals.workers, self.counters.rounds, late)
-        if self._stream is not None:
-            steady = late and self._stream.steady  # not a fit's first round, sent in full precision
-            self._exchange_s, self._codec_s, self._wait_s = (exchange_s if steady else 0.0), 0.0, 0.0
-        else:
-            fair = sync.steady or sync.alone_s > 0
-            if fair:
-                self._exchange_s, self._wait_s = (exchange_s - self._waited if sync.steady else sync.alone_s), self._waited
-                self._codec_s = sync.codec_s
-            else:
-                self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
-            if change is None and pilot.unmeasured:  # the same on every worker: decided from the sums
-                # Too few measures of what is in force to decide on: this exchange's, summed now, and
-                # not again in the next header (Pilot.measured).
-                # Its seconds are the exchange's, for the Score: a worker whose exchange ended first
-                # waits here for the others' (1-2 s a fit at 10 Mbit/s, counted nowhere before).
-                summed = self._timed(all_reduce_values, [self._exchange_s, self._codec_s, self._wait_s, float(fair)], self._device, self.group)
-                self._exchange_s, self._codec_s, self._wait_s = 0.0, 0.0, 0.0
-                change = pilot.measured(summed, totals.workers, self.counters.rounds)
+    def _steer(self, totals: RoundTotals, late: bool) -> Change | None:
+        """After an averaging round (a gradient round's header has no policy's part): the policy
+        measures and decides what the next round runs with, which is then put in force."""
+        change = self.policy.landed(totals, self.counters.rounds, late)
         if change is not None:
             self._use(change.choice, landed=True)
         return change
-
-    def _sizes(self) -> Sizes:
-        """The elements a round may carry, for the autopilot's estimate of another rung's bytes."""
-        trainer = self.trainer
-        parameters = sum(t.numel() for t in trained_parameters(trainer.model, trainer.optimizer))
-        return Sizes(parameters, sum(t.numel() for t in optimizer_state_tensors(trainer.optimizer)))
 
     def _use(self, choice: Choice, landed: bool = False) -> None:
         """Send the next averagings as `choice` says: its payload and optimizer-state period (k is
@@ -391,23 +317,20 @@ class Rounds:
         (streaming.py). Another rung rebuilds the buffers at the next round. `landed`: a round
         just landed at once, its optimizer state too (SyncExchange.use settles it), so every
         replica holds its average: a switch to overlap builds its buffers and codes from it;
-        else (a resumed pilot's choice) they are built at the fit's first step."""
-        config = dataclasses.replace(self.config, payload_dtype=choice.payload, **in_config(choice.rung))
+        else (a resumed policy's choice) they are built at the fit's first step."""
+        config = in_force(self.config, choice)
         if config != self.config:
             self.config = config
             self._sync.use(self.config)
         if not choice.overlap:
             return
-        # The autopilot's last resort: the rung stays, k only lengthens (autopilot.py). The
-        # exchanges are given a fixed setting's config, overlapped at that k (which places
-        # fragments): the synchronous one lets its buffers go and builds none (no averaging round
-        # lands there).
-        fixed = dataclasses.replace(config, autopilot=None, averaging_frequency=choice.k, overlap_averaging=True)
+        # The synchronous exchange lets its buffers go and builds none (no averaging round lands there).
+        fixed = overlapped(config, choice)
         if self._stream is not None:
             self._stream.use(fixed)
             return
         self._sync.use(fixed)
-        self._stream = StreamExchange(self.trainer, fixed, self._device, self.group, self.world_size)
+        self._stream = StreamExchange(self.trainer, fixed, self._device, self.group, self.world_size, self.clock)
         if landed:
             self._stream.start_from_average()
 
@@ -425,7 +348,7 @@ class Rounds:
         if due:
             # The optimizer's averaged state lands first: a best state kept (restore_best) is the
             # whole average. Copied while it landed in place, its momentum was half a worker's own.
-            self._timed(self._sync.settle)
+            self.clock.timed(self._sync.settle)
         early = due and validate(self.trainer, self.counters, book, self.group, self.rank, self.world_size)
         final = epoch_done or totals.stop > 0 or early
         if epoch_done or early:  # an early stop ends the epoch's part in this fit: its loss too
