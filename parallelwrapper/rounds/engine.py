@@ -4,7 +4,14 @@ A round is its local work, then its exchange launched, then landed: at once (exc
 overlap_averaging, after the next round's local work (streaming.py). When a round lands is the only
 thing overlap changes, so every option that shapes the local work (a lockstep group's steps: a
 hierarchy's node, a warm-up's synchronous rounds) or what a landing does (an outer step) composes
-with it."""
+with it. Every worker sends the same collectives in the same order; only when it waits differs.
+
+When a landed round's totals ask for a stop, or a checkpoint or validation falls due, the next
+round lands at once: nobody steps in between, so every replica lands exactly on the average. An
+epoch ends the same way: when every worker had finished in the landed round, nobody stepped since.
+The last epoch of a fit lands its round's optimizer state before the round's Score: no step of
+this fit waits for it. After each averaging round the loop asks its policy (policy.py) what the
+next runs with."""
 
 from __future__ import annotations
 
@@ -16,18 +23,18 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from ..averaging import Errors
 from ..config import Config, TrainingMode
-from ..types import Batch, BatchSource, Counters, Hooks, InForce, Phase, Reporter, StateDict, Stopped
+from ..types import Batch, BatchSource, Counters, Hooks, Phase, Reporter, StateDict, Stopped
 from .clock import Clock
 from .cut import RoundCut
-from .exchange import Sent, SyncExchange
+from .exchange import Sent
 from .header import RoundTotals, Work
 from .lockstep import Lockstep
-from .policy import Change, Choice, in_force, overlapped, policy_for
+from .policy import policy_for
 from .scores import ScoreBook, validate
-from .streaming import Launched, StreamExchange
+from .streaming import Launched
 from .trainer import Trainer
+from .transport import Transport
 
 
 class _EarlyStop(Exception):
@@ -37,34 +44,24 @@ class _EarlyStop(Exception):
 class Rounds:
     """One worker's round loop over a process group (None: the default group): it runs the fits
     of its `trainer` (worker.Replica), which it calls and which never calls it, and holds the
-    counters and what of the rounds a worker keeps (its policy, an encoding's residual). It asks
-    its policy (policy.py) once per landed averaging round what the next runs with."""
+    counters and what of the rounds a worker keeps (its policy, its exchanges' residuals)."""
 
     def __init__(
-        self,
-        trainer: Trainer,
-        config: Config,
-        device: torch.device,
-        rank: int,
-        world_size: int,
-        *,
-        group: dist.ProcessGroup | None = None,
-        hooks: Hooks | None = None,
-        lockstep: Lockstep | None = None,
-    ) -> None:
+        self, trainer: Trainer, config: Config, device: torch.device, rank: int, world_size: int, *,
+        group: dist.ProcessGroup | None = None, hooks: Hooks | None = None, lockstep: Lockstep | None = None,
+    ) -> None:  # fmt: skip
         """`hooks`: the host's, which the trainer shares (hosts/runtime.Worker builds both).
         `lockstep`: this rank's group of ranks that train as one worker (a hierarchy's node);
         `rank`, `world_size` and `group` are then the groups' (one rank of each in `group`)."""
         self.trainer, self.config, self.hooks = trainer, config, hooks or Hooks()
         self.rank, self.world_size, self.group = rank, world_size, group
-        self._device = device
         self._together = None if lockstep is None else lockstep.steps(trainer, device)
         shards = None if lockstep is None else lockstep.shards  # the state, across the groups
         # A gradient round (a warm-up's) in lockstep groups is every rank's: the default group.
         gradients = (group, world_size) if lockstep is None else (None, world_size * lockstep.size)
         self.clock = Clock()  # the exchanges' seconds, which they measure: for the Scores and the policy
-        self._sync = SyncExchange(trainer, config, device, (group, world_size), gradients, shards, self.clock)
-        self._stream = StreamExchange(trainer, config, device, group, world_size, self.clock) if config.overlap_averaging else None
+        self._exchange = Transport(trainer, config, device, (group, world_size), gradients, shards, self.clock)
+        self._sync = self._exchange.sync  # every round's but an overlapped averaging's, which the loop settles and releases
         self.counters = Counters()
         self.started = time.monotonic()  # when the fit() began, which the records' seconds count from: Worker.start sets it (FitCommand.start)
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
@@ -78,38 +75,20 @@ class Rounds:
         `warmup_sync_steps` synchronous steps (rounds, over the wrapper's life) are done."""
         return self._averages_state and self.counters.rounds >= self.config.warmup_sync_steps
 
-    @property
-    def k(self) -> int:
-        """The local steps of an averaging round: the policy's choice (averaging_frequency's, fixed)."""
-        return self.policy.choice.k
-
     def own_state(self) -> StateDict:
-        """What a checkpoint holds per worker: the trainer's own (its RNG state, its loss scale),
-        and the rounds': the policy's state; with gradient encoding, its residual (and τ and the
-        step count, the same on every worker)."""
-        own: StateDict = {**self.trainer.own_state(), **self.policy.state_dict()}
-        if self.config.gradient_encoding is not None:
-            own["gradient_encoding"] = self._sync.encoding_residual().state_dict()
-        errors = self._sync.errors()
-        if errors is not None:  # a coded payload's error fed back: what this worker has yet to send
-            own["codec_errors"] = errors.state_dict()
-        return own
+        """What a checkpoint holds per worker: the trainer's own (RNG, loss scale), the policy's, the exchanges'."""
+        return {**self.trainer.own_state(), **self.policy.state_dict(), **self._exchange.own_state()}
 
     def load_own_state(self, own: StateDict) -> None:
         """Take `own` (`own_state`'s) as the trainer's and the rounds' own state."""
         self.trainer.load_own_state(own)
-        if self.config.gradient_encoding is not None and "gradient_encoding" in own:
-            self._sync.encoding_residual().load_state_dict(own["gradient_encoding"])
-        if "codec_errors" in own:
-            self._sync.keep_errors(Errors.of(own["codec_errors"]))
+        self._exchange.load_own_state(own)
         if self.policy.load_state_dict(own):
-            self._use(self.policy.choice)
+            self.config = self._exchange.use(self.policy.choice)
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
-        self._sync.reset()
-        if self._stream is not None:
-            self._stream.reset()
+        self._exchange.reset()
 
     def run(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """A fit: train from `self.counters` to the end of epoch `until_epoch - 1`, the trainer
@@ -135,16 +114,10 @@ class Rounds:
         self.trainer.fit_ends()
 
     def _epoch(self, report: Reporter, last: bool) -> None:
-        """The rounds of an epoch. Each round's exchange is launched after its local work and
-        landed at once, or (overlap_averaging, in averaging rounds) after the next round's local
-        work. Every worker sends the same collectives in the same order; only when it waits
-        differs. When a landed round's totals ask for a stop, or a checkpoint or validation falls
-        due, the next round lands at once: nobody steps in between, so every replica lands
-        exactly on the average. The epoch ends the same way: when every worker had finished in
-        the landed round, nobody stepped since. The `last` epoch of a fit lands its round's
-        optimizer state before the round's Score: no step of this fit waits for it."""
+        """The rounds of an epoch, each launched after its local work and landed at once or after
+        the next round's (the module's docstring says when); `last`: the fit's last epoch."""
         # SHARED_GRADIENTS reports every k steps, AVERAGING every averaging.
-        every = 1 if self._averaging else self.k
+        every = 1 if self._averaging else self.policy.choice.k
         book = ScoreBook(report, every, self.config.report_score_after_averaging, self.started)
         self._cut.epoch_starts(self.counters)
         in_flight: Sent | Launched | None = None  # a round launched and not landed (overlap_averaging)
@@ -153,7 +126,7 @@ class Rounds:
             started = time.perf_counter()
             work = self._local_work(in_flight is not None)
             work.seconds = time.perf_counter() - started - self.clock.settled_in_step()
-            land_now = not (self._stream is not None and self._averaging)
+            land_now = not self._exchange.overlapped(self._averaging)
             if in_flight is not None:
                 totals = self.clock.timed(self._land, in_flight, work)
                 if self._settle(totals, book, flying, late=True):
@@ -179,17 +152,17 @@ class Rounds:
     # -- local work ------------------------------------------------------------------------------
 
     def _next(self) -> tuple[int, Batch] | None:
-        """The round's next batch for this worker (cut.py), or None."""
+        """The round's next batch for this worker (cut.py), or None; the observer told of a batch
+        held for the round `later` rounds after this one."""
 
         def waiting() -> None:
             self.hooks.progress(Phase.WAITING, self.counters.epoch, -1, self.trainer.local_steps)
 
-        return self._cut.next(waiting, self._held_for)
+        def held_for(later: int) -> None:
+            if self.hooks.observer is not None:
+                self.hooks.observer.held_for(self.seq + later)
 
-    def _held_for(self, later: int) -> None:
-        """The batch just taken is held for the round `later` rounds after this one."""
-        if self.hooks.observer is not None:
-            self.hooks.observer.held_for(self.seq + later)
+        return self._cut.next(waiting, held_for)
 
     def _local_work(self, behind: bool) -> Work:
         """AVERAGING: an independent step on each of this worker's batches of the round (k, or
@@ -203,9 +176,8 @@ class Rounds:
         if self.hooks.observer is not None:
             self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
         work = Work(first_step=trainer.local_steps, k=k)
-        self._sync.prepare(self._averaging)
-        if self._averaging and self._stream is not None:
-            self._stream.prepare()
+        self._exchange.prepare(self._averaging)
+        stream = self._exchange.stream if self._exchange.overlapped(self._averaging) else None  # fragments launch through the round
         if self._averaging and self._together is not None:
             return self._lockstep_work(work)
         most, step = (math.inf, trainer.train_step) if self._averaging else (1, trainer.accumulate)
@@ -216,8 +188,8 @@ class Rounds:
             if self._averaging:
                 trainer.at_step(self._cut.step_of(item[0]))
             loss, n = step(epoch, *item)
-            if self._averaging and self._stream is not None:
-                self._stream.stepped(loss, n)  # fragments launch through the round
+            if stream is not None:
+                stream.stepped(loss, n)
             work.losses.append(loss)
             work.samples, work.batches = work.samples + n, work.batches + 1
         work.loss_sum, work.skipped = trainer.checked_loss(work.losses, work.first_step, epoch)
@@ -247,15 +219,11 @@ class Rounds:
 
     def _launch(self, work: Work) -> Sent | Launched:
         stop = self.hooks.stop_requested()
-        overlapped = self._stream is not None and self._averaging
         if not self._averaging:  # the step's learning rate, on every worker before it sends (encoding: lr × gradient)
             self.trainer.at_step(self._cut.step_of(self._cut.start))
         else:
             work.policy = self.policy.header(work)
-        if overlapped:
-            assert self._stream is not None
-            return self._stream.launch(work, stop)
-        return self._sync.launch(work, self._averaging, stop, self._moments_due(), meet=self._averaging and self.policy.meets)
+        return self._exchange.launch(work, self._averaging, stop, self._moments_due(), meet=self._averaging and self.policy.meets)
 
     def _moments_due(self) -> bool:
         """With `.average_updaters(every=m)`: whether the optimizer's state travels in the round
@@ -269,14 +237,8 @@ class Rounds:
     def _land(self, launched: Sent | Launched, since: Work, at_once: bool = False) -> RoundTotals:
         """Land a launched round (`since`: the local work done after it, itself when `at_once`);
         a gradient round then takes its step, the same on every worker."""
-        if not isinstance(launched, Sent):
-            assert self._stream is not None
-            # A round landed at once is followed by a round's start from its average: seen there.
-            observer = self.hooks.observer
-            at_average = observer.average_landed if observer is not None and observer.wants_averages and not at_once else None
-            return self._stream.land(launched, since.skipped, at_once, at_average)
-        totals = self._sync.land(launched)
-        if not launched.averaging and totals.samples > 0:
+        totals = self._exchange.land(launched, since.skipped, at_once, self.hooks.observer)
+        if isinstance(launched, Sent) and not launched.averaging and totals.samples > 0:
             self.trainer.step()
         return totals
 
@@ -291,10 +253,11 @@ class Rounds:
         if totals.samples > 0:
             c.rounds, c.iterations, c.samples = c.rounds + 1, c.iterations + totals.batches, c.samples + int(totals.samples)
             c.position += totals.batches
-            config = self.config
-            every = config.average_updaters_every if config.average_updaters else 0
-            ran = InForce(work.k if averaged else 1, config.payload_dtype, every, self._stream is not None, config.fragments)
-            change = self._steer(totals, late) if averaged else None
+            ran = self._exchange.ran(work.k if averaged else 1)
+            # After an averaging round (not a gradient round's), the policy decides what the next runs with.
+            change = self.policy.landed(totals, c.rounds, late) if averaged else None
+            if change is not None:
+                self.config = self._exchange.use(change.choice, landed=True)
             seconds, self.clock.unscored = (work.seconds, self.clock.unscored), 0.0  # the policy's own all-reduce included
             ran = dataclasses.replace(ran, why=None if change is None else change.why)
             book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)
@@ -302,37 +265,6 @@ class Rounds:
             c.epoch, c.position = c.epoch + 1, 0
         self.trainer.landed(c, book.whole.score if epoch_done else totals.score, epoch_done)
         return epoch_done
-
-    def _steer(self, totals: RoundTotals, late: bool) -> Change | None:
-        """After an averaging round (a gradient round's header has no policy's part): the policy
-        measures and decides what the next round runs with, which is then put in force."""
-        change = self.policy.landed(totals, self.counters.rounds, late)
-        if change is not None:
-            self._use(change.choice, landed=True)
-        return change
-
-    def _use(self, choice: Choice, landed: bool = False) -> None:
-        """Send the next averagings as `choice` says: its payload and optimizer-state period (k is
-        read at each round's start); overlapped, each landed after the next round's local work
-        (streaming.py). Another rung rebuilds the buffers at the next round. `landed`: a round
-        just landed at once, its optimizer state too (SyncExchange.use settles it), so every
-        replica holds its average: a switch to overlap builds its buffers and codes from it;
-        else (a resumed policy's choice) they are built at the fit's first step."""
-        config = in_force(self.config, choice)
-        if config != self.config:
-            self.config = config
-            self._sync.use(self.config)
-        if not choice.overlap:
-            return
-        # The synchronous exchange lets its buffers go and builds none (no averaging round lands there).
-        fixed = overlapped(config, choice)
-        if self._stream is not None:
-            self._stream.use(fixed)
-            return
-        self._sync.use(fixed)
-        self._stream = StreamExchange(self.trainer, fixed, self._device, self.group, self.world_size, self.clock)
-        if landed:
-            self._stream.start_from_average()
 
     def _validation_due(self, rounds: int) -> bool:
         every = self.config.validation_every
