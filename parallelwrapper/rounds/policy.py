@@ -12,8 +12,11 @@ policy's state goes in each worker's own state in a checkpoint.
 every round, nothing in the header, no state. `Steered` is the autopilot (`.averaging_frequency("auto")`,
 autopilot.Pilot), fed as its measuring rules say: each round's local work, the exchange that the
 last header could measure (its seconds, its codec's, the wait before it), the model's sizes; a
-measure it lacks to decide on is summed over the workers at once, a round sooner. Every worker's
-policy must decide the same from the sums: the header checks that every worker ran the same choice.
+measure it lacks to decide on is summed over the workers at once, a round sooner.
+
+A new policy implements `Policy` and is chosen in `policy_for`; the loop does not change. It must
+decide the same on every worker: from the header's sums (the autopilot's part carries the choice
+each worker ran, so a round whose workers disagree fails), not from one worker's own seconds.
 """
 
 from __future__ import annotations
