@@ -282,10 +282,10 @@ class _Exchange:
 
 
 class Pilot:
-    """One worker's autopilot. The round engine asks `header()` for the pilot's part of a round's
-    header before it goes out, and hands `landed()` that part summed when it lands; `choice` is
-    what the next round runs with. Every input of a decision is a sum of the header's, so every
-    worker's pilot decides the same."""
+    """One worker's autopilot. The round loop's policy (rounds/policy.py's Steered) asks `header()`
+    for the pilot's part of a round's header before it goes out, and hands `landed()` that part
+    summed when it lands; `choice` is what the next round runs with. Every input of a decision is
+    a sum of the header's, so every worker's pilot decides the same."""
 
     def __init__(self, spec: Autopilot, start: Choice) -> None:
         self.spec = spec

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import DeltaCoder, codec, uncoded_or
-from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, size_and_rank, wait_trailer
+from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, size_and_rank, trailer_sums, wait_sums
 
 ProcessGroup = dist.ProcessGroup | None  # None: the default group
 
@@ -89,10 +89,6 @@ def _let_go(view: torch.Tensor) -> None:
     end = (view.data_ptr() + view.numel() * view.element_size()) // _PAGE * _PAGE
     if end > start:
         _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-
-
-def _trailer(buffer: torch.Tensor, data_numel: int, length: int) -> torch.Tensor:
-    return buffer[data_numel : data_numel + length]  # (length,)
 
 
 def put_trailer(buffer: torch.Tensor, data_numel: int, values: Sequence[float] | None) -> None:
@@ -269,23 +265,18 @@ class FlatAverager:
 
     def wait(self) -> list[float]:
         """Wait for the sums; the trailer's sums. (apply() waits for a coded round's pieces.)"""
+        wait_sums(self._in_flight)
         for flight in self._in_flight:
-            if flight.buffer is not None:
-                flight.works[0][0].wait()
-                if self._shards is not None:  # reduced in parts: each rank's part, summed across nodes; gather them
-                    parts = flight.buffer.view(self._shards.size, -1)
-                    dist.all_gather(list(parts.unbind(0)), parts[self._shards.index].clone(), group=self._shards.group)
+            if self._shards is not None and flight.buffer is not None:  # reduced in parts: each rank's part, summed across nodes; gather them
+                parts = flight.buffer.view(self._shards.size, -1)
+                dist.all_gather(list(parts.unbind(0)), parts[self._shards.index].clone(), group=self._shards.group)
         for flight in self._later:  # the others are in: the later sums take the link while the caller trains on
             assert flight.buffer is not None
             work = dist.all_reduce(flight.buffer, group=self._later_group, async_op=True)
             assert work is not None
             flight.works.append([work])
-        if self._wired_trailer is not None:
-            values, self._wired_trailer = wait_trailer(self._wired_trailer), None
-            return values
-        buffer = self._in_flight[0].buffer
-        assert buffer is not None
-        return _trailer(buffer, self._groups[0].data.numel(), self._trailer_len).tolist()
+        coded, self._wired_trailer = self._wired_trailer, None
+        return trailer_sums(self._in_flight, coded, self._groups[0].data.numel(), self._trailer_len)
 
     @torch.no_grad()
     def apply(self, scale: float) -> None:

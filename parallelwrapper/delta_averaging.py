@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .averaging import ProcessGroup, by_dtype, flat_buffer, put_trailer, views
 from .codec import DeltaCoder, uncoded_or
-from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, size_and_rank, wait_trailer
+from .wire import Flight, decode_coded, drop_coded, send_coded, send_trailer, size_and_rank, trailer_sums, wait_sums
 
 
 @dataclass
@@ -116,13 +116,9 @@ class DeltaAverager:
 
     def wait(self) -> list[float]:
         """Wait for the sums (a coded payload: its trailer's); the trailer's sums."""
-        for flight in self._in_flight:
-            if flight.buffer is not None:
-                flight.works[0][0].wait()
-        if self._coded_trailer is not None:
-            values, self._coded_trailer = wait_trailer(self._coded_trailer), None
-            return values
-        return self._groups[0].total[self._groups[0].data.numel() :].tolist()  # the trailer: all after the data
+        wait_sums(self._in_flight)
+        coded, self._coded_trailer = self._coded_trailer, None
+        return trailer_sums(self._in_flight, coded, self._groups[0].data.numel(), self._trailer_len)
 
     @torch.no_grad()
     def land(

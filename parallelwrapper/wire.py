@@ -108,4 +108,22 @@ def wait_trailer(sent: tuple[dist.Work, torch.Tensor]) -> list[float]:
     return sent[1].tolist()
 
 
-__all__ = ["Flight", "Sending", "decode_coded", "drop_coded", "point_to_point", "send_coded", "send_trailer", "size_and_rank", "wait_trailer"]
+def wait_sums(flights: Sequence[Flight]) -> None:
+    """Wait for the all-reduces in flight (a coded flight's pieces are waited for as each decodes)."""
+    for flight in flights:
+        if flight.buffer is not None:
+            flight.works[0][0].wait()
+
+
+def trailer_sums(flights: Sequence[Flight], coded: tuple[dist.Work, torch.Tensor] | None, data_numel: int, length: int) -> list[float]:
+    """After wait_sums, the trailer's sums: a coded round's, sent beside its pieces (`coded`:
+    send_trailer's), else the `length` numbers after the data in the first flight's buffer. The
+    averagers' wait() (averaging.py, delta_averaging.py) is these two."""
+    if coded is not None:
+        return wait_trailer(coded)
+    buffer = flights[0].buffer
+    assert buffer is not None
+    return buffer[data_numel : data_numel + length].tolist()  # (length,)
+
+
+__all__ = ["Flight", "Sending", "decode_coded", "drop_coded", "point_to_point", "send_coded", "send_trailer", "size_and_rank", "trailer_sums", "wait_sums", "wait_trailer"]

@@ -2,8 +2,9 @@
 order (every import, even inside a function or behind TYPE_CHECKING, points down it, so there is no
 cycle), and its concept column is each module's docstring's first line; `naming`, `errors`,
 `batches`, `registry` and `autopilot` import nothing of the package (`types` only `errors`,
-`config` only `registry` and `autopilot`, `job` only `naming`), `averaging` knows nothing of the protocol; the library never
-imports the application (parallelwrapper/app/), which imports the library only through
+`config` only `registry` and `autopilot`, `job` only `naming`), `averaging` knows nothing of the
+protocol, the round engine names no autopilot (it asks a policy); the library never imports the
+application (parallelwrapper/app/), which imports the library only through
 `parallelwrapper.__all__`, and only the application imports click or matplotlib.
 Fast tier: reads the source, runs none of it (one `import parallelwrapper` in a subprocess)."""
 
@@ -99,6 +100,13 @@ def test_averaging_knows_no_protocol_flag(module: str) -> None:
     source = MODULES[f"parallelwrapper.{module}"].read_text()
     for word in ("finished", "skipped", "stop", "header", "HEADER", "samples"):
         assert not re.search(rf"\b{word}\b", source), word
+
+
+def test_the_round_loop_knows_its_policy_only_through_the_seam() -> None:
+    """The loop asks a `rounds.policy.Policy` once per landed round; which policy runs (a fixed k,
+    the autopilot) and how it measures are no concern of the engine (issue 51)."""
+    assert "parallelwrapper.autopilot" not in GRAPH["parallelwrapper.rounds.engine"]
+    assert not re.search("pilot", MODULES["parallelwrapper.rounds.engine"].read_text(), re.IGNORECASE)
 
 
 ROW = re.compile(r"^\| ([^|]*) \| `(parallelwrapper/[^`]+\.py)` \| (.+) \|$")

@@ -33,6 +33,7 @@ from parallelwrapper.config import Config, Pipeline, TrainingMode
 from parallelwrapper.job import Job
 from parallelwrapper.listeners import autopilot_changes
 from parallelwrapper.rounds import Rounds
+from parallelwrapper.rounds.policy import Steered
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource
 
@@ -407,12 +408,12 @@ def _auto_worker(rank: int, world: int, seconds_per_mb: float, batches: int) -> 
     # Batches large enough that, unslowed, a step takes several times an exchange even with the
     # wait for the other worker: exchanges stay far under 5% of the time at k_max.
     data = [(torch.randn(2048, 32, generator=g), torch.randint(0, 4, (2048,), generator=g)) for _ in range(batches)]
-    assert rounds.pilot is not None
+    assert isinstance(rounds.policy, Steered)
     rounds.run(1, ListSource(data, rank, world), lambda r: None)
-    choices = [rounds.pilot.choice]
+    choices = [rounds.policy.pilot.choice]
     rounds.run(2, ListSource(data, rank, world), lambda r: None)  # the second fit starts where the first ended
-    choices.append(rounds.pilot.choice)
-    return [*choices, *(c.choice for c in rounds.pilot.changes)], [p.detach().clone() for p in model.parameters()]
+    choices.append(rounds.policy.pilot.choice)
+    return [*choices, *(c.choice for c in rounds.policy.pilot.changes)], [p.detach().clone() for p in model.parameters()]
 
 
 def _bounded_worker(rank: int, world: int, auto: bool) -> list[torch.Tensor]:
@@ -528,8 +529,8 @@ def _overlapping_worker(rank: int, world: int) -> tuple[list[Choice], list[list[
         assert all(0.14 < s.step_s < 0.3 for s in scores), [s.step_s for s in scores]
         in_full.append(len(whole) - sum(in_full))
         own = rounds.own_state()
-    assert rounds.pilot is not None
-    return [c.choice for c in rounds.pilot.changes], fits, in_full, [p.detach().clone() for p in job.model.parameters()]
+    assert isinstance(rounds.policy, Steered)
+    return [c.choice for c in rounds.policy.pilot.changes], fits, in_full, [p.detach().clone() for p in job.model.parameters()]
 
 
 def test_a_link_too_slow_for_k_max_and_the_fewest_bytes_overlaps_lengthens_k_and_a_resumed_engine_stays_overlapped() -> None:

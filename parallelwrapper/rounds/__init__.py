@@ -22,9 +22,10 @@ when a round lands.
 
 Its parts: which batches a round trains and their global steps (cut.py), the header every worker
 sends with its state and its local work (header.py), what the state is (state.py), the two ways
-an exchange lands (exchange.py, streaming.py), the score windows and validation (scores.py), what
-a round asks of a worker (trainer.py) and of ranks that step together as one (lockstep.py), and
-the engine that runs the rounds (engine.py).
+an exchange lands (exchange.py, streaming.py) and the seconds it measures (clock.py), the score
+windows and validation (scores.py), what a round asks of a worker (trainer.py) and of ranks that
+step together as one (lockstep.py), what sets each averaging round's k and payload (policy.py: a
+fixed setting or the autopilot), and the engine that runs the rounds (engine.py).
 """
 
 from __future__ import annotations

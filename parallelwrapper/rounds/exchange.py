@@ -29,6 +29,7 @@ from ..averaging import Errors, FlatAverager, Shards, all_reduce_values
 from ..config import Config
 from ..threshold import Residual
 from ..types import EncodingStats
+from .clock import Clock
 from .encoded import EncodedGradients
 from .header import (
     HEADER_LEN,
@@ -110,8 +111,8 @@ class Sent:
 class SyncExchange:
     """One worker's flat buffers of the state (or gradients) and their synchronous averaging."""
 
-    def __init__(self, trainer: Trainer, config: Config, device: torch.device, state: Group, gradients: Group, shards: Shards | None, redoes: bool = False) -> None:
-        self.trainer, self.config, self.device, self._redoes = trainer, config, device, redoes
+    def __init__(self, trainer: Trainer, config: Config, device: torch.device, state: Group, gradients: Group, shards: Shards | None, clock: Clock, redoes: bool = False) -> None:
+        self.trainer, self.config, self.device, self.clock, self._redoes = trainer, config, device, clock, redoes
         self._groups = {True: state, False: gradients}  # by `averaging`: under a hierarchy, across nodes or every rank
         self._shards = shards  # with a hierarchy: each rank of a node sends its part across nodes
         self._payload: FlatAverager | EncodedGradients | None = None
@@ -126,12 +127,6 @@ class SyncExchange:
         self._moments_own = False  # some worker stepped since they last travelled: replicas' states differ
         self._share = 0.0  # this worker's w / Σw in the last round that trained
         self._anew = False  # the next averaging builds its buffers by averaging anew (another rung: the workers' optimizer states may differ)
-        self.steady = False  # the last round landed had its header in the payload's trailer: no buffers built, no header alone
-        # Of the last round landed, when its header went alone: its payload's seconds alone, where
-        # they measure its rung (averaged anew in float32, or coded in buffers built before it).
-        self.alone_s = 0.0
-        self.codec_s = 0.0  # of the last round landed, the seconds its payload's codec took (encoding, decoding)
-        self.settled_in_step = 0.0  # seconds a step waited for the last round's state to land: the exchange's (engine.py moves them)
         # The optimizer's averaged state may land after the round (FlatAverager's `later`): before
         # its next step reads it, at the latest.
         trainer.optimizer.register_step_pre_hook(lambda *_: self._settle_for_step())
@@ -141,7 +136,7 @@ class SyncExchange:
         last round's exchange's, though they pass inside local work (on a slow link, most of it)."""
         start = time.perf_counter()
         self.settle()
-        self.settled_in_step += time.perf_counter() - start
+        self.clock.in_step += time.perf_counter() - start
 
     def settle(self) -> None:
         """Land what of the last round's average is still on its way (the optimizer's state)."""
@@ -220,11 +215,18 @@ class SyncExchange:
     def state_layout(self, averaging: bool) -> int:
         return state_layout(self.trainer.optimizer, self.config.average_updaters) if averaging else 0
 
-    def launch(self, work: Work, averaging: bool, stop: bool, moments: bool = True) -> Sent:
+    def launch(self, work: Work, averaging: bool, stop: bool, moments: bool = True, meet: bool = False) -> Sent:
         """Send the round's header and payload. Once the buffers exist and a round has trained,
         the header rides in the payload's trailer, pre-scaled by w / reference; else the header
         goes alone (and is waited for), then the payload when anyone trained. `moments`: with
-        average_updaters(every=m), the optimizer's state travels in this round (land() sends it)."""
+        average_updaters(every=m), the optimizer's state travels in this round (land() sends it).
+        `meet`: every worker arrives first (a one-number all-reduce), so that the exchange's
+        seconds after it are the link's and the codec's, not the wait for a slower worker, which
+        no k or payload shortens (the clock's `waited`: a policy's measure)."""
+        if meet:
+            start = time.perf_counter()
+            all_reduce_values([0.0], self.device, self._groups[True][0])
+            self.clock.waited = time.perf_counter() - start
         self.settle()  # the optimizer's state, where no step has read it since the last round
         payload = self._payload if averaging else self._gradient_payload()
         current, built = self.state_layout(averaging), None if payload is None else self._layout
@@ -251,7 +253,7 @@ class SyncExchange:
         """Wait for the sums and apply them. A worker that did not train sent zeros; when nobody
         did, every worker drops the sums. The first averaging of a fit() builds the buffers."""
         payload = self._payload
-        self.steady, self.alone_s, self.codec_s = sent.totals is None, 0.0, 0.0
+        self.clock.landed(whole=sent.totals is None)  # its header rode in the payload's trailer: no buffers built, no header alone
         if sent.totals is None:
             assert payload is not None
             totals = read_header(payload.wait(), sent.layout, self._groups[sent.averaging][1])
@@ -269,9 +271,9 @@ class SyncExchange:
         if payload is not None:
             payload.apply(sent.reference / totals.samples)
             if isinstance(payload, FlatAverager):
-                self.codec_s = payload.codec_seconds()
+                self.clock.codec = payload.codec_seconds()
             if sent.coded_at:  # the rung's own bytes and codec: a measure of it
-                self.alone_s = time.perf_counter() - sent.coded_at
+                self.clock.alone = time.perf_counter() - sent.coded_at
         if sent.averaging:
             if payload is None or not totals.layouts_agree:
                 share, agree = sent.weight / totals.samples, not totals.layouts_agree
@@ -280,7 +282,7 @@ class SyncExchange:
                 start = time.perf_counter()
                 self._payload.average(share, group, self._errors)
                 if self.config.payload_dtype == "float32":  # the rung's own bytes: a measure of it
-                    self.alone_s = time.perf_counter() - start
+                    self.clock.alone = time.perf_counter() - start
                 self._anew = False
                 self._layout = self.state_layout(True)  # released after fit()
                 self._moments = moment_buffers(self.trainer, self.config, self.device)

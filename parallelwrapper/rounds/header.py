@@ -1,7 +1,7 @@
 """A round's header: what every worker says about its round, summed exactly in the same all-reduce as the state.
 
 It rides in the payload's trailer (averaging.py): samples, loss, batches, the finished, skipped and
-stop flags, the autopilot's measures and sizes (autopilot.py; zeros without it), and a check that
+stop flags, the policy's part (policy.py: the autopilot's measures and sizes; zeros for a fixed setting), and a check that
 every worker sends the same state layout."""
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ class Work:
     samples: int = 0
     batches: int = 0
     first_step: int = 0
-    k: int = 1  # the local steps it may take: the k in force at its start (Pilot.steps: an epoch's last may be longer)
+    k: int = 1  # the local steps it may take: the k in force at its start (Policy.steps: an epoch's last may be longer)
     loss_sum: float = 0.0
     skipped: bool = False  # dropped by the NaN policy
     finished: bool = False  # this worker (with a hierarchy: its node) has no batch left in the epoch
-    pilot: list[float] = dataclasses.field(default_factory=list)  # with the autopilot: its part of the header
-    seconds: float = 0.0  # in its steps (not waiting for the last round's state): its Score's, and the autopilot's measure
+    policy: list[float] = dataclasses.field(default_factory=list)  # the policy's part of the header (Policy.header)
+    seconds: float = 0.0  # in its steps (not waiting for the last round's state): its Score's, and the policy's measure
 
     @property
     def weight(self) -> float:
@@ -47,7 +47,7 @@ class RoundTotals:
     stop: int  # workers asked to stop after this round
     layouts_agree: bool
     workers: int  # whose headers these are: the round's group
-    pilot: tuple[float, ...] = (0.0,) * PILOT_LEN  # the autopilot's part, summed
+    policy: tuple[float, ...] = (0.0,) * PILOT_LEN  # the policy's part, summed
 
     @property
     def epoch_done(self) -> bool:
@@ -66,7 +66,7 @@ HEADER_LEN = 8 + PILOT_LEN + _LAYOUT_BITS  # numbers in a header
 
 
 def make_header(
-    *, samples: int, loss_sum: float, batches: int, finished: bool, skipped: bool, layout: int | None, stop: bool = False, pilot: Sequence[float] = ()
+    *, samples: int, loss_sum: float, batches: int, finished: bool, skipped: bool, layout: int | None, stop: bool = False, policy: Sequence[float] = ()
 ) -> list[float]:
     """The round's header: HEADER_LEN numbers to sum over the workers. `layout` is a hash of the
     sender's state layout, or None (stale) when its state no longer matches the buffers it sends.
@@ -75,18 +75,18 @@ def make_header(
     bits = [0.0] * _LAYOUT_BITS if layout is None else [float(layout >> i & 1) for i in range(_LAYOUT_BITS)]
     flags = [float(finished), float(skipped), float(stop), float(layout is None)]
     high, low = divmod(samples, _SAMPLES_SPLIT)
-    pilot = [*map(float, pilot), *[0.0] * (PILOT_LEN - len(pilot))]
-    return [float(high), float(low), float(loss_sum), float(batches), *flags, *pilot, *bits]
+    part = [*map(float, policy), *[0.0] * (PILOT_LEN - len(policy))]
+    return [float(high), float(low), float(loss_sum), float(batches), *flags, *part, *bits]
 
 
 def read_header(summed: Sequence[float], layout: int | None, world_size: int) -> RoundTotals:
     """The totals of a summed header. The layouts agree iff nobody was stale and every bit's sum
     is N times this worker's bit: all 0 or all 1."""
     high, low, loss, nb, fin, skip, stp, stale, *rest = summed
-    pilot, bits = tuple(rest[:PILOT_LEN]), rest[PILOT_LEN:]
+    part, bits = tuple(rest[:PILOT_LEN]), rest[PILOT_LEN:]
     agree = layout is not None and stale == 0 and all(b == world_size * (layout >> i & 1) for i, b in enumerate(bits))
     samples = float(round(high) * _SAMPLES_SPLIT + round(low))
-    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree, world_size, pilot)
+    return RoundTotals(samples, loss, round(nb), round(fin), round(skip), round(stp), agree, world_size, part)
 
 
 def round_header(work: Work, layout: int, built: int | None, stop: bool) -> tuple[list[float], int | None]:
@@ -102,7 +102,7 @@ def round_header(work: Work, layout: int, built: int | None, stop: bool) -> tupl
         skipped=work.skipped,
         stop=stop,
         layout=declared,
-        pilot=work.pilot,
+        policy=work.policy,
     )
     return header, declared
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..delta_averaging import DeltaAverager
+from .clock import Clock
 from .exchange import average_anew
 from .header import HEADER_LEN, RoundTotals, Work, check_diverged, read_header, round_header
 from .state import agree_on_optimizer_layout, averaged_tensors, state_layout
@@ -52,7 +53,7 @@ class Launched:
     weight: float  # this worker's weight in the payload
     skipped: bool  # this worker's contribution was dropped: its state is not worth keeping
     local_steps: int  # Trainer.local_steps at the launch
-    steady: bool = True  # it went as every later round will (StreamExchange.steady)
+    steady: bool = True  # it went as every later round will: coded where a codec is set (DeltaAverager.steady)
 
 
 @dataclass
@@ -92,17 +93,14 @@ def _place(p: int, n: int, k: int) -> int:
 class StreamExchange:
     """One worker's snapshot buffers and their averaging in the background."""
 
-    def __init__(self, trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, world_size: int, redoes: bool = False) -> None:
+    def __init__(self, trainer: Trainer, config: Config, device: torch.device, group: dist.ProcessGroup | None, world_size: int, clock: Clock, redoes: bool = False) -> None:
         """`redoes`: a lost round is redone from a copy of the whole state kept at its start (feature.Feature.redoes)."""
         self.trainer, self.config, self.device, self.group, self.world_size = trainer, config, device, group, world_size
-        self._redoes = redoes
+        self.clock, self._redoes = clock, redoes
         self._delta: DeltaAverager | None = None  # the last fragment's, which carries the header
         self._fragments: list[_Fragment] = []  # the others
         self._steps = 0  # local steps in the round in progress
         self._layout = 0  # the state layout the buffers were built for
-        # The last round landed went as every later one will: coded where a codec is set, and not
-        # landed with the whole state averaged anew (the autopilot's measure of overlapped rounds).
-        self.steady = False
 
     def reset(self) -> None:
         """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
@@ -217,7 +215,9 @@ class StreamExchange:
         check_diverged(totals)
         self._move(self._delta, launched, totals.samples, skipped_since, at_average if totals.layouts_agree else None)
         gather = bool(self._fragments) and (at_once or totals.epoch_done)
-        self.steady = launched.steady and not gather and totals.layouts_agree
+        # Landed late, as every later round will (coded where a codec is set, and not with the
+        # whole state averaged anew): what it still cost a worker measures overlapped rounds.
+        self.clock.landed(whole=not at_once and launched.steady and not gather and totals.layouts_agree)
         if gather or not totals.layouts_agree:
             for f in self._fragments:
                 self._land_fragment(f)

@@ -54,8 +54,6 @@ class Trainer(Protocol):
     def checked_loss(self, losses: list[torch.Tensor], first_step: int, epoch: int) -> tuple[float, bool]:
         """Σ loss·n of a round, and whether the NaN policy drops it."""
 
-    def state_dicts(self) -> TrainingState: ...
-
     def saved_state(self, writes: bool) -> TrainingState | None:
         """What a checkpoint holds, on the process that `writes` it (None elsewhere); every
         process of the group calls it (a pipeline's stages gather their parts)."""
