@@ -26,13 +26,14 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from common import DEFAULT_DATA_DIR, machine, mnist_batches, table, write_results
+from benchmarks.common import DEFAULT_DATA_DIR, machine, mnist_batches, table, write_results
 from parallelwrapper import ParallelWrapper, Score
 
 FAULTS = ("SIGKILL", "SIGSTOP 5 s", "raise")
@@ -142,16 +143,17 @@ def pace(points: list[tuple[float, int]]) -> float:
     return statistics.median(per_second) if per_second else float("nan")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--every", type=float, default=10.0, help="seconds between faults")
     parser.add_argument("--epochs", type=int, default=6, help="epochs of MNIST (batches of 128); choose them to last minutes")
+    parser.add_argument("--batches", type=int, default=None, help="the first this many batches of each epoch (default: all 469; --smoke)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"the kinds struck in turn, of {', '.join(FAULTS)} (to time each alone)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/fault_soak.json")
-    args = parser.parse_args()
-    batches = mnist_batches(args.data_dir)
+    args = parser.parse_args(argv)
+    batches = mnist_batches(args.data_dir)[: args.batches]
     free = run(batches, args.workers, args.epochs, None)
     print(f"fault-free: {free['seconds']:.1f} s, {free['samples_per_s']:.0f} samples/s", flush=True)
     kinds = tuple(args.faults.split(","))

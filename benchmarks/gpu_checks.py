@@ -23,14 +23,14 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import LR, MOMENTUM, lenet, mnist_batches
+from benchmarks.common import DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches
 from parallelwrapper import InferenceMode, ParallelInference, ParallelWrapper, TrainingMode
 
 DEVICE = "cuda:0"  # --device: "cpu" tries the script itself on a machine without a GPU
@@ -331,14 +331,14 @@ CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
 }
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/gpu_checks.json")
     parser.add_argument("--device", default=DEVICE, help="cuda:0; cpu only to try this script where there is no GPU")
     parser.add_argument("--batches", type=int, default=469, help="training batches of 128 (469: one epoch)")
     parser.add_argument("--only", help="run only the checks whose names contain this")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     globals()["DEVICE"], globals()["DATA_DIR"] = args.device, args.data_dir
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("torch sees no CUDA device on this machine")

@@ -35,13 +35,14 @@ import queue
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import median_ratio, rotated, run_processes, table, write_results
+from benchmarks.common import median_ratio, rotated, run_processes, table, write_results
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.config import Pipeline
 from parallelwrapper.pipeline import stage_module
@@ -194,7 +195,7 @@ def interleaved(contenders: dict[str, Any], repeats: int) -> dict[str, list[floa
     return {name: t[1:] for name, t in times.items()}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=2048, help="rows a batch; cut into M microbatches")
@@ -203,7 +204,7 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", choices=["1f1b", "zbv"], default=["1f1b", "zbv"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/pipeline.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     batches = data(args.width, args.batch, args.batches)
     # What this machine's two cores give two processes that never wait for each other (2x on
     # ideal cores), and what cutting a batch costs one thread at all (smaller matrix products):

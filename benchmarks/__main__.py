@@ -1,0 +1,123 @@
+"""The one way in: `python -m benchmarks list | quick | NAME [its flags]`, from the repository root.
+
+    python -m benchmarks list                  # each maintained benchmark, and what it measures
+    python -m benchmarks throughput --help     # one benchmark's own flags
+    python -m benchmarks throughput --smoke    # one at its smallest size (SMOKE's flags)
+    python -m benchmarks quick [--out DIR]     # every one at its smallest size, each in a process of its own
+
+`quick` is what to run after a change to the library: it exercises every benchmark's real code
+path (spawned workers, gloo, torchrun) in a few minutes, and fails naming the benchmarks that
+broke. Its figures are too small to quote; the sizes in benchmarks/README.md are. Run it, and any
+benchmark, under `flock /tmp/pw-heavy.lock` where others share the machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+# name: what it measures (one line), and its flags at its smallest size.
+BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "throughput": (
+        "samples/s of LeNet on 2 workers against DDP, PeriodicModelAverager and no communication",
+        ("--steps", "12", "--warmup", "4", "--frequencies", "3", "--repeats", "1", "--only", "ceiling,ddp,pma k=3,wrapper k=3"),
+    ),
+    "torchft_lenet": (
+        "ms/step against torchft's DiLoCo and LocalSGD (torchft where installed)",
+        ("--steps", "12", "--warmup", "2", "--k", "4", "--repeats", "1", "--contenders", "none,wrapper,wrapper-diloco"),
+    ),
+    "comm_bound": (
+        "training seconds to a test accuracy on a communication-bound 10M MLP: fixed k, int8, PMA, auto",
+        ("--contenders", "wrapper:4,pma:4", "--params", "100000", "--eval-every", "4", "--target", "0.2", "--max-epochs", "1", "--budget", "5"),
+    ),
+    "slow_link": (
+        "time to a target over a shaped link between two network namespaces (root), or loopback: every peer",
+        ("--loopback", "--arena", "gpt", "--contenders", "wrapper:4,pma:4", "--eval-every", "4", "--max-steps", "8", "--target", "9", "--timeout", "120"),
+    ),
+    "gpt_arena": (
+        "the GPT arena's payload race: bytes sent and validation loss of float32, int8 and sparse payloads",
+        ("--payloads", "float32-params-average,int8-params-diloco", "--layers", "1", "--width", "32", "--context", "32", "--steps", "8", "--k", "4", "--batch", "2"),
+    ),
+    "fault_soak": (
+        "the share of samples/s kept with .on_worker_failure('replace') under a fault every few seconds",
+        ("--workers", "2", "--epochs", "1", "--batches", "48", "--every", "1", "--faults", "kill"),
+    ),
+    "memory": (
+        "peak memory of the main process and each worker against DDP's ranks",
+        ("--params", "100000", "--batches", "4", "--fits", "1"),
+    ),
+    "pipeline": (
+        "a 2-stage pipeline's speed against one process, and torch's own pipelining",
+        ("--width", "64", "--batch", "64", "--batches", "2", "--microbatches", "2", "--schedules", "1f1b", "--repeats", "1"),
+    ),
+    "inference": (
+        "requests/s and latency of ParallelInference BATCHED and SEQUENTIAL against a locked model",
+        ("--per-caller", "10", "--warmup", "2", "--callers", "1,8"),
+    ),
+    "gpu_checks": (
+        "the CUDA paths, each a short fit on cuda:0 (on a lent GPU; --device cpu tries it here)",
+        ("--device", "cpu", "--batches", "8", "--only", "one worker"),
+    ),
+}
+
+
+def run(name: str, argv: Sequence[str]) -> None:
+    """Run benchmark `name` in this process with `argv` (`--smoke`: its smallest size)."""
+    if name not in BENCHMARKS:
+        raise SystemExit(f"benchmarks: no benchmark {name!r}: `python -m benchmarks list` names them ({', '.join(BENCHMARKS)})")
+    args = [a for arg in argv for a in (BENCHMARKS[name][1] if arg == "--smoke" else (arg,))]
+    sys.argv = [f"python -m benchmarks {name}", *args]
+    result = importlib.import_module(f"benchmarks.{name}").main(args)
+    if result:  # gpu_checks: the number of checks that failed
+        raise SystemExit(result)
+
+
+def quick(out: Path) -> int:
+    """Every benchmark at its smallest size, each in a fresh process writing `out`/NAME.json; the
+    number that failed."""
+    failed, began = [], time.monotonic()
+    for name in BENCHMARKS:
+        if name == "gpu_checks" and torch.cuda.is_available():
+            argv = ["--smoke", "--device", "cuda:0"]
+        else:
+            argv = ["--smoke"]
+        wall = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "benchmarks", name, *argv, "--out", str(out / f"{name}.json")])
+        seconds = time.monotonic() - wall
+        print(f"quick: {name}: {'ok' if done.returncode == 0 else f'FAILED (exit {done.returncode})'} in {seconds:.0f} s", flush=True)
+        if done.returncode != 0:
+            failed.append(name)
+    print(f"quick: {len(BENCHMARKS) - len(failed)} of {len(BENCHMARKS)} ran in {time.monotonic() - began:.0f} s; results in {out}")
+    if failed:
+        print(f"quick: failed: {', '.join(failed)}: run each alone (`python -m benchmarks NAME --smoke`) to see why", file=sys.stderr)
+    return len(failed)
+
+
+def main(argv: Sequence[str]) -> int:
+    command, rest = (argv[0], argv[1:]) if argv else ("list", [])
+    if command in ("list", "-h", "--help"):
+        print(__doc__)
+        width = max(map(len, BENCHMARKS))
+        for name, (what, _) in BENCHMARKS.items():
+            print(f"  {name:<{width}}  {what}")
+        return 0
+    if command == "quick":
+        if rest[:1] == ["--out"] and len(rest) == 2:
+            return quick(Path(rest[1]))
+        if rest:
+            raise SystemExit(f"benchmarks quick: unknown arguments {rest}: it takes only --out DIR")
+        with tempfile.TemporaryDirectory(prefix="pw-quick-") as folder:
+            return quick(Path(folder))
+    run(command, rest)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
