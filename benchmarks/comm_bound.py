@@ -1,9 +1,9 @@
 """A communication-bound job on loopback: training seconds to a test accuracy (issue 37).
 
-    python benchmarks/comm_bound.py --repeats 1              # the fixed grid, PMA and auto
-    python benchmarks/comm_bound.py --quick                  # auto, wrapper:32 and pma:8, a few minutes
-    python benchmarks/comm_bound.py --contenders auto,wrapper:32,pma:8
-    python benchmarks/comm_bound.py --analyse benchmarks/results/comm_bound.json
+    python -m benchmarks comm_bound --repeats 1              # the fixed grid, PMA and auto
+    python -m benchmarks comm_bound --quick                  # auto, wrapper:32 and pma:8, a few minutes
+    python -m benchmarks comm_bound --contenders auto,wrapper:32,pma:8
+    python -m benchmarks comm_bound --analyse benchmarks/results/comm_bound.json
 
 An MLP of 10M parameters on MNIST (784 -> 2789 -> 2789 -> 10, ReLU), batch 32, 2 workers of one
 thread each, Nesterov SGD (lr 0.02, momentum 0.9) from the same initial weights on the same
@@ -43,7 +43,7 @@ the median.
 Run it from the root of the tree whose package it should measure: the wrapper's workers start
 through a forkserver that imports `parallelwrapper` from the current directory first. To measure
 a commit while others edit the work tree: `git archive COMMIT | tar -x -C DIR`, then in DIR
-`PYTHONPATH=$PWD python benchmarks/comm_bound.py --data-dir ...`; the results name the package's
+`PYTHONPATH=$PWD python -m benchmarks comm_bound --data-dir ...`; the results name the package's
 folder, commit and modified files.
 """
 

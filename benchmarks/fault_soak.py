@@ -7,7 +7,7 @@ first score to the last: the workers' start-up is left out, the faults are all i
 machine's pace drifts by several percent between runs minutes apart, so each run's samples/s are
 also given against its own pace (the median of its seconds), and each fault's cost in seconds of it.
 
-    python benchmarks/fault_soak.py [--workers 8] [--every 10] [--epochs 6] [--faults SIGKILL,raise] [--out benchmarks/results/fault_soak.json]
+    python -m benchmarks fault_soak [--workers 8] [--every 10] [--epochs 6] [--faults SIGKILL,raise] [--out benchmarks/results/fault_soak.json]
 
 Checked as it goes: every epoch's sample count is the data's (no batch lost or trained twice:
 the counters are the workers' sums), and no worker process is left after close(); a check that

@@ -11,7 +11,7 @@ Model: pre-norm decoder-only Transformer (GPT-2 shape, tied input/output embeddi
 positions), `forward(x)` returns logits flattened to (B * T, 256) so that `F.cross_entropy(model(x),
 y)` with targets flattened to (B * T,) is the loss: every contender and the wrapper's default loss
 use it unchanged. The default size (7 layers, width 256, 8 heads, context 128) has 5.6M
-parameters (`parameter_count()`); `python benchmarks/gpt_arena.py` prints it and the corpus size.
+parameters (`parameter_count()`); `python -m benchmarks gpt_arena` prints it and the corpus size.
 With `--des-loc 1,4,0` it races `.average_updaters(every=m)` for each m (0: never, the parameters alone) on 2 spawned workers (loopback),
 with `--payloads float32-diloco,sparse-params-diloco,...` the payloads (PAYLOAD_RACE), and tables each run's bytes sent per worker,
 measured, seconds and final validation loss (benchmarks/README.md).

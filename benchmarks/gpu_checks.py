@@ -1,7 +1,7 @@
 """The checks that need a GPU, for the day one is lent: the CUDA paths that the CPU machines test
 only with a faked GPU count, each run for real on `cuda:0`, each a short fit on MNIST.
 
-    python benchmarks/gpu_checks.py --data-dir DIR [--out benchmarks/results/gpu_checks.json]
+    python -m benchmarks gpu_checks --data-dir DIR [--out benchmarks/results/gpu_checks.json]
 
 Each check prints one line, PASS or FAIL and what it saw; the exit code is the number that
 failed. With one GPU, one worker has it alone (an NCCL group of one) and two workers share it
@@ -37,7 +37,7 @@ DEVICE = "cuda:0"  # --device: "cpu" tries the script itself on a machine withou
 NEW_BATCHES = 300  # at most, for each check of a lever
 DATA_DIR = ""  # --data-dir, for the checks that run pw-fit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: torchrun's script
-OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD, as benchmarks/overlap_outer.py
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD, as the retired benchmarks/overlap_outer.py
 
 
 class FormatProbe(nn.Module):

@@ -1,7 +1,7 @@
 """Serving LeNet to concurrent callers, each sending single MNIST test images (issue 22).
 
-    python benchmarks/inference.py                      # 1, 8 and 32 callers, each contender
-    python benchmarks/inference.py --requests 1000000   # and the soak: BATCHED, 32 callers, RSS sampled
+    python -m benchmarks inference                      # 1, 8 and 32 callers, each contender
+    python -m benchmarks inference --requests 1000000   # and the soak: BATCHED, 32 callers, RSS sampled
 
 Contenders, one after another in this process, on the same images and the same LeNet:
 - batched: ParallelInference BATCHED, 2 workers (batch_limit 32, max_wait_ms 2, the defaults);

@@ -1,8 +1,8 @@
 """Peak memory of a fit: the main process and each worker of `ParallelWrapper`, against each rank
 of DistributedDataParallel on the same job.
 
-    python benchmarks/memory.py                      # the code of this checkout
-    python benchmarks/memory.py --before /tmp/pw-before   # and another checkout's, side by side
+    python -m benchmarks memory                      # the code of this checkout
+    python -m benchmarks memory --before /tmp/pw-before   # and another checkout's, side by side
 
 The job: an MLP of about 10M and 50M parameters (float32), SGD with momentum, 2 workers of one
 thread, k = 4, `--batches` small batches in all, fit `--fits` times (from the second fit on, the

@@ -6,9 +6,9 @@ adds); and 2 workers x 2 stages against 4 unsplit workers.
 Two independent processes, each training every batch at once, give the speedup the machine's two
 cores allow at all (the last column's ratios are to it).
 
-    python benchmarks/pipeline.py                      # width 1024, batch 2048, 16 batches a fit
-    python benchmarks/pipeline.py --batch 256 --batches 24   # microbatches of 32 rows at M = 8
-    python benchmarks/pipeline.py --width 256 --batches 8 --repeats 1   # a smoke run
+    python -m benchmarks pipeline                      # width 1024, batch 2048, 16 batches a fit
+    python -m benchmarks pipeline --batch 256 --batches 24   # microbatches of 32 rows at M = 8
+    python -m benchmarks pipeline --width 256 --batches 8 --repeats 1   # a smoke run
 
 A microbatch must be large enough for a matrix product to run as fast per row as a whole
 batch's: the row "microbatches accumulated" is one thread training each batch cut into the most

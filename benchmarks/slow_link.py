@@ -2,8 +2,8 @@
 DDP (plain and with PowerSGD), PeriodicModelAverager, torchft's DiLoCo and LocalSGD, and this
 project (plain, with an outer optimizer, with a 16-bit or quantized payload).
 
-    sudo python benchmarks/slow_link.py --repeats 3          # the default contenders, 100 Mbit/s, 98%
-    sudo python benchmarks/slow_link.py --contenders ddp,wrapper:16 --target 0.90 --max-epochs 1
+    sudo python -m benchmarks slow_link --repeats 3          # the default contenders, 100 Mbit/s, 98%
+    sudo python -m benchmarks slow_link --contenders ddp,wrapper:16 --target 0.90 --max-epochs 1
 
 The two "machines" are two network namespaces joined by a veth pair whose ends are both shaped
 with `tc ... tbf` to `--rate`; each runs one torchrun agent (`--nnodes 2`, `--procs-per-node`

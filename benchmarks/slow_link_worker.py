@@ -1,6 +1,6 @@
 """One rank of benchmarks/slow_link.py: train LeNet on MNIST under torchrun until a test accuracy.
 
-    torchrun --nnodes 2 --node-rank R ... benchmarks/slow_link_worker.py CONTENDER [K] --out points.json
+    torchrun --nnodes 2 --node-rank R ... -m benchmarks.slow_link_worker CONTENDER [K] --out points.json
 
 Contenders (every one trains the same model from the same init on the same batches):
   ddp          DistributedDataParallel (gloo): gradients all-reduced every step

@@ -1,6 +1,6 @@
 """Throughput of LeNet on MNIST (batch 128) with N workers on this machine, against the peers.
 
-    python benchmarks/throughput.py --workers 2 --steps 200
+    python -m benchmarks throughput --workers 2 --steps 200
 
 Contenders, one after another in this run, each worker training `steps` batches of its own:
   ceiling      N independent single-thread processes, no communication at all

@@ -2,7 +2,7 @@
 
     pip install --no-deps torchft==0.2.0   # then its pure-python needs: opentelemetry-api,
                                            # opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http
-    python benchmarks/torchft_lenet.py --workers 2 --k 16 --steps 208 --warmup 32 --repeats 5
+    python -m benchmarks torchft_lenet --workers 2 --k 16 --steps 208 --warmup 32 --repeats 5
 
 Contenders, each worker (torchft: each replica group of one process) training `steps` batches of
 its own (batch i to worker i mod N, the wrapper's deal), batch 128, Nesterov SGD (momentum 0.9,
