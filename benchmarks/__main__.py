@@ -27,11 +27,11 @@ import torch
 BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "throughput": (
         "samples/s of LeNet on 2 workers against DDP, PeriodicModelAverager and no communication",
-        ("--steps", "12", "--warmup", "4", "--frequencies", "3", "--repeats", "1", "--only", "ceiling,ddp,pma k=3,wrapper k=3"),
+        ("--steps", "12", "--warmup", "4", "--frequencies", "3", "--repeats", "1", "--only", "ddp,wrapper k=3"),
     ),
     "torchft_lenet": (
         "ms/step against torchft's DiLoCo and LocalSGD (torchft where installed)",
-        ("--steps", "12", "--warmup", "2", "--k", "4", "--repeats", "1", "--contenders", "none,wrapper,wrapper-diloco"),
+        ("--steps", "12", "--warmup", "2", "--k", "4", "--repeats", "1", "--contenders", "none,wrapper"),
     ),
     "comm_bound": (
         "training seconds to a test accuracy on a communication-bound 10M MLP: fixed k, int8, PMA, auto",
@@ -39,7 +39,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "slow_link": (
         "time to a target over a shaped link between two network namespaces (root), or loopback: every peer",
-        ("--loopback", "--arena", "gpt", "--contenders", "wrapper:4,pma:4", "--eval-every", "4", "--max-steps", "8", "--target", "9", "--timeout", "120"),
+        ("--loopback", "--contenders", "wrapper:4,pma:4", "--eval-every", "4", "--target", "0.1", "--max-epochs", "1", "--timeout", "120"),
     ),
     "gpt_arena": (
         "the GPT arena's payload race: bytes sent and validation loss of float32, int8 and sparse payloads",
@@ -47,7 +47,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "fault_soak": (
         "the share of samples/s kept with .on_worker_failure('replace') under a fault every few seconds",
-        ("--workers", "2", "--epochs", "1", "--batches", "48", "--every", "1", "--faults", "kill"),
+        ("--workers", "2", "--epochs", "10", "--batches", "200", "--every", "1", "--faults", "SIGKILL"),
     ),
     "memory": (
         "peak memory of the main process and each worker against DDP's ranks",
@@ -63,7 +63,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "gpu_checks": (
         "the CUDA paths, each a short fit on cuda:0 (on a lent GPU; --device cpu tries it here)",
-        ("--device", "cpu", "--batches", "8", "--only", "one worker"),
+        ("--device", "cpu", "--batches", "30", "--only", "channels_last"),
     ),
 }
 

@@ -257,7 +257,8 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
     target = settings["target"]
     ranks = 2 * settings.get("procs_per_node", 1)
     arena = "CharGPT on the stdlib corpus (target: validation loss)" if settings.get("arena") == "gpt" else "LeNet, MNIST"
-    print(f"\n{arena}, {ranks} ranks in 2 namespaces over a {settings['rate']} veth, lr {settings['lr']}, "
+    where = "on loopback, unshaped" if settings.get("loopback") else f"in 2 namespaces over a {settings['rate']} veth"
+    print(f"\n{arena}, {ranks} ranks {where}, lr {settings['lr']}, "
           f"scored every {settings['eval_every']} steps per rank, {len(next(iter(runs.values())))} repeats; "
           f"best peer per repeat: {', '.join(str(b) for b in verdict['best_peer_each'])}")  # fmt: skip
     print(table(["contender", (f"s to loss {target}" if settings.get("arena") == "gpt" else f"s to {target:.0%}") + " (median)", "each repeat", "steps/rank each", "ms/step (median)", "ms/step each",
@@ -357,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         runs = race(contenders, args.repeats, run, args.target, keep_going=True)  # one contender's failure (a NaN loss) is its result
 
-    settings = {"rate": args.rate, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
+    settings = {"rate": args.rate, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
                 "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs, "arena": args.arena,
                 "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "python": sys.version.split()[0],
