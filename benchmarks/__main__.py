@@ -3,7 +3,7 @@
     python -m benchmarks list                  # each maintained benchmark, and what it measures
     python -m benchmarks throughput --help     # one benchmark's own flags
     python -m benchmarks throughput --smoke    # one at its smallest size (SMOKE's flags)
-    python -m benchmarks quick [--out DIR]     # every one at its smallest size, each in a process of its own
+    python -m benchmarks quick [--out DIR] [--jobs N]   # every one at its smallest size, each in a process of its own
 
 `quick` is what to run after a change to the library: it exercises every benchmark's real code
 path (spawned workers, gloo, torchrun) in a few minutes, and fails naming the benchmarks that
@@ -13,12 +13,14 @@ benchmark, under `flock /tmp/pw-heavy.lock` where others share the machine.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -79,22 +81,30 @@ def run(name: str, argv: Sequence[str]) -> None:
         raise SystemExit(result)
 
 
-def quick(out: Path) -> int:
-    """Every benchmark at its smallest size, each in a fresh process writing `out`/NAME.json; the
-    number that failed."""
-    failed, began = [], time.monotonic()
-    for name in BENCHMARKS:
-        if name == "gpu_checks" and torch.cuda.is_available():
-            argv = ["--smoke", "--device", "cuda:0"]
-        else:
-            argv = ["--smoke"]
+def quick(out: Path, jobs: int = 1) -> int:
+    """Every benchmark at its smallest size, each in a fresh process writing `out`/NAME.json, `jobs`
+    at a time (more than 1: each one's output goes to `out`/NAME.log); the number that failed."""
+    began = time.monotonic()
+
+    def one(name: str) -> bool:
+        gpu = name == "gpu_checks" and torch.cuda.is_available()
+        command = [sys.executable, "-m", "benchmarks", name, "--smoke", *(["--device", "cuda:0"] if gpu else []), "--out", str(out / f"{name}.json")]
         wall = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "benchmarks", name, *argv, "--out", str(out / f"{name}.json")])
-        seconds = time.monotonic() - wall
-        print(f"quick: {name}: {'ok' if done.returncode == 0 else f'FAILED (exit {done.returncode})'} in {seconds:.0f} s", flush=True)
-        if done.returncode != 0:
-            failed.append(name)
-    print(f"quick: {len(BENCHMARKS) - len(failed)} of {len(BENCHMARKS)} ran in {time.monotonic() - began:.0f} s; results in {out}")
+        if jobs == 1:
+            code = subprocess.run(command).returncode
+        else:
+            log = out / f"{name}.log"
+            with log.open("w") as f:
+                code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
+            if code != 0:
+                print(f"quick: {name}'s last lines ({log}):\n" + "\n".join(log.read_text().splitlines()[-30:]), file=sys.stderr, flush=True)
+        print(f"quick: {name}: {'ok' if code == 0 else f'FAILED (exit {code})'} in {time.monotonic() - wall:.0f} s", flush=True)
+        return code == 0
+
+    with ThreadPoolExecutor(jobs) as pool:
+        ok = dict(zip(BENCHMARKS, pool.map(one, BENCHMARKS)))
+    failed = [name for name, passed in ok.items() if not passed]
+    print(f"quick: {len(ok) - len(failed)} of {len(ok)} ran in {time.monotonic() - began:.0f} s; results in {out}")
     if failed:
         print(f"quick: failed: {', '.join(failed)}: run each alone (`python -m benchmarks NAME --smoke`) to see why", file=sys.stderr)
     return len(failed)
@@ -109,12 +119,15 @@ def main(argv: Sequence[str]) -> int:
             print(f"  {name:<{width}}  {what}")
         return 0
     if command == "quick":
-        if rest[:1] == ["--out"] and len(rest) == 2:
-            return quick(Path(rest[1]))
-        if rest:
-            raise SystemExit(f"benchmarks quick: unknown arguments {rest}: it takes only --out DIR")
+        parser = argparse.ArgumentParser(prog="python -m benchmarks quick", description="every benchmark at its smallest size")
+        parser.add_argument("--out", type=Path, default=None, help="where each writes NAME.json (default: a temporary folder)")
+        parser.add_argument("--jobs", type=int, default=1, help="benchmarks run at once (their figures then share the cores)")
+        args = parser.parse_args(rest)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            return quick(args.out, args.jobs)
         with tempfile.TemporaryDirectory(prefix="pw-quick-") as folder:
-            return quick(Path(folder))
+            return quick(Path(folder), args.jobs)
     run(command, rest)
     return 0
 

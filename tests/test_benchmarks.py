@@ -28,7 +28,7 @@ def results(tmp_path_factory: pytest.TempPathFactory, mnist_dir: Path) -> dict[s
     """Each benchmark's results JSON, by name, from one `quick` run."""
     out = tmp_path_factory.mktemp("quick")
     env = {**os.environ, "PW_MNIST_DIR": str(mnist_dir), "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks", "quick", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "quick", "--out", str(out), "--jobs", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, f"python -m benchmarks quick failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
