@@ -70,9 +70,8 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from benchmarks.common import DEFAULT_DATA_DIR, LR, MOMENTUM, run_processes, table, write_results
 from benchmarks.race import Runs, best, median, race
-from parallelwrapper import ParallelWrapper, Score
+from parallelwrapper import ParallelWrapper, Score, exchange_share
 from parallelwrapper.app.mnist import load_mnist
-from parallelwrapper.listeners import exchange_share
 from parallelwrapper.processes import keep_heap
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64

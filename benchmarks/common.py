@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallelwrapper import ParallelWrapper, Score
+from parallelwrapper import ParallelWrapper, Score, exchange_share
 from parallelwrapper.app.mnist import load_mnist
 from parallelwrapper.app.models import LeNet
-from parallelwrapper.listeners import exchange_share
 
 BATCH = 128
 LR, MOMENTUM = 0.02, 0.9  # Nesterov SGD; 0.04 (pw-fit's default) spikes to NaN at k = 1 from this seed
