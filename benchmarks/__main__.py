@@ -75,6 +75,9 @@ def run(name: str, argv: Sequence[str]) -> None:
     if name not in BENCHMARKS:
         raise SystemExit(f"benchmarks: no benchmark {name!r}: `python -m benchmarks list` names them ({', '.join(BENCHMARKS)})")
     args = [a for arg in argv for a in (BENCHMARKS[name][1] if arg == "--smoke" else (arg,))]
+    if "--smoke" in argv and not any(a == "--out" or a.startswith("--out=") for a in argv):
+        # A smoke run's figures are too small to keep: never over the results file of record.
+        args += ["--out", str(Path(tempfile.gettempdir()) / f"pw-smoke-{name}.json")]
     sys.argv = [f"python -m benchmarks {name}", *args]
     result = importlib.import_module(f"benchmarks.{name}").main(args)
     if result:  # gpu_checks: the number of checks that failed
