@@ -2,7 +2,7 @@
 
     python -m benchmarks list                  # each maintained benchmark, and what it measures
     python -m benchmarks throughput --help     # one benchmark's own flags
-    python -m benchmarks throughput --smoke    # one at its smallest size (SMOKE's flags)
+    python -m benchmarks throughput --smoke    # one at its smallest size (its flags in BENCHMARKS)
     python -m benchmarks quick [--out DIR] [--jobs N]   # every one at its smallest size, each in a process of its own
 
 `quick` is what to run after a change to the library: it exercises every benchmark's real code
