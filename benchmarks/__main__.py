@@ -49,7 +49,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "fault_soak": (
         "the share of samples/s kept with .on_worker_failure('replace') under a fault every few seconds",
-        ("--workers", "2", "--epochs", "10", "--batches", "200", "--every", "1", "--faults", "SIGKILL"),
+        ("--workers", "2", "--epochs", "10", "--batches", "200", "--every", "1", "--most", "1", "--faults", "SIGKILL"),
     ),
     "memory": (
         "peak memory of the main process and each worker against DDP's ranks",

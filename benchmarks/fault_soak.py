@@ -57,14 +57,14 @@ def mlp() -> nn.Module:
 class Injector(threading.Thread):
     """Every `every` seconds, one fault on a random training worker, the kinds in turn."""
 
-    def __init__(self, every: float, folder: Path, kinds: tuple[str, ...] = FAULTS) -> None:
+    def __init__(self, every: float, folder: Path, kinds: tuple[str, ...] = FAULTS, most: int | None = None) -> None:
         super().__init__(daemon=True)
-        self.every, self.folder, self.kinds, self.done = every, folder, kinds, threading.Event()
+        self.every, self.folder, self.kinds, self.most, self.done = every, folder, kinds, most, threading.Event()
         self.struck: list[tuple[float, str, int]] = []  # (seconds since start, fault, pid)
 
     def run(self) -> None:
         start, n = time.monotonic(), 0
-        while not self.done.wait(self.every):
+        while (self.most is None or n < self.most) and not self.done.wait(self.every):
             workers = [p for p in multiprocessing.active_children() if p.name.startswith("parallelwrapper-worker") and p.is_alive()]
             if not workers:
                 continue
@@ -92,11 +92,11 @@ def _continue(pid: int) -> None:
         pass
 
 
-def run(batches: list[Any], workers: int, epochs: int, every: float | None, kinds: tuple[str, ...] = FAULTS) -> dict[str, Any]:
+def run(batches: list[Any], workers: int, epochs: int, every: float | None, kinds: tuple[str, ...] = FAULTS, most: int | None = None) -> dict[str, Any]:
     scores: list[Score] = []
     with tempfile.TemporaryDirectory() as folder:
         os.environ["PW_SOAK_DIR"] = folder
-        injector = Injector(every, Path(folder), kinds) if every else None
+        injector = Injector(every, Path(folder), kinds, most) if every else None
         builder = (
             ParallelWrapper.builder(mlp()).workers(workers).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
             .training_step(step).averaging_frequency(8).on_worker_failure("replace", max_replacements=1000).listeners(scores.append)
@@ -148,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--every", type=float, default=10.0, help="seconds between faults")
     parser.add_argument("--epochs", type=int, default=6, help="epochs of MNIST (batches of 128); choose them to last minutes")
+    parser.add_argument("--most", type=int, default=None, help="faults at most (--smoke: 1; with 2 workers a second one may strike the last holder of the state mid-recovery)")
     parser.add_argument("--batches", type=int, default=None, help="the first this many batches of each epoch (default: all 469; --smoke)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"the kinds struck in turn, of {', '.join(FAULTS)} (to time each alone)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
@@ -159,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     kinds = tuple(args.faults.split(","))
     if not set(kinds) <= set(FAULTS):
         parser.error(f"--faults {args.faults}: each kind must be one of {', '.join(FAULTS)}")
-    faulted = run(batches, args.workers, args.epochs, args.every, kinds)
+    faulted = run(batches, args.workers, args.epochs, args.every, kinds, args.most)
     after = run(batches, args.workers, args.epochs, None)
     print(f"fault-free again: {after['seconds']:.1f} s, {after['samples_per_s']:.0f} samples/s", flush=True)
     # Against the fault-free pace on both sides of the faulted run: the machine's pace drifts by
