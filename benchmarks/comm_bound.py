@@ -1,9 +1,9 @@
 """A communication-bound job on loopback: training seconds to a test accuracy (issue 37).
 
-    python benchmarks/comm_bound.py --repeats 1              # the fixed grid, PMA and auto
-    python benchmarks/comm_bound.py --quick                  # auto, wrapper:32 and pma:8, a few minutes
-    python benchmarks/comm_bound.py --contenders auto,wrapper:32,pma:8
-    python benchmarks/comm_bound.py --analyse benchmarks/results/comm_bound.json
+    python -m benchmarks comm_bound --repeats 1              # the fixed grid, PMA and auto
+    python -m benchmarks comm_bound --quick                  # auto, wrapper:32 and pma:8, a few minutes
+    python -m benchmarks comm_bound --contenders auto,wrapper:32,pma:8
+    python -m benchmarks comm_bound --analyse benchmarks/results/comm_bound.json
 
 An MLP of 10M parameters on MNIST (784 -> 2789 -> 2789 -> 10, ReLU), batch 32, 2 workers of one
 thread each, Nesterov SGD (lr 0.02, momentum 0.9) from the same initial weights on the same
@@ -43,7 +43,7 @@ the median.
 Run it from the root of the tree whose package it should measure: the wrapper's workers start
 through a forkserver that imports `parallelwrapper` from the current directory first. To measure
 a commit while others edit the work tree: `git archive COMMIT | tar -x -C DIR`, then in DIR
-`PYTHONPATH=$PWD python benchmarks/comm_bound.py --data-dir ...`; the results name the package's
+`PYTHONPATH=$PWD python -m benchmarks comm_bound --data-dir ...`; the results name the package's
 folder, commit and modified files.
 """
 
@@ -57,10 +57,9 @@ import json
 import math
 import os
 import resource
-import statistics
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +68,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from common import DEFAULT_DATA_DIR, LR, MOMENTUM, rotated, run_processes, table, write_results
-from parallelwrapper import ParallelWrapper, Score
+from benchmarks.common import DEFAULT_DATA_DIR, LR, MOMENTUM, run_processes, table, write_results
+from benchmarks.race import Runs, best, median, race
+from parallelwrapper import ParallelWrapper, Score, exchange_share
 from parallelwrapper.app.mnist import load_mnist
-from parallelwrapper.listeners import exchange_share
 from parallelwrapper.processes import keep_heap
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
@@ -90,10 +89,10 @@ def width(params: int) -> int:
     return round((-b + math.sqrt(b * b + 4 * params)) / 2)
 
 
-def mlp() -> nn.Module:
+def mlp(params: int = PARAMS) -> nn.Module:
     """The same initial weights in every contender and process."""
     torch.manual_seed(SEED)
-    h = width(PARAMS)
+    h = width(params)
     return nn.Sequential(nn.Flatten(), nn.Linear(IN, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, OUT))
 
 
@@ -173,7 +172,7 @@ def score_record(s: Score) -> dict[str, Any]:
 
 
 def run_wrapper(kind: str, k: int, args: argparse.Namespace) -> dict[str, Any]:
-    model, scores = mlp(), []
+    model, scores = mlp(args.params), []
     test = test_set(args.data_dir)
     points: list[dict[str, float]] = []
     seconds, samples = 0.0, 0
@@ -207,10 +206,10 @@ def run_wrapper(kind: str, k: int, args: argparse.Namespace) -> dict[str, Any]:
 # -- PeriodicModelAverager ------------------------------------------------------------------------------
 
 
-def _pma_rank(rank: int, world: int, k: int, heap: bool, lr: float, data_dir: str, eval_every: int, batch: int, max_epochs: int, target: float, budget: float) -> dict[str, Any]:
+def _pma_rank(rank: int, world: int, k: int, heap: bool, params: int, lr: float, data_dir: str, eval_every: int, batch: int, max_epochs: int, target: float, budget: float) -> dict[str, Any]:
     if heap and not keep_heap(dict(os.environ)):
         raise RuntimeError("pma-heap: glibc's thresholds could not be set here (no mallopt, or PW_KEEP_HEAP=0 or MALLOC_ variables set)")
-    model = mlp()
+    model = mlp(params)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True)
     # Its counter starts at 0 and it averages when the counter is past warmup_steps and a multiple
     # of the period from there: warm-up k - 1 averages after steps k, 2k, ..., as the wrapper does.
@@ -257,24 +256,11 @@ def _pma_rank(rank: int, world: int, k: int, heap: bool, lr: float, data_dir: st
 
 
 def run_pma(k: int, heap: bool, args: argparse.Namespace) -> dict[str, Any]:
-    parts = run_processes(_pma_rank, WORKERS, k, heap, args.lr, args.data_dir, args.eval_every, args.batch, args.max_epochs, args.target, args.budget, timeout=args.budget * 3 + 600)
+    parts = run_processes(_pma_rank, WORKERS, k, heap, args.params, args.lr, args.data_dir, args.eval_every, args.batch, args.max_epochs, args.target, args.budget, timeout=args.budget * 3 + 600)
     return parts[0]
 
 
-# -- the race -----------------------------------------------------------------------------------------------
-
-
-def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
-    """The first score at or above `target` (None where never reached) and the pace."""
-    points = result["points"]
-    hit = next((p for p in points if p["accuracy"] >= target), None)
-    last = points[-1]
-    return {
-        "seconds": hit["seconds"] if hit else None,
-        "samples": hit["samples"] if hit else None,
-        "ms_per_step": 1000 * last["seconds"] / last["steps"],
-        "best_accuracy": max(p["accuracy"] for p in points),
-    }
+# -- the race (race.py) ------------------------------------------------------------------------------------
 
 
 def parse(contenders: str) -> list[tuple[str, str, int]]:
@@ -291,39 +277,33 @@ def parse(contenders: str) -> list[tuple[str, str, int]]:
     return out
 
 
-def _median(values: list[float | None]) -> float | None:
-    return statistics.median(values) if values and all(v is not None for v in values) else None
-
-
-def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def summarise(runs: Runs) -> dict[str, dict[str, Any]]:
     """Per contender: medians over the repeats (seconds and samples only where every repeat
     reached the target), and the ratios to each repeat's best fixed wrapper setting and best PMA."""
     repeats = min(len(rs) for rs in runs.values())
     for i in range(repeats):
-        for group in (FIXED, ("pma",)):
-            reached = [rs[i]["seconds"] for n, rs in runs.items() if n.partition(":")[0] in group and rs[i]["seconds"] is not None]
-            best = min(reached) if reached else None
-            key = "vs_best_fixed" if group == FIXED else "vs_best_pma"
+        for group, key in ((FIXED, "vs_best_fixed"), (("pma",), "vs_best_pma")):
+            fastest = best(runs, i, group)
             for rs in runs.values():
-                rs[i][key] = rs[i]["seconds"] / best if best and rs[i]["seconds"] else None
+                rs[i][key] = rs[i]["seconds"] / runs[fastest][i]["seconds"] if fastest and rs[i]["seconds"] else None
     summary = {}
     for name, rs in runs.items():
         summary[name] = {
-            "seconds": _median([r["seconds"] for r in rs]),
+            "seconds": median([r["seconds"] for r in rs]),
             "seconds_each": [r["seconds"] for r in rs],
-            "samples": _median([r["samples"] for r in rs]),
-            "ms_per_step": _median([r["ms_per_step"] for r in rs]),
-            "exchange_share": _median([r["exchange_share"] for r in rs]),
-            "compute_s_per_step": _median([r["compute_s_per_step"] for r in rs]),
-            "exchange_s_per_round": _median([r["exchange_s_per_round"] for r in rs]),
-            "vs_best_fixed": _median([r.get("vs_best_fixed") for r in rs[:repeats]]),
-            "vs_best_pma": _median([r.get("vs_best_pma") for r in rs[:repeats]]),
+            "samples": median([r["samples"] for r in rs]),
+            "ms_per_step": median([r["ms_per_step"] for r in rs]),
+            "exchange_share": median([r["exchange_share"] for r in rs]),
+            "compute_s_per_step": median([r["compute_s_per_step"] for r in rs]),
+            "exchange_s_per_round": median([r["exchange_s_per_round"] for r in rs]),
+            "vs_best_fixed": median([r.get("vs_best_fixed") for r in rs[:repeats]]),
+            "vs_best_pma": median([r.get("vs_best_pma") for r in rs[:repeats]]),
             "best_accuracy": [r["best_accuracy"] for r in rs],
         }
     return summary
 
 
-def report(settings: dict[str, Any], runs: dict[str, list[dict[str, Any]]], skipped: dict[str, str]) -> dict[str, dict[str, Any]]:
+def report(settings: dict[str, Any], runs: Runs, skipped: dict[str, str]) -> dict[str, dict[str, Any]]:
     summary = summarise(runs) if runs else {}
 
     def cell(v: Any, fmt: str = "{:.3g}") -> str:
@@ -369,13 +349,14 @@ def provenance() -> dict[str, Any]:
     return {"package": str(package), "revision": git("rev-parse", "--short", "HEAD") or None, "modified": git("status", "--porcelain", "--", ".").splitlines()}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contenders", default=None, help=f"default: {DEFAULT_CONTENDERS}")
     parser.add_argument("--quick", action="store_true", help=f"contenders {QUICK_CONTENDERS} unless --contenders says otherwise, 1 repeat")
     parser.add_argument("--target", type=float, default=0.97, help="test accuracy to reach")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
     parser.add_argument("--eval-every", type=int, default=64, help="steps per worker between scores (a multiple of every K)")
+    parser.add_argument("--params", type=int, default=PARAMS, help="the MLP's size, about (a smaller one is less communication-bound)")
     parser.add_argument("--batch", type=int, default=BATCH, help="samples per step per worker")
     parser.add_argument("--lr", type=float, default=LR, help="Nesterov SGD, momentum 0.9, every contender")
     parser.add_argument("--budget", type=float, default=240, help="training seconds after which a contender stops at its next score")
@@ -383,7 +364,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/comm_bound.json (--quick: comm_bound_quick.json)")
     parser.add_argument("--analyse", metavar="JSON", help="no runs: print a results file's table again")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.analyse:
         saved = json.loads(Path(args.analyse).read_text())
         report(saved["settings"], saved["runs"], saved.get("skipped", {}))
@@ -403,8 +384,8 @@ def main() -> None:
             contenders = [c for c in contenders if c[1] != "auto"]
     torch.set_num_threads(1)  # the main process feeds the workers; accuracy() takes both cores while they wait
     settings = {
-        "params": sum(p.numel() for p in mlp().parameters()),
-        "width": width(PARAMS),
+        "params": sum(p.numel() for p in mlp(args.params).parameters()),
+        "width": width(args.params),
         "batch": args.batch,
         "workers": WORKERS,
         "lr": args.lr,
@@ -416,20 +397,15 @@ def main() -> None:
         "max_epochs": args.max_epochs,
         **provenance(),
     }
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in contenders}
     specs = {name: (kind, k) for name, kind, k in contenders}
+
+    def run(name: str, repeat: int) -> dict[str, Any]:
+        kind, k = specs[name]
+        print(f"repeat {repeat + 1}, {name}:", flush=True)
+        return run_pma(k, kind == "pma-heap", args) if kind.startswith("pma") else run_wrapper(kind, k, args)
+
     started = time.monotonic()
-    for repeat in range(repeats):
-        for name in rotated(list(specs), repeat):
-            kind, k = specs[name]
-            print(f"repeat {repeat + 1}, {name}:", flush=True)
-            wall = time.monotonic()
-            result = run_pma(k, kind == "pma-heap", args) if kind.startswith("pma") else run_wrapper(kind, k, args)
-            r = {**time_to_target(result, args.target), **result, "wall_seconds": time.monotonic() - wall}
-            runs[name].append(r)
-            reached = f"{r['seconds']:.1f} s, {r['samples']:,} samples" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
-            print(f"repeat {repeat + 1}, {name}: {reached}, {r['ms_per_step']:.0f} ms/step, "
-                  f"{r['exchange_share']:.0%} in exchanges, run took {r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
+    runs = race(list(specs), repeats, run, args.target)
     summary = report(settings, runs, skipped)
     print(f"total wall time {time.monotonic() - started:.0f} s")
     write_results(out, {"settings": settings, "skipped": skipped, "summary": summary, "runs": runs})

@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallelwrapper import ParallelWrapper, Score
+from parallelwrapper import ParallelWrapper, Score, exchange_share
 from parallelwrapper.app.mnist import load_mnist
 from parallelwrapper.app.models import LeNet
-from parallelwrapper.listeners import exchange_share
 
 BATCH = 128
 LR, MOMENTUM = 0.02, 0.9  # Nesterov SGD; 0.04 (pw-fit's default) spikes to NaN at k = 1 from this seed
-DEFAULT_DATA_DIR = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist")
+# The real MNIST files: $PW_MNIST_DIR where set (as for the tests), else the shared copy beside the repository.
+DEFAULT_DATA_DIR = os.environ.get("PW_MNIST_DIR") or str(Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist")
 
 
 def mnist_batches(data_dir: str, split: str = "train", batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:

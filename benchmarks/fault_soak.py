@@ -7,7 +7,7 @@ first score to the last: the workers' start-up is left out, the faults are all i
 machine's pace drifts by several percent between runs minutes apart, so each run's samples/s are
 also given against its own pace (the median of its seconds), and each fault's cost in seconds of it.
 
-    python benchmarks/fault_soak.py [--workers 8] [--every 10] [--epochs 6] [--faults SIGKILL,raise] [--out benchmarks/results/fault_soak.json]
+    python -m benchmarks fault_soak [--workers 8] [--every 10] [--epochs 6] [--faults SIGKILL,raise] [--out benchmarks/results/fault_soak.json]
 
 Checked as it goes: every epoch's sample count is the data's (no batch lost or trained twice:
 the counters are the workers' sums), and no worker process is left after close(); a check that
@@ -26,13 +26,14 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from common import DEFAULT_DATA_DIR, machine, mnist_batches, table, write_results
+from benchmarks.common import DEFAULT_DATA_DIR, machine, mnist_batches, table, write_results
 from parallelwrapper import ParallelWrapper, Score
 
 FAULTS = ("SIGKILL", "SIGSTOP 5 s", "raise")
@@ -56,14 +57,14 @@ def mlp() -> nn.Module:
 class Injector(threading.Thread):
     """Every `every` seconds, one fault on a random training worker, the kinds in turn."""
 
-    def __init__(self, every: float, folder: Path, kinds: tuple[str, ...] = FAULTS) -> None:
+    def __init__(self, every: float, folder: Path, kinds: tuple[str, ...] = FAULTS, most: int | None = None) -> None:
         super().__init__(daemon=True)
-        self.every, self.folder, self.kinds, self.done = every, folder, kinds, threading.Event()
+        self.every, self.folder, self.kinds, self.most, self.done = every, folder, kinds, most, threading.Event()
         self.struck: list[tuple[float, str, int]] = []  # (seconds since start, fault, pid)
 
     def run(self) -> None:
         start, n = time.monotonic(), 0
-        while not self.done.wait(self.every):
+        while (self.most is None or n < self.most) and not self.done.wait(self.every):
             workers = [p for p in multiprocessing.active_children() if p.name.startswith("parallelwrapper-worker") and p.is_alive()]
             if not workers:
                 continue
@@ -91,11 +92,11 @@ def _continue(pid: int) -> None:
         pass
 
 
-def run(batches: list[Any], workers: int, epochs: int, every: float | None, kinds: tuple[str, ...] = FAULTS) -> dict[str, Any]:
+def run(batches: list[Any], workers: int, epochs: int, every: float | None, kinds: tuple[str, ...] = FAULTS, most: int | None = None) -> dict[str, Any]:
     scores: list[Score] = []
     with tempfile.TemporaryDirectory() as folder:
         os.environ["PW_SOAK_DIR"] = folder
-        injector = Injector(every, Path(folder), kinds) if every else None
+        injector = Injector(every, Path(folder), kinds, most) if every else None
         builder = (
             ParallelWrapper.builder(mlp()).workers(workers).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
             .training_step(step).averaging_frequency(8).on_worker_failure("replace", max_replacements=1000).listeners(scores.append)
@@ -142,22 +143,24 @@ def pace(points: list[tuple[float, int]]) -> float:
     return statistics.median(per_second) if per_second else float("nan")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--every", type=float, default=10.0, help="seconds between faults")
     parser.add_argument("--epochs", type=int, default=6, help="epochs of MNIST (batches of 128); choose them to last minutes")
+    parser.add_argument("--most", type=int, default=None, help="faults at most (--smoke: 1; with 2 workers a second one may strike the last holder of the state mid-recovery)")
+    parser.add_argument("--batches", type=int, default=None, help="the first this many batches of each epoch (default: all 469; --smoke)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"the kinds struck in turn, of {', '.join(FAULTS)} (to time each alone)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/fault_soak.json")
-    args = parser.parse_args()
-    batches = mnist_batches(args.data_dir)
+    args = parser.parse_args(argv)
+    batches = mnist_batches(args.data_dir)[: args.batches]
     free = run(batches, args.workers, args.epochs, None)
     print(f"fault-free: {free['seconds']:.1f} s, {free['samples_per_s']:.0f} samples/s", flush=True)
     kinds = tuple(args.faults.split(","))
     if not set(kinds) <= set(FAULTS):
         parser.error(f"--faults {args.faults}: each kind must be one of {', '.join(FAULTS)}")
-    faulted = run(batches, args.workers, args.epochs, args.every, kinds)
+    faulted = run(batches, args.workers, args.epochs, args.every, kinds, args.most)
     after = run(batches, args.workers, args.epochs, None)
     print(f"fault-free again: {after['seconds']:.1f} s, {after['samples_per_s']:.0f} samples/s", flush=True)
     # Against the fault-free pace on both sides of the faulted run: the machine's pace drifts by

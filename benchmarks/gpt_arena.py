@@ -11,7 +11,7 @@ Model: pre-norm decoder-only Transformer (GPT-2 shape, tied input/output embeddi
 positions), `forward(x)` returns logits flattened to (B * T, 256) so that `F.cross_entropy(model(x),
 y)` with targets flattened to (B * T,) is the loss: every contender and the wrapper's default loss
 use it unchanged. The default size (7 layers, width 256, 8 heads, context 128) has 5.6M
-parameters (`parameter_count()`); `python benchmarks/gpt_arena.py` prints it and the corpus size.
+parameters (`parameter_count()`); `python -m benchmarks gpt_arena` prints it and the corpus size.
 With `--des-loc 1,4,0` it races `.average_updaters(every=m)` for each m (0: never, the parameters alone) on 2 spawned workers (loopback),
 with `--payloads float32-diloco,sparse-params-diloco,...` the payloads (PAYLOAD_RACE), and tables each run's bytes sent per worker,
 measured, seconds and final validation loss (benchmarks/README.md).
@@ -19,15 +19,19 @@ measured, seconds and final validation loss (benchmarks/README.md).
 
 from __future__ import annotations
 
+import argparse
 import glob
 import math
 import os
+import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from benchmarks.common import write_results
 
 CORPUS_BYTES = 4 * 2**20  # a fixed slice of a few MB
 VAL_BYTES = 256 * 2**10
@@ -200,9 +204,7 @@ PAYLOAD_RACE: dict[str, dict[str, object]] = {
 }
 
 
-if __name__ == "__main__":
-    import argparse
-
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print the arena's sizes, or race .average_updaters(every=m) for each m given (--des-loc), or payloads (--payloads).")
     parser.add_argument("--des-loc", default=None, help="comma-separated m, e.g. 1,4,0 (0: never)")
     parser.add_argument("--payloads", default=None, help=f"comma-separated contenders of {list(PAYLOAD_RACE)}, the first the reference")
@@ -213,22 +215,29 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=256, help="steps a worker")
     parser.add_argument("--k", type=int, default=8, help="local steps a round")
     parser.add_argument("--batch", type=int, default=16, help="windows a step")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="a race's rows and settings, as JSON (default: benchmarks/results/gpt_arena.json)")
+    args = parser.parse_args(argv)
     if args.des_loc is None and args.payloads is None:
         train, val = corpus()
         m = CharGPT()
         print(f"corpus: {len(train)} training bytes, {len(val)} validation bytes; CharGPT: {parameter_count(m):,} parameters")
+        return
+    if args.des_loc is not None:
+        contenders: dict[str, dict[str, object]] = {f"every={m}": {"average_updaters": int(m) or False} for m in args.des_loc.split(",")}
     else:
-        if args.des_loc is not None:
-            contenders: dict[str, dict[str, object]] = {f"every={m}": {"average_updaters": int(m) or False} for m in args.des_loc.split(",")}
-        else:
-            contenders = {name: PAYLOAD_RACE[name] for name in args.payloads.split(",")}
-        rows = race(contenders, args.layers, args.width, args.context, args.steps, args.k, args.batch, args.seed)
-        base = rows[0]
-        print("| contender | rounds | MB sent per worker | / first row's | seconds | final validation loss (nats/byte) | / first row's |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for r in rows:
-            fewer, loss = float(base["bytes_per_worker"]) / float(r["bytes_per_worker"]), float(r["val_loss"]) / float(base["val_loss"])  # type: ignore[arg-type]
-            print(f"| {r['name']} | {r['rounds']} | {float(r['bytes_per_worker']) / 1e6:.2f} | {fewer:.2f}x fewer | {float(r['seconds']):.1f} | {r['val_loss']:.4f} | {loss:.4f} |")  # type: ignore[arg-type]
-        size = f"CharGPT {args.layers} layers, width {args.width}, context {args.context}: {base['parameters']:,} parameters"
-        print(f"{size}; 2 workers, k = {args.k}, {args.steps} steps a worker of {args.batch} windows")
+        contenders = {name: PAYLOAD_RACE[name] for name in args.payloads.split(",")}
+    rows = race(contenders, args.layers, args.width, args.context, args.steps, args.k, args.batch, args.seed)
+    base = rows[0]
+    print("| contender | rounds | MB sent per worker | / first row's | seconds | final validation loss (nats/byte) | / first row's |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        fewer, loss = float(base["bytes_per_worker"]) / float(r["bytes_per_worker"]), float(r["val_loss"]) / float(base["val_loss"])  # type: ignore[arg-type]
+        print(f"| {r['name']} | {r['rounds']} | {float(r['bytes_per_worker']) / 1e6:.2f} | {fewer:.2f}x fewer | {float(r['seconds']):.1f} | {r['val_loss']:.4f} | {loss:.4f} |")  # type: ignore[arg-type]
+    size = f"CharGPT {args.layers} layers, width {args.width}, context {args.context}: {base['parameters']:,} parameters"
+    print(f"{size}; 2 workers, k = {args.k}, {args.steps} steps a worker of {args.batch} windows")
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    write_results(args.out or "benchmarks/results/gpt_arena.json", {"settings": settings, "python": sys.version.split()[0], "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """The checks that need a GPU, for the day one is lent: the CUDA paths that the CPU machines test
 only with a faked GPU count, each run for real on `cuda:0`, each a short fit on MNIST.
 
-    python benchmarks/gpu_checks.py --data-dir DIR [--out benchmarks/results/gpu_checks.json]
+    python -m benchmarks gpu_checks --data-dir DIR [--out benchmarks/results/gpu_checks.json]
 
 Each check prints one line, PASS or FAIL and what it saw; the exit code is the number that
 failed. With one GPU, one worker has it alone (an NCCL group of one) and two workers share it
@@ -23,21 +23,21 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import LR, MOMENTUM, lenet, mnist_batches
+from benchmarks.common import DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches
 from parallelwrapper import InferenceMode, ParallelInference, ParallelWrapper, TrainingMode
 
 DEVICE = "cuda:0"  # --device: "cpu" tries the script itself on a machine without a GPU
 NEW_BATCHES = 300  # at most, for each check of a lever
 DATA_DIR = ""  # --data-dir, for the checks that run pw-fit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: torchrun's script
-OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD, as benchmarks/overlap_outer.py
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD, as the retired benchmarks/overlap_outer.py
 
 
 class FormatProbe(nn.Module):
@@ -331,14 +331,14 @@ CHECKS: dict[str, Callable[[list[Any], list[Any]], str]] = {
 }
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/gpu_checks.json")
     parser.add_argument("--device", default=DEVICE, help="cuda:0; cpu only to try this script where there is no GPU")
     parser.add_argument("--batches", type=int, default=469, help="training batches of 128 (469: one epoch)")
     parser.add_argument("--only", help="run only the checks whose names contain this")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     globals()["DEVICE"], globals()["DATA_DIR"] = args.device, args.data_dir
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("torch sees no CUDA device on this machine")

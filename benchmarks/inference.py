@@ -1,7 +1,7 @@
 """Serving LeNet to concurrent callers, each sending single MNIST test images (issue 22).
 
-    python benchmarks/inference.py                      # 1, 8 and 32 callers, each contender
-    python benchmarks/inference.py --requests 1000000   # and the soak: BATCHED, 32 callers, RSS sampled
+    python -m benchmarks inference                      # 1, 8 and 32 callers, each contender
+    python -m benchmarks inference --requests 1000000   # and the soak: BATCHED, 32 callers, RSS sampled
 
 Contenders, one after another in this process, on the same images and the same LeNet:
 - batched: ParallelInference BATCHED, 2 workers (batch_limit 32, max_wait_ms 2, the defaults);
@@ -24,13 +24,13 @@ import argparse
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from common import DEFAULT_DATA_DIR, lenet, table, write_results
+from benchmarks.common import DEFAULT_DATA_DIR, lenet, table, write_results
 from parallelwrapper import InferenceMode, ParallelInference
 from parallelwrapper.app.mnist import load_mnist
 
@@ -132,15 +132,17 @@ def soak(model: torch.nn.Module, images: torch.Tensor, requests: int, sample_eve
     return samples
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--per-caller", type=int, default=0, help="timed requests per caller (default: 3000 / callers, at least 100)")
+    parser.add_argument("--callers", default=",".join(map(str, CALLERS)), help="concurrent callers of each run, comma-separated")
     parser.add_argument("--warmup", type=int, default=20, help="untimed requests per caller first")
     parser.add_argument("--requests", type=int, default=0, help="also soak BATCHED with this many requests from 32 callers")
     parser.add_argument("--sample-every", type=int, default=50_000, help="soak: read RSS every this many requests")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "inference.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    callers = [int(n) for n in args.callers.split(",")]
 
     ((images, _),) = load_mnist(args.data_dir, "test", download=False).batches(10_000)
     model = lenet().eval()
@@ -156,7 +158,7 @@ def main() -> None:
         pi = None if name == "locked" else served(model, InferenceMode(name))
         call = locked if pi is None else pi.output
         try:
-            for n in CALLERS:
+            for n in callers:
                 per_caller = args.per_caller or max(100, 3000 // n)
                 results.setdefault(name, {})[str(n)] = figures = drive(call, images, n, per_caller, args.warmup)
                 print(f"{name:>10}, {n:>2} callers: {figures['requests_per_s']:,.0f} requests/s, p50 {figures['p50_ms']:.2f} ms, p99 {figures['p99_ms']:.2f} ms", flush=True)
@@ -181,7 +183,7 @@ def main() -> None:
             f"soak: {last['requests']:,} requests in {last['seconds']:.0f} s; main {first['main_mib']:.1f} -> {last['main_mib']:.1f} MiB, "
             f"workers {first['workers_mib']:.1f} -> {last['workers_mib']:.1f} MiB (from {first['requests']:,} requests on)"
         )
-    write_results(args.out, {"callers": list(CALLERS), "contenders": results, "offline": ceiling, "soak": samples})
+    write_results(args.out, {"callers": callers, "contenders": results, "offline": ceiling, "soak": samples})
 
 
 if __name__ == "__main__":

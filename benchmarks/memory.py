@@ -1,8 +1,8 @@
 """Peak memory of a fit: the main process and each worker of `ParallelWrapper`, against each rank
 of DistributedDataParallel on the same job.
 
-    python benchmarks/memory.py                      # the code of this checkout
-    python benchmarks/memory.py --before /tmp/pw-before   # and another checkout's, side by side
+    python -m benchmarks memory                      # the code of this checkout
+    python -m benchmarks memory --before /tmp/pw-before   # and another checkout's, side by side
 
 The job: an MLP of about 10M and 50M parameters (float32), SGD with momentum, 2 workers of one
 thread, k = 4, `--batches` small batches in all, fit `--fits` times (from the second fit on, the
@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from common import run_processes, table, vm, worker_pids, write_results
+from benchmarks.common import run_processes, table, vm, worker_pids, write_results
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,9 +142,10 @@ def _wrapper_main(params: int, n: int, fits: int) -> dict[str, Any]:
 
 def wrapper(code: Path, params: int, n: int, fits: int) -> dict[str, Any]:
     """`_wrapper_main` in a fresh Python, importing parallelwrapper from `code`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    # This checkout's benchmarks (the harness), `code`'s parallelwrapper: `code` first on the path.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     out = subprocess.run(
-        [sys.executable, __file__, "--one", str(params), "--batches", str(n), "--fits", str(fits)],
+        [sys.executable, "-m", "benchmarks.memory", "--one", str(params), "--batches", str(n), "--fits", str(fits)],
         env=env, check=True, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     run: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -165,7 +167,7 @@ def ratios(run: dict[str, Any], ddp: list[dict[str, Any]], model_mib: float) -> 
     }
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="10000000,50000000", help="MLP sizes, in parameters")
     parser.add_argument("--batches", type=int, default=48, help=f"batches of {BATCH} in all, shared by the 2 workers")
@@ -173,7 +175,7 @@ def main() -> None:
     parser.add_argument("--before", type=Path, default=None, help="another checkout, measured beside this one")
     parser.add_argument("--out", default="benchmarks/results/memory.json")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a wrapper fit's own process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one is not None:
         print(json.dumps(_wrapper_main(args.one, args.batches, args.fits)))
         return

@@ -6,9 +6,9 @@ adds); and 2 workers x 2 stages against 4 unsplit workers.
 Two independent processes, each training every batch at once, give the speedup the machine's two
 cores allow at all (the last column's ratios are to it).
 
-    python benchmarks/pipeline.py                      # width 1024, batch 2048, 16 batches a fit
-    python benchmarks/pipeline.py --batch 256 --batches 24   # microbatches of 32 rows at M = 8
-    python benchmarks/pipeline.py --width 256 --batches 8 --repeats 1   # a smoke run
+    python -m benchmarks pipeline                      # width 1024, batch 2048, 16 batches a fit
+    python -m benchmarks pipeline --batch 256 --batches 24   # microbatches of 32 rows at M = 8
+    python -m benchmarks pipeline --width 256 --batches 8 --repeats 1   # a smoke run
 
 A microbatch must be large enough for a matrix product to run as fast per row as a whole
 batch's: the row "microbatches accumulated" is one thread training each batch cut into the most
@@ -35,18 +35,16 @@ import queue
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble
 
-from common import median_ratio, rotated, run_processes, table, write_results
+from benchmarks.common import median_ratio, rotated, run_processes, table, write_results
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.config import Pipeline
-from parallelwrapper.pipeline import stage_module
-from parallelwrapper.pipeline.split import pieces_in
-from parallelwrapper.pipeline.stage import pipeline_stages, step, training_schedule
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -106,22 +104,40 @@ def _independent(rank: int, world: int, width: int, batches: Batches, repeats: i
     return statistics.median(times[1:])
 
 
+def pieces(width: int, count: int) -> list[nn.Sequential]:
+    """`mlp(width)` cut into `count` pieces of equal layers, each Linear with the ReLU after it: how
+    `.pipeline(stages=2)` cuts these 8 equal layers (2 pieces; 4 with "zbv")."""
+    modules = list(mlp(width))
+    layers = [modules[i : i + 2] for i in range(0, len(modules), 2)]  # (Linear, ReLU), the last Linear alone
+    per = len(layers) // count
+    return [nn.Sequential(*(m for layer in layers[p * per : (p + 1) * per] for m in layer)) for p in range(count)]
+
+
 def _bare_stage(rank: int, world: int, width: int, batches: Batches, microbatches: int, schedule: str, commands: list[Any], times: Any) -> None:
-    """One stage of torch.distributed.pipelining's own schedule, no wrapper, on the pieces of
-    `mlp(width)` that `.pipeline(stages=2, schedule=schedule)` makes, set up and stepped as a
-    stage's process does (pipeline/stage.py): a pass over `batches` for each command, its seconds
-    on `times` (rank 0), until a None."""
-    spec = Pipeline(world, schedule=schedule)
-    module = stage_module(mlp(width), spec, rank)
-    stages = pipeline_stages(pieces_in(module), spec, rank, torch.device("cpu"), None)
-    run = training_schedule(stages, spec, microbatches, nn.functional.cross_entropy)
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    """One stage of torch.distributed.pipelining's own schedule, no wrapper, on the pieces that
+    `.pipeline(stages=2, schedule=schedule)` makes, held as a stage's process holds them (with
+    "zbv" pieces s and 2S - 1 - s, the first stage scoring): a pass over `batches` for each
+    command, its seconds on `times` (rank 0), until a None."""
+    v = schedule == "zbv"
+    count = 2 * world if v else world
+    held = (rank, count - 1 - rank) if v else (rank,)
+    mine = [pieces(width, count)[i] for i in held]
+    stages = [PipelineStage(piece, i, count, torch.device("cpu")) for piece, i in zip(mine, held)]
+    loss = nn.functional.cross_entropy
+    # torch's 1F1B refuses fewer microbatches than stages, where its warm-up takes them all: GPipe.
+    run: Any = ScheduleZBVZeroBubble(stages, microbatches, loss_fn=loss) if v else (Schedule1F1B if microbatches >= world else ScheduleGPipe)(stages[0], microbatches, loss_fn=loss)
+    scores = 0 if v else world - 1
+    optimizer = torch.optim.SGD([p for piece in mine for p in piece.parameters()], lr=0.01)
     while commands[rank].get() is not None:
         dist.barrier()
         start = time.perf_counter()
         for x, y in batches:
             optimizer.zero_grad()
-            step(run, spec, rank, x, y)
+            given = (x,) if rank == 0 else ()
+            if rank == scores:
+                run.step(*given, target=y)
+            else:
+                run.step(*given)
             optimizer.step()
         dist.barrier()
         if rank == 0:
@@ -194,7 +210,7 @@ def interleaved(contenders: dict[str, Any], repeats: int) -> dict[str, list[floa
     return {name: t[1:] for name, t in times.items()}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=2048, help="rows a batch; cut into M microbatches")
@@ -203,7 +219,7 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", choices=["1f1b", "zbv"], default=["1f1b", "zbv"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/pipeline.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     batches = data(args.width, args.batch, args.batches)
     # What this machine's two cores give two processes that never wait for each other (2x on
     # ideal cores), and what cutting a batch costs one thread at all (smaller matrix products):

@@ -2,8 +2,8 @@
 DDP (plain and with PowerSGD), PeriodicModelAverager, torchft's DiLoCo and LocalSGD, and this
 project (plain, with an outer optimizer, with a 16-bit or quantized payload).
 
-    sudo python benchmarks/slow_link.py --repeats 3          # the default contenders, 100 Mbit/s, 98%
-    sudo python benchmarks/slow_link.py --contenders ddp,wrapper:16 --target 0.90 --max-epochs 1
+    sudo python -m benchmarks slow_link --repeats 3          # the default contenders, 100 Mbit/s, 98%
+    sudo python -m benchmarks slow_link --contenders ddp,wrapper:16 --target 0.90 --max-epochs 1
 
 The two "machines" are two network namespaces joined by a veth pair whose ends are both shaped
 with `tc ... tbf` to `--rate`; each runs one torchrun agent (`--nnodes 2`, `--procs-per-node`
@@ -36,17 +36,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torchft_peer
-from common import DEFAULT_DATA_DIR, rotated, table, write_results
-from slow_link_worker import AUTOS, WRAPPERS
+from benchmarks import torchft_lenet
+from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
+from benchmarks.race import Runs, best, race
+from benchmarks.slow_link_worker import AUTOS, WRAPPERS
 
-WORKER = Path(__file__).resolve().with_name("slow_link_worker.py")
+ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
 ADDRESSES = ("10.213.37.1", "10.213.37.2")  # a private /30 that exists only inside the two namespaces
 
 
 @dataclass(frozen=True)
 class Link:
-    """Two namespaces, one veth end in each: `names[r]`, `devices[r]`, `addresses[r]` for rank r."""
+    """Two namespaces, one veth end in each: `names[r]`, `devices[r]`, `addresses[r]` for rank r;
+    names "" for this machine's own network (`loopback`)."""
 
     names: tuple[str, str]
     devices: tuple[str, str]
@@ -95,6 +97,12 @@ def slow_link(rate: str) -> Iterator[Link]:
             _remove_namespace(ns)
 
 
+@contextmanager
+def loopback() -> Iterator[Link]:
+    """Both "machines" on this machine's loopback, unshaped: no root needed (`--loopback`, `--smoke`)."""
+    yield Link(("", ""), ("lo", "lo"), ("127.0.0.1", "127.0.0.1"))
+
+
 def _remove_namespace(ns: str) -> None:
     """Kill what is left in it (only our torchrun processes can be there), then delete it; the
     veth pair goes with it."""
@@ -115,15 +123,16 @@ def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, 
     try:
         for r in range(2):
             command = [
-                "ip", "netns", "exec", link.names[r],
+                *(("ip", "netns", "exec", link.names[r]) if link.names[r] else ()),
                 sys.executable, "-m", "torch.distributed.run",
                 "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", str(per_node),
                 "--master-addr", link.addresses[0], "--master-port", str(port),
-                str(WORKER), *worker_args,
+                "-m", "benchmarks.slow_link_worker", *worker_args,
             ]  # fmt: skip
             # Gloo would otherwise pick the address of the host name, which the namespace lacks.
             # BENCH_ADDRESS: where the other namespace reaches this one (torchft's store and manager).
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": link.devices[r], "OMP_NUM_THREADS": "1", "BENCH_ADDRESS": link.addresses[r]}
+            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": link.devices[r], "OMP_NUM_THREADS": "1", "BENCH_ADDRESS": link.addresses[r], "PYTHONPATH": path}
             with logs[r].open("wb") as log:
                 # A session of its own: a Ctrl-C here reaches the driver, which stops them in order.
                 procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -160,30 +169,7 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join((own or text)[-lines:])
 
 
-PEERS = ("ddp", "powersgd", "pma", *torchft_peer.KINDS)  # the contenders that are not this project (nor the limit)
-
-
-def time_to_target(result: dict[str, Any], target: float) -> dict[str, Any]:
-    """The first point at or above the target accuracy, or at or below the target validation loss
-    (the GPT arena); None where never reached; and the pace. `best_accuracy` holds the best
-    score either way (the lowest validation loss in the GPT arena)."""
-    points = result["points"]
-    if points and "val_loss" in points[0]:
-        hit = next((p for p in points if p["val_loss"] <= target), None)
-        best = min(p["val_loss"] for p in points)
-    else:
-        hit = next((p for p in points if p["accuracy"] >= target), None)
-        best = max(p["accuracy"] for p in points)
-    last = points[-1]
-    return {
-        "seconds": hit["seconds"] if hit else None,
-        "samples": hit["samples"] if hit else None,
-        "steps_per_rank": hit["steps"] if hit else None,
-        "ms_per_step": 1000 * last["seconds"] / last["steps"],
-        "best_accuracy": best,
-        "comm_fraction": result.get("comm_fraction"),
-        "choices": choices(result),
-    }
+PEERS = ("ddp", "powersgd", "pma", *torchft_lenet.KINDS)  # the contenders that are not this project (nor the limit)
 
 
 def choices(result: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -213,9 +199,6 @@ def choices_text(runs: list[dict[str, Any]] | None) -> str:
     )
 
 
-FAILED = {"seconds": None, "samples": None, "steps_per_rank": None, "ms_per_step": None, "best_accuracy": None, "comm_fraction": None, "choices": None}
-
-
 def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """One contender over the repeats: medians of the seconds to target (None unless every repeat
     reached it), of the steps and of the pace (over the repeats that ran)."""
@@ -238,7 +221,7 @@ def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def compare_to_peers(runs: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def compare_to_peers(runs: Runs, summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Within each repeat (this machine's pace drifts by half between repeats, and a repeat's
     contenders run minutes apart at most): each contender's speed-up over that repeat's best
     peer, and its ratio to that repeat's no-communication limit, its own steps at `none`'s pace.
@@ -246,12 +229,11 @@ def compare_to_peers(runs: dict[str, list[dict[str, Any]]], summary: dict[str, d
     repeats = min(len(rs) for rs in runs.values())
     best_peers = []
     for i in range(repeats):
-        peers = {n: rs[i]["seconds"] for n, rs in runs.items() if n.partition(":")[0] in PEERS and rs[i]["seconds"] is not None}
-        best = min(peers, key=peers.__getitem__) if peers else None
-        best_peers.append(best)
+        fastest = best(runs, i, PEERS)
+        best_peers.append(fastest)
         none_pace = runs["none"][i]["ms_per_step"] if "none" in runs else None  # None too where it failed
         for r in (rs[i] for rs in runs.values()):
-            r["vs_best_peer"] = peers[best] / r["seconds"] if best and r["seconds"] else None
+            r["vs_best_peer"] = runs[fastest][i]["seconds"] / r["seconds"] if fastest and r["seconds"] else None
             limit = r["steps_per_rank"] * none_pace / 1000 if none_pace and r["steps_per_rank"] else None
             r["limit_seconds"], r["vs_limit"] = limit, (r["seconds"] / limit if limit and r["seconds"] else None)
     for name, s in summary.items():
@@ -262,7 +244,7 @@ def compare_to_peers(runs: dict[str, list[dict[str, Any]]], summary: dict[str, d
     return {"best_peer_each": best_peers}
 
 
-def report(settings: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
     """Print the table of `runs` (per contender, one record per repeat); the summary and verdict."""
     summary = {name: summarise(rs) for name, rs in runs.items()}
     verdict = compare_to_peers(runs, summary)
@@ -275,7 +257,8 @@ def report(settings: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> d
     target = settings["target"]
     ranks = 2 * settings.get("procs_per_node", 1)
     arena = "CharGPT on the stdlib corpus (target: validation loss)" if settings.get("arena") == "gpt" else "LeNet, MNIST"
-    print(f"\n{arena}, {ranks} ranks in 2 namespaces over a {settings['rate']} veth, lr {settings['lr']}, "
+    where = "on loopback, unshaped" if settings.get("loopback") else f"in 2 namespaces over a {settings['rate']} veth"
+    print(f"\n{arena}, {ranks} ranks {where}, lr {settings['lr']}, "
           f"scored every {settings['eval_every']} steps per rank, {len(next(iter(runs.values())))} repeats; "
           f"best peer per repeat: {', '.join(str(b) for b in verdict['best_peer_each'])}")  # fmt: skip
     print(table(["contender", (f"s to loss {target}" if settings.get("arena") == "gpt" else f"s to {target:.0%}") + " (median)", "each repeat", "steps/rank each", "ms/step (median)", "ms/step each",
@@ -287,7 +270,7 @@ def report(settings: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> d
     return {**verdict, "summary": summary}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="100mbit", help="tc rate of the link, each direction")
     parser.add_argument("--target", type=float, default=0.98, help="test accuracy to reach")
@@ -299,6 +282,7 @@ def main() -> None:
              "wrapper-auto-sync (the same, never overlapped), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
+    parser.add_argument("--loopback", action="store_true", help="no namespaces, no shaping: both nodes on this machine's loopback (no root; --smoke)")
     parser.add_argument("--procs-per-node", type=int, default=1, help="ranks per namespace (2: a node's ranks share its loopback; for wrapper-node)")
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument("--arena", choices=["lenet", "gpt"], default="lenet",
@@ -316,7 +300,7 @@ def main() -> None:
                         help="training seconds after which a contender stops at its next score, reached or not (for DDP on a slow link)")
     parser.add_argument("--out", default="benchmarks/results/slow_link.json")
     parser.add_argument("--analyse", metavar="JSON", help="no runs: re-read a results file, print its table and rewrite its summary")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.arena == "gpt":  # AdamW at 1e-3 unless told otherwise
         args.lr = 1e-3 if args.lr == parser.get_default("lr") else args.lr
         args.target = 2.0 if args.target == parser.get_default("target") else args.target
@@ -328,14 +312,14 @@ def main() -> None:
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in contenders:
         kind, _, k = c.partition(":")
-        periodic = ("pma", *(w for w in WRAPPERS if w not in AUTOS), *torchft_peer.KINDS)
+        periodic = ("pma", *(w for w in WRAPPERS if w not in AUTOS), *torchft_lenet.KINDS)
         bad_k = (k != "" and not k.isdigit()) if kind in AUTOS else (kind in (*periodic, "powersgd")) != k.isdigit()  # auto: K optional (k_min)
         if kind not in ("ddp", "none", *AUTOS, "powersgd", *periodic) or bad_k:
             parser.error(f"unknown contender {c!r}: use ddp, none, {'[:K_MIN], '.join(AUTOS)}[:K_MIN], powersgd:RANK, pma:K, or {', '.join(w + ':K' for w in periodic[1:])}")
         if kind in periodic and args.eval_every % int(k):
             parser.error(f"--eval-every {args.eval_every} is not a multiple of k = {k}: the model would be scored between averagings")
-    torchft_version = torchft_peer.version() if any(c.startswith("torchft") for c in contenders) else None
-    problem = check_privileges()
+    torchft_version = torchft_lenet.version() if any(c.startswith("torchft") for c in contenders) else None
+    problem = None if args.loopback else check_privileges()
     if problem is not None:
         sys.exit(f"slow_link: cannot set up the two namespaces: {problem}")
     # Ctrl-C and SIGTERM must run the finally blocks that remove the namespaces (SIGINT is
@@ -348,41 +332,35 @@ def main() -> None:
               "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
               "--arena", args.arena, "--batch", str(args.batch), "--max-steps", str(args.max_steps), "--budget", str(args.budget),
               "--optimizer", "adamw" if args.arena == "gpt" else "sgd"]  # fmt: skip
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
     started = time.monotonic()
     port = 29401
-    with tempfile.TemporaryDirectory(prefix="pwbench-") as tmp, slow_link(args.rate) as link:
+    with tempfile.TemporaryDirectory(prefix="pwbench-") as tmp, (loopback() if args.loopback else slow_link(args.rate)) as link:
         work = Path(tmp)
-        print(f"namespaces {link.names[0]} ({link.addresses[0]}) and {link.names[1]} ({link.addresses[1]}), veth shaped to {args.rate}", flush=True)
-        # A fresh port per run: the previous run's sockets may linger in TIME_WAIT.
-        run_ranks(link, 29400, ["link", "--out", str(work / "link.json")], work, "link", timeout=300)
-        measured = json.loads((work / "link.json").read_text())
-        print(
-            f"link: 10 MB one way in {measured['one_way_s']:.2f} s = {measured['one_way_mbit_s']:.0f} Mbit/s; "
-            f"all_reduce of 10 MB in {measured['all_reduce_s']:.2f} s",
-            flush=True,
-        )
-        for repeat in range(args.repeats):
-            for name in rotated(contenders, repeat):  # a drift in the machine's speed falls on different contenders
-                kind, _, k = name.partition(":")
-                out = work / f"{kind}{k}.{repeat}.json"
-                wall = time.monotonic()
-                try:
-                    run_ranks(link, port, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout, args.procs_per_node)
-                except RuntimeError as e:  # one contender's failure (a NaN loss) is its result; the race goes on
-                    cause = next((line for line in reversed(str(e).splitlines()) if "Error" in line), str(e).splitlines()[0])
-                    runs[name].append({**FAILED, "error": cause, "wall_seconds": time.monotonic() - wall})
-                    print(f"repeat {repeat + 1}, {name}: failed: {cause}", flush=True)
-                    continue
-                finally:
-                    port += 1
-                result = json.loads(out.read_text())
-                r = {**time_to_target(result, args.target), "wall_seconds": time.monotonic() - wall, "result": result}
-                runs[name].append(r)
-                reached = f"{r['seconds']:.1f} s, {r['steps_per_rank']} steps" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
-                print(f"repeat {repeat + 1}, {name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {r['wall_seconds']:.0f} s", flush=True)
+        print(f"{link.names[0] or 'loopback'} ({link.addresses[0]}) and {link.names[1] or 'loopback'} ({link.addresses[1]}), "
+              f"{'unshaped' if args.loopback else f'veth shaped to {args.rate}'}", flush=True)  # fmt: skip
+        measured = None  # on loopback nothing is shaped: no link to measure
+        if not args.loopback:
+            run_ranks(link, 29400, ["link", "--out", str(work / "link.json")], work, "link", timeout=300)
+            measured = json.loads((work / "link.json").read_text())
+            print(
+                f"link: 10 MB one way in {measured['one_way_s']:.2f} s = {measured['one_way_mbit_s']:.0f} Mbit/s; "
+                f"all_reduce of 10 MB in {measured['all_reduce_s']:.2f} s",
+                flush=True,
+            )
 
-    settings = {"rate": args.rate, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
+        def run(name: str, repeat: int) -> dict[str, Any]:
+            nonlocal port
+            kind, _, k = name.partition(":")
+            out = work / f"{kind}{k}.{repeat}.json"
+            port += 1  # a fresh port per run: the previous run's sockets may linger in TIME_WAIT
+            run_ranks(link, port - 1, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout, args.procs_per_node)
+            result = json.loads(out.read_text())
+            points = result.pop("points")
+            return {"points": points, "comm_fraction": result.get("comm_fraction"), "choices": choices(result), "result": result}
+
+        runs = race(contenders, args.repeats, run, args.target, keep_going=True)  # one contender's failure (a NaN loss) is its result
+
+    settings = {"rate": args.rate, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
                 "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs, "arena": args.arena,
                 "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "python": sys.version.split()[0],

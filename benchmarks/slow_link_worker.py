@@ -1,6 +1,6 @@
 """One rank of benchmarks/slow_link.py: train LeNet on MNIST under torchrun until a test accuracy.
 
-    torchrun --nnodes 2 --node-rank R ... benchmarks/slow_link_worker.py CONTENDER [K] --out points.json
+    torchrun --nnodes 2 --node-rank R ... -m benchmarks.slow_link_worker CONTENDER [K] --out points.json
 
 Contenders (every one trains the same model from the same init on the same batches):
   ddp          DistributedDataParallel (gloo): gradients all-reduced every step
@@ -24,7 +24,7 @@ Contenders (every one trains the same model from the same init on the same batch
                and warm start, compressing after --powersgd-start plain steps
   torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
   torchft-localsgd K  torchft's LocalSGD: parameters averaged every K steps
-               (each rank its own replica group; rank 0 runs the lighthouse; torchft_peer.py)
+               (each rank its own replica group; rank 0 runs the lighthouse; torchft_lenet.py)
   none         no communication: each rank trains alone on its shard (rank 0's model is scored)
   link         no training: times a one-way 10 MB send and a 10 MB all_reduce over the link
 
@@ -53,7 +53,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +65,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSG
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
-import gpt_arena
-import torchft_peer
-from common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
+from benchmarks import gpt_arena, torchft_lenet
+from benchmarks.common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
 from parallelwrapper import ParallelWrapper, TrainingMode
 from parallelwrapper.app.mnist import load_mnist
 from parallelwrapper.app.models import LeNet
@@ -199,7 +198,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         return fit
     cls, kwargs = inner_optimizer(args)
     optimizer = cls(model.parameters(), **kwargs)
-    if kind in torchft_peer.KINDS:
+    if kind in torchft_lenet.KINDS:
         # Each rank is a replica group of its own; rank 0 runs the lighthouse, at MASTER_ADDR.
         port = int(os.environ["MASTER_PORT"]) + LIGHTHOUSE_PORT_OFFSET
         if rank == 0:
@@ -210,7 +209,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         dist.barrier()  # the lighthouse is up before any manager asks it for a quorum
         outer = {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": args.outer_momentum > 0}
         stack.enter_context(
-            torchft_peer.torchft_sync(
+            torchft_lenet.torchft_sync(
                 kind, model, optimizer, k, lighthouse=f"http://{os.environ['MASTER_ADDR']}:{port}", replica_id=f"rank{rank}",
                 replicas=world, outer=outer, host=os.environ.get("BENCH_ADDRESS", "localhost"), timeout=args.timeout,
             )
@@ -320,7 +319,7 @@ def communicating(kind: str, k: int, seconds: float) -> tuple[float | None, str]
         return 0.0, "no communication"
     if kind in WRAPPERS or kind == "pma":
         return SPLIT.averaging_s / seconds, "averaging seconds (Scores' exchange_s; PMA's average_parameters) / training seconds"
-    if kind in torchft_peer.KINDS:
+    if kind in torchft_lenet.KINDS:
         # The sync runs inside the k-th step's optimizer.step(): its excess over a plain step.
         each = SPLIT.step_s_each
         syncs = [t for i, t in enumerate(each) if (i + 1) % k == 0]
@@ -350,9 +349,9 @@ def measure_link() -> dict[str, float]:
     return {"bytes": LINK_BYTES, "one_way_s": one_way, "one_way_mbit_s": LINK_BYTES * 8 / one_way / 1e6, "all_reduce_s": all_reduce}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("contender", choices=["ddp", "powersgd", "pma", *WRAPPERS, *torchft_peer.KINDS, "none", "link"])
+    parser.add_argument("contender", choices=["ddp", "powersgd", "pma", *WRAPPERS, *torchft_lenet.KINDS, "none", "link"])
     parser.add_argument("k", type=int, nargs="?", default=1, help="averaging period (pma, wrapper); PowerSGD's rank")
     parser.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     parser.add_argument("--target", type=float, default=0.98)
@@ -369,8 +368,8 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="its Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may take")
-    args = parser.parse_args()
-    if args.contender in ("pma", *WRAPPERS, *torchft_peer.KINDS) and args.eval_every % args.k:
+    args = parser.parse_args(argv)
+    if args.contender in ("pma", *WRAPPERS, *torchft_lenet.KINDS) and args.eval_every % args.k:
         parser.error(f"--eval-every {args.eval_every} must be a multiple of k = {args.k}, to score right after an averaging")
 
     torch.set_num_threads(1)  # both "machines" share this machine's cores

@@ -1,6 +1,6 @@
 """Throughput of LeNet on MNIST (batch 128) with N workers on this machine, against the peers.
 
-    python benchmarks/throughput.py --workers 2 --steps 200
+    python -m benchmarks throughput --workers 2 --steps 200
 
 Contenders, one after another in this run, each worker training `steps` batches of its own:
   ceiling      N independent single-thread processes, no communication at all
@@ -27,7 +27,7 @@ import functools
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
-from common import BATCH, DEFAULT_DATA_DIR, lenet, median_ratio, mnist_batches, nesterov, rotated, run_processes, table, timed_fit, write_results
+from benchmarks.common import BATCH, DEFAULT_DATA_DIR, lenet, median_ratio, mnist_batches, nesterov, rotated, run_processes, table, timed_fit, write_results
 
 
 def _peer(rank: int, world: int, kind: str, k: int, steps: int, warmup: int, data_dir: str) -> dict[str, float]:
@@ -99,7 +99,7 @@ def wrapper(world: int, k: int, steps: int, warmup: int, data_dir: str, overlap:
     return {"samples_per_s": world * BATCH * 1000.0 / timed["ms_per_step"], "wall_s": timed["wall_s"], "exchange_share": timed["exchange_share"]}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200, help="batches per worker")
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="run only these contenders, comma-separated names (e.g. 'ceiling,wrapper k=3,auto')")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     n, steps, warmup = args.workers, args.steps, args.warmup
     frequencies = [int(f) for f in args.frequencies.split(",")]
 

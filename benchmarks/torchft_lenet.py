@@ -2,7 +2,7 @@
 
     pip install --no-deps torchft==0.2.0   # then its pure-python needs: opentelemetry-api,
                                            # opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http
-    python benchmarks/torchft_lenet.py --workers 2 --k 16 --steps 208 --warmup 32 --repeats 5
+    python -m benchmarks torchft_lenet --workers 2 --k 16 --steps 208 --warmup 32 --repeats 5
 
 Contenders, each worker (torchft: each replica group of one process) training `steps` batches of
 its own (batch i to worker i mod N, the wrapper's deal), batch 128, Nesterov SGD (momentum 0.9,
@@ -15,7 +15,7 @@ lr --lr, default common.py's 0.02), one thread per process, gloo on loopback:
   wrapper-outer     overlap and .outer_optimizer(SGD, lr 0.7, momentum 0.9, Nesterov): Streaming DiLoCo
   wrapper-params    wrapper with .average_updaters(False): the parameters only, LocalSGD's bytes
   wrapper-diloco    wrapper-params with the outer optimizer, in step: DiLoCo's algorithm and bytes
-torchft runs as torchft_peer.py sets it up, with a LighthouseServer in this process
+torchft runs as `torchft_sync` below sets it up, with a LighthouseServer in this process
 (min_replicas=N, a fresh one per run).
 
 Steady state, timed alike for all: every process stamps the clock after each step's backward,
@@ -28,25 +28,114 @@ one's end stamp. (The wrapper's Score listener is not used: with overlap a round
 when the round lands, a round late, which would count one round too many in the window.) Each
 round of the benchmark runs the contenders in turn, starting one further along each time; the
 median over rounds is reported.
+
+torchft is a benchmark-only peer, not a dependency of this project (see MISSING). Each replica
+group has its own TCPStore and a Manager (use_async_quorum=False, which DiLoCo requires;
+init_sync=False, every replica starting from the same seeded model, as Manager's docs advise
+then) on a torchft ProcessGroupGloo, and asks a LighthouseServer for its quorum, as torchft's
+examples and integration tests set it up; slow_link_worker.py uses the same `torchft_sync`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import importlib.metadata
 import os
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, ms_per_step, rotated, run_processes, table, timed_fit, window, write_results
-from torchft_peer import torchft_sync, version
+from benchmarks.common import BATCH, DEFAULT_DATA_DIR, LR, MOMENTUM, lenet, mnist_batches, ms_per_step, rotated, run_processes, table, timed_fit, window, write_results
+
+KINDS = ("torchft-diloco", "torchft-localsgd")
+MISSING = (
+    "torchft is not importable ({error}). It is a benchmark-only peer, not a dependency: "
+    "pip install --no-deps torchft==0.2.0 (--no-deps keeps this torch), then its pure-python needs "
+    "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http; "
+    "or leave the torchft contenders out with --contenders"
+)
+
+
+def version() -> str:
+    """torchft's installed version; SystemExit with MISSING's advice where it does not import."""
+    try:
+        import torchft  # noqa: F401  (its import needs opentelemetry too)
+    except ImportError as error:
+        raise SystemExit(MISSING.format(error=error)) from None
+    return importlib.metadata.version("torchft")
+
+
+@contextmanager
+def torchft_sync(
+    kind: str,
+    model: nn.Module,
+    inner: torch.optim.Optimizer,
+    k: int,
+    *,
+    lighthouse: str,
+    replica_id: str,
+    replicas: int,
+    outer: dict[str, Any],
+    host: str = "localhost",
+    timeout: float = 60.0,
+) -> Iterator[Any]:
+    """Within the block, `inner.step()` runs torchft's `kind` ("torchft-diloco": DiLoCo with an
+    outer SGD of `outer`'s arguments; "torchft-localsgd": LocalSGD, parameters averaged) every `k`
+    steps, among `replicas` replica groups that meet at `lighthouse`. `host` is the address the
+    other groups reach this one at (its store and manager). Yields the Manager."""
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown torchft contender {kind!r}: use one of {', '.join(KINDS)}")
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
+
+    wait = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this replica group's
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=wait),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=replicas,
+        use_async_quorum=False,
+        replica_id=replica_id,
+        store_addr=host,
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        hostname=host,
+        timeout=wait,
+        quorum_timeout=wait,
+        connect_timeout=wait,
+        init_sync=False,
+    )
+    try:
+        if kind == "torchft-diloco":
+            algo: Any = DiLoCo(manager, [model], inner, torch.optim.SGD(model.parameters(), **outer), sync_every=k)
+        else:
+            algo = LocalSGD(manager, model, inner, sync_every=k)
+        with algo:
+            yield manager
+    finally:
+        manager.shutdown(wait=False)
+
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's outer SGD (torchft's train_diloco.py)
 CONTENDERS = ("none", "torchft-diloco", "torchft-localsgd", "wrapper", "wrapper-overlap", "wrapper-outer", "wrapper-params", "wrapper-diloco")
@@ -122,7 +211,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="workers, or torchft replica groups of one process")
     parser.add_argument("--k", type=int, default=16, help="local steps between two syncs")
@@ -133,7 +222,7 @@ def main() -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/torchft_lenet.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     n, k, steps, warmup = args.workers, args.k, args.steps, args.warmup
     names = [c for c in args.contenders.split(",") if c]
     unknown = sorted(set(names) - set(CONTENDERS))

@@ -21,14 +21,13 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from benchmarks.slow_link import Link, check_privileges, slow_link
 from parallelwrapper.config import Config
 from parallelwrapper.env import TorchrunEnv
 from parallelwrapper.hosts.heartbeat import Heartbeat
 from parallelwrapper.hosts.torchrun import _join
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from slow_link import Link, check_privileges, slow_link
 from test_torchrun import check, clean_env, free_port, torchrun
 from tiny import make_batches, mlp
 from torchrun_restart import PEER_TIMEOUT_S, builder

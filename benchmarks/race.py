@@ -1,0 +1,79 @@
+"""The race to a target, shared by comm_bound.py (loopback) and slow_link.py (a shaped link): each
+contender trains and is scored every few steps off the clock; its result is the training seconds
+at the first score that reaches the target. Repeats run every contender once, in an order rotated
+by one each repeat, so that the machine's drift over minutes falls on different contenders, and
+ratios between contenders are taken within a repeat before their median is.
+
+A contender's run returns its `points`, one a score: seconds, samples, steps (per rank) and
+either accuracy (higher is better) or val_loss (lower is better).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from benchmarks.common import rotated
+
+Runs = dict[str, list[dict[str, Any]]]  # contender: one record a repeat
+
+FAILED = {"seconds": None, "samples": None, "steps_per_rank": None, "ms_per_step": None, "best_accuracy": None}
+
+
+def time_to_target(points: Sequence[dict[str, Any]], target: float) -> dict[str, Any]:
+    """The first point at or above the target accuracy, or at or below the target validation loss;
+    None where never reached; the pace over the whole run; `best_accuracy` the best score either
+    way (the lowest validation loss)."""
+    if points and "val_loss" in points[0]:
+        hit = next((p for p in points if p["val_loss"] <= target), None)
+        best = min(p["val_loss"] for p in points)
+    else:
+        hit = next((p for p in points if p["accuracy"] >= target), None)
+        best = max(p["accuracy"] for p in points)
+    last = points[-1]
+    return {
+        "seconds": hit["seconds"] if hit else None,
+        "samples": hit["samples"] if hit else None,
+        "steps_per_rank": hit["steps"] if hit else None,
+        "ms_per_step": 1000 * last["seconds"] / last["steps"],
+        "best_accuracy": best,
+    }
+
+
+def race(names: Sequence[str], repeats: int, run: Callable[[str, int], dict[str, Any]], target: float, keep_going: bool = False) -> Runs:
+    """`run(name, repeat)` for every contender in every repeat, rotated; each record is the run's
+    own fields with its time to `target` and wall seconds. `keep_going`: a run that raises
+    RuntimeError (a NaN loss, ranks that failed) is recorded as FAILED with its cause, and the
+    race goes on."""
+    runs: Runs = {name: [] for name in names}
+    for repeat in range(repeats):
+        for name in rotated(names, repeat):
+            wall = time.monotonic()
+            try:
+                result = run(name, repeat)
+            except RuntimeError as e:
+                if not keep_going:
+                    raise
+                cause = next((line for line in reversed(str(e).splitlines()) if "Error" in line), str(e).splitlines()[0])
+                runs[name].append({**FAILED, "error": cause, "wall_seconds": time.monotonic() - wall})
+                print(f"repeat {repeat + 1}, {name}: failed: {cause}", flush=True)
+                continue
+            r = {**time_to_target(result["points"], target), **result, "wall_seconds": time.monotonic() - wall}
+            runs[name].append(r)
+            reached = f"{r['seconds']:.1f} s, {r['steps_per_rank']:.0f} steps" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
+            print(f"repeat {repeat + 1}, {name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {r['wall_seconds']:.0f} s", flush=True)
+    return runs
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    """The median, or None where a value is missing (a repeat that did not reach the target)."""
+    return statistics.median(v for v in values if v is not None) if values and all(v is not None for v in values) else None
+
+
+def best(runs: Runs, repeat: int, group: Collection[str]) -> str | None:
+    """The contender of `group` (by kind: a name's part before ':') fastest to the target in
+    `repeat`, or None where none of them reached it."""
+    reached = {n: rs[repeat]["seconds"] for n, rs in runs.items() if n.partition(":")[0] in group and rs[repeat]["seconds"] is not None}
+    return min(reached, key=reached.__getitem__) if reached else None

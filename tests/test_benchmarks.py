@@ -1,0 +1,124 @@
+"""Every maintained benchmark still runs, so that a refactor which breaks one fails the suite:
+`python -m benchmarks quick` runs each at its smallest size (`--smoke`: real spawned workers, real
+gloo, torchrun agents on loopback, only a few steps), and each must write figures that are
+numbers: the race reached its target, the ratios are finite, the faults were replaced. About two
+to three minutes on this 2-core machine, most of it processes starting; not the fast tier."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.__main__ import BENCHMARKS
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, mnist_dir: Path) -> dict[str, Any]:
+    """Each benchmark's results JSON, by name, from one `quick` run."""
+    out = tmp_path_factory.mktemp("quick")
+    env = {**os.environ, "PW_MNIST_DIR": str(mnist_dir), "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "quick", "--out", str(out), "--jobs", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, f"python -m benchmarks quick failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def figure(value: Any) -> float:
+    """A measured figure: a finite positive number."""
+    assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, value
+    return float(value)
+
+
+def throughput(r: dict[str, Any]) -> None:
+    for name, run in r["runs"].items():
+        figure(run["samples_per_s"])
+        if name != "ddp":
+            figure(run["vs_ddp"])
+
+
+def torchft_lenet(r: dict[str, Any]) -> None:
+    for run in r["runs"].values():
+        assert run["failed"] == 0, run
+        figure(run["ms_per_step"])
+        figure(run["vs_ceiling"])
+
+
+def race(vs: str) -> Callable[[dict[str, Any]], None]:
+    """comm_bound's and slow_link's summaries: every contender reached the target, and its ratio to
+    the best of its group (race.py's `best`) is a number."""
+
+    def check(r: dict[str, Any]) -> None:
+        for s in r["summary"].values():
+            figure(s["seconds"])
+            figure(s["ms_per_step"])
+            figure(s[vs])
+
+    return check
+
+
+def gpt_arena(r: dict[str, Any]) -> None:
+    float32, int8 = r["rows"]
+    for row in r["rows"]:
+        figure(row["val_loss"])
+    assert figure(int8["bytes_per_worker"]) < figure(float32["bytes_per_worker"]), r["rows"]
+
+
+def fault_soak(r: dict[str, Any]) -> None:
+    faulted = r["faulted"]
+    assert faulted["faults"] and faulted["replacements"] == len(faulted["faults"]), faulted
+    assert all(run["epochs_right"] and not run["left_processes"] for run in (r["fault_free"], faulted, r["fault_free_after"]))
+    figure(r["kept"])
+
+
+def memory(r: dict[str, Any]) -> None:
+    for size in r["runs"].values():
+        assert all(figure(rank["rss_peak_mib"]) for rank in size["ddp_ranks"])
+        figure(size["after"]["main_peak_mib"])
+        figure(size["after"]["worker_over_ddp"])
+
+
+def pipeline(r: dict[str, Any]) -> None:
+    assert r["rows"], r
+    for row in r["rows"]:
+        assert all(figure(v) for v in row if isinstance(v, float)), row
+
+
+def inference(r: dict[str, Any]) -> None:
+    assert r["contenders"], r
+    figure(r["offline"]["requests_per_s"])
+
+
+def gpu_checks(r: dict[str, Any]) -> None:
+    checks = {name: c for name, c in r.items() if isinstance(c, dict)}
+    assert checks and all(c["ok"] for c in checks.values()), checks
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "throughput": throughput,
+    "torchft_lenet": torchft_lenet,
+    "comm_bound": race("vs_best_pma"),
+    "slow_link": race("vs_best_peer"),
+    "gpt_arena": gpt_arena,
+    "fault_soak": fault_soak,
+    "memory": memory,
+    "pipeline": pipeline,
+    "inference": inference,
+    "gpu_checks": gpu_checks,
+}
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_each_benchmark_runs_at_its_smallest_size_and_writes_its_figures(results: dict[str, Any], name: str) -> None:
+    assert name in CHECKS, f"tests/test_benchmarks.py has no check of benchmark {name!r}'s results: add one to CHECKS"
+    assert name in results, f"`python -m benchmarks {name} --smoke` wrote no results JSON"
+    CHECKS[name](results[name])
