@@ -48,7 +48,7 @@ rung that sends the most while its estimate keeps k at half of k_max or below, e
 sends least; a rung tried with fewer bytes is kept only if its measured exchange is 10% faster than
 the rung before it, one with more bytes only if its measure still fits; else the autopilot goes
 back to that one and stops there: fewer bits win only where the link is slower than the codec (on
-loopback an int8 round costs about what float32's does, benchmarks/README.md).
+loopback an int8 round costs about what float32's does, benchmarks/results/averaging_cost.json).
 
 Its last resort is overlap: where no rung is left to try and even k_max leaves the link's share
 above twice ρ (x/(x + k_max·c) > 2ρ; the wait w is an imbalance, which overlap does not hide), it
@@ -461,7 +461,7 @@ class Pilot:
         exchange (hidden behind them) and its codec's part (compute at the launch and the
         landing, not hidden) stays under ρ of the time: the smallest k_min·2^i with both, at most
         k_max. HIDE, not 1: at 2 Mbit/s a first exchange measured 27 s, and the overlapped ones at
-        the k whose steps took 31 s waited 10-12 s each to land (benchmarks/README.md)."""
+        the k whose steps took 31 s waited 10-12 s each to land (the GPT arena at 2 Mbit/s: `git show 0a8f6f4:benchmarks/README.md`)."""
         spec = self.spec
         k = spec.k_min
         while (k * step_s < HIDE * link_s or k < self._need(codec_s, step_s)) and k < spec.k_max:

@@ -23,7 +23,7 @@ codec makes (one pass over the whole buffer per operation cost 2 to 3 times as m
 of 2^18 numbers (4 MiB for the four buffers: the L3, not a core's 2 MiB L2) makes a quarter of
 2^16's calls, whose overhead dominated: with it, and the round's pre-scale carried in the int
 codecs' block scales, an int8 averaging of 16.8M numbers went from 1.40x to 0.97-0.99x a float32
-averaging's time on this project's 2-core CPU (benchmarks/README.md). The chunks are grouped into
+averaging's time on this project's 2-core CPU (benchmarks/results/averaging_cost.json). The chunks are grouped into
 pieces of about PIECE_BYTES encoded bytes, handed out one by one as they are written, so that
 whoever sends them may send each while the rest are encoded, and decode each as it arrives. A
 piece's payload is its codes, then its scales.

@@ -31,7 +31,7 @@ _PRELOAD = ["parallelwrapper.hosts.process", "parallelwrapper.inference.process"
 # glibc's heap in a worker: blocks under 32 MiB come from the heap (glibc's own ceiling for the
 # threshold it adapts), and up to 256 MiB freed at the heap's top stay mapped. Otherwise glibc
 # gives a step's freed tensors back to the kernel and faults them in again at the next step:
-# hundreds of page faults a step and ~5% of a LeNet step (benchmarks/page_faults.py). Peak memory
+# hundreds of page faults a step and ~5% of a LeNet step (benchmarks/results/page_faults.json). Peak memory
 # is unchanged: what stays mapped was in use at the peak. PW_KEEP_HEAP=0, or glibc's own MALLOC_
 # variables for these, leave glibc as it is (setting any of them stops glibc adapting the two).
 _HEAP = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20), "MALLOC_TRIM_THRESHOLD_": (-1, 256 << 20)}  # mallopt's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD

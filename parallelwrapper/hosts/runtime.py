@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import signal
 import threading
 import time
@@ -114,9 +113,7 @@ class Worker:
         with self._own_threads_and_rng():
             try:
                 self.replica.load_state(command.state)
-                self.rounds.reset()  # the replica's tensors were replaced
-                self.rounds.counters = dataclasses.replace(command.counters)
-                self.rounds.started = command.start  # the records' seconds count from it
+                self.rounds.begin(command.counters, command.start)
             except Exception as e:  # noqa: BLE001 - any failure is a WorkerError, whose message holds e's traceback: from None prints it once
                 raise self.failure(e) from None
         return command.until_epoch

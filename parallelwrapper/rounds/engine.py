@@ -70,16 +70,15 @@ class Rounds:
         self._exchange = Transport(trainer, config, device, (group, world_size), gradients, shards, self.clock, redoes)
         self._sync = self._exchange.sync  # every round's but an overlapped averaging's, which the loop settles and releases
         self.counters = Counters()
-        self.started = time.monotonic()  # when the fit() began, which the records' seconds count from: Worker.start sets it (FitCommand.start)
+        self.started = time.monotonic()  # when the fit() began, which the records' seconds count from (begin)
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
-        self.seq = 0  # rounds started over this worker's life, the same on every worker: the observer's tags (types.RoundObserver)
+        self.seq = 0  # rounds started over this worker's life, the same on every worker: the observer's tags (hooks.RoundObserver)
         self._cut = RoundCut(world_size * (1 if lockstep is None else lockstep.size))  # which batches each round trains, and their steps
         self.policy = policy_for(config, trainer, self.clock, device, group)  # what each averaging round runs with (policy.py)
 
     @property
     def _averaging(self) -> bool:
-        """This round averages the state, not the gradients: AVERAGING, once the warm-up's
-        `warmup_sync_steps` synchronous steps (rounds, over the wrapper's life) are done."""
+        """This round averages the state: AVERAGING, after the warm-up's `warmup_sync_steps` rounds (over the wrapper's life)."""
         return self._averages_state and self.counters.rounds >= self.config.warmup_sync_steps
 
     def own_state(self) -> StateDict:
@@ -93,9 +92,12 @@ class Rounds:
         if self.policy.load_state_dict(own):
             self.config = self._exchange.use(self.policy.choice)
 
-    def reset(self) -> None:
-        """The trainer's tensors were replaced (a fit() loads new state): build buffers afresh."""
+    def begin(self, counters: Counters, started: float) -> None:
+        """The one way a host sets the loop's counters: a fit() loaded the trainer's state (new
+        tensors, so the exchanges build their buffers afresh) and starts at `counters` and `started`."""
         self._exchange.reset()
+        self.counters = dataclasses.replace(counters)
+        self.started = started
 
     def run(self, until_epoch: int, source: BatchSource, report: Reporter) -> None:
         """A fit: train from `self.counters` to the end of epoch `until_epoch - 1`, the trainer
@@ -217,12 +219,6 @@ class Rounds:
         return work
 
     # -- the exchange ----------------------------------------------------------------------------
-
-    def exchange(self, work: Work) -> RoundTotals:
-        """Launch and land a round at once, after `work`, all of it (benchmarks time this)."""
-        totals = self._land(self._launch(work), work, at_once=True)
-        self._sync.settle()
-        return totals
 
     def _launch(self, work: Work) -> Sent | Launched:
         stop = self.hooks.stop_requested()

@@ -41,7 +41,7 @@ from .trainer import Trainer
 
 # Streaming DiLoCo's mixing factor α: where an outer step lands a round late, a worker keeps this
 # share of its own snapshot against the step's result. 0 (the step followed in full) diverged on
-# MNIST with DiLoCo's outer SGD (lr 0.7, Nesterov momentum 0.9; docs/design.md, benchmarks/README).
+# MNIST with DiLoCo's outer SGD (lr 0.7, Nesterov momentum 0.9; docs/design.md, benchmarks/results/overlap_outer.json).
 OUTER_MIX = 0.5
 
 
