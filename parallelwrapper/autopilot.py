@@ -85,7 +85,7 @@ PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it may choose, when n
 UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state travels, when not set (0: never)
 # Bits a number, per payload, scales aside; sparse's are its indices', values' and steps' bytes over
 # its block, 8 · 148 / 4096 (codec.Sparse; test_codec holds the two to each other).
-BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4, "sparse": 0.2890625}
+BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4, "sparse": 0.2265625}
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
