@@ -13,7 +13,7 @@ y)` with targets flattened to (B * T,) is the loss: every contender and the wrap
 use it unchanged. The default size (7 layers, width 256, 8 heads, context 128) has 5.6M
 parameters (`parameter_count()`); `python -m benchmarks gpt_arena` prints it and the corpus size.
 With `--des-loc 1,4,0` it races `.average_updaters(every=m)` for each m (0: never, the parameters alone) on 2 spawned workers (loopback),
-with `--payloads float32-diloco,sparse-params-diloco,...` the payloads (PAYLOAD_RACE), and tables each run's bytes sent per worker,
+with `--payloads float32-params-diloco,sparse-params-average,...` the payloads (`contender`), and tables each run's bytes sent per worker,
 measured, seconds and final validation loss (benchmarks/README.md).
 """
 
@@ -191,23 +191,29 @@ def race(contenders: dict[str, dict[str, object]], layers: int, width: int, cont
     return rows
 
 
-# --payloads: float32 DiLoCo (the outer optimizer, the whole state) against coded payloads of the
-# parameters alone under the same outer optimizer, and sparse under plain averaging (its error
-# feedback standing in for outer momentum, as in SparseLoCo).
-PAYLOAD_RACE: dict[str, dict[str, object]] = {
-    "float32-diloco": {"outer": (0.7, 0.9)},
-    "float32-params-diloco": {"average_updaters": False, "outer": (0.7, 0.9)},  # DiLoCo's own: each worker keeps its AdamW state
-    "float32-params-average": {"average_updaters": False},  # PeriodicModelAverager's rounds
-    "int8-params-diloco": {"payload_dtype": "int8", "average_updaters": False, "outer": (0.7, 0.9)},
-    "sparse-params-diloco": {"payload_dtype": "sparse", "average_updaters": False, "outer": (0.7, 0.9)},
-    "sparse-params-average": {"payload_dtype": "sparse", "average_updaters": False},
-}
+# --payloads: each contender is named PAYLOAD-STATE-ROUND: a payload dtype ("float32", "int8",
+# "sparse", "sparse:0.03125", ...), "params" for the parameters alone (DiLoCo's own: each worker
+# keeps its AdamW state) or "state" for the whole state, and "diloco" (the outer Nesterov SGD of
+# --outer) or "average" (plain averaging, PeriodicModelAverager's rounds; sparse's error feedback
+# standing in for outer momentum, as in SparseLoCo). E.g. float32-params-diloco, sparse-params-average.
+ROUNDS = ("diloco", "average")
+STATES = ("params", "state")
+
+
+def contender(name: str, outer: tuple[float, float]) -> dict[str, object]:
+    """The builder changes of a contender named PAYLOAD-STATE-ROUND (see above)."""
+    payload, state, rounds = (name.rsplit("-", 2) + ["", ""])[:3]
+    if state not in STATES or rounds not in ROUNDS:
+        raise SystemExit(f"gpt_arena: contender {name!r} is not PAYLOAD-STATE-ROUND, STATE one of {STATES}, ROUND one of {ROUNDS}; e.g. sparse-params-average")
+    change: dict[str, object] = {"payload_dtype": payload, "average_updaters": state == "state"}
+    return {**change, "outer": outer} if rounds == "diloco" else change
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print the arena's sizes, or race .average_updaters(every=m) for each m given (--des-loc), or payloads (--payloads).")
     parser.add_argument("--des-loc", default=None, help="comma-separated m, e.g. 1,4,0 (0: never)")
-    parser.add_argument("--payloads", default=None, help=f"comma-separated contenders of {list(PAYLOAD_RACE)}, the first the reference")
+    parser.add_argument("--payloads", default=None, help="comma-separated contenders PAYLOAD-STATE-ROUND, e.g. float32-params-diloco,sparse-params-average; the first the reference")
+    parser.add_argument("--outer", default="0.7,0.9", help="the diloco contenders' outer SGD: learning rate, Nesterov momentum (DiLoCo's: 0.7,0.9)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--width", type=int, default=256)
@@ -225,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.des_loc is not None:
         contenders: dict[str, dict[str, object]] = {f"every={m}": {"average_updaters": int(m) or False} for m in args.des_loc.split(",")}
     else:
-        contenders = {name: PAYLOAD_RACE[name] for name in args.payloads.split(",")}
+        lr, momentum = (float(x) for x in args.outer.split(","))
+        contenders = {name: contender(name, (lr, momentum)) for name in args.payloads.split(",")}
     rows = race(contenders, args.layers, args.width, args.context, args.steps, args.k, args.batch, args.seed)
     base = rows[0]
     print("| contender | rounds | MB sent per worker | / first row's | seconds | final validation loss (nats/byte) | / first row's |")
