@@ -70,7 +70,7 @@ and its model's sizes, summed by the round's all-reduce, are the same numbers on
 whatever its own measures said, and applies the decision from the next round on. Each worker also
 sends the choice it ran with, so a round whose workers disagree fails instead of averaging. The
 pilot's state goes in every checkpoint and carries over from one fit() to the next. Imports nothing
-of the package.
+of the package but payloads.py's names and bits.
 """
 
 from __future__ import annotations
@@ -81,11 +81,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict, cast
 
+from .payloads import FORMS, bits, is_sparse, problem
+
 PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it may choose, when none is set
 UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state travels, when not set (0: never)
-# Bits a number, per payload, scales aside; sparse's are its indices', values' and steps' bytes over
-# its block, 8 · 148 / 4096 (codec.Sparse; test_codec holds the two to each other).
-BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4, "sparse": 0.2265625}
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
@@ -139,13 +138,13 @@ class Autopilot:
         of a 6M-parameter model's parameters took 22 s, int8's about 6 s, and on a fast link int8
         costs its codec's few milliseconds a round (docs/guides/autopilot.md). It climbs to more
         bytes once a measure says they fit."""
-        return min(self.rungs, key=lambda r: (BITS[r.payload], r.updaters_every != 0, -r.updaters_every))
+        return min(self.rungs, key=lambda r: (bits(r.payload), r.updaters_every != 0, -r.updaters_every))
 
-    def check_payloads(self, names: Sequence[str]) -> None:
-        """A ValueError unless every payload it may choose is one of `names` (config.PAYLOAD_DTYPES)."""
-        unknown = [p for p in self.payloads if p not in names]
+    def check_payloads(self) -> None:
+        """A ValueError unless every payload it may choose is a payload (payloads.py)."""
+        unknown = [p for p in self.payloads if problem(p) is not None]
         if unknown:
-            raise ValueError(f"averaging_frequency('auto'): payloads {unknown} are not payloads; choose among {list(names)}")
+            raise ValueError(f"averaging_frequency('auto'): payloads {unknown} are not payloads; choose among {FORMS}")
 
     @property
     def rungs(self) -> tuple[Rung, ...]:
@@ -155,7 +154,7 @@ class Autopilot:
         sparse the parameters alone (config.CONFLICTS says why)."""
         return tuple(
             Rung(p, m) for p in self.payloads for m in self.updater_periods
-            if p == "float32" or (m in (0, 1) and (p != "sparse" or m == 0))
+            if p == "float32" or (m in (0, 1) and (not is_sparse(p) or m == 0))
         )  # fmt: skip
 
 
@@ -183,7 +182,7 @@ class Rung:
 
     def bytes(self, sizes: Sizes) -> float:
         """Bytes a worker sends a round on average, for a model of `sizes`."""
-        return self.elements(sizes) * BITS[self.payload] / 8
+        return self.elements(sizes) * bits(self.payload) / 8
 
     def estimate(self, other: Rung, link_s: float, codec_s: float, sizes: Sizes) -> float:
         """The seconds an exchange of `other` would take, where one of this rung takes `link_s` on

@@ -5,10 +5,10 @@ Every rank's encoding is decoded and summed onto that average.
     bfloat16, float16   the change cast, 2 bytes a number
     int8, int4          block-quantized: a float32 scale per BLOCK numbers (absmax / 127 or / 7,
                         symmetric), then 1 byte a number, or half a byte (two codes a byte)
-    sparse              the largest SPARSE_K of each SPARSE_BLOCK numbers (1.56%): their indices
-                        in the block (12 bits each, two in 3 bytes), their values at 2 bits
-                        (±0.5, ±1.5 steps, a float32 step per block): 116 bytes a block of
-                        16 KiB, 141.2x fewer
+    sparse[:D]          the largest entries of each block of 4096 numbers (64, 1.56%, or the
+                        density D's, payloads.py): their indices in the block (12 bits each, two
+                        in 3 bytes), their values at 2 bits (±0.5, ±1.5 steps, a float32 step
+                        per block): 116 bytes a block of 16 KiB at 64, 141.2x fewer
 
 Error feedback: what the codes lose stays in `error` and is added to the next round's change, so
 over many rounds nothing is lost in total: what was sent plus the error equals the sum of the
@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .payloads import NAMES, SPARSE_BLOCK, is_sparse, sparse_block_bytes, sparse_entries
+
 BLOCK = 256  # numbers per scale, int8 and int4
 CHUNK = 1 << 18  # numbers encoded at a time on the CPU (see above)
 PIECE_BYTES = 4 << 20  # encoded bytes a piece holds, about (1 MiB to all in one: within noise on loopback)
 TINY = 1e-30  # a block's absmax is at least this: a block of zeros gets a finite scale and codes 0
-SPARSE_BLOCK, SPARSE_K = 4096, 64  # the sparse codec's block (an index fits 12 bits) and the entries it sends of each
-CODECS = ("bfloat16", "float16", "int8", "int4", "sparse")
+CODECS = tuple(name for name in NAMES if name != "float32")  # and sparse:D (payloads.py)
 
 
 @dataclass
@@ -169,12 +170,10 @@ class Sparse(Codec):
     indices took 2k + k/4: 1.27x fewer). Everything else stays in the error. Indices within a
     block are distinct, so decoding scatters without collisions, bitwise the same on every rank."""
 
-    name = "sparse"
-
-    def __init__(self, block: int = SPARSE_BLOCK, k: int = SPARSE_K) -> None:
-        assert block <= 1 << 12 and k % 4 == 0 and k <= block
-        self.block, self.k, self.index_bytes = block, k, 3 * k // 2
-        self.bits = 8 * (self.index_bytes + k // 4) / block
+    def __init__(self, name: str = "sparse") -> None:
+        self.name, self.block, self.k = name, SPARSE_BLOCK, sparse_entries(name)
+        self.index_bytes = 3 * self.k // 2
+        self.bits = 8 * (sparse_block_bytes(self.k) - 4) / self.block
 
     def code_bytes(self, numel: int) -> int:
         return -(-numel // self.block) * (self.index_bytes + self.k // 4)
@@ -221,10 +220,10 @@ def uncoded_or(payload: str | torch.dtype | None) -> str | None:
 
 
 def codec(name: str | torch.dtype) -> Codec:
-    """The codec of a payload dtype: "bfloat16", "float16", "int8", "int4", "sparse" (or the torch dtype)."""
+    """The codec of a payload dtype: "bfloat16", "float16", "int8", "int4", "sparse", "sparse:D" (or the torch dtype)."""
     name = str(name).removeprefix("torch.")
-    if name == "sparse":
-        return Sparse()
+    if is_sparse(name):
+        return Sparse(name)
     if name in ("bfloat16", "float16"):
         return Cast(getattr(torch, name))
     if name in ("int8", "int4"):
@@ -354,4 +353,4 @@ class DeltaCoder:
         self.start[: self.state.numel()].copy_(self.state)
 
 
-__all__ = ["BLOCK", "CHUNK", "CODECS", "SPARSE_BLOCK", "SPARSE_K", "Blocks", "Cast", "Codec", "DeltaCoder", "Scratch", "Sparse", "codec", "uncoded_or"]
+__all__ = ["BLOCK", "CHUNK", "CODECS", "Blocks", "Cast", "Codec", "DeltaCoder", "Scratch", "Sparse", "codec", "uncoded_or"]

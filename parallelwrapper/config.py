@@ -17,8 +17,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from . import payloads
 from .autopilot import Autopilot
-from .registry import Declared, boolean, choice, count, declared, instance, option, positive, validate
+from .registry import Declared, boolean, choice, count, declared, instance, option, positive, ruled, validate
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -45,7 +46,7 @@ class NanPolicy(enum.Enum):
 BACKENDS = ("auto", "gloo", "nccl")
 # bf16-mixed: forward and loss under autocast; 16-mixed: float16 with a GradScaler. Params, grads, optimizer state and the averaging stay float32.
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
-PAYLOAD_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4", "sparse")  # the averaging's wire format (codec.py)
+PAYLOAD_DTYPES = payloads.NAMES  # the averaging's wire format (payloads.py; and sparse:D)
 FAILURE_POLICIES = ("raise", "replace")  # what a spawned worker's failure does (hosts/spawned.py)
 FEEDS = ("auto", "queue")  # how spawned workers get a list of batches (feed/)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zbv")  # a pipeline's (pipeline/stage.py; "zbv": zero bubble, V)
@@ -197,8 +198,9 @@ class Config:
         count(0), "warmup_sync_steps", example=200, flag="--warmup-sync-steps", fingerprint=True)
     payload_dtype: str = option(
         "float32", "What an averaging sends: bfloat16/float16 the change since the last average cast, int8/int4 block-quantized "
-                   "(a scale per 256 numbers), sparse the largest 64 of each 4096 at 2 bits; what is not sent goes with the next round.",
-        choice(*PAYLOAD_DTYPES), "payload_dtype", example="int8", flag="--payload-dtype")
+                   "(a scale per 256 numbers), sparse the largest 64 of each 4096 at 2 bits (sparse:D: a density D in (0, 0.25], e.g. "
+                   "sparse:0.03125, 128 of each 4096); what is not sent goes with the next round.",
+        ruled(payloads.problem, *PAYLOAD_DTYPES, "sparse:D"), "payload_dtype", example="int8", flag="--payload-dtype")
     hierarchy: str = option(
         "none", "node: under torchrun, a node's ranks share gradients every step and nodes average every k steps.",
         choice("none", "node"), "hierarchy", example="node")
@@ -224,7 +226,7 @@ class Config:
     def __post_init__(self) -> None:
         validate(self)
         if self.autopilot is not None:
-            self.autopilot.check_payloads(PAYLOAD_DTYPES)
+            self.autopilot.check_payloads()
         check_devices(self.devices)  # how many there must be is env.resolve's to check
         refuse(self)
 
@@ -320,8 +322,8 @@ CONFLICTS: tuple[Conflict, ...] = (
              _EVERY + "payload_dtype {c.payload_dtype!r}, which codes the optimizer state with the parameters, one residual for "
              "both: use float32 or every=1",
              ".average_updaters(every=4).payload_dtype('int8')"),
-    Conflict(("payload_dtype", "average_updaters"), lambda c, j: c.payload_dtype == "sparse" and c.average_updaters,
-             "payload_dtype('sparse') sends the largest 64 of each 4096 numbers of a change, which suits the parameters but "
+    Conflict(("payload_dtype", "average_updaters"), lambda c, j: payloads.is_sparse(c.payload_dtype) and c.average_updaters,
+             "payload_dtype({c.payload_dtype!r}) sends the largest entries (1.56% by default) of each 4096 numbers of a change, which suits the parameters but "
              "not the optimizer's state (Adam's second moments, coded so, go astray: a loss 2.4x higher on a small job): add "
              ".average_updaters(False) (pw-fit: --no-average-updaters), each worker keeping its own, as DiLoCo does",
              ".payload_dtype('sparse')"),

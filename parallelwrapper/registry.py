@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,9 @@ from typing import Any
 @dataclass(frozen=True)
 class Check:
     """What a value must be: an int (`integer`; >= `minimum` unless None), a number > 0 (`positive`)
-    or >= `at_least`, one of `choices`, a bool (`boolean`), an instance of `kind`; or None where `optional`. pw-fit maps
-    it to a click type; the config calls it on every value."""
+    or >= `at_least`, one of `choices`, a bool (`boolean`), an instance of `kind`, what `rule` passes (it
+    says what is wrong, or None); or None where `optional`. pw-fit maps it to a click type; the
+    config calls it on every value."""
 
     integer: bool = False
     minimum: int | None = None
@@ -33,6 +34,7 @@ class Check:
     kind: type | None = None
     optional: bool = False
     at_least: float | None = None
+    rule: Callable[[object], str | None] | None = None
 
     def problem(self, value: object) -> str | None:
         """What is wrong with `value`, as the end of "must be ...", or None when it is right."""
@@ -44,6 +46,8 @@ class Check:
             return "a positive number"
         if self.at_least is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not self.at_least <= value < math.inf):
             return f"a number >= {self.at_least:g}"
+        if self.rule is not None:
+            return self.rule(value)
         if self.choices and value not in self.choices:
             return f"one of {list(self.choices)}"
         if self.boolean and not isinstance(value, bool):
@@ -67,6 +71,12 @@ def number(at_least: float) -> Check:
 
 def choice(*choices: object) -> Check:
     return Check(choices=tuple(choices))
+
+
+def ruled(rule: Callable[[object], str | None], *examples: object) -> Check:
+    """A value `rule` passes: it says what is wrong with one (the end of "must be ..."), or None.
+    `examples` are some right values, for pw-fit's help."""
+    return Check(rule=rule, choices=examples)
 
 
 def boolean() -> Check:
@@ -162,4 +172,4 @@ def validate(instance: object, where: str = "") -> None:
         d.check(getattr(instance, d.name), where)
 
 
-__all__ = ["Check", "Declared", "Option", "boolean", "changed", "choice", "count", "declared", "end_with_defaults", "instance", "number", "option", "positive", "validate"]
+__all__ = ["Check", "Declared", "Option", "boolean", "changed", "choice", "count", "declared", "end_with_defaults", "instance", "number", "option", "positive", "ruled", "validate"]

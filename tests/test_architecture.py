@@ -1,8 +1,8 @@
 """The module map holds: the Layout table of the design guide (docs/design.md) is the real import
 order (every import, even inside a function or behind TYPE_CHECKING, points down it, so there is no
 cycle), and its concept column is each module's docstring's first line; `naming`, `errors`,
-`batches`, `registry` and `autopilot` import nothing of the package (`types` only `errors`,
-`config` only `registry` and `autopilot`, `job` only `naming`), `averaging` knows nothing of the
+`batches`, `registry` and `payloads` import nothing of the package (`autopilot` and `codec` only
+`payloads`, `types` only `errors`, `config` only `registry`, `autopilot` and `payloads`, `job` only `naming`), `averaging` knows nothing of the
 protocol, the round engine names no autopilot (it asks a policy); the library never imports the
 application (parallelwrapper/app/), which imports the library only through
 `parallelwrapper.__all__`, and only the application imports click or matplotlib.
@@ -77,16 +77,17 @@ def test_the_import_graph_has_no_cycle() -> None:
         visit(name, [])
 
 
-@pytest.mark.parametrize("leaf", ["naming", "errors", "batches", "codec", "app.models", "app.mnist"])
+@pytest.mark.parametrize("leaf", ["naming", "errors", "batches", "payloads", "app.models", "app.mnist"])
 def test_bottom_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[f"parallelwrapper.{leaf}"] == set()
 
 
 def test_config_imports_only_the_registry_and_the_autopilots_bounds() -> None:
-    assert GRAPH["parallelwrapper.config"] <= {"parallelwrapper.registry", "parallelwrapper.autopilot"}
+    assert GRAPH["parallelwrapper.config"] <= {"parallelwrapper.registry", "parallelwrapper.autopilot", "parallelwrapper.payloads"}
     assert GRAPH["parallelwrapper.job"] <= {"parallelwrapper.naming"}
     assert GRAPH["parallelwrapper.types"] == {"parallelwrapper.errors"}  # a Replacement carries its WorkerError
-    assert GRAPH["parallelwrapper.autopilot"] == GRAPH["parallelwrapper.registry"] == set()
+    assert GRAPH["parallelwrapper.autopilot"] == GRAPH["parallelwrapper.codec"] == {"parallelwrapper.payloads"}  # payload names and bits
+    assert GRAPH["parallelwrapper.registry"] == set()
 
 
 def test_averaging_imports_only_the_codecs_and_their_exchange() -> None:

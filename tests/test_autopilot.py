@@ -28,10 +28,11 @@ from torch import nn
 
 from groups import run_group
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.autopilot import BITS, Autopilot, Choice, Pilot, Rung, Sizes, levers
+from parallelwrapper.autopilot import Autopilot, Choice, Pilot, Rung, Sizes, levers
 from parallelwrapper.config import Config, Pipeline, TrainingMode
 from parallelwrapper.job import Job
 from parallelwrapper.listeners import autopilot_changes
+from parallelwrapper.payloads import bits
 from parallelwrapper.rounds import Rounds
 from parallelwrapper.rounds.policy import Steered
 from parallelwrapper.worker import Replica
@@ -155,7 +156,7 @@ def test_a_link_a_little_slow_sends_the_most_bytes_that_keep_k_at_half_its_bound
     # float32, 28.5; in bfloat16, 14 (int8 with the state sends as much): the most that fits.
     assert [c.choice for c in pilot.changes] == [Choice(16, "bfloat16", 0)] and ran[-1] == Choice(16, "bfloat16", 0)
     plain = Pilot(Autopilot(k_max=32), START)  # an optimizer without state: only fewer bits send less
-    ran = fly([plain], step_s=0.01, link_s=lambda rung: 0.012 * BITS[rung.payload] / 32, rounds=40, sizes=Sizes(1000, 0))
+    ran = fly([plain], step_s=0.01, link_s=lambda rung: 0.012 * bits(rung.payload) / 32, rounds=40, sizes=Sizes(1000, 0))
     assert ran[-1] == Choice(16, "bfloat16", 1)
 
 
@@ -450,7 +451,7 @@ def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equa
     # the autopilot comes back after one round (fewer bits are kept only when 10% faster: on
     # loopback they are not): that try once failed an assertion that bits never go down. The
     # slowed one keeps int8, at k_max.
-    assert BITS[fast_end.payload] > 8, fast_choices
+    assert bits(fast_end.payload) > 8, fast_choices
     assert slow_end.k == 32 and {c.payload for c in slow_choices} == {"int8"}, slow_choices  # no payload keeps k at 16: it stays with the fewest bytes
 
 

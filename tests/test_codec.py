@@ -16,9 +16,9 @@ from torch import nn
 from groups import run_group
 from parallelwrapper import ParallelWrapper
 from parallelwrapper import codec as codec_module
-from parallelwrapper.autopilot import BITS
 from parallelwrapper.averaging import FlatAverager
-from parallelwrapper.codec import BLOCK, CODECS, SPARSE_BLOCK, SPARSE_K, TINY, DeltaCoder, codec
+from parallelwrapper.codec import BLOCK, CODECS, TINY, DeltaCoder, codec
+from parallelwrapper.payloads import SPARSE_BLOCK, SPARSE_ENTRIES, bits, problem
 from tiny import make_batches, mlp
 
 CPU = torch.device("cpu")
@@ -79,30 +79,51 @@ def test_a_round_trip_errs_by_at_most_half_a_step_and_feeds_the_error_back(name:
 
 
 @pytest.mark.fast
-def test_sparse_sends_the_largest_entries_of_each_block_at_2_bits_and_keeps_the_rest() -> None:
+@pytest.mark.parametrize(("name", "k"), [("sparse", 64), ("sparse:0.03125", 128), ("sparse:0.001", 4), ("sparse:0.25", 1024)])
+def test_sparse_sends_the_largest_entries_of_each_block_at_2_bits_and_keeps_the_rest(name: str, k: int) -> None:
     numel = 3 * SPARSE_BLOCK + 17  # a partial last block
     g = torch.Generator().manual_seed(0)
     delta = torch.randn(numel, generator=g) * torch.logspace(-3, 1, numel)
     delta[SPARSE_BLOCK : 2 * SPARSE_BLOCK] = 0.0  # a block of zeros
     state = torch.zeros(numel)
-    coder = DeltaCoder("sparse", state)
+    coder = DeltaCoder(name, state)
     state.copy_(delta)
     (payloads,) = exchange([coder], [1.0], 1.0)
     error = coder.error[:numel]
     torch.testing.assert_close(state + error, delta, rtol=1e-6, atol=1e-7)  # sent plus kept: the change
-    for b in (0, 2):  # a full block: its 64 largest entries went, each as one of 4 levels of its step
+    for b in (0, 2):  # a full block: its k largest entries went, each as one of 4 levels of its step
         block = slice(b * SPARSE_BLOCK, (b + 1) * SPARSE_BLOCK)
         sent = state[block].nonzero().flatten()
-        largest = delta[block].abs().topk(SPARSE_K).indices
-        assert len(sent) == SPARSE_K and set(sent.tolist()) == set(largest.tolist())
+        largest = delta[block].abs().topk(k).indices
+        assert len(sent) == k and set(sent.tolist()) == set(largest.tolist())
         step = delta[block].abs().max() / 1.5
         levels = (state[block][sent] / step + 1.5).double()
         torch.testing.assert_close(levels, levels.round().clamp(0, 3), rtol=0, atol=1e-4)
-    assert torch.equal(state[SPARSE_BLOCK : 2 * SPARSE_BLOCK].abs().sort().values[:-SPARSE_K], torch.zeros(SPARSE_BLOCK - SPARSE_K))
+    assert torch.equal(state[SPARSE_BLOCK : 2 * SPARSE_BLOCK].abs().sort().values[:-k], torch.zeros(SPARSE_BLOCK - k))
     assert not state.isnan().any()  # a block of zeros: a finite step
-    assert sum(p.numel() for p in payloads) == coder.nbytes == codec("sparse").nbytes(numel) == 4 * (3 * 64 // 2 + 16 + 4)
-    assert 4 * 4 * numel / coder.nbytes > 100  # 106x here; 141.2x for whole blocks
-    assert BITS["sparse"] == 8 * codec("sparse").nbytes(SPARSE_BLOCK) / SPARSE_BLOCK  # what the autopilot counts
+    assert sum(p.numel() for p in payloads) == coder.nbytes == codec(name).nbytes(numel) == 4 * (3 * k // 2 + k // 4 + 4)
+    assert bits(name) == 8 * codec(name).nbytes(SPARSE_BLOCK) / SPARSE_BLOCK  # what the autopilot counts
+    assert (k == SPARSE_ENTRIES) == (name == "sparse") and round(32 / bits(name), 1) == {64: 141.2, 128: 71.9, 4: 1489.5, 1024: 9.1}[k]  # x fewer than float32
+
+
+@pytest.mark.fast
+def test_payload_names_take_a_sparse_density_and_refuse_what_is_not_one() -> None:
+    """sparse:D for D in (0, 0.25]; the builder's density keyword says the same, and refuses a
+    density for another payload or out of range, saying what to write."""
+    assert problem("sparse:0.03125") is None and problem("int8") is None
+    for bad in ("sparse:0", "sparse:0.3", "sparse:x", "sparse:", "int16", 8):
+        assert "sparse:D (D a density in (0, 0.25]" in str(problem(bad))
+    build = ParallelWrapper.builder(nn.Linear(2, 2)).optimizer(torch.optim.SGD, lr=0.1).average_updaters(False)
+    with build.payload_dtype("sparse", density=0.03125).build() as w:
+        assert w.config.payload_dtype == "sparse:0.03125"
+    with build.payload_dtype("sparse", density=64 / 4096).build() as w:
+        assert w.config.payload_dtype == "sparse"  # the default's name
+    with pytest.raises(ValueError, match=r"payload_dtype\('int8', density=0.1\): a density is the sparse payload's alone; use .payload_dtype\('sparse', density=0.1\)"):
+        build.payload_dtype("int8", density=0.1)
+    with pytest.raises(ValueError, match=r"the density must be a number in \(0, 0.25\], e.g. density=0.03125"):
+        build.payload_dtype("sparse", density=0.5)
+    with pytest.raises(ValueError, match=r"payload_dtype must be one of float32, .* sparse or sparse:D"):
+        build.payload_dtype("sparse:2").build()
 
 
 @pytest.mark.fast
@@ -237,7 +258,7 @@ def test_the_bytes_are_a_half_a_quarter_an_eighth_plus_scales_and_trailer() -> N
     sparse_blocks = -(-100_300 // SPARSE_BLOCK)
     expected = {
         "bfloat16": 100_300 * 2, "float16": 100_300 * 2, "int8": blocks * (BLOCK + 4), "int4": blocks * (BLOCK // 2 + 4),
-        "sparse": sparse_blocks * (3 * SPARSE_K // 2 + SPARSE_K // 4 + 4),  # 12-bit indices, 2-bit values, a float32 step
+        "sparse": sparse_blocks * (3 * SPARSE_ENTRIES // 2 + SPARSE_ENTRIES // 4 + 4),  # 12-bit indices, 2-bit values, a float32 step
     }  # fmt: skip
     for name in CODECS:
         wired = FlatAverager([t.clone() for t in tensors], CPU, trailer=5, wire=name)

@@ -125,7 +125,9 @@ def test_pw_fits_flags_for_the_builders_options_are_their_declarations() -> None
         param = params.get(d.option.flag)
         assert param is not None, f"pw-fit has no {d.option.flag} for {d.name}"
         assert (param.help or "").startswith(d.option.help), d.name
-        if d.option.check.choices:
+        if d.option.check.rule is not None:  # a value its rule passes, the help naming the examples
+            assert param.metavar == "[" + "|".join(str(c) for c in d.option.check.choices) + "]", d.name
+        elif d.option.check.choices:
             assert list(param.type.choices) == [str(c) for c in d.option.check.choices], d.name
     renamed = {"--mode", "--clip-grad-norm", "--val-every", "--replace-workers", "--schedule"}  # one name per thing (CHANGELOG.md)
     assert not renamed & params.keys()

@@ -33,6 +33,13 @@ _TAU = f"{_ENCODING['threshold'].default:g}"  # the encoded run's τ by default
 _LR_DEFAULTS = ", ".join(f"{name} {choice.default_lr:g}" for name, choice in OPTIMIZERS.items())
 
 
+def _ruled(rule: Callable[[object], str | None], value: Any) -> Any:
+    problem = None if value is None else rule(value)
+    if problem is not None:
+        raise click.BadParameter(f"{value!r} is not {problem}")
+    return value
+
+
 def _declared(name: str, extra: str = "", options: Mapping[str, Any] = OPTIONS, **override: Any) -> Callable[[F], F]:
     """pw-fit's flag for the library's option `name`, made from its declaration (the training's
     parallelwrapper.OPTIONS, or serving's INFERENCE_OPTIONS): the flag, its help (then `extra`,
@@ -44,7 +51,10 @@ def _declared(name: str, extra: str = "", options: Mapping[str, Any] = OPTIONS, 
     default = override.pop("default", getattr(FIT_CONFIG, name) if options is OPTIONS else d.default)
     kwargs: dict[str, Any] = {"show_default": default is not None, "help": f"{d.option.help} {extra}".strip()}
     decls = [f"{flag}/--no-{flag.removeprefix('--')}"] if check.boolean else [flag]
-    if check.choices:
+    if check.rule is not None:  # e.g. a payload name, sparse:D among them: the help shows the declaration's examples
+        kwargs["metavar"] = "[" + "|".join(str(c) for c in check.choices) + "]"
+        kwargs["callback"] = lambda ctx, param, value: _ruled(check.rule, value)
+    elif check.choices:
         kwargs["type"] = click.Choice([str(c) for c in check.choices])
     elif check.integer:
         kwargs["type"] = int if check.minimum is None else click.IntRange(min=check.minimum)
