@@ -191,6 +191,56 @@ def race(contenders: dict[str, dict[str, object]], layers: int, width: int, cont
     return rows
 
 
+def codec_cost(payloads: Sequence[str], layers: int, width: int, context: int, k: int, batch: int, seed: int = 0, repeats: int = 5) -> list[dict[str, object]]:
+    """Each payload's codec work in a round of 2 workers against the round's compute, in one
+    process on one thread (as a worker runs): k AdamW steps of the arena's model, then one
+    worker's side of a coded exchange of its parameters (its encode, and the decode of its own
+    and the other worker's payloads), the median of `repeats` of each."""
+    import statistics
+    import time
+
+    from parallelwrapper.codec import DeltaCoder
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    train, _ = corpus()
+    model = CharGPT(layers, width, max(1, width // 32), context)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = list(train_batches(train, batch, k * repeats, seed, context))
+    rounds = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        for x, y in data[r * k : (r + 1) * k]:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        rounds.append(time.perf_counter() - start)
+    compute = statistics.median(rounds)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    rows: list[dict[str, object]] = []
+    for name in payloads:
+        mine, other = DeltaCoder(name, flat.clone(), 2, 0), DeltaCoder(name, flat.clone(), 2, 1)
+        g = torch.Generator().manual_seed(seed)
+        encode, decode = [], []
+        for _ in range(repeats):
+            for c in (mine, other):
+                c.state.add_(torch.randn(flat.numel(), generator=g) * 1e-3)  # a round's change
+            before = mine.seconds  # the coder's own clock: its encode and decode passes alone
+            sent = [p.clone() for p in mine.encode(0.5)]
+            encode.append(mine.seconds - before)
+            for i, payload in enumerate(other.encode(0.5)):
+                mine.inbox[i][1].copy_(payload)
+                other.inbox[i][0].copy_(sent[i])
+            before = mine.seconds
+            for i in range(mine.pieces):
+                mine.decode(i, 1.0)
+            decode.append(mine.seconds - before)
+            for i in range(other.pieces):
+                other.decode(i, 1.0)
+        rows.append({"payload": name, "numbers": flat.numel(), "bytes": mine.nbytes, "encode_s": statistics.median(encode), "decode_s": statistics.median(decode)})
+    return [{"compute_s": compute, "k": k, **row} for row in rows]
+
+
 # --payloads: each contender is named PAYLOAD-STATE-ROUND: a payload dtype ("float32", "int8",
 # "sparse", "sparse:0.03125", ...), "params" for the parameters alone (DiLoCo's own: each worker
 # keeps its AdamW state) or "state" for the whole state, and "diloco" (the outer Nesterov SGD of
@@ -213,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print the arena's sizes, or race .average_updaters(every=m) for each m given (--des-loc), or payloads (--payloads).")
     parser.add_argument("--des-loc", default=None, help="comma-separated m, e.g. 1,4,0 (0: never)")
     parser.add_argument("--payloads", default=None, help="comma-separated contenders PAYLOAD-STATE-ROUND, e.g. float32-params-diloco,sparse-params-average; the first the reference")
+    parser.add_argument("--codec-cost", default=None, metavar="PAYLOADS", help="comma-separated payloads, e.g. int8,sparse: each one's encode and decode in a round against k steps' compute")
     parser.add_argument("--outer", default="0.7,0.9", help="the diloco contenders' outer SGD: learning rate, Nesterov momentum (DiLoCo's: 0.7,0.9)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=7)
@@ -223,6 +274,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16, help="windows a step")
     parser.add_argument("--out", default=None, help="a race's rows and settings, as JSON (default: benchmarks/results/gpt_arena.json)")
     args = parser.parse_args(argv)
+    if args.codec_cost is not None:
+        cost = codec_cost(args.codec_cost.split(","), args.layers, args.width, args.context, args.k, args.batch, args.seed)
+        print(f"| payload | bytes a worker a round | encode ms | decode ms (2 workers) | / {args.k} steps' compute |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in cost:
+            codec_s, compute = float(r["encode_s"]) + float(r["decode_s"]), float(r["compute_s"])  # type: ignore[arg-type]
+            print(f"| {r['payload']} | {r['bytes']:,} | {float(r['encode_s']) * 1e3:.1f} | {float(r['decode_s']) * 1e3:.1f} | {codec_s / compute:.2%} |")  # type: ignore[arg-type]
+        print(f"CharGPT {args.layers} layers, width {args.width}: {cost[0]['numbers']:,} parameters; {args.k} AdamW steps of {args.batch} windows on one thread: {float(cost[0]['compute_s']):.2f} s")  # type: ignore[arg-type]
+        write_results(args.out or "benchmarks/results/gpt_arena_codec_cost.json", {"settings": vars(args), "python": sys.version.split()[0], "rows": cost})
+        return
     if args.des_loc is None and args.payloads is None:
         train, val = corpus()
         m = CharGPT()

@@ -277,9 +277,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--contenders",
         default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
-        help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4|-params-sparse]:K, "
+        help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4|-params-sparse|-params-sparse128]:K, "
              "wrapper-auto (the autopilot: no K; k is at most --eval-every, each score being a fit() of that many steps), "
-             "wrapper-auto-sync (the same, never overlapped), none",
+             "wrapper-auto-sync (the same, never overlapped), wrapper-auto-sparse (sparse among its payloads), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
     parser.add_argument("--loopback", action="store_true", help="no namespaces, no shaping: both nodes on this machine's loopback (no root; --smoke)")
@@ -290,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "AdamW inner optimizer; --target is a validation loss in nats/byte")
     parser.add_argument("--batch", type=int, default=16, help="gpt arena: 128-byte windows per step per rank")
     parser.add_argument("--max-steps", type=int, default=2000, help="gpt arena: steps per rank at most")
+    parser.add_argument("--layers", type=int, default=7, help="gpt arena: CharGPT's layers (4 with --width 192: 1.85M parameters)")
+    parser.add_argument("--width", type=int, default=256, help="gpt arena: CharGPT's width")
     parser.add_argument("--eval-every", type=int, default=64, help="steps per rank between scores (a multiple of every k)")
     parser.add_argument("--lr", type=float, default=0.04, help="Nesterov SGD, every contender (pw-fit's default)")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's outer SGD learning rate")
@@ -331,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               "--eval-every", str(args.eval_every), "--lr", str(args.lr),
               "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
               "--arena", args.arena, "--batch", str(args.batch), "--max-steps", str(args.max_steps), "--budget", str(args.budget),
+              "--layers", str(args.layers), "--width", str(args.width),
               "--optimizer", "adamw" if args.arena == "gpt" else "sgd"]  # fmt: skip
     started = time.monotonic()
     port = 29401
@@ -363,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = {"rate": args.rate, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
                 "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs, "arena": args.arena,
-                "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "python": sys.version.split()[0],
+                "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "layers": args.layers, "width": args.width, "python": sys.version.split()[0],
                 "torchft": torchft_version}  # fmt: skip
     verdict = report(settings, runs)
     print(f"total wall time {time.monotonic() - started:.0f} s")

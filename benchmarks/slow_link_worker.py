@@ -11,7 +11,8 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-outer K    wrapper K with an outer Nesterov SGD (--outer-lr, --outer-momentum; DiLoCo, SlowMo)
   wrapper-bf16 K     wrapper K with .payload_dtype(torch.bfloat16): deltas sent in bfloat16, error fed back
   wrapper-params-int8 K, wrapper-params-int4 K, wrapper-params-sparse K   wrapper-params K with .payload_dtype("int8"/"int4"/"sparse"):
-                     block-quantized deltas, error fed back (1/4 and 1/8 of PMA's bytes, plus scales)
+                     block-quantized deltas, error fed back (1/4 and 1/8 of PMA's bytes, plus scales), or the
+                     largest 1.56% of each 4096 (141x fewer); wrapper-params-sparse128 K: 128 of each 4096 (72x fewer)
   wrapper-encoded 1  this project with SHARED_GRADIENTS and .gradient_encoding(): threshold-encoded updates every step
   wrapper-node K     wrapper K with .hierarchy("node"): a node's ranks average gradients every step,
                      the nodes average every K (run with several ranks per node)
@@ -20,6 +21,7 @@ Contenders (every one trains the same model from the same init on the same batch
                      optimizer state's period (and, its last resort, overlap); wrapper-auto:K bounds k
                      below by K (k_min). Every Score's choice goes in the JSON ("scores")
   wrapper-auto-sync  wrapper-auto with .overlap_averaging(False): the autopilot never overlaps
+  wrapper-auto-sparse  wrapper-auto with sparse among its payloads (its lowest-bytes rung, the parameters alone)
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
   torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
@@ -88,10 +90,12 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-params-int8": {"average_updaters": False, "payload_dtype": "int8"},
     "wrapper-params-int4": {"average_updaters": False, "payload_dtype": "int4"},
     "wrapper-params-sparse": {"average_updaters": False, "payload_dtype": "sparse"},
+    "wrapper-params-sparse128": {"average_updaters": False, "payload_dtype": "sparse:0.03125"},  # 128 of each 4096, twice the default's
     "wrapper-encoded": {"gradient_encoding": True},  # SHARED_GRADIENTS, threshold-encoded, the defaults: run as wrapper-encoded:1
     "wrapper-node": {"hierarchy": "node"},  # needs several ranks per node (slow_link.py --procs-per-node 2)
     "wrapper-auto": {"auto": True},  # .averaging_frequency("auto"), nothing else set; :K sets k_min
     "wrapper-auto-sync": {"auto": True, "overlap_averaging": False},  # the same, never overlapped
+    "wrapper-auto-sparse": {"auto": True, "payloads": ("float32", "bfloat16", "int8", "sparse")},  # sparse its lowest-bytes rung
 }
 AUTOS = tuple(name for name, change in WRAPPERS.items() if change.get("auto"))
 
@@ -173,7 +177,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         if change.get("auto"):
             # Nothing else of the autopilot's levers: its payload, optimizer-state period and
             # bounds are its own (a .payload_dtype() or .average_updaters() call would fix them).
-            b = b.averaging_frequency("auto", k_min=k)  # wrapper-auto:K: k no lower than K (default 1)
+            b = b.averaging_frequency("auto", k_min=k, payloads=change.get("payloads"))  # wrapper-auto:K: k no lower than K (default 1)
             if "overlap_averaging" in change:
                 b = b.overlap_averaging(change["overlap_averaging"])
         else:
@@ -265,7 +269,7 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
         test = gpt_arena.val_batches(val_text) if rank == 0 else []
         stream: Iterator[Batch] = gpt_arena.train_batches(text, args.batch, world * args.max_steps, SEED)
         torch.manual_seed(SEED)
-        model: nn.Module = gpt_arena.CharGPT()
+        model: nn.Module = gpt_arena.CharGPT(args.layers, args.width, max(1, args.width // 32))
         score, reached = (lambda m: gpt_arena.val_loss(m, test)), (lambda s: s <= args.target)
     else:
         test = load_mnist(args.data_dir, "test", download=False).batches(1000) if rank == 0 else []
@@ -359,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--arena", choices=["lenet", "gpt"], default="lenet", help="gpt: gpt_arena.py's CharGPT; --target is then a validation loss (nats/byte)")
     parser.add_argument("--batch", type=int, default=16, help="gpt arena: windows of 128 bytes per step")
     parser.add_argument("--max-steps", type=int, default=2000, help="gpt arena: steps per rank at most")
+    parser.add_argument("--layers", type=int, default=7, help="gpt arena: CharGPT's layers")
+    parser.add_argument("--width", type=int, default=256, help="gpt arena: CharGPT's width (heads: width / 32)")
     parser.add_argument("--budget", type=float, default=float("inf"), help="training seconds after which the run stops at its next score")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="inner optimizer (gpt arena: adamw)")
     parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between evaluations")
