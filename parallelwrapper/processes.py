@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
+import threading
 from typing import TYPE_CHECKING
 
 import torch.multiprocessing as mp
@@ -64,11 +66,23 @@ def keep_heap(environ: dict[str, str]) -> bool:
     return mallopt is not None and all([mallopt(option, value) == 1 for option, value in _HEAP.values()])
 
 
-def main_process_gone() -> bool:
-    """In a worker process: whether the process that started it has ended. (Not its parent's pid:
-    a worker started through the forkserver is the forkserver's child.)"""
+def end_with_main_process() -> None:
+    """In a worker process: end it at once (os._exit) when the process that started it ends,
+    whatever it is doing: connecting to a store that went with the main process (which would
+    wait out the store's timeout, minutes), joining, training, waiting for a command or a batch.
+    Nothing it would send has a reader left. A daemon thread waits on the main process's
+    sentinel, a pipe that closes when it ends (not its parent's pid: a worker started through
+    the forkserver is the forkserver's child), so nothing polls."""
     parent = multiprocessing.parent_process()
-    return parent is not None and not parent.is_alive()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parallelwrapper-main-watch", daemon=True).start()
 
 
 def stopped(pid: int) -> bool:

@@ -21,7 +21,6 @@ from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from typing import Protocol, TypeAlias, TypeVar
 
-from ..processes import main_process_gone
 from ..types import Batch, DataOrder
 from .data import Batches, check_epoch_length, data_raised
 from .order import EpochOrder
@@ -244,8 +243,6 @@ class QueueSource:
             try:
                 item = self._queue.get(timeout=_POLL_S * 10)
             except queue.Empty:
-                if main_process_gone():
-                    raise SystemExit("parallelwrapper worker: the main process is gone") from None
                 if self._abort is not None and self._abort.is_set():
                     raise Aborted("called away from its wait for a batch: another worker failed") from None
                 continue

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import queue
 import signal
 import sys
 import time
@@ -20,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,7 @@ from ..feed.slots import SlotReader
 from ..hooks import Hooks, Phase, RoundObserver
 from ..job import Job
 from ..messages import FitCommand, Message
-from ..processes import adopt_environment, main_process_gone
+from ..processes import adopt_environment, end_with_main_process
 from ..types import EpochEnd, Report
 from .runtime import Worker, summary
 from .supervisor import ProgressBoard
@@ -46,7 +45,6 @@ from .supervisor import ProgressBoard
 # takes; the job's pickle (jobs.shared_pickle); then a fit (FitCommand), a command that the
 # worker's Survivor makes a fit of (a replacement's regroup), or None: close.
 Command = int | torch.Tensor | FitCommand | object | None
-T = TypeVar("T")
 
 # How this process joins a process group: over this store, with this collective timeout.
 Join = Callable[[Store, datetime.timedelta], None]
@@ -128,6 +126,7 @@ def worker_entry(
     every close() of every worker, and nothing of a worker's is left for it to save. So
     `atexit` handlers do not run in a worker."""
     adopt_environment(environ)
+    end_with_main_process()
     _serve(rank, config, placement, feature, store_port, channels, joins)
     for q in (channels.results, channels.free_slots):  # what this worker put in them reaches the pipe
         q.close()
@@ -142,7 +141,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, feature: Feat
     # Ctrl-C in a terminal reaches every process of the group: the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if rank is None:
-        called = _get(c.commands)
+        called = c.commands.get()
         if called is None:
             return
         rank = cast(int, called)  # a standby's first command
@@ -157,7 +156,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, feature: Feat
             join(PrefixStore("generation-0", store), collective_timeout(config))
         hooks = _SpawnedHooks(c.board, rank, c.stop)
         # The job is the second command; the worker keeps what it trains of it (a stage's process, its own layers only).
-        worker = Worker(_unpickle_job(cast(torch.Tensor, _get(c.commands))), config, placement, rank, rank, hooks=hooks, feature=feature, own_model=True)
+        worker = Worker(_unpickle_job(cast(torch.Tensor, c.commands.get())), config, placement, rank, rank, hooks=hooks, feature=feature, own_model=True)
         me = worker.rank  # the worker this process is (one of its stages, with a pipeline)
         failover = c.failover
         source = QueueSource(c.data[me % len(c.data)], SlotReader(c.free_slots), c.abort, None if failover is None else failover.taking(rank))
@@ -165,7 +164,7 @@ def _serve(rank: int | None, config: Config, placement: Placement, feature: Feat
         report = _Reports(c.results, rank) if rank == 0 else _ignore if survivor is None else survivor.report
         c.results.put(("ready", rank, (os.getpid(), None)))  # (pid, nothing), as a park's
         while True:
-            command = _get(c.commands)  # and every one after
+            command = c.commands.get()  # and every one after
             if command is None:
                 break
             stopped = False
@@ -244,12 +243,3 @@ class _Reports:
             self._results.put(("reports", self._rank, self._pending))
             self._pending = []
         self._last = time.monotonic()
-
-
-def _get(q: Queue[T]) -> T | None:
-    while True:
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            if main_process_gone():
-                return None

@@ -24,17 +24,15 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
-from typing import Literal, TypeVar, cast
+from typing import Literal, cast
 
 import torch
 
 from ..env import Placement, claim_device
 from ..feed.slots import Mappings
 from ..hosts.runtime import summary
-from ..processes import adopt_environment, main_process_gone
+from ..processes import adopt_environment, end_with_main_process
 from .requests import NOT_A_TENSOR
-
-_POLL_S = 1.0  # how often a worker waiting for a message looks whether its parent is gone
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,6 @@ Reply = (
     | tuple[Literal["error"], int, str]
     | tuple[Literal["failed"], None, str]
 )
-M = TypeVar("M")
 
 
 def view(segment: shared_memory.SharedMemory, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -73,19 +70,20 @@ def serve(rank: int, placement: Placement, conn: Connection[Reply, Model | Order
     """The worker of `rank`: build the replica, answer ("ready", None, None), then run what comes
     (in the environment the main process had when it started this worker)."""
     adopt_environment(environ)
+    end_with_main_process()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
     mapped = Mappings()
     try:
         try:
             device = claim_device(placement, rank)
             torch.set_num_threads(placement.threads)
-            model = _replica(cast(Model, _receive(conn)), device)
+            model = _replica(cast(Model, conn.recv()), device)
         except Exception as e:  # noqa: BLE001 - every failure to start goes back to the main process
             conn.send(("failed", None, f"{summary(e)}\n\n{traceback.format_exc()}"))
             return
         conn.send(("ready", None, None))
         with torch.inference_mode():
-            while (message := cast(Order, _receive(conn))) is not None:
+            while (message := cast(Order, conn.recv())) is not None:
                 if message[0] == "load":
                     model.load_state_dict(message[1])
                 else:
@@ -124,14 +122,6 @@ def _run(model: torch.nn.Module, batch: Batch, mapped: Mappings, device: torch.d
     place.copy_(outputs)
     del place
     return "done", batch.seq, (outputs.dtype, tuple(outputs.shape))
-
-
-def _receive(conn: Connection[Reply, M]) -> M | None:
-    """The next message; None (close) when the main process is gone."""
-    while not conn.poll(_POLL_S):
-        if main_process_gone():
-            return None
-    return conn.recv()
 
 
 __all__ = ["Batch", "Model", "Order", "Reply", "serve", "view"]
