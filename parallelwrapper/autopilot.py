@@ -47,7 +47,9 @@ codec's part times the elements' ratio for a coded payload (none for float32). I
 rung that sends the most while its estimate keeps k at half of k_max or below, else the one that
 sends least; a rung tried with fewer bytes is kept only if its measured exchange is 10% faster than
 the rung before it, one with more bytes only if its measure still fits; else the autopilot goes
-back to that one and stops there: fewer bits win only where the link is slower than the codec (on
+back to that one and stays there while the measures hold (a measure JUMP = 2 times its mean or
+more, or half of it or less, replaces the mean at once, drops what other rungs measured on the
+old link and starts the search again): fewer bits win only where the link is slower than the codec (on
 loopback an int8 round costs about what float32's does, benchmarks/results/averaging_cost.json).
 
 Its last resort is overlap: where no rung is left to try and even k_max leaves the link's share
@@ -85,6 +87,7 @@ from .payloads import FORMS, bits, is_sparse, problem
 
 PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it may choose, when none is set
 UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state travels, when not set (0: never)
+JUMP = 2.0  # a measure this many times its mean or more, or 1/JUMP or less, replaces it: the link (or a worker) changed
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
@@ -271,6 +274,10 @@ class _Mean:
         self.count += 1
         self.value += (x - self.value) / min(self.count, 4)
 
+    def jumps(self, x: float) -> bool:
+        """Whether `x` is JUMP times the mean or more, or 1/JUMP of it or less: not noise, a change."""
+        return self.count > 0 and self.value > 0 and x > 0 and not 1 / JUMP < x / self.value < JUMP
+
 
 @dataclass
 class _Exchange:
@@ -297,7 +304,7 @@ class Pilot:
         self._wait = _Mean()  # seconds a worker waits for the others before an exchange, at the k in force
         self._links: dict[int, _Exchange] = {}  # by rung index: its exchanges' seconds, and the codec's
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
-        self._done = False  # a rung tried did not pay: the search for a rung is over
+        self._done = False  # a rung tried did not pay: the search for a rung rests, until a measure jumps (JUMP)
         self._sizes = Sizes(0, 0)  # the model's, from the last header (a worker's mean)
         self._exposed = _Mean()  # overlapped: seconds a round landed late still cost a worker, at the k in force
         self._expected = 0.0  # the seconds (with the wait) an exchange of the choice in force was expected to take when chosen
@@ -322,6 +329,8 @@ class Pilot:
                 f"the sums: k {k_sum:g}, rung {rung_sum:g} over {workers} workers): a bug; set a fixed k and report it"
             )
         if batches > 0 and compute_s > 0:
+            if self._step.jumps(compute_s / batches):  # the steps changed pace (a worker replaced, a machine busy): what fits changed
+                self._step, self._done = _Mean(), False
             self._step.add(compute_s / batches)
         if exchange_s > 0 and self._ran == now:  # a measure of what is in force
             if now.overlap:
@@ -377,10 +386,28 @@ class Pilot:
 
     def _measure(self, exchange_s: float, codec_s: float, waited_s: float) -> None:
         """An exchange of the rung in force, a worker's mean: its seconds, its codec's, the wait."""
-        link = self._links.setdefault(self.rungs.index(self.choice.rung), _Exchange())
+        here = self.rungs.index(self.choice.rung)
+        link = self._links.setdefault(here, _Exchange())
+        if self._link_moved(link, exchange_s - codec_s):  # the rungs' measures are of the old link: the search starts again
+            link = self._links[here] = _Exchange()
+            self._links, self._trial, self._done = {here: link}, None, False
         link.seconds.add(exchange_s)
         link.codec.add(codec_s)
         self._wait.add(waited_s)
+
+    def _link_moved(self, link: _Exchange, link_s: float) -> bool:
+        """Whether an exchange's link part (its seconds less its codec's) of `link_s` is JUMP times
+        the rung's measured one or more, or 1/JUMP of it or less, where either is above a quarter
+        of ρ of a round's compute: the link changed. Its mean of earlier measures would take it for
+        noise (a link that fell from 200 to 10 Mbit/s kept three fast measures in its mean, read
+        1.12 s where the last two exchanges took 3.9 s), and the codec's part, which stays, would
+        hide a link's fall or rise in the exchange's total. Below the floor, noise moves nothing."""
+        if not link.seconds.count:
+            return False
+        before = link.seconds.value - min(link.codec.value, link.seconds.value)
+        if max(before, link_s) <= self.spec.exchange_share / 4 * self.choice.k * self._step.value:
+            return False
+        return not 1 / JUMP < max(link_s, 1e-9) / max(before, 1e-9) < JUMP
 
     def _decided(self, rounds: int, late: bool = False) -> Change | None:
         """Decide what the next round to start after round `rounds` landed runs with: the change,
@@ -421,12 +448,14 @@ class Pilot:
                 return self._steer(before + w, step, rung)
             self._trial = None
         other = None
-        if not self._done:  # up where this rung fits, down where it does not
-            other = self._more_bytes(now.rung, guess, step, sizes) if need <= enough else self._fewer_bytes(now.rung, guess, step, sizes)
+        if not self._done:  # up where a rung with more bytes fits (this one's codec may be what does not), else down where this one does not fit
+            other = self._more_bytes(now.rung, guess, step, sizes)
+            if other is None and need > enough:
+                other = self._fewer_bytes(now.rung, guess, step, sizes)
         if other is not None:  # tried at once
             self._trial = here
             measured = f"an exchange takes {x:.3g} s ({codec_s:.3g} s of it in the codec) and a step {step:.3g} s: "
-            if need <= enough:
+            if other.bytes(sizes) > now.rung.bytes(sizes):
                 self._why = measured + f"{other} would take about {guess[other]:.3g} s and need k = {self._need(guess[other], step):.0f} at most {enough}"
             else:
                 self._why = measured + (f"{now.rung} would need k = {need:.0f} to keep exchanges under {self.spec.exchange_share:.2g} "

@@ -179,6 +179,31 @@ def test_a_codec_slower_than_the_link_keeps_float32_after_trying_it() -> None:
 
 
 @pytest.mark.fast
+def test_a_link_that_changes_is_followed_at_once_both_ways_and_the_search_starts_again() -> None:
+    """A measure twice its mean or more (or half or less) replaces the mean, drops what the other
+    rungs measured on the old link and lifts the rest a rejected trial put on the search. int8's
+    codec takes 0.05 s. On a fast link float32 fits; 20x slower, int8 is tried, is slower, and
+    float32 is kept; 10x slower again, int8 is tried again and kept (before, a rejected rung was
+    never tried again); back on the fast link, float32 returns (before, a rung that did not fit
+    only ever looked down, whatever its codec cost)."""
+    pilot = Pilot(Autopilot(k_max=8, updater_periods=(1,), overlap=False), START)
+    codec = {"float32": 0.0, "bfloat16": 0.03, "int8": 0.05}
+
+    def link(float32_s: float) -> Callable[[Rung], float]:  # the link's part follows the bytes
+        return lambda rung: float32_s * bits(rung.payload) / 32
+
+    def run(float32_s: float, first: int) -> list[Choice]:
+        return fly([pilot], step_s=0.01, link_s=link(float32_s), rounds=20, first=first, sizes=Sizes(1000, 0), codec_s=lambda rung: codec[rung.payload])
+
+    assert run(0.001, 1)[-1] == Choice(2, "float32", 1)  # fits at k = 2
+    assert run(0.02, 21)[-1] == Choice(8, "float32", 1) and pilot.changes[-1].why.startswith("float32 exchanges in 0.02 s, int8 in 0.055 s: back to float32")
+    slower = run(0.2, 41)
+    assert slower[3:] == [Choice(8, "int8", 1)] * 17 and "an exchange takes 0.2 s" in pilot.changes[-1].why
+    back = run(0.001, 61)
+    assert back[-1] == Choice(2, "float32", 1), [c.why for c in pilot.changes[-3:]]
+
+
+@pytest.mark.fast
 def test_the_bounds_and_the_levers_the_user_set_are_kept() -> None:
     pilot = Pilot(Autopilot(k_min=4, k_max=16, payloads=("bfloat16",), updater_periods=(1,)), Choice(4, "bfloat16", 1))
     ran = fly([pilot], step_s=0.01, link_s=slow_link, rounds=40)

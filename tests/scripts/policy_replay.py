@@ -3,14 +3,17 @@
 Time advances only by events (a step, an all-reduce's bytes, a coded send's bytes, a codec's
 numbers), so every measure the loop hands the policy, and so every choice, is deterministic: the
 same before and after a refactor of the loop, if the loop measures as before. Prints one JSON line
-per scenario (2 gloo workers each, ~25 s in all):
+per scenario (2 gloo workers each, ~30 s in all):
 
     PYTHONPATH=.:tests python tests/scripts/policy_replay.py > /tmp/replay.jsonl
 
 `policy_replay.jsonl` beside it is the output at 0a8f6f4, before issue 51 moved the autopilot's
 plumbing out of the round loop; the loop after the move gives every scenario's line unchanged
 (scenario by scenario: the order of the lines may differ). A change to the policy itself changes
-the lines: record them again with it, and say in its note which choices moved and why."""
+the lines: record them again with it, and say in its note which choices moved and why. `drop`
+came with the autopilot's following a link that changes (autopilot.JUMP, issue 52), the other
+seven unchanged by it; before it, the loop read the fallen link's first exchange as 0.0649 s
+through a mean of fast ones (it took 0.241 s) and kept int8 at k = 32 after the link came back."""
 
 import functools
 import hashlib
@@ -23,13 +26,14 @@ import torch
 from torch import nn
 
 NOW = [0.0]
+LINK = [0.0]  # the link's seconds a MB now: a scenario's "links" set it fit by fit
 
 
 def fake() -> float:
     return NOW[0]
 
 
-def _install(seconds_per_mb: float, codec_ns: float) -> None:
+def _install(codec_ns: float) -> None:
     import torch.distributed as dist
 
     import parallelwrapper.averaging as averaging
@@ -40,12 +44,12 @@ def _install(seconds_per_mb: float, codec_ns: float) -> None:
     all_reduce, send_coded = dist.all_reduce, wire.send_coded
 
     def slow_all_reduce(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
-        NOW[0] += tensor.numel() * tensor.element_size() / 1e6 * seconds_per_mb + 1e-4
+        NOW[0] += tensor.numel() * tensor.element_size() / 1e6 * LINK[0] + 1e-4
         return all_reduce(tensor, *a, **k)
 
     def slow_send_coded(coder: Any, scale: float, group: Any) -> Any:
         works = send_coded(coder, scale, group)
-        NOW[0] += sum(row[r].numel() * row[r].element_size() for row in coder.inbox for r in range(coder.ranks) if r != coder.rank) / 1e6 * seconds_per_mb
+        NOW[0] += sum(row[r].numel() * row[r].element_size() for row in coder.inbox for r in range(coder.ranks) if r != coder.rank) / 1e6 * LINK[0]
         return works
 
     dist.all_reduce = slow_all_reduce
@@ -90,13 +94,15 @@ def worker(rank: int, world: int, scenario: dict[str, Any]) -> dict[str, Any]:
     from parallelwrapper.worker import Replica
     from test_round_protocol import CPU, ListSource
 
-    _install(scenario["seconds_per_mb"], scenario.get("codec_ns", 0.0))
+    _install(scenario.get("codec_ns", 0.0))
+    links = scenario.get("links", [scenario.get("seconds_per_mb")] * scenario.get("fits", 2))
     opt = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), "adamw": (torch.optim.AdamW, {"lr": 1e-3})}[scenario.get("optimizer", "sgd")]
     job = Job(_model(), opt[0], opt[1], functools.partial(_loss, step_s=scenario["step_s"] * (1 + 0.2 * rank)), None)
     config = Config(**levers({"workers": world, "autopilot": Autopilot(**scenario["auto"]), **({"warmup_sync_steps": scenario["warmup"]} if "warmup" in scenario else {})}))
     out: dict[str, Any] = {"fits": []}
     own = None
-    for _fit in range(scenario.get("fits", 2)):
+    for link in links:
+        LINK[0] = link
         rounds = Rounds(Replica(job.model, job, config, CPU, rank, world), config, CPU, rank, world)
         if own is not None:
             rounds.load_own_state(own)
@@ -120,6 +126,8 @@ SCENARIOS = {
     "warmup": {"seconds_per_mb": 0.2, "step_s": 0.05, "batches": 64, "warmup": 3, "auto": {"k_max": 16}},
     "codec": {"seconds_per_mb": 0.5, "step_s": 0.01, "batches": 160, "codec_ns": 400.0, "optimizer": "adamw", "auto": {"k_max": 64}},
     "adamw": {"seconds_per_mb": 0.3, "step_s": 0.03, "batches": 96, "optimizer": "adamw", "codec_ns": 5.0, "auto": {"k_max": 64}},
+    # A link that falls 40x for a fit and comes back (issue 52): fits of 160 batches, as a chunked run's.
+    "drop": {"links": [0.01, 0.4, 0.01], "step_s": 0.01, "batches": 160, "codec_ns": 20.0, "auto": {"k_max": 32}},
 }
 
 if __name__ == "__main__":
