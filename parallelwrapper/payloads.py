@@ -5,7 +5,7 @@
     int8, int4          the change block-quantized
     sparse              the largest 1.56% of each block of the change (64 of 4096)
     sparse:D            the same at density D, a fraction in (0, 0.25]: D · 4096 entries a block,
-                        rounded to a multiple of 4 (sparse:0.03125 sends 128 of each 4096)
+                        rounded to a multiple of 16 (sparse:0.03125 sends 128 of each 4096)
 
 A name is the whole of a payload's wire format: the config, the autopilot's choices, a round's
 score and a checkpoint's error feedback all carry it as it is, and codec.py builds its codec from
@@ -39,11 +39,13 @@ def is_sparse(name: str) -> bool:
 
 def sparse_entries(name: str) -> int:
     """The entries a sparse payload sends of each block: its density's share of SPARSE_BLOCK, a
-    multiple of 4 (two 12-bit indices pack into 3 bytes, four 2-bit values into one), at least 4."""
+    multiple of 16, at least 16. Then a block's codes (two 12-bit indices in 3 bytes, four 2-bit
+    values in one: 28 bytes a 16 entries) end on a 4-byte boundary, where the float32 steps that
+    follow a piece's codes must start (88 entries, 154 bytes a block, failed to view them)."""
     if name == "sparse":
         return SPARSE_ENTRIES
     exact = float(name.removeprefix("sparse:")) * SPARSE_BLOCK
-    return max(4, round(exact / 4) * 4)
+    return max(16, round(exact / 16) * 16)
 
 
 def sparse_name(density: float) -> str:
