@@ -250,12 +250,10 @@ def test_ctrl_c_stops_every_worker_and_saves_the_last_round(tmp_path: Path, work
     assert saved["counters"]["position"] == saved["counters"]["iterations"]
 
 
-@pytest.mark.parametrize("moment", ["starting", "training"])
-def test_a_killed_main_process_leaves_no_worker_behind(tmp_path: Path, moment: str) -> None:
+def test_a_main_process_killed_as_its_workers_start_leaves_no_worker_behind(tmp_path: Path) -> None:
     """SIGKILL the main process (nothing of it runs after: no finally, no atexit) as its workers
-    start, connecting to a store that goes with it, or as they train on data they read
-    themselves: every worker, and the forkserver, end within seconds, where a worker connecting
-    waited out the store's timeout (5.5 minutes seen) and one training ran on to its fit's end."""
+    start, connecting to a store that goes with it: every worker, and the forkserver, end within
+    seconds, where a worker waited out the store's timeout (5.5 minutes seen)."""
     proc = subprocess.Popen([sys.executable, str(SCRIPTS / "interrupt_train.py"), str(tmp_path), "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -263,9 +261,6 @@ def test_a_killed_main_process_leaves_no_worker_behind(tmp_path: Path, moment: s
         while len(workers) < 2 and time.monotonic() < deadline:  # the forkserver's children
             workers = {w for server in children_of(proc.pid) for w in children_of(server)}
             time.sleep(0.02)
-        if moment == "training":
-            assert proc.stdout is not None
-            next(line for line in proc.stdout if line.startswith("SCORE 3"))
         family = children_of(proc.pid) | {w for server in children_of(proc.pid) for w in children_of(server)}
         assert len(workers) == 2, family
         proc.kill()

@@ -346,7 +346,7 @@ def test_a_bfloat16_payload_trains_as_float32_does(overlap: bool) -> None:
 
 
 def test_an_unknown_payload_dtype_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"payload_dtype must be one of \['float32', 'bfloat16', 'float16', 'int8', 'int4', 'sparse'\], got 'int16'"):
+    with pytest.raises(ValueError, match=r"payload_dtype must be one of float32, bfloat16, float16, int8, int4, sparse or sparse:D \(D a density in \(0, 0.25\], e.g. sparse:0.03125\), got 'int16'"):
         ParallelWrapper.builder(mlp()).workers(1).payload_dtype(torch.int16).build()
 
 
