@@ -44,7 +44,8 @@ equal loss; or never). Each rung's bytes follow from the model's sizes, and an e
 in two parts: the codec's seconds (encoding and decoding, compute) and the rest (the link's), so an
 exchange measured at one rung estimates another's: the link's part times the bytes' ratio, plus the
 codec's part times the elements' ratio for a coded payload (none for float32). It tries at once the
-rung that sends the most while its estimate keeps k at half of k_max or below, else the one that
+rung that sends the most while its estimate keeps k at half of k_max or below (climbing no further
+than REACH = 16 times the bytes measured, else to the nearest rung above), else the one that
 sends least; a rung tried with fewer bytes is kept only if its measured exchange is 10% faster than
 the rung before it, one with more bytes only if its measure still fits; else the autopilot goes
 back to that one and stays there while the measures hold (a measure JUMP = 2 times its mean or
@@ -89,6 +90,7 @@ PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it may choose, when n
 UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state travels, when not set (0: never)
 JUMP = 2.0  # a measure this many times its mean or more, or 1/JUMP or less, replaces it: the link (or a worker) changed
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
+REACH = 16.0  # a climb's estimate is trusted to this many times the bytes measured (int8's parameters to float32 with Adam's state: 12x)
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
 HIDE = 2.0  # overlapped, a round's steps take at least this many times the link's measured part (slow links vary)
@@ -538,10 +540,15 @@ class Pilot:
 
     def _more_bytes(self, rung: Rung, guess: dict[Rung, float], step_s: float, sizes: Sizes) -> Rung | None:
         """The rung to climb to from `rung`, with `guess`, each rung's estimated exchange: of
-        those that send more by MARGIN, the one that sends the most while its exchanges need at
-        most `_enough` steps a round; None when none does."""
+        those that send more by MARGIN and at most REACH times its bytes, else the nearest above
+        it, the one that sends the most while its exchanges need at most `_enough` steps a round;
+        None when none does. A guess further than REACH is not one: from a sparse round of 52 KB,
+        which a link's burst let through in 0.02 s, float32's 141x the bytes were guessed at 0.33 s
+        and took 105 s (the GPT arena at 2 Mbit/s)."""
         sends = {r: r.bytes(sizes) for r in self.rungs}
-        fits = [r for r in self.rungs if sends[r] > sends[rung] * (1 + MARGIN) and self._need(guess[r], step_s) <= self._enough]
+        above = sorted((r for r in self.rungs if sends[r] > sends[rung] * (1 + MARGIN)), key=sends.__getitem__)
+        near = [r for r in above if sends[r] <= sends[rung] * REACH] or above[:1]
+        fits = [r for r in near if self._need(guess[r], step_s) <= self._enough]
         return max(fits, key=sends.__getitem__) if fits else None
 
     def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:

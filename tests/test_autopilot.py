@@ -204,6 +204,23 @@ def test_a_link_that_changes_is_followed_at_once_both_ways_and_the_search_starts
 
 
 @pytest.mark.fast
+def test_a_climb_goes_no_further_than_its_estimate_reaches() -> None:
+    """From a sparse round a link's burst lets through at once (0.001 s for 28 KB), every rung's
+    estimate fits; the climb tries the nearest rung above (int8, 35x the bytes: nothing is within
+    REACH = 16x), not float32 (141x), whose round would take 16 s, and comes back from int8's 4 s."""
+    pilot = Pilot(Autopilot(k_max=64, payloads=("float32", "int8", "sparse"), updater_periods=(0,)), Choice(16, "sparse", 0))
+    sizes = Sizes(1_000_000, 0)
+
+    def burst(rung: Rung) -> float:  # 64 KB pass at once, the rest at 0.25 MB/s
+        size = rung.bytes(sizes)
+        return 0.001 if size <= 64_000 else size / 250_000
+
+    ran = fly([pilot], step_s=0.25, link_s=burst, rounds=12, sizes=sizes)
+    assert [c.choice.payload for c in pilot.changes][:2] == ["int8", "sparse"], [c.why for c in pilot.changes]
+    assert "float32" not in {c.payload for c in ran} and ran[-1].payload == "sparse"
+
+
+@pytest.mark.fast
 def test_the_bounds_and_the_levers_the_user_set_are_kept() -> None:
     pilot = Pilot(Autopilot(k_min=4, k_max=16, payloads=("bfloat16",), updater_periods=(1,)), Choice(4, "bfloat16", 1))
     ran = fly([pilot], step_s=0.01, link_s=slow_link, rounds=40)
