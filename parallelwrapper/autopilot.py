@@ -276,9 +276,11 @@ class _Mean:
         self.count += 1
         self.value += (x - self.value) / min(self.count, 4)
 
-    def jumps(self, x: float) -> bool:
-        """Whether `x` is JUMP times the mean or more, or 1/JUMP of it or less: not noise, a change."""
-        return self.count > 0 and self.value > 0 and x > 0 and not 1 / JUMP < x / self.value < JUMP
+
+
+def _jumped(before: float, now: float) -> bool:
+    """Whether `now` is JUMP times `before` or more, or 1/JUMP of it or less: not noise, a change."""
+    return not 1 / JUMP < max(now, 1e-9) / max(before, 1e-9) < JUMP
 
 
 @dataclass
@@ -287,6 +289,11 @@ class _Exchange:
 
     seconds: _Mean = dataclasses.field(default_factory=_Mean)
     codec: _Mean = dataclasses.field(default_factory=_Mean)
+
+    @property
+    def codec_s(self) -> float:
+        """Of the mean exchange, the codec's seconds (never more than the exchange's)."""
+        return min(self.codec.value, self.seconds.value)
 
 
 class Pilot:
@@ -331,7 +338,7 @@ class Pilot:
                 f"the sums: k {k_sum:g}, rung {rung_sum:g} over {workers} workers): a bug; set a fixed k and report it"
             )
         if batches > 0 and compute_s > 0:
-            if self._step.jumps(compute_s / batches):  # the steps changed pace (a worker replaced, a machine busy): what fits changed
+            if self._step.count and _jumped(self._step.value, compute_s / batches):  # the steps changed pace (a worker replaced, a machine busy): what fits changed
                 self._step, self._done = _Mean(), False
             self._step.add(compute_s / batches)
         if exchange_s > 0 and self._ran == now:  # a measure of what is in force
@@ -391,7 +398,7 @@ class Pilot:
         here = self.rungs.index(self.choice.rung)
         link = self._links.setdefault(here, _Exchange())
         if self._link_moved(link, exchange_s - codec_s):  # the rungs' measures are of the old link: the search starts again
-            link = self._links[here] = _Exchange()
+            link = _Exchange()
             self._links, self._trial, self._done = {here: link}, None, False
         link.seconds.add(exchange_s)
         link.codec.add(codec_s)
@@ -406,10 +413,10 @@ class Pilot:
         hide a link's fall or rise in the exchange's total. Below the floor, noise moves nothing."""
         if not link.seconds.count:
             return False
-        before = link.seconds.value - min(link.codec.value, link.seconds.value)
+        before = link.seconds.value - link.codec_s
         if max(before, link_s) <= self.spec.exchange_share / 4 * self.choice.k * self._step.value:
             return False
-        return not 1 / JUMP < max(link_s, 1e-9) / max(before, 1e-9) < JUMP
+        return _jumped(before, link_s)
 
     def _decided(self, rounds: int, late: bool = False) -> Change | None:
         """Decide what the next round to start after round `rounds` landed runs with: the change,
@@ -434,8 +441,7 @@ class Pilot:
             return self._lengthened(now)  # its last resort: it stays, at k as long as the link needs
         if self._step.count == 0 or step <= 0 or link is None or link.seconds.count < max(1, now.updaters_every):
             return now  # not measured enough yet
-        x, w = link.seconds.value, self._wait.value
-        codec_s = min(link.codec.value, x)
+        x, w, codec_s = link.seconds.value, self._wait.value, link.codec_s
         guess = {r: now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange, by this one's
         enough, need = self._enough, self._need(x, step)
         if self._trial is not None:  # the rung it tried is measured: a step down kept only where faster by MARGIN, one up where it fits

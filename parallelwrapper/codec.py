@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .payloads import NAMES, SPARSE_BLOCK, is_sparse, sparse_block_bytes, sparse_entries
+from .payloads import NAMES, SPARSE_BLOCK, is_sparse, sparse_code_bytes, sparse_entries
 
 BLOCK = 256  # numbers per scale, int8 and int4
 CHUNK = 1 << 18  # numbers encoded at a time on the CPU (see above)
@@ -172,17 +172,17 @@ class Sparse(Codec):
 
     def __init__(self, name: str = "sparse") -> None:
         self.name, self.block, self.k = name, SPARSE_BLOCK, sparse_entries(name)
-        self.index_bytes = 3 * self.k // 2
-        self.bits = 8 * (sparse_block_bytes(self.k) - 4) / self.block
+        self.index_bytes, self.row = 3 * self.k // 2, sparse_code_bytes(self.k)  # a block's indices, and all its codes
+        self.bits = 8 * self.row / self.block
 
     def code_bytes(self, numel: int) -> int:
-        return -(-numel // self.block) * (self.index_bytes + self.k // 4)
+        return -(-numel // self.block) * self.row
 
     def view(self, numbers: torch.Tensor) -> torch.Tensor:
         return numbers.view(-1, self.block)
 
     def wire(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return codes.view(-1, self.index_bytes + self.k // 4), scales.view(-1, 1)
+        return codes.view(-1, self.row), scales.view(-1, 1)
 
     def encode_(self, delta: torch.Tensor, scale: float, codes: torch.Tensor, scales: torch.Tensor, scratch: Scratch) -> None:
         index = torch.topk(torch.abs(delta, out=scratch.numbers), self.k, dim=1, sorted=False).indices

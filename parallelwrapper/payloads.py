@@ -56,9 +56,14 @@ def sparse_name(density: float) -> str:
     return "sparse" if sparse_entries(name) == SPARSE_ENTRIES else name
 
 
+def sparse_code_bytes(entries: int) -> int:
+    """A sparse block's codes: its indices at 12 bits (two in 3 bytes), its values at 2 (four a byte)."""
+    return 3 * entries // 2 + entries // 4
+
+
 def sparse_block_bytes(entries: int) -> int:
-    """A sparse block's bytes: its indices at 12 bits, its values at 2, and a float32 step."""
-    return 3 * entries // 2 + entries // 4 + 4
+    """A sparse block's bytes: its codes, and a float32 step."""
+    return sparse_code_bytes(entries) + 4
 
 
 def bits(name: str) -> float:
@@ -70,4 +75,4 @@ def bits(name: str) -> float:
     return {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}[name]
 
 
-__all__ = ["FORMS", "MAX_DENSITY", "NAMES", "SPARSE_BLOCK", "SPARSE_ENTRIES", "bits", "is_sparse", "problem", "sparse_block_bytes", "sparse_entries", "sparse_name"]
+__all__ = ["FORMS", "MAX_DENSITY", "NAMES", "SPARSE_BLOCK", "SPARSE_ENTRIES", "bits", "is_sparse", "problem", "sparse_block_bytes", "sparse_code_bytes", "sparse_entries", "sparse_name"]
