@@ -7,7 +7,7 @@ first score to the last: the workers' start-up is left out, the faults are all i
 machine's pace drifts by several percent between runs minutes apart, so each run's samples/s are
 also given against its own pace (the median of its seconds), and each fault's cost in seconds of it.
 
-    python -m benchmarks fault_soak [--workers 8] [--every 10] [--epochs 6] [--faults SIGKILL,raise] [--out benchmarks/results/fault_soak.json]
+    python -m benchmarks fault_soak [--workers 8] [--every 10] [--epochs 6] [--k 8|auto] [--faults SIGKILL,raise] [--out benchmarks/results/fault_soak.json]
 
 Checked as it goes: every epoch's sample count is the data's (no batch lost or trained twice:
 the counters are the workers' sums), and no worker process is left after close(); a check that
@@ -92,14 +92,14 @@ def _continue(pid: int) -> None:
         pass
 
 
-def run(batches: list[Any], workers: int, epochs: int, every: float | None, kinds: tuple[str, ...] = FAULTS, most: int | None = None) -> dict[str, Any]:
+def run(batches: list[Any], workers: int, epochs: int, every: float | None, kinds: tuple[str, ...] = FAULTS, most: int | None = None, k: int | str = 8) -> dict[str, Any]:
     scores: list[Score] = []
     with tempfile.TemporaryDirectory() as folder:
         os.environ["PW_SOAK_DIR"] = folder
         injector = Injector(every, Path(folder), kinds, most) if every else None
         builder = (
             ParallelWrapper.builder(mlp()).workers(workers).threads_per_worker(1).optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
-            .training_step(step).averaging_frequency(8).on_worker_failure("replace", max_replacements=1000).listeners(scores.append)
+            .training_step(step).averaging_frequency(k).on_worker_failure("replace", max_replacements=1000).listeners(scores.append)
         )  # fmt: skip
         with builder.build() as w:
             if injector is not None:
@@ -150,18 +150,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=6, help="epochs of MNIST (batches of 128); choose them to last minutes")
     parser.add_argument("--most", type=int, default=None, help="faults at most (--smoke: 1; with 2 workers a second one may strike the last holder of the state mid-recovery)")
     parser.add_argument("--batches", type=int, default=None, help="the first this many batches of each epoch (default: all 469; --smoke)")
+    parser.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=8, help="the averaging frequency, or auto (the autopilot)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"the kinds struck in turn, of {', '.join(FAULTS)} (to time each alone)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default="benchmarks/results/fault_soak.json")
     args = parser.parse_args(argv)
     batches = mnist_batches(args.data_dir)[: args.batches]
-    free = run(batches, args.workers, args.epochs, None)
+    free = run(batches, args.workers, args.epochs, None, k=args.k)
     print(f"fault-free: {free['seconds']:.1f} s, {free['samples_per_s']:.0f} samples/s", flush=True)
     kinds = tuple(args.faults.split(","))
     if not set(kinds) <= set(FAULTS):
         parser.error(f"--faults {args.faults}: each kind must be one of {', '.join(FAULTS)}")
-    faulted = run(batches, args.workers, args.epochs, args.every, kinds, args.most)
-    after = run(batches, args.workers, args.epochs, None)
+    faulted = run(batches, args.workers, args.epochs, args.every, kinds, args.most, args.k)
+    after = run(batches, args.workers, args.epochs, None, k=args.k)
     print(f"fault-free again: {after['seconds']:.1f} s, {after['samples_per_s']:.0f} samples/s", flush=True)
     # Against the fault-free pace on both sides of the faulted run: the machine's pace drifts by
     # several percent over the minutes between them (the 2026-11-27 runs: 0.766 and 0.985 kept).
@@ -180,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"kept {kept:.3f} of the fault-free samples/s (the mean of the runs before and after); each fault cost the fleet "
           f"{per_fault:.2f} s of its own pace ({faulted['pace']:.0f} samples/s, the median of its seconds); "
           f"kept, each run against its own pace: {faulted['samples_per_s'] / faulted['pace'] / own:.3f}")
-    write_results(args.out, {"machine": machine(), "workers": args.workers, "every_s": args.every, "epochs": args.epochs, "faults": kinds,
+    write_results(args.out, {"machine": machine(), "workers": args.workers, "every_s": args.every, "epochs": args.epochs, "k": args.k, "faults": kinds,
                              "fault_free": free, "faulted": faulted, "fault_free_after": after, "kept": kept, "seconds_per_fault": per_fault})  # fmt: skip
     runs = (("fault-free", free), ("faulted", faulted), ("fault-free, after", after))
     wrong = [f"{name}: {problem}" for name, run_ in runs for problem in failures(run_, per_epoch(batches), args.epochs)]

@@ -373,7 +373,6 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
         ({"overlap_averaging": True}, r"overlap_averaging\(True\): it turns overlap on itself, as its last resort"),
         ({"hierarchy": "node"}, r"hierarchy\('node'\)"),
         ({"pipeline": Pipeline()}, "a pipeline"),
-        ({"on_worker_failure": "replace"}, r"on_worker_failure\('replace'\), whose replacement and slots it does not size"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^averaging_frequency\('auto'\) does not go with {reason}"):
             Config(autopilot=Autopilot(), **options)

@@ -169,7 +169,7 @@ class Heard:
 def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, faults: str = "", k: int = 2, deterministic: bool = True,
           max_replacements: int = 3, epochs: int = 2, every_time: bool = False, fits: int = 1, workers: int = 2,
           mode: str = "averaging", momentum: float = 0.0, overlap: bool = False, stall: float = 2,
-          training_step: Any = step) -> tuple[Counting, Any, Heard]:  # fmt: skip
+          training_step: Any = step, auto: bool = False) -> tuple[Counting, Any, Heard]:  # fmt: skip
     monkeypatch.setenv("PW_TEST_DIR", str(tmp_path))
     monkeypatch.setenv("PW_TEST_FAULTS", faults)
     monkeypatch.setenv("PW_TEST_EVERY_TIME", "1" if every_time else "")
@@ -181,6 +181,8 @@ def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, faults: str = "", 
         .stall_timeout(stall).on_worker_failure("replace", max_replacements=max_replacements).listeners(heard)
         .overlap_averaging(overlap)
     )  # fmt: skip
+    if auto:  # float32, so that the counts are exact
+        b = b.averaging_frequency("auto", k_min=1, k_max=4).payload_dtype("float32")
     with b.build() as wrapper:
         for _ in range(fits):  # a fit() ends holding no slot, whatever it took
             history = wrapper.fit(batches(), epochs=epochs // fits)
@@ -258,6 +260,17 @@ def test_overlapped_rounds_go_back_to_the_last_landed_average_and_count_every_ba
     assert [(rank, reason.batch) for rank, reason, _ in heard.replaced] == [(1, 9)]
     assert history.scores[-1].iteration == BATCHES
     assert counts(model, 2) == [1] * BATCHES  # not one batch lost or counted twice
+
+
+def test_the_autopilot_goes_on_after_a_kill_with_the_choices_of_the_round_it_redoes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pilot has left its start (k = 2) by batch 9: a replacement that began there would run
+    # another k than the survivors, and the round would fail as the workers' choices differ.
+    model, history, heard = train(tmp_path, monkeypatch, faults="9:kill", deterministic=False, auto=True)
+    assert [reason.batch for _, reason, _ in heard.replaced] == [9]
+    # First-come batches: an average weighs each worker by the batches it took, so a batch's count
+    # is not a whole number; every one reached the model, and the counters took each once (train).
+    assert bool((model.seen > 0).all())
+    assert any(s.why for s in history.scores) and history.scores[-1].iteration == 2 * BATCHES
 
 
 def test_first_come_feed_counts_every_batch_once_after_a_kill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

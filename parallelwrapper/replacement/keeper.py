@@ -189,6 +189,7 @@ class Keeper:
         # landed for the others only (the failure cut its collective) has the RNG it would have.
         if mine is not None and mine.seq == kept.seq:
             self.worker.load_own_state(mine.own)
+        self.worker.rounds.regrouped(kept.own)  # the policy's choices, the same on every worker (a fresh one has none)
         self.worker.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
         redo = FitCommand(command.until_epoch, dataclasses.replace(kept.counters), kept.state, None, command.start)
         # What this worker keeps while it redoes the round, until the round's start keeps it anew:

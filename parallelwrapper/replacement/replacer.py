@@ -112,7 +112,10 @@ class Replacer:
         # hold the round's N·k batches (two rounds' with overlap_averaging, the one in flight too)
         # and one taken ahead each, beyond the prefetched ones. One worker may take all of a round
         # (first-come), then one ahead and an end of epoch.
-        k, in_flight = config.averaging_frequency, 2 if config.overlap_averaging else 1
+        # The autopilot's rounds may grow to its k_max, and land late once it overlaps.
+        pilot = config.autopilot
+        k = config.averaging_frequency if pilot is None else pilot.k_max
+        in_flight = 2 if config.overlap_averaging or (pilot is not None and pilot.overlap) else 1
         self.slots = n * (in_flight * k + 1)  # the slots its workers hold beyond the prefetched ones
         ledgers = [Ledger(pool.ctx, in_flight * (k if config.deterministic else n * k) + 2) for _ in range(n)]
         self.worker_side = WorkerSide(ledgers, placement.processes, collective_timeout(config))  # what each worker's process is given

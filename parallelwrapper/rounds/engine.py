@@ -92,6 +92,15 @@ class Rounds:
         if self.policy.load_state_dict(own):
             self.config = self._exchange.use(self.policy.choice)
 
+    def regrouped(self, own: StateDict) -> None:
+        """A regroup redoes a round: take the policy's part of `own`, the own state that the
+        regroup's source kept at the round's start (every worker's policy holds the same there), so
+        that a fresh replacement's and every survivor's choose alike from it; the last exchange's
+        measure goes, being one worker's only."""
+        if self.policy.load_state_dict(own):
+            self.config = self._exchange.use(self.policy.choice)
+        self.clock.take()
+
     def begin(self, counters: Counters, started: float) -> None:
         """The one way a host sets the loop's counters: a fit() loaded the trainer's state (new
         tensors, so the exchanges build their buffers afresh) and starts at `counters` and `started`."""
