@@ -100,15 +100,16 @@ PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local wo
 @dataclass(frozen=True)
 class Autopilot:
     """`.averaging_frequency("auto", ...)`: the bounds of the autopilot's choices. `payloads` and
-    `updater_periods` are what it may choose among: one value when the user set that option;
-    `overlap`, whether it may turn overlap_averaging on (not when the user set it off)."""
+    `updater_periods` are what it may choose among: one value when the user set that option, and
+    none that config.CONFLICTS refuses beside the other options (config.steered); `overlap`, whether
+    it may turn overlap_averaging on (not when the user set it off, or the table refuses it)."""
 
     k_min: int = 1
     k_max: int = 128
     exchange_share: float = 0.05  # ρ: the share of a worker's time in exchanges aimed at
     payloads: tuple[str, ...] = PAYLOADS
     updater_periods: tuple[int, ...] = UPDATER_PERIODS
-    overlap: bool = True  # it may land rounds a round late, as its last resort (False: the user set overlap_averaging(False))
+    overlap: bool = True  # it may land rounds a round late, as its last resort (False: the user set overlap_averaging(False), or the table refuses it)
 
     def __post_init__(self) -> None:
         fix = 'e.g. .averaging_frequency("auto", k_min=1, k_max=128, exchange_share=0.05)'

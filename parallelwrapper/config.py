@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from . import payloads
-from .autopilot import Autopilot
+from .autopilot import Autopilot, Rung, in_config
 from .registry import Declared, boolean, choice, count, declared, instance, option, positive, ruled, validate
 
 E = TypeVar("E", bound=enum.Enum)
@@ -351,9 +351,6 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(("autopilot", "hierarchy"), lambda c, j: c.autopilot is not None and c.hierarchy != "none",
              _AUTO + "hierarchy('node'), whose node groups it does not measure in this version; set a fixed k",
              ".averaging_frequency('auto').hierarchy('node')"),
-    Conflict(("autopilot", "pipeline"), lambda c, j: c.autopilot is not None and c.pipeline is not None,
-             _AUTO + "a pipeline, whose stages it does not measure in this version; set a fixed k",
-             ".averaging_frequency('auto').pipeline(stages=2)"),
     Conflict(("pipeline", "on_worker_failure"), lambda c, j: c.pipeline is not None and c.on_worker_failure == "replace",
              _STAGES + "on_worker_failure(\"replace\"): a lost stage would take its whole pipeline with it; drop it",
              ".pipeline(stages=2).on_worker_failure('replace')"),
@@ -389,6 +386,30 @@ def refuse(config: Config, job: JobParts | None = None) -> None:
             raise ValueError(conflict.message.format(c=config))
 
 
+def steered(config: Config) -> Config:
+    """`config` with the autopilot's levers narrowed to what the table lets a round run with: a
+    payload, an optimizer-state period or overlap that CONFLICTS refuses beside the other options
+    (e.g. the state every 4 rounds with a pipeline or replacement) is not one it may choose. It
+    starts at its start among them (Autopilot.start); none left to send with is a ValueError."""
+    spec = config.autopilot
+    if spec is None:
+        return config
+
+    def runs(**fields: object) -> bool:
+        try:
+            dataclasses.replace(config, autopilot=None, **fields)  # type: ignore[arg-type]
+        except ValueError:
+            return False
+        return True
+
+    payloads_ = tuple(p for p in spec.payloads if runs(payload_dtype=p, **in_config(Rung(p, 0))))
+    periods = tuple(m for m in spec.updater_periods if runs(payload_dtype="float32", **in_config(Rung("float32", m))))
+    overlap = spec.overlap and runs(averaging_frequency=spec.k_max, overlap_averaging=True)
+    narrowed = dataclasses.replace(spec, payloads=payloads_, updater_periods=periods, overlap=overlap)
+    start = narrowed.start
+    return dataclasses.replace(config, autopilot=narrowed, payload_dtype=start.payload, **in_config(start))
+
+
 def parse_enum(cls: type[E], value: object, name: str) -> E:
     """An option given as an enum member or its value, or a ValueError naming the choices."""
     if isinstance(value, cls):
@@ -407,5 +428,5 @@ def describe_config(config: Config) -> dict[str, object]:
 
 __all__ = [
     "CONFLICTS", "OPTIONS", "PAYLOAD_DTYPES", "PIPELINE_SCHEDULES", "PRECISIONS", "Config", "Conflict", "GradientEncoding", "NanPolicy",
-    "Pipeline", "TrainingMode", "check_devices", "check_int", "describe_config", "parse_enum", "refuse",
+    "Pipeline", "TrainingMode", "check_devices", "check_int", "describe_config", "parse_enum", "refuse", "steered",
 ]  # fmt: skip

@@ -30,7 +30,8 @@ class Seat:
     """What one process of a worker trains and in which groups: its part of the job, the worker
     it is (or is a stage of), the round protocol's group (None: the default), what makes its
     replica, what makes its batches of the worker's source, and the ranks it steps with as one
-    worker (a hierarchy's node)."""
+    worker (a hierarchy's node), and the worker's other processes (a pipeline's stages), whose
+    rounds must run with the same choices as this one's."""
 
     job: Job
     rank: int
@@ -39,6 +40,7 @@ class Seat:
     make_replica: Callable[..., Replica] = Replica
     relay: Callable[[BatchSource], BatchSource] | None = None
     lockstep: Lockstep | None = None
+    together: dist.ProcessGroup | None = None
 
 
 class Feature(Protocol):

@@ -18,7 +18,7 @@ import torch
 
 from . import checkpoint, features, replacement
 from .autopilot import levers
-from .config import Config, refuse
+from .config import Config, refuse, steered
 from .env import Placement, torchrun_env
 from .errors import WorkerError
 from .evaluation import check_validation, job_metrics, metric_sums
@@ -294,10 +294,15 @@ class Builder(Settings):
     `ValueError` naming the option and the fix.
     """
 
+    def _config(self) -> Config:
+        """The options as a Config: the autopilot's levers those the user left free (autopilot.levers)
+        that run with the rest (config.steered)."""
+        return steered(Config(**levers(self._options)))
+
     def build(self) -> ParallelWrapper:
         """Check every option and make the wrapper; a bad option raises `ValueError` naming it
         and the fix. No worker starts until the first `fit()`."""
-        config = Config(**levers(self._options))
+        config = self._config()
         job = Job(
             self._model, self._optimizer_cls, self._optimizer_kwargs, self._loss_fn, self._training_step,
             self._optimizer_fn, self._before_step, self._validation, self._validation_step, early_stopping_of(self._listeners),
@@ -321,7 +326,7 @@ class Builder(Settings):
         or their number) with the workers set so far (or torchrun's): ceil(batches / workers),
         the global step that a per-step schedule counts. For sizing one before build(), e.g.
         `.lr_scheduler(OneCycleLR, interval="step", max_lr=0.1, total_steps=epochs * builder.steps_per_epoch(train))`."""
-        placement = features.placement(Config(**levers(self._options)), torchrun_env(), explicit=self._options.keys())
+        placement = features.placement(self._config(), torchrun_env(), explicit=self._options.keys())
         return steps_per_epoch(batch_count(data, "steps_per_epoch"), placement.world_size)
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from groups import run_group
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.autopilot import Autopilot, Choice, Pilot, Rung, Sizes, levers
-from parallelwrapper.config import Config, Pipeline, TrainingMode
+from parallelwrapper.config import Config, Pipeline, TrainingMode, steered
 from parallelwrapper.job import Job
 from parallelwrapper.listeners import autopilot_changes
 from parallelwrapper.payloads import bits
@@ -372,7 +372,6 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
         ({"deterministic": True}, r"deterministic\(True\): it chooses from measured times"),
         ({"overlap_averaging": True}, r"overlap_averaging\(True\): it turns overlap on itself, as its last resort"),
         ({"hierarchy": "node"}, r"hierarchy\('node'\)"),
-        ({"pipeline": Pipeline()}, "a pipeline"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^averaging_frequency\('auto'\) does not go with {reason}"):
             Config(autopilot=Autopilot(), **options)
@@ -386,6 +385,21 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
         b.averaging_frequency("fast")
     with pytest.raises(ValueError, match=r"deterministic\(True\)"):
         b.averaging_frequency("auto").deterministic(True).build()
+
+
+@pytest.mark.fast
+def test_it_chooses_only_what_the_table_runs_beside_the_other_options() -> None:
+    # The optimizer state every 2 or 4 rounds goes with neither a pipeline nor replacement
+    # (config.CONFLICTS): beside them, those periods are not its to choose.
+    free = steered(Config(autopilot=Autopilot()))
+    assert free.autopilot is not None and free.autopilot.updater_periods == (1, 2, 4, 0) and free.autopilot.overlap
+    for options in ({"pipeline": Pipeline()}, {"on_worker_failure": "replace"}):
+        config = steered(Config(**levers({"autopilot": Autopilot(), **options})))
+        assert config.autopilot is not None and config.autopilot.updater_periods == (1, 0), options
+        assert (config.payload_dtype, config.average_updaters) == ("int8", False)  # its start, the fewest bytes
+    built = ParallelWrapper.builder(nn.Linear(3, 2)).workers(2).averaging_frequency("auto").on_worker_failure("replace").build()
+    assert built.config.autopilot is not None and built.config.autopilot.updater_periods == (1, 0)
+    built.close()
 
 
 @pytest.mark.fast

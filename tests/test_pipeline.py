@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import torchrun_pipeline
 from parallelwrapper import ParallelWrapper, TrainingMode, WorkerError
 from parallelwrapper.app.models import LeNet
+from parallelwrapper.checkpoint import FILENAME
 from parallelwrapper.config import Config, Pipeline
 from parallelwrapper.features import placement
 from parallelwrapper.job import Job, OuterSpec
@@ -251,6 +252,23 @@ def test_overlap_an_outer_optimizer_and_clipping_per_stage_train_as_unsplit_work
         assert len(scored) == len(validations) >= 2  # an epoch end's, in each fit
         for mine, theirs in zip(scored, validations):
             assert mine == pytest.approx(theirs, abs=1e-5), schedule
+
+
+@pytest.mark.filterwarnings("ignore:4 processes")
+@pytest.mark.timeout(90)
+def test_the_autopilot_steers_the_stages_of_a_pipeline_alike(tmp_path: Path) -> None:
+    """auto with 2 stages: each stage's group rounds its own part (its own bytes, its own link),
+    and every stage decides from the measures of all, summed over the worker's stages too: the
+    checkpoint holds each process's autopilot, and all four made the same changes. (Each from its
+    own stage's sums, they part: the stages' sizes and exchanges differ.) A validation after
+    every round crosses the stages, as a checkpoint does."""
+    torch.manual_seed(0)
+    builder = torchrun_pipeline.builder(LeNet()).workers(2).deterministic(False).pipeline(stages=2).checkpoint(tmp_path)
+    with builder.averaging_frequency("auto", k_min=1, k_max=4).build() as wrapper:
+        history = wrapper.fit(torchrun_pipeline.data() * 4, epochs=1)
+    assert history.scores[-1].iteration == 24 and history.scores[0].why and history.validations  # 12 steps a worker
+    pilots = [own["autopilot"] for own in torch.load(tmp_path / FILENAME, weights_only=True)["rng"]]
+    assert len(pilots) == 4 and all(p["changes"] == pilots[0]["changes"] and p["choice"] == pilots[0]["choice"] for p in pilots)
 
 
 @pytest.mark.filterwarnings("ignore:4 processes")

@@ -87,7 +87,7 @@ class Worker:
         across = 1 if lockstep is None else lockstep.size
         self.rounds = Rounds(
             self.replica, config, device, self.rank // across, placement.world_size // across,
-            group=seat.group, hooks=hooks, lockstep=lockstep, spread=feature.processes > 1, redoes=feature.redoes,
+            group=seat.group, hooks=hooks, lockstep=lockstep, spread=feature.processes > 1, redoes=feature.redoes, together=seat.together,
         )  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + self.rank)

@@ -52,13 +52,14 @@ class Rounds:
     def __init__(
         self, trainer: Trainer, config: Config, device: torch.device, rank: int, world_size: int, *,
         group: dist.ProcessGroup | None = None, hooks: Hooks | None = None, lockstep: Lockstep | None = None,
-        spread: bool = False, redoes: bool = False,
+        spread: bool = False, redoes: bool = False, together: dist.ProcessGroup | None = None,
     ) -> None:  # fmt: skip
         """`hooks`: the host's, which the trainer shares (hosts/runtime.Worker builds both).
         `lockstep`: this rank's group of ranks that train as one worker (a hierarchy's node);
         `rank`, `world_size` and `group` are then the groups' (one rank of each in `group`).
         `spread`: a worker is several processes (a pipeline's stages), each with its own state;
-        `redoes`: a lost round is redone from a copy of the whole state kept at its start (replacement)."""
+        `redoes`: a lost round is redone from a copy of the whole state kept at its start (replacement);
+        `together`: the worker's other processes (a pipeline's stages), whose policy chooses with this one's."""
         self.trainer, self.config, self.hooks = trainer, config, hooks or Hooks()
         self.rank, self.world_size, self.group = rank, world_size, group
         self._spread = spread
@@ -74,7 +75,7 @@ class Rounds:
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self.seq = 0  # rounds started over this worker's life, the same on every worker: the observer's tags (hooks.RoundObserver)
         self._cut = RoundCut(world_size * (1 if lockstep is None else lockstep.size))  # which batches each round trains, and their steps
-        self.policy = policy_for(config, trainer, self.clock, device, group)  # what each averaging round runs with (policy.py)
+        self.policy = policy_for(config, trainer, self.clock, device, group, together)  # what each averaging round runs with (policy.py)
 
     @property
     def _averaging(self) -> bool:

@@ -22,7 +22,7 @@ each worker ran, so a round whose workers disagree fails), not from one worker's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -102,13 +102,17 @@ class Fixed:
 class Steered:
     """The autopilot: `pilot` fed with what the loop measured (the clock, filled by the exchange),
     the model's sizes, and, where it lacks a measure to decide on, the last exchange's summed over
-    `group` at once (its seconds the exchange's, for the Score)."""
+    `group` at once (its seconds the exchange's, for the Score). With `together` (a pipeline's
+    stages: each stage's group rounds its own part), the sums are summed over it too, so that
+    every process of a worker chooses alike from the measures of all: their rounds must start
+    and end together (the steps, a validation, a checkpoint cross the stages)."""
 
     meets = True
 
-    def __init__(self, pilot: Pilot, trainer: Trainer, clock: Clock, device: torch.device, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, pilot: Pilot, trainer: Trainer, clock: Clock, device: torch.device, group: dist.ProcessGroup | None,
+                 together: dist.ProcessGroup | None = None) -> None:  # fmt: skip
         self.pilot, self.trainer, self.clock = pilot, trainer, clock
-        self._device, self._group = device, group
+        self._device, self._group, self._together = device, group, together
 
     @property
     def choice(self) -> Choice:
@@ -137,7 +141,8 @@ class Steered:
         its launch and its wait to land, where it went as every later round will; of one landed at
         once, none."""
         pilot = self.pilot
-        change = pilot.landed(totals.policy, totals.batches, totals.workers, rounds, late)
+        summed, size = self._together_sum(totals.policy)  # the batches and workers of `size` groups
+        change = pilot.landed(summed, size * totals.batches, size * totals.workers, rounds, late)
         fair = self.clock.measured()
         if change is None and pilot.unmeasured:  # the same on every worker: decided from the sums
             # Too few measures of what is in force to decide on: this exchange's, summed now, and
@@ -145,9 +150,16 @@ class Steered:
             # Its seconds are the exchange's, for the Score: a worker whose exchange ended first
             # waits here for the others' (1-2 s a fit at 10 Mbit/s, counted nowhere before).
             last = self.clock.take()
-            summed = self.clock.timed(all_reduce_values, [last.exchange_s, last.codec_s, last.wait_s, float(fair)], self._device, self._group)
-            change = pilot.measured(summed, totals.workers, rounds)
+            here = self.clock.timed(all_reduce_values, [last.exchange_s, last.codec_s, last.wait_s, float(fair)], self._device, self._group)
+            measure, size = self._together_sum(here)
+            change = pilot.measured(measure, size * totals.workers, rounds)
         return change
+
+    def _together_sum(self, summed: Sequence[float]) -> tuple[Sequence[float], int]:
+        """`summed` over the round's group, summed over `together` too, and how many groups' sums that is."""
+        if self._together is None:
+            return summed, 1
+        return all_reduce_values(summed, self._device, self._together), dist.get_world_size(self._together)
 
     def state_dict(self) -> StateDict:
         return {"autopilot": self.pilot.state_dict()}
@@ -159,11 +171,12 @@ class Steered:
         return True
 
 
-def policy_for(config: Config, trainer: Trainer, clock: Clock, device: torch.device, group: dist.ProcessGroup | None) -> Policy:
-    """The policy `config` asks for: the autopilot's, or a fixed setting."""
+def policy_for(config: Config, trainer: Trainer, clock: Clock, device: torch.device, group: dist.ProcessGroup | None,
+               together: dist.ProcessGroup | None = None) -> Policy:  # fmt: skip
+    """The policy `config` asks for: the autopilot's (choosing with `together`, Steered), or a fixed setting."""
     if config.autopilot is None:
         return Fixed(config)
-    return Steered(Pilot(config.autopilot, start(config)), trainer, clock, device, group)
+    return Steered(Pilot(config.autopilot, start(config)), trainer, clock, device, group, together)
 
 
 def in_force(config: Config, choice: Choice) -> Config:
