@@ -57,7 +57,11 @@ Its last resort is overlap: where no rung is left to try and even k_max leaves t
 above twice ρ (x/(x + k_max·c) > 2ρ; the wait w is an imbalance, which overlap does not hide), it
 lands each round after the next round's steps (overlap_averaging) from the next round on, at the
 k whose steps hide the link's part with a margin (k·c ≥ 2(x − x_c)) and keep the codec's, which is
-not hidden, under ρ. Overlapped, it measures what each round landed late still cost a worker (its
+not hidden, under ρ. Only where that hides something: an epoch's last round lands at once (so
+does a fit's), so where every worker knows the epoch's E steps, of its R = ⌈E/k⌉ rounds only R − 1
+hide their link's part, and it overlaps only where the exposed rest, x − (x − x_c)(R − 1)/R a
+round, is a smaller share of k·c than x is of k_max·c landed at once (a fit of one epoch of 128
+steps, overlapped at k = 128, hid nothing). Overlapped, it measures what each round landed late still cost a worker (its
 launch, and its wait to land: e) and only lengthens k: where e/(e + k·c) > ρ, the link took about
 k·c + e, and k becomes the one whose steps take twice that (at most k_max). It never shortens k or
 leaves overlap.
@@ -318,6 +322,7 @@ class Pilot:
         self._sizes = Sizes(0, 0)  # the model's, from the last header (a worker's mean)
         self._exposed = _Mean()  # overlapped: seconds a round landed late still cost a worker, at the k in force
         self._expected = 0.0  # the seconds (with the wait) an exchange of the choice in force was expected to take when chosen
+        self._epoch: int | None = None  # each worker's steps in the epoch being trained, where it knows them (`steps`)
 
     def header(self, compute_s: float, exchange_s: float, codec_s: float, waited_s: float, sizes: Sizes) -> list[float]:
         """This worker's part of a round's header: its local work's seconds, its last exchange's,
@@ -351,14 +356,15 @@ class Pilot:
         self._sizes = Sizes(parameters / workers, state / workers)
         return self._decided(rounds, late)
 
-    def steps(self, left: int | None) -> int:
+    def steps(self, left: int | None, epoch: int | None = None) -> int:
         """The local steps of the round about to start, with `left` steps of the epoch still to
-        take on each worker (None: not known): the choice's k; or all `left`, at most k_max,
+        take on each worker, of its `epoch` steps in all (None: not known; the same on every
+        worker, kept for the overlap's decision): the choice's k; or all `left`, at most k_max,
         where the round after it would be the epoch's last and too short for ρ (fewer steps than
         its exchange needs). That round would cost a whole exchange for a few steps, and the
         epoch's end lands one anyway. Overlapped, k. The exchange is the choice's measure, else
         what it was expected to take when chosen (every worker's pilot holds the same)."""
-        now = self.choice
+        now, self._epoch = self.choice, epoch
         if left is None or now.overlap or not now.k < left <= self.spec.k_max:
             return now.k
         link = self._links.get(self.rungs.index(now.rung))
@@ -470,8 +476,9 @@ class Pilot:
                 self._why = measured + (f"{now.rung} would need k = {need:.0f} to keep exchanges under {self.spec.exchange_share:.2g} "
                                         f"of the time (more than {enough}); trying {other}, about {guess[other]:.3g} s")
             return self._steer(guess[other] + w, step, other)
-        if self._overlaps(x, step, now.rung):
-            rho, k = self.spec.exchange_share, self._overlapped_k(x - codec_s, codec_s, step)
+        k = self._overlapped_k(x - codec_s, codec_s, step)
+        if self._overlaps(x, step, now.rung) and self._hides(x, x - codec_s, k, step):
+            rho = self.spec.exchange_share
             self._why = (f"an exchange takes {x:.3g} s ({codec_s:.3g} s of it in the codec) and a step {step:.3g} s: at k = "
                          f"{self.spec.k_max} (k_max), with no rung left to try, exchanges would still take "
                          f"{x / (x + self.spec.k_max * step):.2g} of the time (more than {OVERLAP:g} x {rho:.2g}): overlapped from now on, each "
@@ -492,6 +499,17 @@ class Pilot:
         spec = self.spec
         share = exchange_s / (exchange_s + spec.k_max * step_s)
         return spec.overlap and rung.updaters_every in (0, 1) and share > OVERLAP * spec.exchange_share
+
+    def _hides(self, exchange_s: float, link_s: float, k: int, step_s: float) -> bool:
+        """Whether overlapped at `k` its exchanges cost a smaller share of the time than landed at
+        once at k_max: of an epoch's R = ⌈E/k⌉ rounds (E its steps, where known) the last lands
+        at once, so each round still costs the exchange less R − 1 Rth of its link's part."""
+        if self._epoch is None or self._epoch <= 0:
+            return True  # not known (a queue, an iterable): overlapped rounds land late from one epoch to the next
+        rounds = math.ceil(self._epoch / k)
+        exposed = exchange_s - link_s * (rounds - 1) / rounds
+        at_once = self.spec.k_max
+        return exposed / (exposed + k * step_s) < exchange_s / (exchange_s + at_once * step_s)
 
     def _overlapped_k(self, link_s: float, codec_s: float, step_s: float) -> int:
         """Overlapped, the k at which a round's steps take HIDE times the link's part of an

@@ -122,6 +122,19 @@ def test_a_slow_link_takes_bytes_off_first_straight_to_the_rung_they_need_then_o
 
 
 @pytest.mark.fast
+def test_it_overlaps_only_where_the_epochs_rounds_hide_the_link() -> None:
+    # As above, int8 needs k = 119 and k_max is 32, and overlapped it would run k = 16. But an
+    # epoch's last round lands at once (a fit's too): in an epoch of 16 steps (one round) that
+    # hides nothing, in one of 32 (two rounds) one exchange of two, which costs what k = 32 landed
+    # at once does; in one of 64, three of four. Not known (a queue): it overlaps, as before.
+    for epoch, overlaps in ((16, False), (32, False), (64, True), (None, True)):
+        pilot = Pilot(Autopilot(k_max=32), START)
+        pilot.steps(None, epoch)
+        ran = fly([pilot], step_s=0.01, link_s=slow_link, rounds=20)
+        assert ran[-1] == (Choice(16, "int8", 0, overlap=True) if overlaps else Choice(32, "int8", 0)), epoch
+
+
+@pytest.mark.fast
 def test_overlapped_rounds_the_steps_do_not_hide_lengthen_k_and_never_shorten_it() -> None:
     # Overlapped at k = 16 (0.16 s of steps), a link of 0.5 s leaves 0.34 s a round to wait:
     # 68% of the time. After two such rounds it takes the link for 0.16 + 0.34 s, and k = 128,

@@ -6,8 +6,6 @@ Fast tier: a scripted policy in a worker on a process group of this process alon
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 from torch import nn
@@ -18,7 +16,7 @@ from parallelwrapper.hosts.inprocess import group_of_one
 from parallelwrapper.job import Job
 from parallelwrapper.rounds import Rounds, RoundTotals
 from parallelwrapper.rounds.header import Work
-from parallelwrapper.rounds.policy import Change, Choice, Fixed, Steered
+from parallelwrapper.rounds.policy import Change, Choice, Epoch, Fixed, Steered
 from parallelwrapper.types import Score, StateDict
 from parallelwrapper.worker import Replica
 from test_round_protocol import CPU, ListSource
@@ -36,7 +34,7 @@ class Scripted:
         self.choice = Choice(2, "float32", 1)
         self.asked: list[tuple[int, int, float, bool]] = []  # (rounds landed, batches, its header part summed, late)
 
-    def steps(self, left: Callable[[], int | None]) -> int:
+    def steps(self, epoch: Epoch) -> int:
         return self.choice.k
 
     def header(self, work: Work) -> list[float]:

@@ -48,6 +48,13 @@ class RoundCut:
     def round_starts(self, batches: int) -> None:
         self.start, self.end = self.end, self.end + batches
 
+    def steps(self) -> int | None:
+        """Each worker's steps in the whole epoch (its batches over the ranks, rounded up), where
+        the source knows the epoch's length; else None."""
+        assert self._source is not None
+        length = self._source.epoch_length(self._epoch)
+        return None if length is None else -(-length // self.ranks)
+
     def steps_left(self) -> int | None:
         """Each worker's steps left in the epoch after the last round (its batches over the
         ranks, rounded up), where the source knows the epoch's length; else None."""

@@ -190,7 +190,7 @@ class Rounds:
         is still being averaged."""
         epoch, trainer = self.counters.epoch, self.trainer
         self.seq += 1
-        k = self.policy.steps(self._cut.steps_left) if self._averaging else 1  # SHARED_GRADIENTS (and a warm-up): one step each
+        k = self.policy.steps(self._cut) if self._averaging else 1  # SHARED_GRADIENTS (and a warm-up): one step each
         self._cut.round_starts(self._cut.ranks * k)
         if self.hooks.observer is not None:
             self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)

@@ -22,7 +22,7 @@ each worker ran, so a round whose workers disagree fails), not from one worker's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -38,6 +38,15 @@ from .state import optimizer_state_tensors, trained_parameters
 from .trainer import Trainer
 
 
+class Epoch(Protocol):
+    """The epoch being trained, as a policy sees it (cut.RoundCut): each worker's steps in it, and
+    left in it after the last round, where the source knows its length (None: not known)."""
+
+    def steps(self) -> int | None: ...
+
+    def steps_left(self) -> int | None: ...
+
+
 class Policy(Protocol):
     """What the round loop asks of whatever sets its averaging rounds, once a round."""
 
@@ -50,9 +59,9 @@ class Policy(Protocol):
         """The workers meet before each exchange landed at once, so that its seconds are the
         link's and the codec's, not a wait for a slower worker (SyncExchange.launch)."""
 
-    def steps(self, left: Callable[[], int | None]) -> int:
-        """The local steps of the averaging round about to start; `left()`: each worker's steps
-        left in the epoch, where the source knows them (None: not known)."""
+    def steps(self, epoch: Epoch) -> int:
+        """The local steps of the averaging round about to start; `epoch`: each worker's steps in
+        the epoch and left in it, where the source knows them."""
 
     def header(self, work: Work) -> list[float]:
         """Its part of the header of an averaging round after `work` (at most autopilot.PILOT_LEN
@@ -83,7 +92,7 @@ class Fixed:
     def __init__(self, config: Config) -> None:
         self.choice = start(config)
 
-    def steps(self, left: Callable[[], int | None]) -> int:
+    def steps(self, epoch: Epoch) -> int:
         return self.choice.k
 
     def header(self, work: Work) -> list[float]:
@@ -118,9 +127,9 @@ class Steered:
     def choice(self) -> Choice:
         return self.pilot.choice
 
-    def steps(self, left: Callable[[], int | None]) -> int:
+    def steps(self, epoch: Epoch) -> int:
         """k; the epoch's rest where the round after would be too short for its exchange (Pilot.steps)."""
-        return self.pilot.steps(left())
+        return self.pilot.steps(epoch.steps_left(), epoch.steps())
 
     def header(self, work: Work) -> list[float]:
         last = self.clock.last
@@ -191,4 +200,4 @@ def overlapped(config: Config, choice: Choice) -> Config:
     return dataclasses.replace(config, autopilot=None, averaging_frequency=choice.k, overlap_averaging=True)
 
 
-__all__ = ["Change", "Choice", "Fixed", "Policy", "Steered", "in_force", "overlapped", "policy_for"]
+__all__ = ["Change", "Choice", "Epoch", "Fixed", "Policy", "Steered", "in_force", "overlapped", "policy_for"]
