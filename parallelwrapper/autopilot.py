@@ -3,7 +3,8 @@
 It chooses from what the rounds measure.
 
 What it measures, over every worker (each round's header carries each worker's numbers, summed):
-    c   seconds per local step: a round's local work over its batches
+    c   seconds per local step: a round's local work over its steps (each process's, summed:
+        a pipeline's stage and a node's rank step once for each step of their worker)
     w   seconds a worker waits for the others before an exchange (they meet at a one-number
         all-reduce first), so that x is the link's and the codec's time alone
     x_r seconds per exchange while rung r is in force (a rung: a payload, and every how many rounds
@@ -98,7 +99,7 @@ REACH = 16.0  # a climb's estimate is trusted to this many times the bytes measu
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
 HIDE = 2.0  # overlapped, a round's steps take at least this many times the link's measured part (slow links vary)
-PILOT_LEN = 8  # numbers the pilot adds to a round's header: seconds in local work, in the last exchange, in its codec and waiting before it, the model's sizes, the choice in force
+PILOT_LEN = 9  # numbers the pilot adds to a round's header: local work's seconds and steps, the last exchange's seconds, its codec's and the wait, the model's sizes, the choice
 
 
 @dataclass(frozen=True)
@@ -324,29 +325,29 @@ class Pilot:
         self._expected = 0.0  # the seconds (with the wait) an exchange of the choice in force was expected to take when chosen
         self._epoch: int | None = None  # each worker's steps in the epoch being trained, where it knows them (`steps`)
 
-    def header(self, compute_s: float, exchange_s: float, codec_s: float, waited_s: float, sizes: Sizes) -> list[float]:
-        """This worker's part of a round's header: its local work's seconds, its last exchange's,
-        of those its codec's, and its wait for the others before it (0 when that exchange was no
-        fair measure, or none was in this fit); the elements a round of its model may carry; and
-        the choice it runs the round with, which every worker's must equal."""
-        return [compute_s, exchange_s, codec_s, waited_s, float(sizes.parameters), float(sizes.state), float(self.choice.k), self._code(self.choice)]
+    def header(self, compute_s: float, steps: int, exchange_s: float, codec_s: float, waited_s: float, sizes: Sizes) -> list[float]:
+        """This worker's part of a round's header: its local work's seconds and steps, its last
+        exchange's seconds, of those its codec's, and its wait for the others before it (0 when
+        that exchange was no fair measure, or none was in this fit); the elements a round of its
+        model may carry; and the choice it runs the round with, which every worker's must equal."""
+        return [compute_s, float(steps), exchange_s, codec_s, waited_s, float(sizes.parameters), float(sizes.state), float(self.choice.k), self._code(self.choice)]
 
-    def landed(self, summed: Sequence[float], batches: int, workers: int, rounds: int, late: bool = False) -> Change | None:
-        """A round landed: `summed`, the pilot's part of its header over every worker; `batches`
-        trained in it; `rounds` landed so far; `late`: after the next round's local work
-        (overlapped). Measures, and decides what the next round to start runs with (returned
-        when it changes anything)."""
-        compute_s, exchange_s, codec_s, waited_s, parameters, state, k_sum, rung_sum = summed
+    def landed(self, summed: Sequence[float], workers: int, rounds: int, late: bool = False) -> Change | None:
+        """A round landed: `summed`, the pilot's part of its header over the `workers` that sent
+        it; `rounds` landed so far; `late`: after the next round's local work (overlapped).
+        Measures, and decides what the next round to start runs with (returned when it changes
+        anything)."""
+        compute_s, steps, exchange_s, codec_s, waited_s, parameters, state, k_sum, rung_sum = summed
         now = self.choice
         if (k_sum, rung_sum) != (workers * now.k, workers * self._code(now)):
             raise RuntimeError(
                 f"the autopilot's workers ran round {rounds} with different choices (this worker: k = {now.k}, {now.rung}{', overlapped' if now.overlap else ''}; "
                 f"the sums: k {k_sum:g}, rung {rung_sum:g} over {workers} workers): a bug; set a fixed k and report it"
             )
-        if batches > 0 and compute_s > 0:
-            if self._step.count and _jumped(self._step.value, compute_s / batches):  # the steps changed pace (a worker replaced, a machine busy): what fits changed
+        if steps > 0 and compute_s > 0:
+            if self._step.count and _jumped(self._step.value, compute_s / steps):  # the steps changed pace (a worker replaced, a machine busy): what fits changed
                 self._step, self._done = _Mean(), False
-            self._step.add(compute_s / batches)
+            self._step.add(compute_s / steps)
         if exchange_s > 0 and self._ran == now:  # a measure of what is in force
             if now.overlap:
                 self._exposed.add(exchange_s / workers)

@@ -348,9 +348,6 @@ CONFLICTS: tuple[Conflict, ...] = (
              "bytes leave exchanges above its share of the time (overlap_averaging(False) keeps it off); to overlap "
              "from the first round, set a fixed k",
              ".averaging_frequency('auto').overlap_averaging(True)"),
-    Conflict(("autopilot", "hierarchy"), lambda c, j: c.autopilot is not None and c.hierarchy != "none",
-             _AUTO + "hierarchy('node'), whose node groups it does not measure in this version; set a fixed k",
-             ".averaging_frequency('auto').hierarchy('node')"),
     Conflict(("pipeline", "on_worker_failure"), lambda c, j: c.pipeline is not None and c.on_worker_failure == "replace",
              _STAGES + "on_worker_failure(\"replace\"): a lost stage would take its whole pipeline with it; drop it",
              ".pipeline(stages=2).on_worker_failure('replace')"),

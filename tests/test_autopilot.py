@@ -60,9 +60,9 @@ def fly(
     exchange, coded = 0.0, 0.0
     for r in range(first, first + rounds):
         choice = pilots[0].choice
-        headers = [p.header(step_s * choice.k, exchange, coded, wait_s if exchange else 0.0, sizes) for p in pilots]
+        headers = [p.header(step_s * choice.k, choice.k, exchange, coded, wait_s if exchange else 0.0, sizes) for p in pilots]
         summed = [sum(column) for column in zip(*headers)]
-        changed = [p.landed(summed, choice.k * len(pilots), len(pilots), r, late=choice.overlap) for p in pilots]
+        changed = [p.landed(summed, len(pilots), r, late=choice.overlap) for p in pilots]
         rung = choice.rung
         anew = rung != previous and rung.payload != "float32" and rung.updaters_every != 0 and (previous is None or previous.updaters_every != 1)
         exchange, coded = (0.0, 0.0) if anew else (link_s(rung) + codec_s(rung), codec_s(rung))
@@ -364,17 +364,17 @@ def test_every_rank_decides_the_same_from_the_sums_whatever_it_measured() -> Non
     exchange = 0.0
     for r in range(1, 40):  # each rank measures its own: rank i's steps take (1 + i) times rank 0's, its exchanges differ too
         k = pilots[0].choice.k
-        headers = [p.header(0.01 * (1 + i) * k, exchange * (1 + i), 0.0, 0.0, MOMENTUM) for i, p in enumerate(pilots)]
+        headers = [p.header(0.01 * (1 + i) * k, k, exchange * (1 + i), 0.0, 0.0, MOMENTUM) for i, p in enumerate(pilots)]
         summed = [sum(column) for column in zip(*headers)]
         for p in pilots:
-            p.landed(summed, 3 * k, 3, r)
+            p.landed(summed, 3, r)
         assert len({p.choice for p in pilots}) == 1
         exchange = slow_link(pilots[0].choice.rung)
     assert pilots[0].changes and [c.choice for c in pilots[2].changes] == [c.choice for c in pilots[0].changes]
     stray = Pilot(Autopilot(), Choice(4, "float32", 1))  # a worker that ran another k than the others
-    summed = [a + b for a, b in zip(pilots[0].header(0.1, 0.0, 0.0, 0.0, MOMENTUM), stray.header(0.1, 0.0, 0.0, 0.0, MOMENTUM))]
+    summed = [a + b for a, b in zip(pilots[0].header(0.1, 8, 0.0, 0.0, 0.0, MOMENTUM), stray.header(0.1, 4, 0.0, 0.0, 0.0, MOMENTUM))]
     with pytest.raises(RuntimeError, match=r"^the autopilot's workers ran round 9 with different choices .*: a bug; set a fixed k"):
-        stray.landed(summed, 8, 2, 9)
+        stray.landed(summed, 2, 9)
 
 
 @pytest.mark.fast
@@ -384,7 +384,6 @@ def test_auto_refuses_what_it_cannot_steer_and_bad_bounds() -> None:
         ({"training_mode": TrainingMode.SHARED_GRADIENTS}, "TrainingMode.SHARED_GRADIENTS, which averages every step"),
         ({"deterministic": True}, r"deterministic\(True\): it chooses from measured times"),
         ({"overlap_averaging": True}, r"overlap_averaging\(True\): it turns overlap on itself, as its last resort"),
-        ({"hierarchy": "node"}, r"hierarchy\('node'\)"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^averaging_frequency\('auto'\) does not go with {reason}"):
             Config(autopilot=Autopilot(), **options)

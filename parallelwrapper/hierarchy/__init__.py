@@ -40,7 +40,7 @@ class Nodes(Over):
         if joined is None:
             return self.rest.seat(job, config, placement, process, group)
         across, node = joined
-        return Seat(job, process, group=across, lockstep=node)
+        return Seat(job, process, group=across, lockstep=node, together=node.group)  # a node's ranks choose alike
 
 
 def join(rank: int, world: int, per_node: int) -> tuple[dist.ProcessGroup, Node] | None:

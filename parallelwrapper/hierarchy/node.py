@@ -79,6 +79,7 @@ class NodeSteps:
             self.trainer.at_step(first_step + j)  # every rank of the node, with a batch or without
             self.trainer.step()
             work.samples, work.loss_sum, work.batches = work.samples + int(samples), work.loss_sum + loss_sum, work.batches + int(batches)
+            work.steps += 1
         return work
 
 

@@ -211,6 +211,7 @@ class Rounds:
                 stream.stepped(loss, n)
             work.losses.append(loss)
             work.samples, work.batches = work.samples + n, work.batches + 1
+        work.steps = work.batches  # one step a batch
         work.loss_sum, work.skipped = trainer.checked_loss(work.losses, work.first_step, epoch)
         work.finished = self._cut.finished
         self.hooks.progress(Phase.AVERAGING, epoch, -1, trainer.local_steps)
@@ -222,7 +223,7 @@ class Rounds:
         assert self._together is not None
         first = self._cut.step_of(self._cut.start)
         taken = self._together.run(work.k, first, self.counters.epoch, self._next, lambda: self._cut.finished)
-        work.samples, work.batches, work.finished = taken.samples, taken.batches, taken.finished
+        work.samples, work.batches, work.steps, work.finished = taken.samples, taken.batches, taken.steps, taken.finished
         loss = [torch.tensor(taken.loss_sum)] if taken.batches else []
         work.loss_sum, work.skipped = self.trainer.checked_loss(loss, work.first_step, self.counters.epoch)
         self.hooks.progress(Phase.AVERAGING, self.counters.epoch, -1, self.trainer.local_steps)

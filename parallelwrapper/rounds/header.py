@@ -24,6 +24,7 @@ class Work:
     batches: int = 0
     first_step: int = 0
     k: int = 1  # the local steps it may take: the k in force at its start (Policy.steps: an epoch's last may be longer)
+    steps: int = 0  # the local steps it took (with its lockstep group: the group's steps, not their batches)
     loss_sum: float = 0.0
     skipped: bool = False  # dropped by the NaN policy
     finished: bool = False  # this worker (with a hierarchy: its node) has no batch left in the epoch

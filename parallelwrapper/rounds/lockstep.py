@@ -27,6 +27,7 @@ class StepsTaken:
     samples: int = 0
     loss_sum: float = 0.0
     batches: int = 0
+    steps: int = 0  # the steps the group took together (each of up to its ranks' batches)
     finished: bool = False  # no rank of the group had a batch left in the epoch
 
 

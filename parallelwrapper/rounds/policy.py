@@ -133,7 +133,7 @@ class Steered:
 
     def header(self, work: Work) -> list[float]:
         last = self.clock.last
-        return self.pilot.header(work.seconds, last.exchange_s, last.codec_s, last.wait_s, self._sizes())
+        return self.pilot.header(work.seconds, work.steps, last.exchange_s, last.codec_s, last.wait_s, self._sizes())
 
     def _sizes(self) -> Sizes:
         """The elements a round may carry, for the autopilot's estimate of another rung's bytes."""
@@ -150,8 +150,8 @@ class Steered:
         its launch and its wait to land, where it went as every later round will; of one landed at
         once, none."""
         pilot = self.pilot
-        summed, size = self._together_sum(totals.policy)  # the batches and workers of `size` groups
-        change = pilot.landed(summed, size * totals.batches, size * totals.workers, rounds, late)
+        summed, size = self._together_sum(totals.policy)  # the workers of `size` groups
+        change = pilot.landed(summed, size * totals.workers, rounds, late)
         fair = self.clock.measured()
         if change is None and pilot.unmeasured:  # the same on every worker: decided from the sums
             # Too few measures of what is in force to decide on: this exchange's, summed now, and

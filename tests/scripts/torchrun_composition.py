@@ -13,7 +13,7 @@ from torch import nn
 
 from parallelwrapper import ParallelWrapper
 
-OPTIONS = ("overlap", "outer", "bfloat16", "warmup", "replace")
+OPTIONS = ("overlap", "outer", "bfloat16", "warmup", "replace", "auto")
 
 
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -37,8 +37,10 @@ def main(out: Path) -> None:
             builder = builder.payload_dtype(torch.bfloat16)
         elif option == "warmup":
             builder = builder.warmup_sync_steps(2)
-        else:
+        elif option == "replace":
             builder = builder.on_worker_failure("replace")  # torchrun restarts the group itself: a note
+        else:  # a node's two ranks choose alike from the sums over both nodes and both ranks
+            builder = builder.averaging_frequency("auto", k_min=1, k_max=4)
         with builder.build() as wrapper:
             history = wrapper.fit(data(), epochs=1)
             torch.save({"model": net.state_dict(), "iterations": wrapper.counters.iterations, "scores": [s.score for s in history.scores]},
