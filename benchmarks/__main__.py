@@ -63,6 +63,10 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
         "requests/s and latency of ParallelInference BATCHED and SEQUENTIAL against a locked model",
         ("--per-caller", "10", "--warmup", "2", "--callers", "1,8"),
     ),
+    "fleet_sim": (
+        "a simulated fleet that loses machines: throughput kept at 64 to 1,024 workers, by design, calibrated on this machine's runs",
+        ("--workers", "16", "--every", "60", "--hours", "0.05", "--seeds", "1", "--calibrate"),
+    ),
     "gpu_checks": (
         "the CUDA paths, each a short fit on cuda:0 (on a lent GPU; --device cpu tries it here)",
         ("--device", "cpu", "--batches", "30", "--only", "channels_last"),

@@ -103,6 +103,15 @@ def gpu_checks(r: dict[str, Any]) -> None:
     assert checks and all(c["ok"] for c in checks.values()), checks
 
 
+def fleet_sim(r: dict[str, Any]) -> None:
+    """The model's predictions of this machine's measured runs, from their parts, within 5%
+    (benchmarks/README.md's bar); every kept share a fraction."""
+    assert r["calibration"], r
+    for c in r["calibration"]:
+        assert abs(figure(c["predicted"]) / figure(c["measured"]) - 1) < 0.05, c
+    assert all(0 < row[d] <= 1 for row in r["rows"] for d in ("survivors", "restart", "rollback")), r["rows"]
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "throughput": throughput,
     "torchft_lenet": torchft_lenet,
@@ -114,6 +123,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "pipeline": pipeline,
     "inference": inference,
     "gpu_checks": gpu_checks,
+    "fleet_sim": fleet_sim,
 }
 
 

@@ -1,0 +1,242 @@
+"""A fleet that loses machines, simulated: the share of its samples/s it keeps, by design, at 64 to 1,024 workers (issue 54).
+
+A discrete-event model of synchronous rounds. Every live worker trains k steps (step seconds drawn
+from a lognormal of mean `step_s` and spread `cv`; first-come batches, so a round takes the mean
+worker's k steps and one step more), then the round's exchange: a ring all-reduce, `exchange_s`
+at 2 workers and `hop_s` more for each further hop of its 2(n - 1). Machines of `per_machine`
+workers are lost one every `every_s` seconds over the fleet (at random, a Poisson process, or
+exactly on schedule as the soaks strike) and come back `back_s` later. What a loss costs is the
+design's:
+
+    survivors  issue 54's design: the survivors see the loss within `detect_s` (a killed process
+               at once: its sockets close; a machine gone silent after the peer timeout), form
+               the new group in `regroup_s`, and train the lost machine's share of the round in
+               flight again (its batches go back to the first-come feed); they go on without it.
+               A machine that comes back joins at a round boundary: one regroup, and the state
+               from a peer (`state_mb` at `link_mbit_s`) while the others wait.
+    restart    torchrun's agent, restart and resume: every process stops and starts again
+               (`restart_s`), resumes from the last checkpoint (every `checkpoint_every` rounds,
+               `checkpoint_s` each) and redoes the rounds since. A machine that comes back after
+               the restart changes the membership: the same again.
+    rollback   torchft-like: the survivors stall until their collective times out (`stall_s`),
+               the round in flight is rolled back on every worker, and the lost machine's
+               replicas heal from a peer at a later quorum, which the others wait for.
+
+Kept = samples/s with faults over samples/s without, over `hours` of simulated time.
+
+`--calibrate` runs the model on runs this machine measured, from their parts (a restart's
+seconds, a stall's, the pace), not their results, and sets each prediction beside the measure:
+    restart:  results/torchrun_fault_cost.json: one rank of 2 killed at its step 568 of 940,
+              checkpoints every 2 and 20 rounds; kept at the run's own pace (its steps' seconds
+              vary by 40% from run to run on this machine);
+    rollback: results/torchft_soak.json: torchft's DiLoCo on 8 replica groups, a fault every
+              10 s: kept against the fault-free runs;
+    survivors: nothing yet. Its predictions take the survivors-going-on prototype's re-forming
+              (0.10-0.46 s after a kill: results/torchrun_fault_cost.json's proto-kill) and a
+              peer timeout of 5 s for a machine gone silent; issue 54's 4-machine soak will
+              calibrate it.
+
+    python -m benchmarks fleet_sim [--workers 64,256,1024] [--every 60,15] [--calibrate] [--out benchmarks/results/fleet_sim.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine, table, write_results
+
+DESIGNS = ("survivors", "restart", "rollback")
+RESULTS = Path(__file__).parent / "results"
+SAMPLED = 64  # workers whose steps are drawn for a round's mean; more cost time and move it by less than 0.1%
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A job and its fleet, every time in seconds. The defaults: a 100M-parameter model trained
+    with momentum (800 MB of float32 a round) at k = 32 steps of 0.3 s, over 10 Gbit/s between
+    machines of 8 workers, a checkpoint every 5 rounds (about a minute) that takes 1 s, with this
+    machine's restart (4.93-5.96 s) and re-forming times."""
+
+    workers: int = 64
+    per_machine: int = 8
+    step_s: float = 0.3
+    cv: float = 0.05
+    k: int = 32
+    exchange_s: float = 1.28  # ring all-reduce of 800 MB at 10 Gbit/s: 2 (n - 1)/n of it each way
+    hop_s: float = 0.0005
+    state_mb: float = 800.0
+    link_mbit_s: float = 10_000.0
+    every_s: float = 60.0
+    back_s: float = 10.0
+    detect_s: float = 5.0
+    regroup_s: float = 0.46
+    restart_s: float = 5.96
+    checkpoint_every: int = 5  # about a minute of rounds
+    checkpoint_s: float = 1.0  # 800 MB written at 1 GB/s
+    stall_s: float = 5.0
+    hours: float = 2.0
+
+    def exchange(self, n: int) -> float:
+        return self.exchange_s + self.hop_s * max(0, 2 * (n - 2))
+
+    def transfer(self) -> float:
+        return self.state_mb * 8 / self.link_mbit_s
+
+    def compute(self, n: int, rng: random.Random) -> float:
+        """A round's local work on `n` workers: the mean worker's k steps, and one step more
+        (first-come batches: a round ends one step after the fleet's last batch is taken)."""
+        if self.cv == 0:
+            return self.k * self.step_s  # every worker alike: no straggler
+        sigma = math.sqrt(math.log(1 + self.cv**2))
+        mu = math.log(self.step_s) - sigma**2 / 2
+        m = min(n, SAMPLED)
+        mean = sum(rng.lognormvariate(mu, sigma) for _ in range(m * self.k)) / m
+        return mean + max(rng.lognormvariate(mu, sigma) for _ in range(m))
+
+
+def simulate(fleet: Fleet, design: str, faults: bool = True, seed: int = 0, schedule: str = "poisson", at: Sequence[float] = ()) -> dict[str, float]:
+    """Worker-steps per second over `fleet.hours` (or until `at`'s faults are past and the
+    steps of `hours` done), and what the faults cost. `schedule`: "poisson" (at random) or
+    "fixed" (exactly every `every_s`); `at`: the faults' times instead."""
+    if design not in DESIGNS:
+        raise ValueError(f"fleet_sim: design {design!r} is not one of {DESIGNS}")
+    rng = random.Random(seed)
+    end = fleet.hours * 3600
+    machines = fleet.workers // fleet.per_machine
+    strikes = list(at) if at else []
+
+    def next_after(t: float) -> float:
+        if not faults:
+            return math.inf
+        if strikes:
+            return strikes.pop(0)
+        if at:
+            return math.inf
+        return t + (fleet.every_s if schedule == "fixed" else rng.expovariate(1 / fleet.every_s))
+
+    t, done, lost, struck, redone, rounds, since = 0.0, 0.0, 0, 0, 0.0, 0, 0.0
+    returns: list[float] = []
+    fault = next_after(0.0)
+    while t < end:
+        if returns and min(returns) <= t:  # back: they join at this round boundary
+            lost -= sum(r <= t for r in returns)
+            returns = [r for r in returns if r > t]
+            if design == "restart":  # the membership changed: a restart, and the rounds since the checkpoint again
+                t += fleet.restart_s
+                done, redone, since = done - since, redone + since, 0.0
+            else:
+                t += fleet.regroup_s + fleet.transfer()
+        n = (machines - lost) * fleet.per_machine
+        compute = fleet.compute(n, rng)
+        length = compute + fleet.exchange(n)
+        if fault < t + length and lost < machines - 1:
+            into = max(fault - t, 0.0)
+            share = min(into, compute) / compute  # of the round's local work, done when it struck
+            struck += 1
+            if design == "restart" and fleet.back_s <= fleet.restart_s:
+                returns_at = None  # back within the restart: it joins the same rendezvous
+            else:
+                lost += 1
+                returns_at = fault + fleet.back_s
+            if returns_at is not None:
+                returns.append(returns_at)
+            fault = next_after(fault)
+            if design == "survivors":  # the round's batches all train: the lost share again, on the survivors
+                left = n - fleet.per_machine
+                redo = share * fleet.per_machine * fleet.k
+                t += into + fleet.detect_s + fleet.regroup_s + ((1 - share) * n * fleet.k + redo) / left * fleet.step_s + fleet.exchange(left)
+                done, redone = done + n * fleet.k, redone + redo
+                rounds += 1
+            elif design == "restart":
+                t += into + fleet.restart_s
+                done, redone, since = done - since, redone + since + share * n * fleet.k, 0.0
+            else:  # rollback: the round in flight is lost on every worker
+                t += into + fleet.stall_s
+                redone += share * n * fleet.k
+            continue
+        t += length
+        done += n * fleet.k
+        rounds += 1
+        if design == "restart":
+            since += n * fleet.k
+            if rounds % fleet.checkpoint_every == 0:
+                since, t = 0.0, t + fleet.checkpoint_s
+    return {"steps_per_s": done / t, "faults": struck, "redone_steps": redone, "seconds": t}
+
+
+def kept(fleet: Fleet, design: str, seeds: int = 3, schedule: str = "poisson") -> float:
+    """Samples/s with faults over without, the mean over `seeds` runs."""
+    ratios = []
+    for seed in range(seeds):
+        free = simulate(fleet, design, faults=False, seed=seed)["steps_per_s"]
+        ratios.append(simulate(fleet, design, seed=seed, schedule=schedule)["steps_per_s"] / free)
+    return sum(ratios) / len(ratios)
+
+
+def calibration() -> list[dict[str, Any]]:
+    """The model on runs this machine measured, from their parts: restart-and-resume under
+    torchrun (two runs) and torchft's soak."""
+    rows: list[dict[str, Any]] = []
+    cost = json.loads((RESULTS / "torchrun_fault_cost.json").read_text())["runs"]
+    steps = cost["lib-free-e2"]["steps_expected"] // 2  # a rank's
+    for name in ("lib-kill-e2", "lib-kill-e20"):
+        run = cost[name]
+        lives = [i for i in run["incarnations"] if i["rank"] == 0]
+        pace = sum(i["last"] - i["first"] for i in lives) / sum(i["steps"] for i in lives)  # its own seconds a step, both lives
+        fleet = Fleet(workers=2, per_machine=1, step_s=pace, cv=0.0, k=8, exchange_s=0.0, hop_s=0.0, restart_s=run["fault_to_resume_s"],
+                      checkpoint_every=run["every"], back_s=0.0, hours=steps * pace / 3600)  # fmt: skip
+        fault_at = 568 / 8 * fleet.compute(2, random.Random(0))  # rank 1 killed itself at its step 568
+        free = simulate(fleet, "restart", faults=False)["steps_per_s"]
+        predicted = simulate(fleet, "restart", at=[fault_at])["steps_per_s"] / free
+        rows.append({"design": "restart", "run": f"torchrun_fault_cost.json {name}", "predicted": predicted,
+                     "measured": steps * pace / run["train_wall_s"],
+                     "parts": {"restart_s": run["fault_to_resume_s"], "step_s": pace, "k": 8, "checkpoint_every": run["every"]}})  # fmt: skip
+    soak = json.loads((RESULTS / "torchft_soak.json").read_text())
+    f = soak["faulted"]
+    stall = sum(s["stall_s"] for s in f["stalls"]) / len(f["stalls"])
+    back = sum(f["restart_to_first_commit_s"]) / len(f["restart_to_first_commit_s"])
+    step = soak["replicas"] * 128 / soak["fault_free"]["samples_per_s"]  # a replica's step: 8 of 128 samples at the fleet's pace
+    fleet = Fleet(workers=soak["replicas"], per_machine=1, step_s=step, cv=0.05, k=soak["k"], exchange_s=0.0, hop_s=0.0, state_mb=0.0,
+                  every_s=soak["every_s"], back_s=back, stall_s=stall, regroup_s=0.0, hours=0.1)  # fmt: skip
+    rows.append({"design": "rollback", "run": "torchft_soak.json", "predicted": kept(fleet, "rollback", seeds=5, schedule="fixed"), "measured": soak["kept"],
+                 "parts": {"stall_s": stall, "back_s": back, "step_s": step, "k": soak["k"], "every_s": soak["every_s"]}})  # fmt: skip
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default="64,256,1024", help="fleet sizes, comma-separated")
+    parser.add_argument("--every", default="60,15", help="seconds between machines lost over the fleet, comma-separated")
+    parser.add_argument("--hours", type=float, default=2.0, help="simulated hours a run")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--calibrate", action="store_true", help="the model on this machine's measured runs first")
+    parser.add_argument("--out", default=None, help="the rows as JSON")
+    args = parser.parse_args(argv)
+    payload: dict[str, Any] = {"machine": machine(), "command": "python -m benchmarks fleet_sim " + " ".join(argv or [])}
+    if args.calibrate:
+        cal = calibration()
+        print(table(["design", "run", "predicted kept", "measured kept", "error"],
+                    [[c["design"], c["run"], f"{c['predicted']:.3f}", f"{c['measured']:.3f}", f"{c['predicted'] / c['measured'] - 1:+.1%}"] for c in cal]))  # fmt: skip
+        payload["calibration"] = cal
+    rows = []
+    for workers in map(int, args.workers.split(",")):
+        for every in map(float, args.every.split(",")):
+            fleet = Fleet(workers=workers, every_s=every, hours=args.hours)
+            rows.append({"workers": workers, "every_s": every, **{d: kept(fleet, d, args.seeds) for d in DESIGNS}})
+    print(table(["workers", "a machine lost every (s)", *(f"kept: {d}" for d in DESIGNS)],
+                [[r["workers"], f"{r['every_s']:g}", *(f"{r[d]:.3f}" for d in DESIGNS)] for r in rows]))  # fmt: skip
+    payload.update(fleet=dataclasses.asdict(Fleet(hours=args.hours)), rows=rows)
+    if args.out:
+        write_results(args.out, payload)
+
+
+if __name__ == "__main__":
+    main()
