@@ -90,11 +90,34 @@ def slow_link(rate: str) -> Iterator[Link]:
             _run("ip", "-n", ns, "link", "set", dev, "up")
             # A token bucket on each egress shapes both directions; the 64 KB burst holds one
             # GSO super-packet, small against the megabytes of an averaging.
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "100ms")
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *_shape(rate))
         yield link
     finally:
         for ns in link.names:
             _remove_namespace(ns)
+
+
+def _shape(rate: str) -> tuple[str, ...]:
+    return ("rate", rate, "burst", "64kb", "latency", "100ms")
+
+
+def reshape(link: Link, rate: str) -> None:
+    """The link's rate, both directions, changed in place (a link that drops or comes back)."""
+    for ns, dev in zip(link.names, link.devices):
+        _run("tc", "-n", ns, "qdisc", "change", "dev", dev, "root", "tbf", *_shape(rate))
+
+
+def parse_changes(text: str | None) -> list[tuple[float, str]]:
+    """--changes "60:10mbit,120:200mbit": (seconds after a contender's ranks start, the rate from then on)."""
+    if not text:
+        return []
+    try:
+        changes = [(float(at), rate) for at, _, rate in (item.partition(":") for item in text.split(","))]
+    except ValueError:
+        raise SystemExit(f"slow_link: --changes {text!r} is not SECONDS:RATE,...; e.g. 60:10mbit,120:200mbit") from None
+    if any(not rate for _, rate in changes) or [at for at, _ in changes] != sorted(at for at, _ in changes):
+        raise SystemExit(f"slow_link: --changes {text!r}: each item SECONDS:RATE, the seconds rising; e.g. 60:10mbit,120:200mbit")
+    return changes
 
 
 @contextmanager
@@ -115,10 +138,13 @@ def _remove_namespace(ns: str) -> None:
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, name: str, timeout: float, per_node: int = 1) -> None:
+def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, name: str, timeout: float, per_node: int = 1,
+              changes: Sequence[tuple[float, str]] = ()) -> None:  # fmt: skip
     """One torchrun agent per namespace, as on two machines, each starting `per_node` ranks; raises
-    with the logs' tails on failure."""
+    with the logs' tails on failure. `changes`: the link's rate from so many seconds after the
+    ranks start (the caller sets it back after)."""
     procs: list[subprocess.Popen[bytes]] = []
+    pending = list(changes)
     logs = [log_dir / f"{name}.rank{r}.log" for r in range(2)]
     try:
         for r in range(2):
@@ -136,11 +162,14 @@ def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, 
             with logs[r].open("wb") as log:
                 # A session of its own: a Ctrl-C here reaches the driver, which stops them in order.
                 procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
                 break
-            time.sleep(0.5)
+            while pending and time.monotonic() - start >= pending[0][0]:
+                reshape(link, pending.pop(0)[1])
+            time.sleep(0.1 if pending else 0.5)
     finally:
         for p in procs:
             _stop(p)
@@ -282,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> None:
              "wrapper-auto-sync (the same, never overlapped), wrapper-auto-sparse (sparse among its payloads), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
+    parser.add_argument("--changes", default=None, metavar="S:RATE,...",
+                        help="the link's rate from S seconds after each contender's ranks start, e.g. 60:10mbit,120:200mbit (--rate again before the next)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces, no shaping: both nodes on this machine's loopback (no root; --smoke)")
     parser.add_argument("--procs-per-node", type=int, default=1, help="ranks per namespace (2: a node's ranks share its loopback; for wrapper-node)")
     parser.add_argument("--max-epochs", type=int, default=3)
@@ -312,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         Path(args.analyse).write_text(json.dumps(saved, indent=2) + "\n")
         return
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    changes = parse_changes(args.changes)
+    if changes and args.loopback:
+        raise SystemExit("slow_link: --changes shapes the link between namespaces; drop --loopback")
     for c in contenders:
         kind, _, k = c.partition(":")
         periodic = ("pma", *(w for w in WRAPPERS if w not in AUTOS), *torchft_lenet.KINDS)
@@ -356,14 +390,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             kind, _, k = name.partition(":")
             out = work / f"{kind}{k}.{repeat}.json"
             port += 1  # a fresh port per run: the previous run's sockets may linger in TIME_WAIT
-            run_ranks(link, port - 1, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout, args.procs_per_node)
+            try:
+                run_ranks(link, port - 1, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout, args.procs_per_node, changes)
+            finally:
+                if changes:
+                    reshape(link, args.rate)
             result = json.loads(out.read_text())
             points = result.pop("points")
             return {"points": points, "comm_fraction": result.get("comm_fraction"), "choices": choices(result), "result": result}
 
         runs = race(contenders, args.repeats, run, args.target, keep_going=True)  # one contender's failure (a NaN loss) is its result
 
-    settings = {"rate": args.rate, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
+    settings = {"rate": args.rate, "changes": args.changes, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
                 "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs, "arena": args.arena,
                 "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "layers": args.layers, "width": args.width, "python": sys.version.split()[0],
