@@ -325,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=256, help="gpt arena: CharGPT's width")
     parser.add_argument("--eval-every", type=int, default=64, help="steps per rank between scores (a multiple of every k)")
     parser.add_argument("--lr", type=float, default=0.04, help="Nesterov SGD, every contender (pw-fit's default)")
+    parser.add_argument("--exchange-share", type=float, default=0.05, help="the autopilot contenders' exchange_share (ρ; the library's default 0.05)")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's outer SGD learning rate")
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="wrapper-outer's outer Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
@@ -365,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     shared = ["--data-dir", args.data_dir, "--max-epochs", str(args.max_epochs), "--target", str(args.target),
               "--eval-every", str(args.eval_every), "--lr", str(args.lr),
-              "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum),
+              "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum), "--exchange-share", str(args.exchange_share),
               "--arena", args.arena, "--batch", str(args.batch), "--max-steps", str(args.max_steps), "--budget", str(args.budget),
               "--layers", str(args.layers), "--width", str(args.width),
               "--optimizer", "adamw" if args.arena == "gpt" else "sgd"]  # fmt: skip
@@ -401,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         runs = race(contenders, args.repeats, run, args.target, keep_going=True)  # one contender's failure (a NaN loss) is its result
 
-    settings = {"rate": args.rate, "changes": args.changes, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
+    settings = {"rate": args.rate, "changes": args.changes, "exchange_share": args.exchange_share, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
                 "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs, "arena": args.arena,
                 "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "layers": args.layers, "width": args.width, "python": sys.version.split()[0],

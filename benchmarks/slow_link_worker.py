@@ -177,7 +177,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         if change.get("auto"):
             # Nothing else of the autopilot's levers: its payload, optimizer-state period and
             # bounds are its own (a .payload_dtype() or .average_updaters() call would fix them).
-            b = b.averaging_frequency("auto", k_min=k, payloads=change.get("payloads"))  # wrapper-auto:K: k no lower than K (default 1)
+            b = b.averaging_frequency("auto", k_min=k, payloads=change.get("payloads"), exchange_share=args.exchange_share)  # wrapper-auto:K: k no lower than K (default 1)
             if "overlap_averaging" in change:
                 b = b.overlap_averaging(change["overlap_averaging"])
         else:
@@ -370,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between evaluations")
     parser.add_argument("--lr", type=float, default=0.04)
     parser.add_argument("--powersgd-start", type=int, default=16, help="powersgd's uncompressed steps first")
+    parser.add_argument("--exchange-share", type=float, default=0.05, help="the autopilot contenders' exchange_share (ρ; the library's default 0.05)")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's and torchft-diloco's outer SGD")
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="its Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
