@@ -141,13 +141,9 @@ def simulate(fleet: Fleet, design: str, faults: bool = True, seed: int = 0, sche
             into = max(fault - t, 0.0)
             share = min(into, compute) / compute  # of the round's local work, done when it struck
             struck += 1
-            if design == "restart" and fleet.back_s <= fleet.restart_s:
-                returns_at = None  # back within the restart: it joins the same rendezvous
-            else:
+            if design != "restart" or fleet.back_s > fleet.restart_s:  # back within a restart, it joins that rendezvous
                 lost += 1
-                returns_at = fault + fleet.back_s
-            if returns_at is not None:
-                returns.append(returns_at)
+                returns.append(fault + fleet.back_s)
             fault = next_after(fault)
             if design == "survivors":  # the round's batches all train: the lost share again, on the survivors
                 left = n - fleet.per_machine

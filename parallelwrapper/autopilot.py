@@ -283,7 +283,6 @@ class _Mean:
         self.value += (x - self.value) / min(self.count, 4)
 
 
-
 def _jumped(before: float, now: float) -> bool:
     """Whether `now` is JUMP times `before` or more, or 1/JUMP of it or less: not noise, a change."""
     return not 1 / JUMP < max(now, 1e-9) / max(before, 1e-9) < JUMP
@@ -509,8 +508,7 @@ class Pilot:
             return True  # not known (a queue, an iterable): overlapped rounds land late from one epoch to the next
         rounds = math.ceil(self._epoch / k)
         exposed = exchange_s - link_s * (rounds - 1) / rounds
-        at_once = self.spec.k_max
-        return exposed / (exposed + k * step_s) < exchange_s / (exchange_s + at_once * step_s)
+        return exposed / (exposed + k * step_s) < exchange_s / (exchange_s + self.spec.k_max * step_s)
 
     def _overlapped_k(self, link_s: float, codec_s: float, step_s: float) -> int:
         """Overlapped, the k at which a round's steps take HIDE times the link's part of an

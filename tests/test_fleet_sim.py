@@ -4,6 +4,8 @@ Fast tier: pure Python, no process."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from benchmarks.fleet_sim import DESIGNS, Fleet, kept, simulate
@@ -38,13 +40,13 @@ def test_one_fault_costs_what_each_design_says() -> None:
 
 
 def test_a_machine_back_within_the_restart_joins_it_and_one_back_later_restarts_everyone_again() -> None:
-    quick = simulate(Fleet(**{**FLEET.__dict__, "back_s": 3.0}), "restart", at=[6.5])
-    late = simulate(Fleet(**{**FLEET.__dict__, "back_s": 30.0}), "restart", at=[6.5])
+    quick = simulate(dataclasses.replace(FLEET, back_s=3.0), "restart", at=[6.5])
+    late = simulate(dataclasses.replace(FLEET, back_s=30.0), "restart", at=[6.5])
     assert quick["steps_per_s"] > late["steps_per_s"]
     assert late["redone_steps"] > quick["redone_steps"]  # the second restart redoes the rounds since its checkpoint
 
 
 def test_more_frequent_faults_keep_less() -> None:
-    fleet = Fleet(**{**FLEET.__dict__, "back_s": 10.0, "hours": 0.5})
+    fleet = dataclasses.replace(FLEET, back_s=10.0, hours=0.5)
     for design in DESIGNS:
-        assert kept(Fleet(**{**fleet.__dict__, "every_s": 60.0}), design) > kept(Fleet(**{**fleet.__dict__, "every_s": 15.0}), design)
+        assert kept(dataclasses.replace(fleet, every_s=60.0), design) > kept(dataclasses.replace(fleet, every_s=15.0), design)

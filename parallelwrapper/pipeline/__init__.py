@@ -67,8 +67,7 @@ class Stages(Over):
         part = dataclasses.replace(job, model=stage_module(job.model, self.spec, position.stage))
         stage_group, pipe = join_groups(position, placement.world_size)
         make = functools.partial(StageReplica, position=position, pipe=pipe, whole=whole)
-        relay = functools.partial(RelaySource, position=position, group=pipe)
-        return Seat(part, position.worker, position.stage, stage_group, make, lambda source: relay(source if position.stage == 0 else None), together=pipe)
+        return Seat(part, position.worker, position.stage, stage_group, make, lambda source: RelaySource(source if position.stage == 0 else None, position, pipe), together=pipe)
 
     def joined(self, states: Sequence[TrainingState], job: Job) -> TrainingState:
         return joined_state(list(states), job, self.spec)

@@ -51,16 +51,19 @@ class RoundCut:
     def steps(self) -> int | None:
         """Each worker's steps in the whole epoch (its batches over the ranks, rounded up), where
         the source knows the epoch's length; else None."""
-        assert self._source is not None
-        length = self._source.epoch_length(self._epoch)
+        length = self._length()
         return None if length is None else -(-length // self.ranks)
 
     def steps_left(self) -> int | None:
         """Each worker's steps left in the epoch after the last round (its batches over the
         ranks, rounded up), where the source knows the epoch's length; else None."""
-        assert self._source is not None
-        length = self._source.epoch_length(self._epoch)
+        length = self._length()
         return None if length is None else max(0, -(-(length - self.end) // self.ranks))
+
+    def _length(self) -> int | None:
+        """The epoch's batches, where the source knows them."""
+        assert self._source is not None
+        return self._source.epoch_length(self._epoch)
 
     def step_of(self, index: int) -> int:
         step, first = self._first

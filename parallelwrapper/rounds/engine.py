@@ -90,17 +90,20 @@ class Rounds:
         """Take `own` (`own_state`'s) as the trainer's and the rounds' own state."""
         self.trainer.load_own_state(own)
         self._exchange.load_own_state(own)
-        if self.policy.load_state_dict(own):
-            self.config = self._exchange.use(self.policy.choice)
+        self._take_policy(own)
 
     def regrouped(self, own: StateDict) -> None:
         """A regroup redoes a round: take the policy's part of `own`, the own state that the
         regroup's source kept at the round's start (every worker's policy holds the same there), so
         that a fresh replacement's and every survivor's choose alike from it; the last exchange's
         measure goes, being one worker's only."""
+        self._take_policy(own)
+        self.clock.take()
+
+    def _take_policy(self, own: StateDict) -> None:
+        """The policy's part of `own`, if any, and the exchanges sent as its choice says."""
         if self.policy.load_state_dict(own):
             self.config = self._exchange.use(self.policy.choice)
-        self.clock.take()
 
     def begin(self, counters: Counters, started: float) -> None:
         """The one way a host sets the loop's counters: a fit() loaded the trainer's state (new
