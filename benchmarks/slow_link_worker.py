@@ -15,7 +15,8 @@ Contenders (every one trains the same model from the same init on the same batch
                      largest 1.56% of each 4096 (141x fewer); wrapper-params-sparse128 K: 128 of each 4096 (72x fewer)
   wrapper-encoded 1  this project with SHARED_GRADIENTS and .gradient_encoding(): threshold-encoded updates every step
   wrapper-node K     wrapper K with .hierarchy("node"): a node's ranks average gradients every step,
-                     the nodes average every K (run with several ranks per node)
+                     the nodes average every K (run with several ranks per node); wrapper-node-params-int8 K
+                     the same sending int8 parameters alone; wrapper-node-auto the autopilot choosing the nodes' rounds
   wrapper-auto       this project with .averaging_frequency("auto") and no other lever set (no payload,
                      no average_updaters, default bounds): the autopilot picks k, the payload and the
                      optimizer state's period (and, its last resort, overlap); wrapper-auto:K bounds k
@@ -93,9 +94,11 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-params-sparse128": {"average_updaters": False, "payload_dtype": "sparse:0.03125"},  # 128 of each 4096, twice the default's
     "wrapper-encoded": {"gradient_encoding": True},  # SHARED_GRADIENTS, threshold-encoded, the defaults: run as wrapper-encoded:1
     "wrapper-node": {"hierarchy": "node"},  # needs several ranks per node (slow_link.py --procs-per-node 2)
+    "wrapper-node-params-int8": {"hierarchy": "node", "average_updaters": False, "payload_dtype": "int8"},
     "wrapper-auto": {"auto": True},  # .averaging_frequency("auto"), nothing else set; :K sets k_min
     "wrapper-auto-sync": {"auto": True, "overlap_averaging": False},  # the same, never overlapped
     "wrapper-auto-sparse": {"auto": True, "payloads": ("float32", "bfloat16", "int8", "sparse")},  # sparse its lowest-bytes rung
+    "wrapper-node-auto": {"auto": True, "hierarchy": "node"},  # the autopilot choosing the nodes' period (a node's ranks step together)
 }
 AUTOS = tuple(name for name, change in WRAPPERS.items() if change.get("auto"))
 
@@ -186,9 +189,8 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
                 .average_updaters(change.get("average_updaters", True))
                 .overlap_averaging(change.get("overlap_averaging", False))
                 .payload_dtype(change.get("payload_dtype", torch.float32))
-                .hierarchy(change.get("hierarchy", "none"))
             )
-        b = b.threads_per_worker(1).seed(SEED).listeners(SPLIT)  # the two "machines" share this machine's cores
+        b = b.hierarchy(change.get("hierarchy", "none")).threads_per_worker(1).seed(SEED).listeners(SPLIT)  # the two "machines" share this machine's cores
         if change.get("gradient_encoding"):
             b = b.training_mode(TrainingMode.SHARED_GRADIENTS).gradient_encoding()
         if change.get("outer"):
