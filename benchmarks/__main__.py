@@ -67,6 +67,10 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
         "a simulated fleet that loses machines: throughput kept at 64 to 1,024 workers, by design, calibrated on this machine's runs",
         ("--workers", "16", "--every", "60", "--hours", "0.05", "--seeds", "1", "--calibrate"),
     ),
+    "outer_rescale": (
+        "an outer optimizer's loss when k changes mid-run (the autopilot's), by how its momentum is carried over",
+        ("--steps", "16", "--layers", "1", "--width", "32", "--context", "32", "--batch", "2", "--k", "2,4", "--seeds", "0"),
+    ),
     "gpu_checks": (
         "the CUDA paths, each a short fit on cuda:0 (on a lent GPU; --device cpu tries it here)",
         ("--device", "cpu", "--batches", "30", "--only", "channels_last"),

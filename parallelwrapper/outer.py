@@ -53,6 +53,22 @@ class OuterStep:
         for a in anchors:
             a.grad = None
 
+    @torch.no_grad()
+    def rounds_changed(self, before: int, after: int) -> None:
+        """The rounds go from `before` local steps to `after` from the next one on (the
+        autopilot's choice). Where they shorten, the momentum gathered over the longer rounds
+        shrinks with them, by after / before: it is a sum of rounds' changes, and a velocity of
+        long rounds' changes would carry each short round as far as a long one. Where they
+        lengthen it is kept, and the learning rate and momentum are kept as set
+        (docs/guides/autopilot.md, "With an outer optimizer"). An outer optimizer without a
+        momentum buffer (Adam's moments, whose ratio sets its step) is left as it is."""
+        if after >= before:
+            return
+        for state in self.optimizer.state.values():
+            buffer = state.get("momentum_buffer")
+            if isinstance(buffer, torch.Tensor):
+                buffer.mul_(after / before)
+
     def state_dict(self) -> StateDict:
         return self.optimizer.state_dict()
 

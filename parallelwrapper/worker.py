@@ -174,6 +174,11 @@ class Replica:
         if outer is not None:
             outer.step(None if averages is None else [averages.get(id(p)) for p in outer.params])
 
+    def rounds_changed(self, before: int, after: int) -> None:
+        """The rounds' k goes from `before` to `after`: the outer optimizer, if any, follows (OuterStep.rounds_changed)."""
+        if self.parts.outer is not None:
+            self.parts.outer.rounds_changed(before, after)
+
     def at_step(self, step: int) -> None:
         """The next optimizer step is global step `step`: a per-step schedule goes on to it."""
         if self.schedule is not None:

@@ -112,6 +112,14 @@ def fleet_sim(r: dict[str, Any]) -> None:
     assert all(0 < row[d] <= 1 for row in r["rows"] for d in ("survivors", "restart", "rollback")), r["rows"]
 
 
+def outer_rescale(r: dict[str, Any]) -> None:
+    """Every schedule trained, and each that changes k under every rule, to a finite loss."""
+    rows = {(row["schedule"], row["rule"]) for row in r["rows"]}
+    assert {("k = 2", "-"), ("k = 4", "-")} <= rows, rows
+    assert {(s, rule) for s in ("2 to 4", "4 to 2") for rule in ("kept", "units", "shrink", "horizon")} <= rows, rows
+    assert all(math.isfinite(v) for row in r["rows"] for v in row["losses"]), r["rows"]
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "throughput": throughput,
     "torchft_lenet": torchft_lenet,
@@ -124,6 +132,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "inference": inference,
     "gpu_checks": gpu_checks,
     "fleet_sim": fleet_sim,
+    "outer_rescale": outer_rescale,
 }
 
 

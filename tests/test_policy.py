@@ -82,3 +82,50 @@ def test_the_autopilot_is_the_steered_policy() -> None:
     rounds = _rounds(Config(**levers({"workers": 1, "autopilot": Autopilot(k_max=8)})))
     assert isinstance(rounds.policy, Steered) and rounds.policy.choice == Choice(4, "int8", 0)  # its start
     assert "autopilot" in rounds.own_state()
+
+
+class Shortening(Scripted):
+    """k = 4, then 2 from the round after the first landed one, then 8 after the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.choice = Choice(4, "float32", 1)
+
+    def landed(self, totals: RoundTotals, rounds: int, late: bool) -> Change | None:
+        after = {1: 2, 2: 8}.get(rounds)
+        if after is None:
+            return None
+        self.choice = Choice(after, "float32", 1)
+        return Change(rounds + 1, self.choice, f"k = {after}")
+
+
+def test_an_outer_momentum_shrinks_with_rounds_that_shorten_and_is_kept_where_they_lengthen() -> None:
+    """The velocity an outer Nesterov SGD gathered over rounds of 4 steps is halved when rounds of
+    2 follow (a velocity of long rounds carries each short one as far: docs/guides/autopilot.md),
+    and kept when rounds of 8 follow; its learning rate and momentum stay as set."""
+    from parallelwrapper.job import OuterSpec
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    config = Config(workers=1, averaging_frequency=4)
+    outer = OuterSpec(torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=outer)
+    replica = Replica(model, job, config, CPU, 0, 1)
+    rounds = Rounds(replica, config, CPU, 0, 1, group=group_of_one(config))
+    rounds.policy = Shortening()
+    step = replica.parts.outer
+    assert step is not None
+    seen: list[tuple[int, torch.Tensor]] = []
+    original = step.rounds_changed
+
+    def watched(before: int, after: int) -> None:
+        buffer = step.optimizer.state[step.anchor[0]]["momentum_buffer"]
+        held = buffer.clone()
+        original(before, after)
+        seen.append((after, buffer.clone()))
+        torch.testing.assert_close(buffer, held * min(1.0, after / before), rtol=0, atol=0)
+
+    step.rounds_changed = watched  # type: ignore[method-assign]
+    rounds.run(1, ListSource(_data(16)), lambda r: None)
+    assert [after for after, _ in seen] == [2, 8]  # once a change of k, from the loop
+    assert step.optimizer.param_groups[0]["lr"] == 0.7 and step.optimizer.param_groups[0]["momentum"] == 0.9

@@ -272,9 +272,12 @@ class Rounds:
             c.position += totals.batches
             ran = self._exchange.ran(work.k if averaged else 1)
             # After an averaging round (not a gradient round's), the policy decides what the next runs with.
+            before = self.policy.choice.k
             change = self.policy.landed(totals, c.rounds, late) if averaged else None
             if change is not None:
                 self.config = self._exchange.use(change.choice, landed=True)
+                if change.choice.k != before:
+                    self.trainer.rounds_changed(before, change.choice.k)
             seconds, self.clock.unscored = (work.seconds, self.clock.unscored), 0.0  # the policy's own all-reduce included
             ran = dataclasses.replace(ran, why=None if change is None else change.why)
             book.add(totals, c, end_of_epoch=epoch_done, encoding=self._sync.encoded_round(), lr=float(self.trainer.optimizer.param_groups[0]["lr"]), seconds=seconds, ran=ran)

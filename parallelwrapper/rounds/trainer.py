@@ -74,6 +74,9 @@ class Trainer(Protocol):
         """AVERAGING: the round's average has landed, in the model or in `averages` by
         id(parameter) (the outer optimizer steps from it, into it)."""
 
+    def rounds_changed(self, before: int, after: int) -> None:
+        """The policy's rounds go from `before` local steps to `after` from the next round on."""
+
     def at_step(self, step: int) -> None:
         """The next optimizer step is global step `step` (a per-step schedule goes on to it)."""
 
