@@ -540,3 +540,63 @@ def test_a_member_whose_join_failed_half_way_joins_the_next_generation_under_a_f
         assert distributed_c10d._get_default_group().group_name == "0"  # a fresh process's
     finally:
         dist.destroy_process_group()
+
+
+class _NoCompareSet(Store):
+    """A store with only add, set, get and wait, as torch's EtcdStore (its compare_set is not
+    implemented): the replicated store a fleet's groups may form in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._store = HashStore()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        raise RuntimeError("compare_set is not implemented (as in EtcdStore)")
+
+
+@pytest.mark.fast
+def test_a_generation_forms_or_is_given_up_over_a_store_without_compare_set() -> None:
+    """The first word stays whoever says it, decided by add alone: every member of a generation
+    that all reached passes, and after the main process gave one up its members fail, the one
+    that came last too."""
+    import threading
+
+    store = _NoCompareSet()
+    failed: list[int] = []
+
+    def member(generation: int, i: int) -> None:
+        try:
+            regroup.assemble(PrefixStore(f"generation-{generation}", store), 3, generation)
+        except RuntimeError:
+            failed.append(i)
+
+    threads = [threading.Thread(target=member, args=(1, i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert failed == [] and not any(t.is_alive() for t in threads)
+    regroup.abandon(store, 1)  # too late: the generation formed, its word stays
+    member(1, 9)  # a late reader sees the same word
+    assert failed == []
+
+    waiting = [threading.Thread(target=member, args=(2, i)) for i in range(2)]
+    for t in waiting:
+        t.start()
+    regroup.abandon(store, 2)  # a member was lost before the third came
+    for t in waiting:
+        t.join(10)
+    member(2, 2)  # the third comes after the word: it fails too, at once
+    assert sorted(failed) == [0, 1, 2] and not any(t.is_alive() for t in waiting)

@@ -5,6 +5,8 @@ A process group cannot take a new member, so every replacement forms a new one, 
 members wait for each other there before gloo's rendezvous (`assemble`), and the main process
 gives the generation up when a member is lost before every one has come (`abandon`): gloo would
 otherwise hold the others for the collective timeout, waiting on a process that will not come.
+Which of the two words comes first is decided by the store's counter alone (add, set, wait: what
+every c10d store has, etcd's EtcdStore too, which lacks compare_set).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def assemble(store: Store, members: int, generation: int) -> None:
     prefix of the store), or until the main process gave it up (`abandon`): a member lost before it
     came would otherwise hold the others in gloo's rendezvous for the collective timeout."""
     if store.add("arrived", 1) == members:
-        store.compare_set("formed", "", _GO)  # unless given up first: the first word stays
+        _say(store, _GO)  # unless given up first: the first word stays
     store.wait(["formed"])
     if store.get("formed") != _GO.encode():
         raise RuntimeError(f"the main process gave up generation {generation}: a member was lost before every one had come")
@@ -64,7 +66,14 @@ def assemble(store: Store, members: int, generation: int) -> None:
 def abandon(store: Store, generation: int) -> None:
     """Give up generation `generation` (`store`: the whole store) unless every member came already:
     those waiting in `assemble`, and those yet to come, fail at once and park again."""
-    PrefixStore(f"generation-{generation}", store).compare_set("formed", "", _GIVEN_UP)
+    _say(PrefixStore(f"generation-{generation}", store), _GIVEN_UP)
+
+
+def _say(store: Store, word: str) -> None:
+    """Set the generation's word (`store`: its prefix) unless one was said before: the first to
+    count 1 on its counter says it, so the word, once said, stays."""
+    if store.add("said", 1) == 1:
+        store.set("formed", word)
 
 
 __all__ = ["FORM_S", "Join", "Regroup", "abandon", "assemble", "join"]
