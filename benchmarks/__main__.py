@@ -69,7 +69,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "outer_rescale": (
         "an outer optimizer's loss when k changes mid-run (the autopilot's), by how its momentum is carried over",
-        ("--steps", "16", "--layers", "1", "--width", "32", "--context", "32", "--batch", "2", "--k", "2,4", "--seeds", "0"),
+        ("--steps", "8", "--layers", "1", "--width", "16", "--context", "16", "--batch", "2", "--k", "2,4", "--seeds", "0"),
     ),
     "gpu_checks": (
         "the CUDA paths, each a short fit on cuda:0 (on a lent GPU; --device cpu tries it here)",
