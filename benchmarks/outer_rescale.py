@@ -52,12 +52,11 @@ def schedules(steps: int, low: int, high: int) -> dict[str, Callable[[int], int]
     }
 
 
-def train(k_at: Callable[[int], int], rule: str, outer_at: tuple[float, float], steps: int, seed: int, layers: int, width: int, context: int, batch: int) -> float:
-    """Local AdamW on REPLICAS replicas, averaged through an outer SGD of (lr, momentum) `outer_at`
-    (Nesterov where it has momentum) every k steps, k from `k_at`; `rule` carries the outer
-    momentum over a change of k. The validation loss at the end."""
-    text, val_text = gpt_arena.corpus()
-    val = gpt_arena.val_batches(val_text, context=context, limit=8)
+def train(text: torch.Tensor, val: list[gpt_arena.Batch], k_at: Callable[[int], int], rule: str, outer_at: tuple[float, float],
+          steps: int, seed: int, layers: int, width: int, context: int, batch: int) -> float:  # fmt: skip
+    """Local AdamW on REPLICAS replicas of the training `text`, averaged through an outer SGD of
+    (lr, momentum) `outer_at` (Nesterov where it has momentum) every k steps, k from `k_at`; `rule`
+    carries the outer momentum over a change of k. The loss on `val` at the end."""
     torch.manual_seed(seed)
     start = gpt_arena.CharGPT(layers, width, max(1, width // 32), context)
     replicas = [copy.deepcopy(start) for _ in range(REPLICAS)]
@@ -132,10 +131,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     low, high = map(int, args.k.split(","))
     lr, momentum = map(float, args.outer.split(","))
     seeds, rules = [int(s) for s in args.seeds.split(",")], args.rules.split(",")
+    text, val_text = gpt_arena.corpus()  # once: every run trains on the same text
+    val = gpt_arena.val_batches(val_text, context=args.context, limit=8)
     rows: list[dict[str, Any]] = []
     for name, k_at in schedules(args.steps, low, high).items():
         for rule in rules if " to " in name else ["-"]:
-            losses = [train(k_at, rule if rule != "-" else "kept", (lr, momentum), args.steps, s, args.layers, args.width, args.context, args.batch) for s in seeds]
+            losses = [train(text, val, k_at, rule if rule != "-" else "kept", (lr, momentum), args.steps, s, args.layers, args.width, args.context, args.batch) for s in seeds]
             rows.append({"schedule": name, "rule": rule, "losses": losses})
             print(f"{name}, {rule}: {' / '.join(f'{v:.4f}' for v in losses)}", flush=True)
     print(table(["schedule", "rule", *(f"loss, seed {s}" for s in seeds)], [[r["schedule"], r["rule"], *(f"{v:.4f}" for v in r["losses"])] for r in rows]))
