@@ -44,7 +44,8 @@ travels (1, 2, 4: DES-LOC, arXiv 2505.22549, Adam's moments less often than the 
 equal loss; or never). Each rung's bytes follow from the model's sizes, and an exchange is measured
 in two parts: the codec's seconds (encoding and decoding, compute) and the rest (the link's), so an
 exchange measured at one rung estimates another's: the link's part times the bytes' ratio, plus the
-codec's part times the elements' ratio for a coded payload (none for float32). It tries at once the
+codec's part times the ratio of the numbers it codes for a coded payload (none for float32; a
+coded payload sends an optimizer's second moments in full precision, state.EXACT_STATE). It tries at once the
 rung that sends the most while its estimate keeps k at half of k_max or below (climbing no further
 than REACH = 16 times the bytes measured, else to the nearest rung above), else the one that
 sends least; a rung tried with fewer bytes is kept only if its measured exchange is 10% faster than
@@ -99,7 +100,7 @@ REACH = 16.0  # a climb's estimate is trusted to this many times the bytes measu
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
 HIDE = 2.0  # overlapped, a round's steps take at least this many times the link's measured part (slow links vary)
-PILOT_LEN = 9  # numbers the pilot adds to a round's header: local work's seconds and steps, the last exchange's seconds, its codec's and the wait, the model's sizes, the choice
+PILOT_LEN = 10  # numbers the pilot adds to a round's header: local work's seconds and steps, the last exchange's seconds, its codec's and the wait, the model's three sizes, the choice
 
 
 @dataclass(frozen=True)
@@ -188,18 +189,28 @@ class Rung:
 
     def elements(self, sizes: Sizes) -> float:
         """Numbers a worker sends a round on average, for a model of `sizes`."""
-        share = 1 / self.updaters_every if self.updaters_every else 0.0
-        return sizes.parameters + share * sizes.state
+        return sizes.parameters + self._share * sizes.state
+
+    def coded(self, sizes: Sizes) -> float:
+        """Of those, the numbers its codec codes: none for float32; else all but the optimizer's
+        second moments, which go in full precision beside the codes."""
+        return 0.0 if self.payload == "float32" else self.elements(sizes) - self._share * sizes.exact
 
     def bytes(self, sizes: Sizes) -> float:
         """Bytes a worker sends a round on average, for a model of `sizes`."""
-        return self.elements(sizes) * bits(self.payload) / 8
+        coded = self.coded(sizes)
+        return coded * bits(self.payload) / 8 + (self.elements(sizes) - coded) * 4
+
+    @property
+    def _share(self) -> float:
+        """The share of rounds the optimizer's state goes in."""
+        return 1 / self.updaters_every if self.updaters_every else 0.0
 
     def estimate(self, other: Rung, link_s: float, codec_s: float, sizes: Sizes) -> float:
         """The seconds an exchange of `other` would take, where one of this rung takes `link_s` on
         the link and `codec_s` in its codec: the link's part follows the bytes, the codec's the
         numbers it codes (float32 has none)."""
-        coded = codec_s * other.elements(sizes) / self.elements(sizes) if other.payload != "float32" else 0.0
+        coded = codec_s * other.coded(sizes) / self.coded(sizes) if codec_s and self.coded(sizes) else 0.0
         return link_s * other.bytes(sizes) / self.bytes(sizes) + coded
 
 
@@ -210,6 +221,7 @@ class Sizes:
 
     parameters: float
     state: float
+    exact: float = 0.0  # of the state, what a coded payload sends in full precision (second moments)
 
 
 @dataclass(frozen=True)
@@ -329,14 +341,14 @@ class Pilot:
         exchange's seconds, of those its codec's, and its wait for the others before it (0 when
         that exchange was no fair measure, or none was in this fit); the elements a round of its
         model may carry; and the choice it runs the round with, which every worker's must equal."""
-        return [compute_s, float(steps), exchange_s, codec_s, waited_s, float(sizes.parameters), float(sizes.state), float(self.choice.k), self._code(self.choice)]
+        return [compute_s, float(steps), exchange_s, codec_s, waited_s, float(sizes.parameters), float(sizes.state), float(sizes.exact), float(self.choice.k), self._code(self.choice)]
 
     def landed(self, summed: Sequence[float], workers: int, rounds: int, late: bool = False) -> Change | None:
         """A round landed: `summed`, the pilot's part of its header over the `workers` that sent
         it; `rounds` landed so far; `late`: after the next round's local work (overlapped).
         Measures, and decides what the next round to start runs with (returned when it changes
         anything)."""
-        compute_s, steps, exchange_s, codec_s, waited_s, parameters, state, k_sum, rung_sum = summed
+        compute_s, steps, exchange_s, codec_s, waited_s, parameters, state, exact, k_sum, rung_sum = summed
         now = self.choice
         if (k_sum, rung_sum) != (workers * now.k, workers * self._code(now)):
             raise RuntimeError(
@@ -353,7 +365,7 @@ class Pilot:
             else:
                 self._measure(exchange_s / workers, codec_s / workers, waited_s / workers)
         self._ran = now
-        self._sizes = Sizes(parameters / workers, state / workers)
+        self._sizes = Sizes(parameters / workers, state / workers, exact / workers)
         return self._decided(rounds, late)
 
     def steps(self, left: int | None, epoch: int | None = None) -> int:

@@ -137,6 +137,12 @@ class _Group:
     copied: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its view): copied in and out
     coder: DeltaCoder | None = None  # with a wire codec: the last average and the error fed back
     later: bool = False  # its sums start once the others' are in, and land at settle()
+    exact: bool = False  # never coded: it travels in full precision whatever the wire
+
+
+def _coded(g: _Group) -> bool:
+    """Whether a group travels coded under a wire codec: floating-point, and not exact."""
+    return g.data.is_floating_point() and not g.exact
 
 
 class FlatAverager:
@@ -163,7 +169,9 @@ class FlatAverager:
     release() do themselves). Not with a codec or shards: everything goes at once there.
 
     With a `wire` codec (codec.CODECS) the floating-point tensors travel as their change since the
-    last average, encoded with error feedback (codec.DeltaCoder), so nothing is lost in total. Each
+    last average, encoded with error feedback (codec.DeltaCoder), so nothing is lost in total,
+    except those given as `exact` too (an optimizer's second moments, state.exact_tensors), which
+    go in full precision in buffers of their own, beside the codes. Each
     payload goes to every other rank in pieces, by sends and receives (on gloo, twice as fast as an
     all_gather), and every rank's is decoded and summed in rank order in float32, the same on every
     worker, as they arrive; the trailer goes in float64 beside them. `average()` goes in full
@@ -178,19 +186,24 @@ class FlatAverager:
         wire: str | torch.dtype | None = None,
         shards: Shards | None = None,
         later: Sequence[torch.Tensor] = (),
+        exact: Sequence[torch.Tensor] = (),
     ) -> None:
         self._wire, self._trailer_len, self._shards = uncoded_or(wire), trailer, shards
         deferred = {id(t) for t in later} if self._wire is None and shards is None else set()
+        exactly = {id(t) for t in exact} if self._wire is not None else set()
         if all(id(t) in deferred for t in tensors):
             deferred = set()  # the trailer's group lands at once
-        first = [t for t in tensors if id(t) not in deferred]
-        rest = [t for t in tensors if id(t) in deferred]
-        layout = [(d, m, False) for d, m in by_dtype(first)] + [(d, m, True) for d, m in (by_dtype(rest) if rest else [])]
+        parts = (  # (tensors, later, exact); later and exact never both: one needs a wire, the other none
+            ([t for t in tensors if id(t) not in deferred and id(t) not in exactly], False, False),
+            ([t for t in tensors if id(t) in deferred], True, False),
+            ([t for t in tensors if id(t) in exactly], False, True),
+        )
+        layout = [(d, m, late, full) for ts, late, full in parts if ts for d, m in by_dtype(ts)] or [(*by_dtype([])[0], False, False)]
         self._groups: list[_Group] = []
         with torch.no_grad():
-            for dtype, members, is_later in layout:
+            for dtype, members, is_later, is_exact in layout:
                 flat = flat_buffer(members, dtype, device, 0 if self._groups else trailer, 1 if shards is None else shards.size)
-                group = _Group(flat, flat[: sum(t.numel() for t in members)], [], [], later=is_later)
+                group = _Group(flat, flat[: sum(t.numel() for t in members)], [], [], later=is_later, exact=is_exact)
                 for t, view in zip(members, views(group.data, members)):
                     view.copy_(t)
                     if t.dtype == view.dtype and t.device == view.device and t.is_contiguous():
@@ -202,7 +215,7 @@ class FlatAverager:
         self.numel = sum(g.data.numel() for g in self._groups)
         self.nbytes = sum(g.flat.numel() * g.flat.element_size() for g in self._groups)  # trailer included
         if self._wire is not None:  # what travels after the first round: the codes and scales, the trailer in float64
-            self.nbytes = trailer * 8 + sum(codec(self._wire).nbytes(g.data.numel()) if g.data.is_floating_point() else g.data.nbytes for g in self._groups)
+            self.nbytes = trailer * 8 + sum(codec(self._wire).nbytes(g.data.numel()) if _coded(g) else g.data.nbytes for g in self._groups)
         self._in_flight: list[Flight] = []  # per group, the later ones aside
         self._later: list[Flight] = []  # per later group: prepared by send(), started by wait()
         self._later_group: ProcessGroup = None
@@ -343,7 +356,7 @@ class FlatAverager:
             return
         fits = errors is not None and errors.codec == self._wire and len(errors.tensors) == len(self._groups)
         for i, g in enumerate(self._groups):
-            if g.data.is_floating_point() and g.coder is None:
+            if _coded(g) and g.coder is None:
                 g.coder = DeltaCoder(self._wire, g.data, size, rank)
                 kept = errors.tensors[i] if fits and errors is not None else None
                 if kept is not None and kept.shape == g.coder.error.shape:

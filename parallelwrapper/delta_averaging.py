@@ -25,6 +25,12 @@ class _Snapshots:
     total: torch.Tensor  # (Σ numel [+ trailer],): the weighted sum, then the average [and the trailer]
     members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (tensor, its snapshot, its part of total)
     coder: DeltaCoder | None = None  # with a wire codec, from the first landing: the last average and the error
+    exact: bool = False  # never coded: it travels in full precision whatever the wire
+
+    @property
+    def coded(self) -> bool:
+        """Whether it travels coded under a wire codec: floating-point, and not exact."""
+        return self.data.is_floating_point() and not self.exact
 
     @property
     def data(self) -> torch.Tensor:
@@ -42,7 +48,8 @@ class DeltaAverager:
 
     With a `wire` codec, as in FlatAverager, the floating-point snapshots travel as their change since
     the last landed average, encoded, once a first round (in full precision) has landed, or from
-    the first launch after `start_coding()`.
+    the first launch after `start_coding()`; those given as `exact` too (an optimizer's second
+    moments) go in full precision in buffers of their own.
 
     Every launch sends the tensors it was built with, whatever an optimizer has created since.
 
@@ -51,12 +58,16 @@ class DeltaAverager:
     the way from its snapshot to the average (Streaming DiLoCo's mixing, rounds/streaming.py).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: str | None = None) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device, trailer: int = 0, wire: str | None = None, exact: Sequence[torch.Tensor] = ()) -> None:
         self._wire, self._trailer_len = uncoded_or(wire), trailer
+        exactly = {id(t) for t in exact} if self._wire is not None else set()
+        coded, full = [t for t in tensors if id(t) not in exactly], [t for t in tensors if id(t) in exactly]
+        layout = [(d, m, False) for d, m in by_dtype(coded)] if coded or not full else []  # by_dtype([]): the trailer's group
+        layout += [(d, m, True) for d, m in by_dtype(full)] if full else []
         self._groups: list[_Snapshots] = []
-        for dtype, members in by_dtype(tensors):
+        for dtype, members, is_exact in layout:
             snapshot, total = flat_buffer(members, dtype, device), flat_buffer(members, dtype, device, 0 if self._groups else trailer)
-            self._groups.append(_Snapshots(snapshot, total, list(zip(members, views(snapshot, members), views(total, members)))))
+            self._groups.append(_Snapshots(snapshot, total, list(zip(members, views(snapshot, members), views(total, members))), exact=is_exact))
         self._in_flight: list[Flight] = []
         self._coded_trailer: tuple[dist.Work, torch.Tensor] | None = None
         self._world: tuple[int, int] = (1, 0)  # the group's size and this rank, for the coders
@@ -70,7 +81,7 @@ class DeltaAverager:
     def steady(self) -> bool:
         """Whether the next launch goes as every later one will: coded, with a wire codec (not its
         first round in full precision)."""
-        return not self._codes or all(s.coder is not None for s in self._groups if s.data.is_floating_point())
+        return not self._codes or all(s.coder is not None for s in self._groups if s.coded)
 
     @torch.no_grad()
     def start_coding(self, group: ProcessGroup = None) -> None:
@@ -84,7 +95,7 @@ class DeltaAverager:
         if not self._codes:
             return
         for s in self._groups:
-            if s.coder is None and s.data.is_floating_point():
+            if s.coder is None and s.coded:
                 for t, _, part in s.members:
                     part.copy_(t)
                 s.coder = DeltaCoder(self._wire, s.data, *self._world)
@@ -146,7 +157,7 @@ class DeltaAverager:
                     decode_coded(s.coder, flight.works, 1.0 / total_weight)  # the average, and the next start
             elif total_weight != 0:
                 s.data.div_(total_weight)  # the average
-                if self._wire is not None and self._codes and s.data.is_floating_point():
+                if self._wire is not None and self._codes and s.coded:
                     s.coder = DeltaCoder(self._wire, s.data, *self._world)  # landed in full precision: the start
         if total_weight == 0:
             return

@@ -18,7 +18,7 @@ import torch
 from .averaging import FlatAverager
 from .config import TrainingMode
 from .rounds import HEADER_LEN
-from .rounds.state import later_tensors, optimizer_state_tensors
+from .rounds.state import exact_tensors, later_tensors, optimizer_state_tensors
 
 __all__ = ["RoundPayload", "round_payload"]
 
@@ -58,16 +58,18 @@ def round_payload(
     if training_mode is TrainingMode.SHARED_GRADIENTS:
         tensors = [torch.zeros_like(p) for p in params] + [b.detach().clone() for b in model.buffers()]
         later: list[torch.Tensor] = []
+        exact: list[torch.Tensor] = []
     else:
         state = optimizer_state_tensors(optimizer) if optimizer is not None else []
         settled = later_tensors(optimizer, True, replace) if optimizer is not None else []
         copies = {id(t): t.detach().clone() for t in [*params, *model.buffers(), *state]}
         tensors = [copies[id(t)] for t in [*params, *model.buffers(), *state]]
         later = [copies[id(t)] for t in settled]
+        exact = [copies[id(t)] for t in exact_tensors(optimizer)] if optimizer is not None else []
     wired = training_mode is TrainingMode.AVERAGING and payload_dtype != "float32"
     cpu = torch.device("cpu")
     flat = FlatAverager(tensors, cpu, HEADER_LEN, later=[] if wired else later)  # a coded payload's goes at once
     if not wired:
         return RoundPayload(flat.nbytes, flat.collectives)
-    cast = FlatAverager(tensors, cpu, HEADER_LEN, payload_dtype)
+    cast = FlatAverager(tensors, cpu, HEADER_LEN, payload_dtype, exact=exact)
     return RoundPayload(flat.nbytes, flat.collectives, cast.nbytes - RoundPayload.header_bytes)

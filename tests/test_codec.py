@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from groups import run_group
@@ -19,6 +20,7 @@ from parallelwrapper import codec as codec_module
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.codec import BLOCK, CODECS, TINY, DeltaCoder, codec
 from parallelwrapper.payloads import SPARSE_BLOCK, SPARSE_ENTRIES, bits, problem
+from parallelwrapper.rounds.state import exact_tensors, optimizer_state_tensors
 from tiny import make_batches, mlp
 
 CPU = torch.device("cpu")
@@ -268,6 +270,9 @@ def test_the_bytes_are_a_half_a_quarter_an_eighth_plus_scales_and_trailer() -> N
         wired = FlatAverager([t.clone() for t in tensors], CPU, trailer=5, wire=name)
         # The trailer in float64; the integers, averaged in float64 and rounded back, coded in their own group.
         assert wired.nbytes == expected[name] + 5 * 8 + codec(name).nbytes(7)
+        moment = torch.zeros(300)  # a second moment: in full precision beside the codes
+        exact = FlatAverager([torch.zeros(1000, 100), moment, torch.zeros(7, dtype=torch.int64)], CPU, trailer=5, wire=name, exact=[moment])
+        assert exact.nbytes == wired.nbytes - codec(name).nbytes(100_300) + codec(name).nbytes(100_000) + 300 * 4
     assert 127 / TINY < torch.finfo(torch.float32).max  # a block of zeros: a finite inverse scale
 
 
@@ -328,6 +333,72 @@ def test_an_mlp_trained_with_each_payload_ends_close_to_float32() -> None:
         apart = (reference[-1] - reference[-1 - (2 if name == "int4" else 1)]).norm()
         gap = (results[0][name][-1] - reference[-1]).norm()
         assert gap < apart, (name, gap.item(), apart.item())
+
+
+def _adam_rounds(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """AdamW on the MLP, ROUNDS int8 rounds of its parameters and its state, as a round with
+    `.payload_dtype("int8").average_updaters(True)` builds them: after each, the second moments
+    and steps as they landed and their float32 average (each worker's halves, summed), and the
+    parameters as they landed and their float32 average."""
+    batches = make_batches(ROUNDS * K * world)
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for p in model.parameters():  # the state, as after a first step on zero gradients
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    params = list(model.parameters())
+    averager = FlatAverager(params + optimizer_state_tensors(optimizer), CPU, trailer=1, wire="int8", exact=exact_tensors(optimizer))
+    averager.start_coding()
+    out = []
+    for r in range(ROUNDS):
+        for j in range(K):
+            x, y = batches[(r * K + j) * world + rank]
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        expected = {}
+        for name, tensors in (("moments", exact_tensors(optimizer)), ("params", params)):
+            halves = torch.cat([t.detach().flatten() for t in tensors]) * (1.0 / world)
+            dist.all_reduce(halves)
+            expected[name] = halves
+        averager.send(1.0 / world, [1.0])
+        averager.wait()
+        averager.apply(1.0)
+        landed = {name: torch.cat([t.detach().flatten() for t in tensors]) for name, tensors in (("moments", exact_tensors(optimizer)), ("params", params))}
+        out.append({"moments": landed["moments"], "moments_f32": expected["moments"], "params": landed["params"], "params_f32": expected["params"]})
+    return out
+
+
+def test_int8_rounds_send_adams_second_moments_and_steps_exactly_beside_the_codes() -> None:
+    """A coded change errs by up to half its block's step, so a small second moment could land
+    below zero, and Adam's square root of it is NaN (2 workers, AdamW, int8 with the state: NaN
+    at step 33 before they went exactly). Every round, the second moments and steps land bitwise
+    at their float32 average, on both workers, while the parameters land coded: near it, not at it."""
+    results = run_group(_adam_rounds, 2, timeout=120)
+    for mine, theirs in zip(*results, strict=True):
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), name
+        assert torch.equal(mine["moments"], mine["moments_f32"])
+        assert not torch.equal(mine["params"], mine["params_f32"])
+        assert torch.allclose(mine["params"], mine["params_f32"], atol=1e-2)
+
+
+@pytest.mark.fast
+def test_the_state_sent_exactly_is_the_second_moments_and_steps_of_each_optimizer() -> None:
+    """state.EXACT_STATE by optimizer: what goes in full precision beside a coded payload's codes."""
+    expected = {
+        torch.optim.SGD: set(), torch.optim.Adam: {"exp_avg_sq", "step"}, torch.optim.AdamW: {"exp_avg_sq", "step"},
+        torch.optim.RMSprop: {"square_avg", "step"}, torch.optim.Adagrad: {"sum", "step"}, torch.optim.Adamax: {"exp_inf", "step"},
+        torch.optim.Adadelta: {"square_avg", "acc_delta", "step"}, torch.optim.Rprop: {"step_size", "step"},
+    }  # fmt: skip
+    for kind, keys in expected.items():
+        model = mlp()
+        optimizer = kind(model.parameters(), lr=0.1, **({"momentum": 0.9} if kind is torch.optim.SGD else {}))
+        nn.functional.cross_entropy(model(torch.randn(4, 10)), torch.tensor([0, 1, 2, 0])).backward()
+        optimizer.step()
+        exact = {id(t) for t in exact_tensors(optimizer)}
+        named = {k for state in optimizer.state.values() for k, v in state.items() if isinstance(v, torch.Tensor) and id(v) in exact}
+        assert named == keys, kind
 
 
 # -- a fit()'s first round, through the wrapper ------------------------------------------------------

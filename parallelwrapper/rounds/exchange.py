@@ -42,6 +42,7 @@ from .header import (
 from .state import (
     agree_on_optimizer_layout,
     averaged_tensors,
+    exact_tensors,
     gradient_tensors,
     holds_state,
     later_tensors,
@@ -82,7 +83,8 @@ def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards
     with_state = config.average_updaters and config.average_updaters_every == 1  # else in moment_buffers
     tensors = averaged_tensors(trainer.model, trainer.optimizer, with_state)
     later = later_tensors(trainer.optimizer, with_state, redoes)
-    return FlatAverager(tensors, device, HEADER_LEN, config.payload_dtype, shards, later)
+    exact = exact_tensors(trainer.optimizer) if with_state else []
+    return FlatAverager(tensors, device, HEADER_LEN, config.payload_dtype, shards, later, exact)
 
 
 def moment_buffers(trainer: Trainer, config: Config, device: torch.device) -> FlatAverager | None:

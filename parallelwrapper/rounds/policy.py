@@ -34,7 +34,7 @@ from ..config import Config
 from ..types import StateDict
 from .clock import Clock
 from .header import RoundTotals, Work
-from .state import optimizer_state_tensors, trained_parameters
+from .state import exact_tensors, optimizer_state_tensors, trained_parameters
 from .trainer import Trainer
 
 
@@ -139,7 +139,8 @@ class Steered:
         """The elements a round may carry, for the autopilot's estimate of another rung's bytes."""
         trainer = self.trainer
         parameters = sum(t.numel() for t in trained_parameters(trainer.model, trainer.optimizer))
-        return Sizes(parameters, sum(t.numel() for t in optimizer_state_tensors(trainer.optimizer)))
+        state, exact = (sum(t.numel() for t in tensors(trainer.optimizer)) for tensors in (optimizer_state_tensors, exact_tensors))
+        return Sizes(parameters, state, exact)
 
     def landed(self, totals: RoundTotals, rounds: int, late: bool) -> Change | None:
         """Decide from the last round's measures in `totals`, then take this round's (Clock.measured).

@@ -77,6 +77,26 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
     return out
 
 
+# The keys of torch's optimizers' state whose values must stay non-negative or exact: second
+# moments and other accumulated squares (Adam's and AdamW's exp_avg_sq and max_exp_avg_sq,
+# Adamax's exp_inf, RMSprop's and Adadelta's square_avg, Adadelta's acc_delta, Adagrad's sum,
+# Adafactor's row_var, col_var and variance), Rprop's step sizes, and step counts. A coded payload
+# (int8, int4, sparse) sends a change with an error of up to half its block's step, so a small
+# second moment could land below zero, and Adam's square root of it is NaN (2 workers, AdamW,
+# int8 with the state: NaN at step 33); these go in full precision beside the codes.
+EXACT_STATE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "acc_delta", "sum", "row_var", "col_var", "variance", "step_size", "step"})
+
+
+def exact_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Of the optimizer's tensor state, what a coded payload sends in full precision (EXACT_STATE's
+    keys), in optimizer_state_tensors' order."""
+    out: list[torch.Tensor] = []
+    for p in _params(optimizer):
+        state = optimizer.state.get(p, {})
+        out.extend(state[k] for k in sorted(state) if k in EXACT_STATE and isinstance(state[k], torch.Tensor))
+    return out
+
+
 def later_tensors(optimizer: torch.optim.Optimizer, average_updaters: bool, replaces: bool) -> list[torch.Tensor]:
     """What of the averaged state may land after the parameters (averaging.FlatAverager's
     `later`): the optimizer's, which only its next step reads; none where a replacement keeps a
@@ -141,6 +161,7 @@ def agree_on_optimizer_layout(optimizer: torch.optim.Optimizer, group: dist.Proc
 __all__ = [
     "agree_on_optimizer_layout",
     "averaged_tensors",
+    "exact_tensors",
     "gradient_tensors",
     "holds_state",
     "optimizer_signature",

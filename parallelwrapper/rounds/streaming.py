@@ -36,7 +36,7 @@ from ..delta_averaging import DeltaAverager
 from .clock import Clock
 from .exchange import average_anew
 from .header import HEADER_LEN, RoundTotals, Work, check_diverged, read_header, round_header
-from .state import agree_on_optimizer_layout, averaged_tensors, state_layout
+from .state import agree_on_optimizer_layout, averaged_tensors, exact_tensors, state_layout
 from .trainer import Trainer
 
 # Streaming DiLoCo's mixing factor α: where an outer step lands a round late, a worker keeps this
@@ -124,8 +124,9 @@ class StreamExchange:
         self._layout = self._state_layout()
         runs = cut_fragments(averaged_tensors(self.trainer.model, self.trainer.optimizer, self.config.average_updaters), self.config.fragments)
         k, wire = self.config.averaging_frequency, self.config.payload_dtype
-        self._fragments = [_Fragment(DeltaAverager(run, self.device, 1, wire), _place(p, len(runs), k)) for p, run in enumerate(runs[:-1])]
-        self._delta = DeltaAverager(runs[-1], self.device, HEADER_LEN, wire)
+        exact = exact_tensors(self.trainer.optimizer) if self.config.average_updaters else []
+        self._fragments = [_Fragment(DeltaAverager(run, self.device, 1, wire, exact), _place(p, len(runs), k)) for p, run in enumerate(runs[:-1])]
+        self._delta = DeltaAverager(runs[-1], self.device, HEADER_LEN, wire, exact)
         return self._delta
 
     def start_from_average(self) -> None:

@@ -16,7 +16,9 @@ seven unchanged by it; before it, the loop read the fallen link's first exchange
 through a mean of fast ones (it took 0.241 s) and kept int8 at k = 32 after the link came back.
 Recorded again when the pilot's header part grew by its steps (9 numbers, not 8): every choice,
 change and final model the same, each exchange's seconds a little longer by the header's 8 bytes
-(e.g. 0.00117316 s to 0.00117332)."""
+(e.g. 0.00117316 s to 0.00117332). Recorded again when it grew by the optimizer's second moments'
+size (10 numbers), which a coded payload sends in full precision: every choice and final model the
+same, the overlap scenario's first exchange read as 0.17 s where it read 0.169 s."""
 
 import functools
 import hashlib
