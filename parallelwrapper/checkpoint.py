@@ -140,8 +140,33 @@ def _read(location: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
 
 
 # What a user may resume across, naming it: these rebuild from this run's own code and load the
-# checkpoint's state as any later fit() would. The rest shapes the state itself or the rounds.
-ACCEPTABLE = ("optimizer", "lr_scheduler", "outer_optimizer")
+# checkpoint's state as any later fit() would; and the number of workers, whose own states are
+# then resized (`own_states`). The rest shapes the state itself or the rounds.
+ACCEPTABLE = ("optimizer", "lr_scheduler", "outer_optimizer", "workers")
+_PER_WORKER = ("codec_errors",)  # own state that is one worker's alone: what it has yet to send
+
+
+def own_states(saved: list[dict[str, Any]], workers: int, per_worker: int = 1) -> list[dict[str, Any]]:
+    """A checkpoint's own states (one a process: `per_worker` processes a worker, a pipeline's
+    stages) for `workers` workers, where it was written with another number of them (torchrun's
+    `--nnodes MIN:MAX` restarting with a machine fewer or more). Worker w < its count keeps its
+    own; the others' are dropped, and with them what each had yet to send (a coded payload's error
+    fed back, a gradient encoding's residual: a part of a round's change). A worker beyond them
+    starts from worker 0's, with nothing yet to send and an RNG of its own (drawn from worker 0's,
+    so a resume draws the same). The policy's state is every worker's alike."""
+    had = len(saved) // per_worker
+    out = list(saved[: min(had, workers) * per_worker])
+    for w in range(had, workers):
+        for s in range(per_worker):
+            own = {k: v for k, v in saved[s].items() if k not in (*_PER_WORKER, "cuda")}  # CUDA's RNG: the process's own
+            if "gradient_encoding" in own:
+                own["gradient_encoding"] = {**own["gradient_encoding"], "residual": torch.zeros_like(own["gradient_encoding"]["residual"])}
+            generator = torch.Generator()
+            generator.set_state(own["torch"])
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator)) + w
+            own["torch"] = torch.Generator().manual_seed(seed).get_state()
+            out.append(own)
+    return out
 
 
 def load(location: str | os.PathLike[str], expected: dict[str, object], accept: Iterable[str] = ()) -> dict[str, Any]:

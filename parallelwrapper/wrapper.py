@@ -137,7 +137,9 @@ class ParallelWrapper:
         of the run that wrote the checkpoint, so the same call finishes an interrupted run. A
         checkpoint of another configuration is refused, naming each field that differs;
         `accept_changes` names those of "optimizer", "lr_scheduler" and "outer_optimizer" you
-        changed knowingly (their saved state is loaded into this run's).
+        changed knowingly (their saved state is loaded into this run's), and "workers" to resume
+        with another number of workers (checkpoint.own_states says what each worker takes); a
+        group that torchrun restarted with another number of machines resumes so by itself.
 
         A worker's failure raises WorkerError, whichever host runs the workers; the data's own
         errors raise FeedError. Under torchrun every rank returns the same History; listeners
@@ -149,6 +151,7 @@ class ParallelWrapper:
         until_epoch = self.counters.epoch + epochs
         if resume is None and self.counters == Counters():
             resume = self._auto_resume()
+            accept_changes = [*accept_changes, "workers"] if resume is not None else accept_changes  # torchrun's --nnodes MIN:MAX: a machine fewer or more
         if resume is not None:
             rng = self._restore(resume, accept_changes)
             kept = order.read(resume)  # each epoch's order, where the data shuffles (feed/order.py)
@@ -243,7 +246,17 @@ class ParallelWrapper:
                 f"({type(e).__name__}: {cause}); resume with the ones that wrote it, or start afresh without resume"
             ) from None
         self.counters = Counters(**payload["counters"])
-        return list(payload["rng"])
+        saved, per_worker = list(payload["rng"]), self.placement.per_worker
+        if len(saved) != self.world_size * per_worker:
+            if self.is_main:
+                warnings.warn(
+                    f"resumed from {checkpoint.path_of(location)} with {self.world_size} workers, where it was written with "
+                    f"{len(saved) // per_worker}: the model and optimizer are the average, as they were; each worker's own state "
+                    "(its RNG, what a coded payload had yet to send) is its own up to the old number, worker 0's beyond it",
+                    stacklevel=3,
+                )
+            saved = checkpoint.own_states(saved, self.world_size, per_worker)
+        return saved
 
     def evaluate(self, data: Batches, *, device: str | torch.device | None = None, step: ValidationStep | None = None) -> dict[str, float]:
         """The averaged model's mean metrics over `data`, in this process, on `device` (default:

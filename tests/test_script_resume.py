@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.checkpoint import ACCEPTABLE, CheckpointError, load
+from parallelwrapper.checkpoint import ACCEPTABLE, CheckpointError, load, own_states
 from parallelwrapper.naming import describe, qualified
 
 SCRIPT = Path(__file__).parent / "scripts" / "script_resume.py"
@@ -47,9 +47,33 @@ def test_values_are_described_without_addresses_or_numbers() -> None:
 
 @pytest.mark.fast
 def test_accept_changes_takes_only_the_fields_rebuilt_from_this_run(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"\['tensors', 'workers'\] cannot be accepted; only \['optimizer', 'lr_scheduler', 'outer_optimizer'\]"):
+    with pytest.raises(ValueError, match=r"\['tensors'\] cannot be accepted; only \['optimizer', 'lr_scheduler', 'outer_optimizer', 'workers'\]"):
         load(tmp_path, {}, accept=["workers", "tensors", "optimizer"])
-    assert ACCEPTABLE == ("optimizer", "lr_scheduler", "outer_optimizer")
+    assert ACCEPTABLE == ("optimizer", "lr_scheduler", "outer_optimizer", "workers")
+
+
+@pytest.mark.fast
+def test_own_states_resized_keep_each_workers_own_and_give_a_new_one_worker_0s_with_nothing_to_send() -> None:
+    """checkpoint.own_states, for a resume with fewer or more workers (2 stages a worker here):
+    the first keep theirs; a new one takes worker 0's policy and τ, its own RNG, no error fed
+    back, a zero residual; and the same each time."""
+    def own(w: int, s: int) -> dict[str, Any]:
+        return {
+            "torch": torch.Generator().manual_seed(10 * w + s).get_state(), "autopilot": {"k": 8},
+            "codec_errors": {"codec": "int8", "tensors": [torch.ones(3)]},
+            "gradient_encoding": {"residual": torch.ones(2), "threshold": 0.5, "steps": 7},
+        }  # fmt: skip
+
+    saved = [own(w, s) for w in range(2) for s in range(2)]
+    assert own_states(saved, 1, per_worker=2) == saved[:2]
+    grown = own_states(saved, 3, per_worker=2)
+    assert grown[:4] == saved and len(grown) == 6
+    for s, new in enumerate(grown[4:]):
+        assert new["autopilot"] == {"k": 8} and "codec_errors" not in new
+        assert torch.equal(new["gradient_encoding"]["residual"], torch.zeros(2)) and new["gradient_encoding"]["threshold"] == 0.5
+        assert not any(torch.equal(new["torch"], old["torch"]) for old in saved)
+        assert torch.equal(new["torch"], own_states(saved, 3, per_worker=2)[4 + s]["torch"])
+    assert not torch.equal(grown[4]["torch"], grown[5]["torch"])
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -168,6 +168,37 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_peer_timeout(tmp_path: P
             a.wait()
 
 
+def test_the_machine_of_rank_0_lost_the_other_goes_on_alone_from_the_checkpoint(tmp_path: Path) -> None:
+    """Rank 0's machine is lost at once (its torchrun agent and its process SIGKILLed), under a
+    rendezvous whose store is a process of neither machine (this test's: a stand-in for etcd,
+    docs/guides/many-machines.md). The other machine's agent forms the group anew with itself
+    alone (--nnodes 1:2), and its worker resumes from the last checkpoint, written by two workers,
+    and finishes the run."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
+    command = torchrun(
+        "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
+        "--rdzv-conf", "is_host=0,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2", "--max-restarts", "1",
+        str(SCRIPT), "machine", str(tmp_path),
+    )  # fmt: skip
+    agents = [agent(command, log, clean_env()) for log in logs]
+    try:
+        for a in agents:
+            a.wait(timeout=TIMEOUT_S)
+    finally:
+        for a in agents:
+            a.kill()
+    killed = float((tmp_path / "killed").read_text())
+    print(f"machine lost to training again: {float((tmp_path / 'first0.txt').read_text()) - killed:.1f} s")
+    survivor = [log for a, log in zip(agents, logs) if a.returncode == 0]
+    assert sorted(a.returncode for a in agents) == [-signal.SIGKILL, 0] and len(survivor) == 1, [log.read_text()[-2000:] for log in logs]
+    assert "with 1 workers, where it was written with 2" in survivor[0].read_text()
+    history = json.loads((tmp_path / "history0.json").read_text())
+    assert history["workers"] == 1 and history["scores"] < history["rounds"], history  # resumed: fewer scores than its rounds
+    saved = torch.load(tmp_path / "rank0.pt")
+    assert all(torch.isfinite(v).all() for v in saved["model"].values())
+
+
 @pytest.fixture
 def link() -> Iterator[Link]:
     why = check_privileges()

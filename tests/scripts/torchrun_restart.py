@@ -9,6 +9,8 @@ kill: rank 1 SIGKILLs itself at its 12th step, once (OUT_DIR/killed marks it and
       a restarted group resumes from the checkpoint.
 stop: rank 1 SIGSTOPs itself at its 12th step (its sockets stay open), after writing its pid and
       the time to OUT_DIR/stopped; .peer_timeout(3).
+machine: rank 0 SIGKILLs its torchrun agent and then itself at its 12th step, once (OUT_DIR/killed):
+      its machine lost at once; the other agent forms the group anew without it (--nnodes 1:2).
 none: no fault; with --max-restarts a cut link restarts it.
 Every rank writes the time of its first step to OUT_DIR/first{r}.txt (each incarnation overwrites).
 """
@@ -57,6 +59,10 @@ class Step:
         self.steps += 1
         if self.steps == 1:
             (self.out / f"first{self.rank}.txt").write_text(repr(time.time()))
+        if self.mode == "machine" and self.rank == 0 and self.steps == FAULT_STEP and not (self.out / "killed").exists():
+            (self.out / "killed").write_text(repr(time.time()))
+            os.kill(os.getppid(), signal.SIGKILL)  # the agent: torchrun starts a script's worker as its child
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == 1 and self.steps == FAULT_STEP:
             if self.mode == "kill" and not (self.out / "killed").exists():
                 (self.out / "killed").write_text(repr(time.time()))
@@ -74,7 +80,7 @@ def main(mode: str, out: Path) -> None:
     with builder(net, mode, out).build() as wrapper:
         history = wrapper.fit(make_batches(40), epochs=2)
         torch.save({"model": net.state_dict(), "optimizer": wrapper.optimizer.state_dict()}, out / f"rank{rank}.pt")
-        (out / f"history{rank}.json").write_text(json.dumps({"scores": len(history.scores), "rounds": wrapper.rounds}))
+        (out / f"history{rank}.json").write_text(json.dumps({"scores": len(history.scores), "rounds": wrapper.rounds, "workers": wrapper.world_size}))
 
 
 if __name__ == "__main__":
