@@ -67,6 +67,42 @@ def race(names: Sequence[str], repeats: int, run: Callable[[str, int], dict[str,
     return runs
 
 
+def thirds(runs: Runs, repeat: int, fixed: Collection[str]) -> tuple[str, list[float]] | None:
+    """The best fixed setting of `repeat` among `fixed` (contender names), after the fact: the one
+    whose last score is best (every one runs the same steps); and its scores at the points nearest
+    a third and two thirds of its steps, and at its last: issue 52's three targets. None where no
+    fixed setting ran."""
+    ran = {n: runs[n][repeat]["points"] for n in fixed if n in runs and runs[n][repeat].get("points")}
+    if not ran:
+        return None
+    key = "val_loss" if "val_loss" in next(iter(ran.values()))[0] else "accuracy"
+    sign = 1 if key == "val_loss" else -1
+    name = min(ran, key=lambda n: sign * ran[n][-1][key])
+    points = ran[name]
+    last = points[-1]["steps"]
+    at = [min(points, key=lambda p: abs(p["steps"] - share * last))[key] for share in (1 / 3, 2 / 3)]
+    return name, [*at, points[-1][key]]
+
+
+def regret(runs: Runs, fixed: Collection[str]) -> dict[str, list[list[float | None]]]:
+    """Per contender, per repeat, its seconds to each of the repeat's three targets (`thirds`) over
+    the fastest fixed setting's to the same target (None: it never reached it)."""
+    out: dict[str, list[list[float | None]]] = {n: [] for n in runs}
+    for i in range(min(len(rs) for rs in runs.values())):
+        found = thirds(runs, i, fixed)
+        if found is None:
+            continue
+        for target in found[1]:
+            reached = {n: time_to_target(rs[i]["points"], target)["seconds"] if rs[i].get("points") else None for n, rs in runs.items()}
+            times = [t for n in fixed if (t := reached.get(n)) is not None]
+            fastest = min(times) if times else None
+            for n in runs:
+                if len(out[n]) <= i:
+                    out[n].append([])
+                out[n][i].append(reached[n] / fastest if fastest and reached[n] is not None else None)
+    return out
+
+
 def median(values: Sequence[float | None]) -> float | None:
     """The median, or None where a value is missing (a repeat that did not reach the target)."""
     return statistics.median(v for v in values if v is not None) if values and all(v is not None for v in values) else None

@@ -38,7 +38,7 @@ from typing import Any
 
 from benchmarks import torchft_lenet
 from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
-from benchmarks.race import Runs, best, race
+from benchmarks.race import Runs, best, race, regret, thirds
 from benchmarks.slow_link_worker import AUTOS, WRAPPERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
@@ -293,10 +293,18 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
     print(table(["contender", (f"s to loss {target}" if settings.get("arena") == "gpt" else f"s to {target:.0%}") + " (median)", "each repeat", "steps/rank each", "ms/step (median)", "ms/step each",
                  "speed-up vs best peer (median)", "/ no-comm limit (median)", "communicating (median)"], rows))  # fmt: skip
     for name, s in summary.items():
-        for i, runs in enumerate(s.get("choices_each") or []):
-            if runs:
-                print(f"{name}, repeat {i + 1}: {choices_text(runs)}")
-    return {**verdict, "summary": summary}
+        for i, chosen in enumerate(s.get("choices_each") or []):
+            if chosen:
+                print(f"{name}, repeat {i + 1}: {choices_text(chosen)}")
+    fixed = [n for n in runs if n.partition(":")[0] in WRAPPERS and n.partition(":")[0] not in AUTOS and ":" in n]
+    regrets = regret(runs, fixed)
+    found = [thirds(runs, i, fixed) for i in range(min(len(rs) for rs in runs.values()))]
+    if any(found):
+        targets = "; ".join(f"repeat {i + 1}: {f[0]}'s {', '.join(f'{t:.4g}' for t in f[1])}" for i, f in enumerate(found) if f)
+        print(f"\nseconds to each target over the fastest fixed setting's (targets: the best fixed setting's score at a third, two thirds and the end; {targets})")
+        print(table(["contender", "a third", "two thirds", "the end"],
+                    [(n, *(" / ".join(_fmt(r[j]) for r in rs) for j in range(3))) for n, rs in regrets.items() if rs]))  # fmt: skip
+    return {**verdict, "summary": summary, "regret": {"targets_each": found, "each": regrets}}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
