@@ -283,9 +283,10 @@ ROUNDS, K = 12, 3
 
 def _train(rank: int, world: int) -> dict[str, Any]:
     """Each payload trains the same MLP on the same batches: K local SGD steps, then an averaging,
-    ROUNDS times (the first in full precision). The float32 run keeps its state at every round."""
+    ROUNDS times (the first in full precision). The float32 run keeps its state at every round.
+    And `_adam_rounds`'s, under "adamw" (one group of processes for both tests)."""
     batches = make_batches(ROUNDS * K * world)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"adamw": _adam_rounds(rank, world)}
     for name in ("float32", *CODECS):
         model = mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -318,13 +319,19 @@ def _rounds(model: nn.Module, optimizer: torch.optim.Optimizer, averager: FlatAv
     return history
 
 
-def test_an_mlp_trained_with_each_payload_ends_close_to_float32() -> None:
+@pytest.fixture(scope="module")
+def trained() -> list[dict[str, Any]]:
+    """`_train` in two processes, by rank."""
+    return run_group(_train, 2, timeout=120)
+
+
+def test_an_mlp_trained_with_each_payload_ends_close_to_float32(trained: list[dict[str, Any]]) -> None:
     """Every replica holds bitwise the same state after every round; and after ROUNDS rounds each
     payload's model is nearer float32's than float32's own state one round earlier: compression
     costs less than a round of progress. int4, whose step is 1/7 of a block's largest change, gets
     two. (Measured here: the gaps are 5e-4 (bfloat16), 6e-5 (float16), 0.03 (int8) and 0.11
     (int4), against 0.20 for one round of float32's progress and 0.31 for two.)"""
-    results = run_group(_train, 2, timeout=120)
+    results = [{k: v for k, v in rank.items() if k != "adamw"} for rank in trained]
     for name in results[0]:
         for mine, theirs in zip(results[0][name], results[1][name], strict=True):
             assert torch.equal(mine, theirs), name
@@ -369,13 +376,12 @@ def _adam_rounds(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def test_int8_rounds_send_adams_second_moments_and_steps_exactly_beside_the_codes() -> None:
+def test_int8_rounds_send_adams_second_moments_and_steps_exactly_beside_the_codes(trained: list[dict[str, Any]]) -> None:
     """A coded change errs by up to half its block's step, so a small second moment could land
     below zero, and Adam's square root of it is NaN (2 workers, AdamW, int8 with the state: NaN
     at step 33 before they went exactly). Every round, the second moments and steps land bitwise
     at their float32 average, on both workers, while the parameters land coded: near it, not at it."""
-    results = run_group(_adam_rounds, 2, timeout=120)
-    for mine, theirs in zip(*results, strict=True):
+    for mine, theirs in zip(trained[0]["adamw"], trained[1]["adamw"], strict=True):
         for name in mine:
             assert torch.equal(mine[name], theirs[name]), name
         assert torch.equal(mine["moments"], mine["moments_f32"])

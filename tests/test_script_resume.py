@@ -100,28 +100,37 @@ def test_a_partial_optimizer_is_named_with_its_arguments_and_another_rate_refuse
 
 
 def _run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120)
+    return _runs([args])[0]
+
+
+def _runs(each: list[tuple[str | Path, ...]]) -> list[subprocess.CompletedProcess[str]]:
+    """The script with each of `each`'s arguments, in processes of their own at the same time
+    (they write different checkpoints, or read one and fail before they train)."""
+    started = [subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in each]
+    done = []
+    for p in started:
+        out, err = p.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
 
 
 def test_a_script_resumes_in_a_second_process_and_ends_as_an_uninterrupted_run(tmp_path: Path) -> None:
-    first = _run(tmp_path / "a", 1, tmp_path / "a1.pt")
+    first, whole = _runs([(tmp_path / "a", 1, tmp_path / "a1.pt"), (tmp_path / "b", 2, tmp_path / "b2.pt")])
     assert first.returncode == 0, first.stderr
     assert "NAMED __main__.make_optimizer" in first.stdout
+    assert whole.returncode == 0, whole.stderr
     resumed = _run(tmp_path / "a", 2, tmp_path / "a2.pt", "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    whole = _run(tmp_path / "b", 2, tmp_path / "b2.pt")
-    assert whole.returncode == 0, whole.stderr
     for a, b in zip(torch.load(tmp_path / "a2.pt"), torch.load(tmp_path / "b2.pt"), strict=True):
         assert torch.equal(a, b)
     saved = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)
     assert saved["fingerprint"]["optimizer"] == "__main__.make_optimizer(model)"  # written by spawned worker 0
 
-    changed = _run(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group")
+    changed, misfit = _runs([(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group"), (tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group", "--accept")])
     assert changed.returncode != 0
     message = next(line for line in changed.stderr.splitlines() if f"{CheckpointError.__name__}: " in line)
     assert "(optimizer differs)" in message and "accept_changes=['optimizer']" in message
     assert "optimizer: checkpoint has '__main__.make_optimizer(model)', this run has '__main__.one_group(model)'" in changed.stderr
-    misfit = _run(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group", "--accept")
     assert misfit.returncode != 0 and "its state does not load into this run's optimizer" in misfit.stderr
     accepted = _run(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--renamed", "--accept")
     assert accepted.returncode == 0, accepted.stderr

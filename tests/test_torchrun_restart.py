@@ -178,7 +178,7 @@ def test_the_machine_of_rank_0_lost_the_other_goes_on_alone_from_the_checkpoint(
     logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
     command = torchrun(
         "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
-        "--rdzv-conf", "is_host=0,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2", "--max-restarts", "1",
+        "--rdzv-conf", "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2", "--max-restarts", "1",
         str(SCRIPT), "machine", str(tmp_path),
     )  # fmt: skip
     agents = [agent(command, log, clean_env()) for log in logs]

@@ -70,7 +70,7 @@ class Step:
             if self.mode == "stop":
                 (self.out / "stopped").write_text(f"{os.getpid()} {time.time()!r}")
                 os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(0.05)
+        time.sleep(0.01 if self.mode == "machine" else 0.05)  # the machine's loss comes at a step, not a time
         return nn.functional.cross_entropy(net(batch[0]), batch[1])
 
 
