@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from groups import run_group
+from groups import run_each, run_group
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.autopilot import Autopilot, Choice, Pilot, Rung, Sizes, levers
 from parallelwrapper.config import Config, Pipeline, TrainingMode, steered
@@ -500,13 +500,13 @@ def _bounded_worker(rank: int, world: int, auto: bool) -> list[torch.Tensor]:
 
 
 def test_a_pilot_left_nothing_to_choose_trains_bitwise_as_the_fixed_setting() -> None:
-    auto, fixed = run_group(_bounded_worker, 2, True, timeout=120), run_group(_bounded_worker, 2, False, timeout=120)
+    auto, fixed = run_each(_bounded_worker, 2, [(True,), (False,)], timeout=240)
     assert all(torch.equal(a, f) for a, f in zip(auto[0], fixed[0]))  # its header's part and barrier change nothing else
 
 
 def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equal() -> None:
-    fast = run_group(_auto_worker, 2, 0.0, 300, timeout=150)
-    slow = run_group(_auto_worker, 2, 0.5, 400, timeout=150)  # ~2 MB/s: 0.6 MB of state takes ~0.3 s
+    # The slow link's run second: it slows the processes' exchanges from then on.
+    fast, slow = run_each(_auto_worker, 2, [(0.0, 300), (0.5, 400)], timeout=300)  # ~2 MB/s: 0.6 MB of state takes ~0.3 s
     for workers in (fast, slow):
         assert workers[0][0] == workers[1][0]  # the same choices on both ranks, in the same order
         for a, b in zip(workers[0][1], workers[1][1]):

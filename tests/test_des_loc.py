@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from groups import run_group
+from groups import run_each
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.config import Config, Pipeline
 from parallelwrapper.job import Job
@@ -137,10 +137,16 @@ def des_loc_reference(every: int, epochs: int, world: int = 2) -> tuple[list[lis
     return held, travelled
 
 
+@pytest.fixture(scope="module")
+def des_loc_runs() -> dict[int, list[list[dict[str, torch.Tensor]]]]:
+    """`_des_loc` at every = 2 and 3 over 2 epochs, in one group of two processes: by period, by rank."""
+    return dict(zip((2, 3), run_each(_des_loc, 2, [(2, 2), (3, 2)], timeout=120)))
+
+
 @pytest.mark.parametrize("every", [2, 3])
-def test_the_optimizer_state_travels_every_mth_round_and_at_each_epochs_end(every: int) -> None:
+def test_the_optimizer_state_travels_every_mth_round_and_at_each_epochs_end(every: int, des_loc_runs: dict[int, list[list[dict[str, torch.Tensor]]]]) -> None:
     epochs = 2
-    workers = run_group(_des_loc, 2, every, epochs)
+    workers = des_loc_runs[every]
     expected, travelled = des_loc_reference(every, epochs)
     assert travelled == ([False, True] * 4 if every == 2 else [False, False, True, True, False, True, False, True])
     for rnd, travels in enumerate(travelled):

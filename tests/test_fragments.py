@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from groups import run_group
+from groups import run_each
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.config import Config
 from parallelwrapper.job import Job, OuterSpec
@@ -125,9 +125,15 @@ def fragments_reference(outer: bool, world: int = 2) -> dict[str, torch.Tensor]:
     return {k: mean(states, k) for k in keys}
 
 
+@pytest.fixture(scope="module")
+def fragment_runs() -> dict[bool, list[dict[str, Any]]]:
+    """`_fragments` without and with an outer step, in one group of two processes: by outer, by rank."""
+    return dict(zip((False, True), run_each(_fragments, 2, [(False,), (True,)], timeout=120)))
+
+
 @pytest.mark.parametrize("outer", [False, True], ids=["averaging", "outer-step"])
-def test_two_fragments_equal_a_one_process_computation_of_their_schedule(outer: bool) -> None:
-    results = run_group(_fragments, 2, outer)
+def test_two_fragments_equal_a_one_process_computation_of_their_schedule(outer: bool, fragment_runs: dict[bool, list[dict[str, Any]]]) -> None:
+    results = fragment_runs[outer]
     expected = fragments_reference(outer)
     for key, value in expected.items():
         assert torch.equal(results[0]["state"][key], results[1]["state"][key]), f"{key}: replicas differ"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from groups import run_group
+from groups import run_each, run_group
 from parallelwrapper import ParallelWrapper, TrainingMode
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.config import Config
@@ -77,12 +77,21 @@ def reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict
     return model.state_dict(), outer.state_dict()
 
 
+VARIANTS = [(which, overlap) for which in range(len(OUTERS)) for overlap in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def with_outer() -> dict[tuple[int, bool], list[dict[str, Any]]]:
+    """`_rounds_with_outer` of every variant, in one group of two processes: by variant, by rank."""
+    return dict(zip(VARIANTS, run_each(_rounds_with_outer, 2, VARIANTS, timeout=120)))
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "streaming"])
 @pytest.mark.parametrize("which", range(len(OUTERS)), ids=["sgd-nesterov", "adam"])
-def test_outer_step_equals_a_one_process_computation_on_the_averaged_delta(which: int, overlap: bool) -> None:
+def test_outer_step_equals_a_one_process_computation_on_the_averaged_delta(which: int, overlap: bool, with_outer: dict[tuple[int, bool], list[dict[str, Any]]]) -> None:
     """Synchronous: the outer step from each round's average. Streaming (overlap_averaging): the
     outer step from the round that landed, moving weights that carry the next round's progress."""
-    results = run_group(_rounds_with_outer, 2, which, overlap)
+    results = with_outer[(which, overlap)]
     expected, outer = (streaming_reference if overlap else reference)(which)
     rtol = 1e-5 if overlap else 1e-6  # streaming: the moves add and subtract snapshots, in another order
     for key, value in expected.items():

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from groups import run_group
+from groups import run_each, run_group
 from parallelwrapper import rounds
 from parallelwrapper.averaging import FlatAverager
 from parallelwrapper.averaging import all_reduce_values as reduce_header
@@ -293,7 +293,7 @@ def test_rounds_of_changing_weights_send_one_collective_each_and_equal_the_weigh
 def test_an_epoch_where_nobody_trains_leaves_the_state_as_it_was() -> None:
     # The second epoch has no batches: its one round (Σw = 0) goes out in the payload of zeros,
     # and every worker drops the sums.
-    one, two = run_group(_rounds, 2, 2, 1), run_group(_rounds, 2, 2, 2)
+    one, two = run_each(_rounds, 2, [(2, 1), (2, 2)])
     for key, value in one[0]["state"].items():
         assert torch.equal(two[0]["state"][key], value) and torch.equal(two[1]["state"][key], value), key
     # the same two collectives as a trained round (the parameters' with the header, the momentum's)
@@ -435,7 +435,7 @@ def test_workers_that_start_a_fit_with_different_layouts_average_the_first_round
     """A coded payload's first round goes encoded only where every worker starts from the same
     state layout: here rank 0 builds its buffers before the round and rank 1 cannot, the header
     says the layouts differ, and both average in full precision, as float32 does, bitwise."""
-    coded, full = run_group(_uneven_start, 2, "int8"), run_group(_uneven_start, 2, "float32")
+    coded, full = run_each(_uneven_start, 2, [("int8",), ("float32",)])
     for key, value in full[0].items():
         assert torch.equal(coded[0][key], value) and torch.equal(coded[1][key], value), key
 
