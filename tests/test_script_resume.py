@@ -103,24 +103,30 @@ def _run(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return _runs([args])[0]
 
 
+def _start(*args: str | Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    out, err = p.communicate(timeout=120)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
 def _runs(each: list[tuple[str | Path, ...]]) -> list[subprocess.CompletedProcess[str]]:
     """The script with each of `each`'s arguments, in processes of their own at the same time
     (they write different checkpoints, or read one and fail before they train)."""
-    started = [subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in each]
-    done = []
-    for p in started:
-        out, err = p.communicate(timeout=120)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
+    return [_finish(p) for p in [_start(*args) for args in each]]
 
 
 def test_a_script_resumes_in_a_second_process_and_ends_as_an_uninterrupted_run(tmp_path: Path) -> None:
-    first, whole = _runs([(tmp_path / "a", 1, tmp_path / "a1.pt"), (tmp_path / "b", 2, tmp_path / "b2.pt")])
+    whole_run = _start(tmp_path / "b", 2, tmp_path / "b2.pt")  # beside the interrupted run and its resume: another checkpoint
+    first = _run(tmp_path / "a", 1, tmp_path / "a1.pt")
     assert first.returncode == 0, first.stderr
     assert "NAMED __main__.make_optimizer" in first.stdout
-    assert whole.returncode == 0, whole.stderr
     resumed = _run(tmp_path / "a", 2, tmp_path / "a2.pt", "--resume")
     assert resumed.returncode == 0, resumed.stderr
+    whole = _finish(whole_run)
+    assert whole.returncode == 0, whole.stderr
     for a, b in zip(torch.load(tmp_path / "a2.pt"), torch.load(tmp_path / "b2.pt"), strict=True):
         assert torch.equal(a, b)
     saved = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)

@@ -41,8 +41,11 @@ def failing_step(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
     return nn.functional.cross_entropy(net(x), y)
 
 
+STEP_S = [0.03]  # a step's sleep: slow enough to be stopped mid-fit; none in the resumed run
+
+
 def slow_step(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    time.sleep(0.03)
+    time.sleep(STEP_S[0])
     return nn.functional.cross_entropy(net(batch[0]), batch[1])
 
 
@@ -71,6 +74,7 @@ def fail(out: Path) -> None:
 
 
 def interrupt(out: Path, resume: bool) -> None:
+    STEP_S[0] = 0.0 if resume else STEP_S[0]
     builder = (
         ParallelWrapper.builder(model()).training_step(slow_step).threads_per_worker(1)
         .checkpoint(out / "ckpt", every=10_000).listeners(announce)
