@@ -84,12 +84,13 @@ def thirds(runs: Runs, repeat: int, fixed: Collection[str]) -> tuple[str, list[f
     return name, [*at, points[-1][key]]
 
 
-def regret(runs: Runs, fixed: Collection[str]) -> dict[str, list[list[float | None]]]:
-    """Per contender, per repeat, its seconds to each of the repeat's three targets (`thirds`) over
-    the fastest fixed setting's to the same target (None: it never reached it)."""
+def regret(runs: Runs, fixed: Collection[str]) -> tuple[list[tuple[str, list[float]] | None], dict[str, list[list[float | None]]]]:
+    """Per repeat, its best fixed setting and three targets (`thirds`); and per contender, per
+    repeat, its seconds to each target over the fastest fixed setting's to the same target (None:
+    it never reached it)."""
     out: dict[str, list[list[float | None]]] = {n: [] for n in runs}
-    for i in range(min(len(rs) for rs in runs.values())):
-        found = thirds(runs, i, fixed)
+    targets = [thirds(runs, i, fixed) for i in range(min(len(rs) for rs in runs.values()))]
+    for i, found in enumerate(targets):
         if found is None:
             continue
         for target in found[1]:
@@ -100,7 +101,7 @@ def regret(runs: Runs, fixed: Collection[str]) -> dict[str, list[list[float | No
                 if len(out[n]) <= i:
                     out[n].append([])
                 out[n][i].append(reached[n] / fastest if fastest and reached[n] is not None else None)
-    return out
+    return targets, out
 
 
 def median(values: Sequence[float | None]) -> float | None:

@@ -38,7 +38,7 @@ from typing import Any
 
 from benchmarks import torchft_lenet
 from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
-from benchmarks.race import Runs, best, race, regret, thirds
+from benchmarks.race import Runs, best, race, regret
 from benchmarks.slow_link_worker import AUTOS, WRAPPERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
@@ -297,8 +297,7 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
             if chosen:
                 print(f"{name}, repeat {i + 1}: {choices_text(chosen)}")
     fixed = [n for n in runs if n.partition(":")[0] in WRAPPERS and n.partition(":")[0] not in AUTOS and ":" in n]
-    regrets = regret(runs, fixed)
-    found = [thirds(runs, i, fixed) for i in range(min(len(rs) for rs in runs.values()))]
+    found, regrets = regret(runs, fixed)
     if any(found):
         targets = "; ".join(f"repeat {i + 1}: {f[0]}'s {', '.join(f'{t:.4g}' for t in f[1])}" for i, f in enumerate(found) if f)
         print(f"\nseconds to each target over the fastest fixed setting's (targets: the best fixed setting's score at a third, two thirds and the end; {targets})")

@@ -80,7 +80,7 @@ def test_the_three_targets_are_the_best_fixed_settings_scores_at_its_thirds_and_
 
     runs = {"a:8": [run([3.0, 2.5, 2.4], 1.0)], "b:32": [run([3.2, 2.6, 2.2], 2.0)], "auto": [run([2.9, 2.5, 2.3], 1.5)]}
     assert thirds(runs, 0, ["a:8", "b:32"]) == ("b:32", [3.2, 2.6, 2.2])
-    assert regret(runs, ["a:8", "b:32"]) == {"a:8": [[1.0, 1.0, None]], "b:32": [[2.0, 2.0, 1.0]], "auto": [[1.5, 1.5, None]]}
+    assert regret(runs, ["a:8", "b:32"]) == ([("b:32", [3.2, 2.6, 2.2])], {"a:8": [[1.0, 1.0, None]], "b:32": [[2.0, 2.0, 1.0]], "auto": [[1.5, 1.5, None]]})
 
 
 def gpt_arena(r: dict[str, Any]) -> None:

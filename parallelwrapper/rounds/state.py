@@ -21,7 +21,7 @@ buffers of different layouts.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import SupportsFloat, cast
 
 import torch
@@ -68,12 +68,13 @@ def gradient_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return [p.grad for p in params if p.grad is not None] + list(model.buffers())
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's tensor state in a deterministic order: param order, then key order."""
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, keys: Collection[str] | None = None) -> list[torch.Tensor]:
+    """The optimizer's tensor state in a deterministic order: param order, then key order; with
+    `keys`, those under one of them only."""
     out: list[torch.Tensor] = []
     for p in _params(optimizer):
         state = optimizer.state.get(p, {})
-        out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+        out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor) and (keys is None or k in keys))
     return out
 
 
@@ -90,11 +91,7 @@ EXACT_STATE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg"
 def exact_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Of the optimizer's tensor state, what a coded payload sends in full precision (EXACT_STATE's
     keys), in optimizer_state_tensors' order."""
-    out: list[torch.Tensor] = []
-    for p in _params(optimizer):
-        state = optimizer.state.get(p, {})
-        out.extend(state[k] for k in sorted(state) if k in EXACT_STATE and isinstance(state[k], torch.Tensor))
-    return out
+    return optimizer_state_tensors(optimizer, EXACT_STATE)
 
 
 def later_tensors(optimizer: torch.optim.Optimizer, average_updaters: bool, replaces: bool) -> list[torch.Tensor]:
