@@ -32,27 +32,33 @@ the noise of a few rounds does not move it up and down.
 Before any measure it runs the middle of its bounds (`Autopilot.k_start`, 16 for 1..128): the
 exchange that comes before the first measure costs the same whatever k is. And it sends the fewest
 bytes it may (`Autopilot.start`: int8, the parameters alone): on a slow link the rounds before the
-first decision cost most, and on a fast one a codec's few milliseconds a round cost least. From the
-first measure it climbs to the rung that sends the most while its estimate keeps k at half of k_max
-or below (float32 with the optimizer's state every round on a fast link), and goes back to stay if
-the rung's measure does not fit after all.
+first decision cost most, and on a fast one a codec's few milliseconds a round cost least.
 
-Where the link alone would need k above half of k_max, it takes bytes off before it lengthens the
-round further (a longer round costs loss per step, fewer bytes little: docs/guides/autopilot.md).
+The k comes first, then the bytes: it runs the shortest k any rung allows (the k the fastest rung's
+exchange needs), and of the rungs that run at that k, the one that sends the most. It never
+lengthens k to send more bytes: a longer round costs loss per step, more bytes buy little
+(docs/guides/autopilot.md: on the GPT arena at 50 Mbit/s int8's parameters alone scored -0.3% to
++0.5% of float32 with Adam's state at the same k, and each 4x of k cost 0.2-1.4%; the first version,
+which sent the most bytes that kept k at half of k_max, took 1.21x the best fixed setting's time
+to the first target).
 A rung is a payload (float32, bfloat16, int8) with every how many rounds the optimizer's state
 travels (1, 2, 4: DES-LOC, arXiv 2505.22549, Adam's moments less often than the parameters at
 equal loss; or never). Each rung's bytes follow from the model's sizes, and an exchange is measured
 in two parts: the codec's seconds (encoding and decoding, compute) and the rest (the link's), so an
 exchange measured at one rung estimates another's: the link's part times the bytes' ratio, plus the
 codec's part times the ratio of the numbers it codes for a coded payload (none for float32; a
-coded payload sends an optimizer's second moments in full precision, state.EXACT_STATE). It tries at once the
-rung that sends the most while its estimate keeps k at half of k_max or below (climbing no further
-than REACH = 16 times the bytes measured, else to the nearest rung above), else the one that
-sends least; a rung tried with fewer bytes is kept only if its measured exchange is 10% faster than
-the rung before it, one with more bytes only if its measure still fits; else the autopilot goes
-back to that one and stays there while the measures hold (a measure JUMP = 2 times its mean or
-more, or half of it or less, replaces the mean at once, drops what other rungs measured on the
-old link and starts the search again): fewer bits win only where the link is slower than the codec (on
+coded payload sends an optimizer's second moments in full precision, state.EXACT_STATE). A rung
+measured on this link counts by its measure, the others by that estimate. It tries at once the
+rung with the most bytes that runs at the shortest k (climbing no further than REACH = 16 times the
+bytes measured, else to the nearest rung above); where the rung in force needs a longer k than
+the fastest, the one with the most bytes among those that run at the fastest's k, else the one
+that sends least. A rung tried with fewer bytes is kept only if its measured exchange is 10%
+faster than the rung before it, one with more bytes only if its measure still runs at the shortest
+k or is 10% faster anyway; else the autopilot goes back to that one and stays there while the
+measures hold (a measure JUMP = 2 times its mean or more, or half of it or less, replaces the mean
+at once, drops what other rungs measured on the old link and starts the search again, deciding on
+that one measure, where a rung whose state goes every m rounds would wait for m): fewer bits win
+only where the link is slower than the codec (on
 loopback an int8 round costs about what float32's does, benchmarks/results/averaging_cost.json).
 
 Its last resort is overlap: where no rung is left to try and even k_max leaves the link's share
@@ -331,6 +337,7 @@ class Pilot:
         self._links: dict[int, _Exchange] = {}  # by rung index: its exchanges' seconds, and the codec's
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
         self._done = False  # a rung tried did not pay: the search for a rung rests, until a measure jumps (JUMP)
+        self._moved = False  # the measure just taken jumped: decided on at once, a state period's rounds not awaited
         self._sizes = Sizes(0, 0)  # the model's, from the last header (a worker's mean)
         self._exposed = _Mean()  # overlapped: seconds a round landed late still cost a worker, at the k in force
         self._expected = 0.0  # the seconds (with the wait) an exchange of the choice in force was expected to take when chosen
@@ -418,7 +425,7 @@ class Pilot:
         link = self._links.setdefault(here, _Exchange())
         if self._link_moved(link, exchange_s - codec_s):  # the rungs' measures are of the old link: the search starts again
             link = _Exchange()
-            self._links, self._trial, self._done = {here: link}, None, False
+            self._links, self._trial, self._done, self._moved = {here: link}, None, False, True
         link.seconds.add(exchange_s)
         link.codec.add(codec_s)
         self._wait.add(waited_s)
@@ -458,35 +465,39 @@ class Pilot:
         link = self._links.get(here)
         if now.overlap:
             return self._lengthened(now)  # its last resort: it stays, at k as long as the link needs
-        if self._step.count == 0 or step <= 0 or link is None or link.seconds.count < max(1, now.updaters_every):
-            return now  # not measured enough yet
+        moved, self._moved = self._moved, False
+        if self._step.count == 0 or step <= 0 or link is None or (link.seconds.count < max(1, now.updaters_every) and not moved):
+            return now  # not measured enough yet (a rung whose state goes every m rounds: m rounds), unless the link moved
         x, w, codec_s = link.seconds.value, self._wait.value, link.codec_s
-        guess = {r: now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange, by this one's
-        enough, need = self._enough, self._need(x, step)
+        measures = {self.rungs[i]: e.seconds.value for i, e in self._links.items() if e.seconds.count}  # on this link (_measure)
+        guess = {r: measures.get(r) or now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange: measured, else by this one's
+        ks = {r: self._power(self._need(guess[r] + w, step)) for r in self.rungs}  # the k each would run at, were there no k_max
+        fastest = min(self.rungs, key=guess.__getitem__)
+        short, need = ks[fastest], self._need(x + w, step)  # the shortest k any rung allows: more bytes only where they fit at it
         if self._trial is not None:  # the rung it tried is measured: a step down kept only where faster by MARGIN, one up where it fits
             rung, before = self.rungs[self._trial], self._links[self._trial].seconds.value
-            up = rung.bytes(sizes) < now.rung.bytes(sizes)
-            if (need > enough) if up else (x > before * (1 - MARGIN)):
+            up = rung.bytes(sizes) < now.rung.bytes(sizes)  # a climb is kept where it fits at the shortest k, or is faster anyway
+            if x > before * (1 - MARGIN) and (ks[now.rung] > short or not up):
                 self._trial, self._done = None, True
                 if up:
-                    self._why = f"{now.rung} exchanges in {x:.3g} s, which would need k = {need:.0f} (more than {enough}): back to {rung}, {before:.3g} s"
+                    self._why = f"{now.rung} exchanges in {x:.3g} s, which would need k = {need:.0f} (more than {short}): back to {rung}, {before:.3g} s"
                 else:
                     self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
                 return self._steer(before + w, step, rung)
             self._trial = None
         other = None
-        if not self._done:  # up where a rung with more bytes fits (this one's codec may be what does not), else down where this one does not fit
-            other = self._more_bytes(now.rung, guess, step, sizes)
-            if other is None and need > enough:
-                other = self._fewer_bytes(now.rung, guess, step, sizes)
+        if not self._done:  # up where a rung with more bytes fits at the shortest k (this one's codec may be what does not), else down where this one needs a longer k
+            other = self._more_bytes(now.rung, ks, sizes)
+            if other is None and ks[now.rung] > short:
+                other = self._fewer_bytes(now.rung, ks, sizes)
         if other is not None:  # tried at once
             self._trial = here
             measured = f"an exchange takes {x:.3g} s ({codec_s:.3g} s of it in the codec) and a step {step:.3g} s: "
             if other.bytes(sizes) > now.rung.bytes(sizes):
-                self._why = measured + f"{other} would take about {guess[other]:.3g} s and need k = {self._need(guess[other], step):.0f} at most {enough}"
+                self._why = measured + f"{other} would take about {guess[other]:.3g} s and need k = {self._need(guess[other] + w, step):.0f}, within k = {short}"
             else:
-                self._why = measured + (f"{now.rung} would need k = {need:.0f} to keep exchanges under {self.spec.exchange_share:.2g} "
-                                        f"of the time (more than {enough}); trying {other}, about {guess[other]:.3g} s")
+                self._why = measured + (f"{now.rung} would need k = {need:.0f} to keep exchanges under {self.spec.exchange_share:.2g} of the time, "
+                                        f"{fastest} k = {short}; trying {other}, about {guess[other]:.3g} s")
             return self._steer(guess[other] + w, step, other)
         k = self._overlapped_k(x - codec_s, codec_s, step)
         if self._overlaps(x, step, now.rung) and self._hides(x, x - codec_s, k, step):
@@ -550,41 +561,45 @@ class Pilot:
                      f"{link:.3g} s: k = {k}{' (k_max)' if k == spec.k_max else ''}, whose steps hide it")
         return now.rung.at(k, overlap=True)
 
-    @property
-    def _enough(self) -> int:
-        """The k past which it takes bytes off before it lengthens the round: half of k_max (a
-        longer round costs loss per step, fewer bytes far less; docs/guides/autopilot.md)."""
-        return max(self.spec.k_min, self.spec.k_max // 2)
+    def _power(self, need: float) -> int:
+        """The smallest k_min·2^i of at least `need` steps, above k_max too (so that rungs that all
+        need more than k_max still compare). A rung sends more bytes only where it runs at the k
+        of the fastest: a longer round costs loss per step, more bytes buy little
+        (docs/guides/autopilot.md)."""
+        k = self.spec.k_min
+        while k < need:
+            k *= 2
+        return k
 
     def _need(self, exchange_s: float, step_s: float) -> float:
         """The steps a round needs for exchanges of `exchange_s` to take ρ of the time."""
         rho = self.spec.exchange_share
         return exchange_s * (1 - rho) / (rho * step_s)
 
-    def _fewer_bytes(self, rung: Rung, guess: dict[Rung, float], step_s: float, sizes: Sizes) -> Rung | None:
-        """The rung to try instead of `rung` (None: none sends fewer bytes by MARGIN), with
-        `guess`, each rung's estimated exchange: of those, the one that sends the most while its
-        exchanges need at most `_enough` steps a round; else the one that sends least."""
+    def _fewer_bytes(self, rung: Rung, ks: dict[Rung, int], sizes: Sizes) -> Rung | None:
+        """The rung to try instead of `rung` (None: none sends fewer bytes by MARGIN), with `ks`,
+        the k each rung's estimated exchange would run at: of those, the one that sends the most
+        at the shortest k of all; else the one that sends least."""
         sends = {r: r.bytes(sizes) for r in self.rungs}
         fewer = [r for r in self.rungs if sends[r] < sends[rung] * (1 - MARGIN)]
         if not fewer:
             return None
-        fits = [r for r in fewer if self._need(guess[r], step_s) <= self._enough]
+        fits = [r for r in fewer if ks[r] <= min(ks.values())]
         if fits:
             return max(fits, key=sends.__getitem__)  # the first of equals: max keeps it
         return min(fewer, key=sends.__getitem__)
 
-    def _more_bytes(self, rung: Rung, guess: dict[Rung, float], step_s: float, sizes: Sizes) -> Rung | None:
-        """The rung to climb to from `rung`, with `guess`, each rung's estimated exchange: of
-        those that send more by MARGIN and at most REACH times its bytes, else the nearest above
-        it, the one that sends the most while its exchanges need at most `_enough` steps a round;
-        None when none does. A guess further than REACH is not one: from a sparse round of 52 KB,
-        which a link's burst let through in 0.02 s, float32's 141x the bytes were guessed at 0.33 s
-        and took 105 s (the GPT arena at 2 Mbit/s)."""
+    def _more_bytes(self, rung: Rung, ks: dict[Rung, int], sizes: Sizes) -> Rung | None:
+        """The rung to climb to from `rung`, with `ks`, the k each rung's estimated exchange would
+        run at: of those that send more by MARGIN and at most REACH times its bytes, else the
+        nearest above it, the one that sends the most at the shortest k of all; None when none
+        does. A guess further than REACH is not one: from a sparse round of 52 KB, which a link's
+        burst let through in 0.02 s, float32's 141x the bytes were guessed at 0.33 s and took 105 s
+        (the GPT arena at 2 Mbit/s)."""
         sends = {r: r.bytes(sizes) for r in self.rungs}
         above = sorted((r for r in self.rungs if sends[r] > sends[rung] * (1 + MARGIN)), key=sends.__getitem__)
         near = [r for r in above if sends[r] <= sends[rung] * REACH] or above[:1]
-        fits = [r for r in near if self._need(guess[r], step_s) <= self._enough]
+        fits = [r for r in near if ks[r] <= min(ks.values())]
         return max(fits, key=sends.__getitem__) if fits else None
 
     def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:

@@ -210,9 +210,10 @@ class Settings:
         """Local iterations per worker between two averagings. "auto": the autopilot
         chooses k in [k_min, k_max] each round, starting in their middle (16), from the measured
         seconds of a step and of an exchange, so that exchanges take at most `exchange_share` of
-        the time; where that needs k above k_max / 2 it first sends fewer bytes: one of
-        `payloads` (default float32, bfloat16, int8) with the optimizer's state every round,
-        every 2 or 4 rounds, or never, tried and kept only if faster; as its last resort, where
+        the time. It runs the shortest k any way of sending allows, and at that k sends the most
+        bytes that fit: one of `payloads` (default float32, bfloat16, int8) with the optimizer's
+        state every round, every 2 or 4 rounds, or never, each tried and kept only if its
+        measure bears it out; it never lengthens k to send more. As its last resort, where
         k_max and the fewest bytes leave the link above that share, it overlaps the rounds
         (overlap_averaging). A payload_dtype, average_updaters or overlap_averaging(False) set
         explicitly is kept. See docs/guides/autopilot.md."""

@@ -18,7 +18,13 @@ Recorded again when the pilot's header part grew by its steps (9 numbers, not 8)
 change and final model the same, each exchange's seconds a little longer by the header's 8 bytes
 (e.g. 0.00117316 s to 0.00117332). Recorded again when it grew by the optimizer's second moments'
 size (10 numbers), which a coded payload sends in full precision: every choice and final model the
-same, the overlap scenario's first exchange read as 0.17 s where it read 0.169 s."""
+same, the overlap scenario's first exchange read as 0.17 s where it read 0.169 s. Recorded again
+when the autopilot stopped trading k for bytes (more bytes only where they run at the shortest k
+any rung allows) and decided on a jumped measure at once: `fast` runs bfloat16's parameters at
+k = 1 where it ran float32 with the state at k = 4; `adamw` int8 at k = 16 where it ran bfloat16 at
+k = 32; `drop` float32 with the state every 4 rounds at k = 8 where it ran float32 at k = 16, and
+moves to int8 at k = 32 a round after the fall's first measure, where the state's period would
+have had it wait 4 rounds; the other five unchanged."""
 
 import functools
 import hashlib
