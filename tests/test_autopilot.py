@@ -219,6 +219,20 @@ def test_a_link_that_changes_is_followed_at_once_both_ways_and_the_search_starts
 
 
 @pytest.mark.fast
+def test_a_link_that_falls_is_followed_within_two_rounds_even_where_the_state_goes_every_four() -> None:
+    """Under a rung whose state travels every 4 rounds, the autopilot waits for 4 measures before
+    it decides, but a measure that jumped is decided on at once: the fall's first exchange lands in
+    the next round's header, and the round after that runs the new rung."""
+    pilot = Pilot(Autopilot(k_max=32, payloads=("float32", "int8"), updater_periods=(4, 0)), Choice(8, "float32", 4))
+    codec = lambda rung: 0.02 if rung.payload == "int8" else 0.0  # noqa: E731
+    steady = fly([pilot], step_s=0.05, link_s=following_bytes(0.0295), rounds=12, codec_s=codec)
+    assert steady[-1] == Choice(8, "float32", 4), [c.why for c in pilot.changes]  # k = 7 for it, 9 for int8's codec
+    fallen = fly([pilot], step_s=0.05, link_s=following_bytes(0.59), rounds=8, first=13, codec_s=codec)
+    assert fallen[0] == fallen[1] == Choice(8, "float32", 4) and fallen[2] != fallen[0], fallen  # measured in round 14's header, in force from 15
+    assert fallen[-1] == Choice(32, "int8", 0), [c.why for c in pilot.changes]
+
+
+@pytest.mark.fast
 def test_a_climb_goes_no_further_than_its_estimate_reaches() -> None:
     """From a sparse round a link's burst lets through at once (0.001 s for 28 KB), every rung's
     estimate runs at k = 1 (steps of 10 s); the climb tries the nearest rung above (int8, 35x the
