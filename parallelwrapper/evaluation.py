@@ -47,7 +47,7 @@ def output_metrics(model: torch.nn.Module, batch: Batch, step: OutputLoss) -> Va
     if isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor) and logits.shape[:-1] == labels.shape:
         counted = labels != -100
         hits = (logits.argmax(dim=-1) == labels) & counted
-        metrics["accuracy"] = hits.sum().float() / counted.sum().clamp(min=1)
+        metrics["accuracy"] = int(hits.sum()) / max(1, int(counted.sum()))  # in float64: 9,700 of 10,000 is 0.97, not float32's 0.96999...
     return metrics
 
 
@@ -72,7 +72,8 @@ def scored_outputs(outputs: Output, targets: object, loss_fn: Callable[..., torc
             f"targets (batch, ...); the model returned {describe(outputs)} for targets {describe(targets)}: pass "
             f".validation(data, step=fn) with fn(model, batch) -> {{name: value}}"
         )
-    metrics = {"accuracy": (outputs.argmax(dim=1) == targets).float().mean()}
+    hits = outputs.argmax(dim=1) == targets
+    metrics: Values = {"accuracy": int(hits.sum()) / max(1, hits.numel())}  # in float64, as above
     return metrics if loss_fn is None else {"loss": loss_fn(outputs, targets), **metrics}
 
 
