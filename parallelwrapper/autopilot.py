@@ -18,8 +18,10 @@ What it measures, over every worker (each round's header carries each worker's n
 
 What it chooses. The exchange and the wait before it cost x + w once per round of k steps, so
 their share of a worker's time is (x + w) / (x + w + k·c). With first-come batches the wait is at
-most about a step whatever k is, so a longer round hides it too. The autopilot keeps that share
-under ρ (`exchange_share`, default 5%):
+most about a step whatever k is, so a longer round hides it too; where each worker trains its own
+batches (torchrun), a slower worker's wait grows with k, and no k hides that part: the wait counts
+for at most a step (w below is min(w, c)). The autopilot keeps that share under ρ
+(`exchange_share`, default 5%):
 
     k = the smallest power of two from k_min with (x + w)·(1 − ρ) / (ρ·c) ≤ k, at most k_max
 
@@ -52,7 +54,8 @@ measured on this link counts by its measure, the others by that estimate. It tri
 rung with the most bytes that runs at the shortest k (climbing no further than REACH = 16 times the
 bytes measured, else to the nearest rung above); where the rung in force needs a longer k than
 the fastest, the one with the most bytes among those that run at the fastest's k, else the one
-that sends least. A rung tried with fewer bytes is kept only if its measured exchange is 10%
+that sends least. Where even the fastest needs more than k_max, a rung fits where its exchange
+alone would keep the share at k_max (the wait is what does not), else only the fastest. A rung tried with fewer bytes is kept only if its measured exchange is 10%
 faster than the rung before it, one with more bytes only if its measure still runs at the shortest
 k or is 10% faster anyway; else the autopilot goes back to that one and stays there while the
 measures hold (a measure JUMP = 2 times its mean or more, or half of it or less, replaces the mean
@@ -387,10 +390,19 @@ class Pilot:
         if left is None or now.overlap or not now.k < left <= self.spec.k_max:
             return now.k
         link = self._links.get(self.rungs.index(now.rung))
-        exchange = link.seconds.value + self._wait.value if link is not None and link.seconds.count else self._expected
+        exchange = link.seconds.value + self._waited if link is not None and link.seconds.count else self._expected
         if exchange <= 0 or self._step.value <= 0:
             return now.k
         return left if left - now.k < self._need(exchange, self._step.value) else now.k
+
+    @property
+    def _waited(self) -> float:
+        """The wait for the others before an exchange, as far as a longer round hides it: at most
+        a step. With first-come batches it is about a step or less whatever k is; where each worker
+        trains its own batches, a slower worker's share grows with k (in the GPT arena under
+        torchrun, exchanges whose link part took 0.07 s read up to 0.74 s at k = 64), and a
+        longer round does not hide that part."""
+        return min(self._wait.value, self._step.value)
 
     def _code(self, choice: Choice) -> float:
         """The choice's rung and overlap as one number for the header: the rung's place from 1,
@@ -468,16 +480,19 @@ class Pilot:
         moved, self._moved = self._moved, False
         if self._step.count == 0 or step <= 0 or link is None or (link.seconds.count < max(1, now.updaters_every) and not moved):
             return now  # not measured enough yet (a rung whose state goes every m rounds: m rounds), unless the link moved
-        x, w, codec_s = link.seconds.value, self._wait.value, link.codec_s
+        x, w, codec_s = link.seconds.value, self._waited, link.codec_s
         measures = {self.rungs[i]: e.seconds.value for i, e in self._links.items() if e.seconds.count}  # on this link (_measure)
         guess = {r: measures.get(r) or now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange: measured, else by this one's
         ks = {r: self._power(self._need(guess[r] + w, step)) for r in self.rungs}  # the k each would run at, were there no k_max
         fastest = min(self.rungs, key=guess.__getitem__)
         short, need = ks[fastest], self._need(x + w, step)  # the shortest k any rung allows: more bytes only where they fit at it
+        fit = {r for r in self.rungs if ks[r] <= short}
+        if short > self.spec.k_max:  # no k keeps the share: the rungs whose link alone keeps it at k_max (the wait is what does not), else the fastest
+            fit = {r for r in self.rungs if self._need(guess[r], step) <= self.spec.k_max} or {fastest}
         if self._trial is not None:  # the rung it tried is measured: a step down kept only where faster by MARGIN, one up where it fits
             rung, before = self.rungs[self._trial], self._links[self._trial].seconds.value
             up = rung.bytes(sizes) < now.rung.bytes(sizes)  # a climb is kept where it fits at the shortest k, or is faster anyway
-            if x > before * (1 - MARGIN) and (ks[now.rung] > short or not up):
+            if x > before * (1 - MARGIN) and (now.rung not in fit or not up):
                 self._trial, self._done = None, True
                 if up:
                     self._why = f"{now.rung} exchanges in {x:.3g} s, which would need k = {need:.0f} (more than {short}): back to {rung}, {before:.3g} s"
@@ -487,9 +502,9 @@ class Pilot:
             self._trial = None
         other = None
         if not self._done:  # up where a rung with more bytes fits at the shortest k (this one's codec may be what does not), else down where this one needs a longer k
-            other = self._more_bytes(now.rung, ks, sizes)
-            if other is None and ks[now.rung] > short:
-                other = self._fewer_bytes(now.rung, ks, sizes)
+            other = self._more_bytes(now.rung, fit, sizes)
+            if other is None and now.rung not in fit:
+                other = self._fewer_bytes(now.rung, fit, sizes)
         if other is not None:  # tried at once
             self._trial = here
             measured = f"an exchange takes {x:.3g} s ({codec_s:.3g} s of it in the codec) and a step {step:.3g} s: "
@@ -509,7 +524,8 @@ class Pilot:
             return now.rung.at(k, overlap=True)
         if self._k_for(x + w, step) == now.k:
             return now
-        self._why = f"an exchange takes {x:.3g} s after {w:.3g} s waiting for the others, and a step {step:.3g} s"
+        waited = f"{w:.3g} s" if w == self._wait.value else f"{self._wait.value:.3g} s (a step's worth counted)"
+        self._why = f"an exchange takes {x:.3g} s after {waited} waiting for the others, and a step {step:.3g} s"
         return self._steer(x + w, step, now.rung)
 
     def _overlaps(self, exchange_s: float, step_s: float, rung: Rung) -> bool:
@@ -576,30 +592,29 @@ class Pilot:
         rho = self.spec.exchange_share
         return exchange_s * (1 - rho) / (rho * step_s)
 
-    def _fewer_bytes(self, rung: Rung, ks: dict[Rung, int], sizes: Sizes) -> Rung | None:
-        """The rung to try instead of `rung` (None: none sends fewer bytes by MARGIN), with `ks`,
-        the k each rung's estimated exchange would run at: of those, the one that sends the most
-        at the shortest k of all; else the one that sends least."""
+    def _fewer_bytes(self, rung: Rung, fit: set[Rung], sizes: Sizes) -> Rung | None:
+        """The rung to try instead of `rung` (None: none sends fewer bytes by MARGIN): of those,
+        the one that sends the most of the rungs that `fit` (run at the shortest k of all); else
+        the one that sends least."""
         sends = {r: r.bytes(sizes) for r in self.rungs}
         fewer = [r for r in self.rungs if sends[r] < sends[rung] * (1 - MARGIN)]
         if not fewer:
             return None
-        fits = [r for r in fewer if ks[r] <= min(ks.values())]
+        fits = [r for r in fewer if r in fit]
         if fits:
             return max(fits, key=sends.__getitem__)  # the first of equals: max keeps it
         return min(fewer, key=sends.__getitem__)
 
-    def _more_bytes(self, rung: Rung, ks: dict[Rung, int], sizes: Sizes) -> Rung | None:
-        """The rung to climb to from `rung`, with `ks`, the k each rung's estimated exchange would
-        run at: of those that send more by MARGIN and at most REACH times its bytes, else the
-        nearest above it, the one that sends the most at the shortest k of all; None when none
-        does. A guess further than REACH is not one: from a sparse round of 52 KB, which a link's
+    def _more_bytes(self, rung: Rung, fit: set[Rung], sizes: Sizes) -> Rung | None:
+        """The rung to climb to from `rung`: of those that send more by MARGIN and at most REACH
+        times its bytes, else the nearest above it, the one that sends the most of the rungs that
+        `fit` (run at the shortest k of all); None when none does. A guess further than REACH is not one: from a sparse round of 52 KB, which a link's
         burst let through in 0.02 s, float32's 141x the bytes were guessed at 0.33 s and took 105 s
         (the GPT arena at 2 Mbit/s)."""
         sends = {r: r.bytes(sizes) for r in self.rungs}
         above = sorted((r for r in self.rungs if sends[r] > sends[rung] * (1 + MARGIN)), key=sends.__getitem__)
         near = [r for r in above if sends[r] <= sends[rung] * REACH] or above[:1]
-        fits = [r for r in near if ks[r] <= min(ks.values())]
+        fits = [r for r in near if r in fit]
         return max(fits, key=sends.__getitem__) if fits else None
 
     def _steer(self, exchange_s: float, step_s: float, rung: Rung) -> Choice:
