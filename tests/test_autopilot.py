@@ -536,7 +536,7 @@ def test_a_pilot_left_nothing_to_choose_trains_bitwise_as_the_fixed_setting() ->
 
 def test_a_slowed_exchange_picks_fewer_bits_and_a_larger_k_and_replicas_end_equal() -> None:
     # The slow link's run second: it slows the processes' exchanges from then on.
-    fast, slow = run_each(_auto_worker, 2, [(0.0, 300), (0.5, 400)], timeout=300)  # ~2 MB/s: 0.6 MB of state takes ~0.3 s
+    fast, slow = run_each(_auto_worker, 2, [(0.0, 120), (0.5, 200)], timeout=300)  # ~2 MB/s: 0.6 MB of state takes ~0.3 s
     for workers in (fast, slow):
         assert workers[0][0] == workers[1][0]  # the same choices on both ranks, in the same order
         for a, b in zip(workers[0][1], workers[1][1]):

@@ -6,6 +6,7 @@ naming the field, unless the user accepts it."""
 from __future__ import annotations
 
 import functools
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,11 +133,15 @@ def test_a_script_resumes_in_a_second_process_and_ends_as_an_uninterrupted_run(t
     saved = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)
     assert saved["fingerprint"]["optimizer"] == "__main__.make_optimizer(model)"  # written by spawned worker 0
 
-    changed, misfit = _runs([(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group"), (tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group", "--accept")])
+    shutil.copytree(tmp_path / "a", tmp_path / "c")  # the accepted resume writes its checkpoints apart from the refused ones' reads
+    changed, misfit, accepted = _runs([
+        (tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group"),
+        (tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--one-group", "--accept"),
+        (tmp_path / "c", 3, tmp_path / "c3.pt", "--resume", "--renamed", "--accept"),
+    ])  # fmt: skip
     assert changed.returncode != 0
     message = next(line for line in changed.stderr.splitlines() if f"{CheckpointError.__name__}: " in line)
     assert "(optimizer differs)" in message and "accept_changes=['optimizer']" in message
     assert "optimizer: checkpoint has '__main__.make_optimizer(model)', this run has '__main__.one_group(model)'" in changed.stderr
     assert misfit.returncode != 0 and "its state does not load into this run's optimizer" in misfit.stderr
-    accepted = _run(tmp_path / "a", 3, tmp_path / "a3.pt", "--resume", "--renamed", "--accept")
     assert accepted.returncode == 0, accepted.stderr
