@@ -10,6 +10,7 @@ either accuracy (higher is better) or val_loss (lower is better).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -102,6 +103,43 @@ def regret(runs: Runs, fixed: Collection[str]) -> tuple[list[tuple[str, list[flo
                     out[n].append([])
                 out[n][i].append(reached[n] / fastest if fastest and reached[n] is not None else None)
     return targets, out
+
+
+def doubling_cost(short: Sequence[dict[str, Any]], long: Sequence[dict[str, Any]], ratio: float) -> list[float]:
+    """The loss side of a longer round, from two runs of one setting at k and at `ratio`·k (the
+    same steps, scored at the same steps): for each of `short`'s validation losses from a third of
+    its run on, the steps `long` took to the same loss (interpolated between its scores) over
+    `short`'s, as a cost per doubling of k: (steps_long / steps_short)^(1 / log2 ratio) − 1. With a
+    cost β per doubling, doubling k pays while the exchange share is above 2β / (1 + β): a round of
+    2k costs (1 + β) the steps of one of k, at (c + x/2k) / (c + x/k) the time a step."""
+    out = []
+    for p in short[len(short) // 3:]:
+        for a, b in zip(long, long[1:]):
+            if b["val_loss"] <= p["val_loss"] <= a["val_loss"] and a["val_loss"] > b["val_loss"]:
+                steps = a["steps"] + (b["steps"] - a["steps"]) * (a["val_loss"] - p["val_loss"]) / (a["val_loss"] - b["val_loss"])
+                out.append((steps / p["steps"]) ** (1 / math.log2(ratio)) - 1)
+                break
+    return out
+
+
+def doubling_costs(runs: Runs, fixed: Collection[str]) -> dict[str, list[float]]:
+    """`doubling_cost` for each pair of `fixed` settings of one kind (a name's part before ':') at
+    neighbouring k (8 and 32, 32 and 128), over every repeat, by "kind:k→k'"; validation losses
+    only (the GPT arena)."""
+    by_kind: dict[str, list[tuple[int, str]]] = {}
+    for name in fixed:
+        kind, _, period = name.partition(":")
+        if period.isdigit():
+            by_kind.setdefault(kind, []).append((int(period), name))
+    out: dict[str, list[float]] = {}
+    for kind, ks in by_kind.items():
+        ks.sort()
+        for (k, a), (k2, b) in zip(ks, ks[1:]):
+            pairs = [(x["points"], y["points"]) for x, y in zip(runs[a], runs[b]) if x.get("points") and y.get("points")]
+            costs = [c for short, long in pairs if "val_loss" in short[0] for c in doubling_cost(short, long, k2 / k)]
+            if costs:
+                out[f"{kind}:{k}→{k2}"] = costs
+    return out
 
 
 def median(values: Sequence[float | None]) -> float | None:

@@ -38,7 +38,7 @@ from typing import Any
 
 from benchmarks import torchft_lenet
 from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
-from benchmarks.race import Runs, best, race, regret
+from benchmarks.race import Runs, best, doubling_costs, race, regret
 from benchmarks.slow_link_worker import AUTOS, WRAPPERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
@@ -303,7 +303,12 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
         print(f"\nseconds to each target over the fastest fixed setting's (targets: the best fixed setting's score at a third, two thirds and the end; {targets})")
         print(table(["contender", "a third", "two thirds", "the end"],
                     [(n, *(" / ".join(_fmt(r[j]) for r in rs) for j in range(3))) for n, rs in regrets.items() if rs]))  # fmt: skip
-    return {**verdict, "summary": summary, "regret": {"targets_each": found, "each": regrets}}
+    costs = doubling_costs(runs, fixed)
+    for pair, each in costs.items():
+        beta = statistics.median(each)
+        print(f"{pair}: each doubling of k took {beta:.1%} more steps to the same validation loss (median of {len(each)}, "
+              f"{min(each):.1%} to {max(each):.1%}): doubling k pays while exchanges take more than {2 * beta / (1 + beta):.1%} of the time")
+    return {**verdict, "summary": summary, "regret": {"targets_each": found, "each": regrets}, "doubling_cost": costs}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

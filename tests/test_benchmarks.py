@@ -83,6 +83,22 @@ def test_the_three_targets_are_the_best_fixed_settings_scores_at_its_thirds_and_
     assert regret(runs, ["a:8", "b:32"]) == ([("b:32", [3.2, 2.6, 2.2])], {"a:8": [[1.0, 1.0, None]], "b:32": [[2.0, 2.0, 1.0]], "auto": [[1.5, 1.5, None]]})
 
 
+@pytest.mark.fast
+def test_a_doubling_of_k_costs_the_steps_the_longer_round_took_to_the_shorter_ones_losses() -> None:
+    """race.doubling_cost on made-up runs at k and 4k: from a third of the shorter run on, the
+    longer run's interpolated steps to each of its losses, as a cost per doubling of k; and
+    doubling_costs pairs the fixed settings of one kind at neighbouring k."""
+    from benchmarks.race import doubling_cost, doubling_costs
+
+    def points(losses: list[float]) -> list[dict[str, Any]]:
+        return [{"steps": 3 * (i + 1), "seconds": float(i + 1), "samples": 0, "val_loss": v} for i, v in enumerate(losses)]
+
+    short, long = points([3.0, 2.0, 1.0]), points([3.5, 2.5, 1.5, 0.5])
+    assert doubling_cost(short, long, 4) == pytest.approx([(7.5 / 6) ** 0.5 - 1, (10.5 / 9) ** 0.5 - 1])
+    runs = {"w:8": [{"points": short}], "w:32": [{"points": long}], "auto": [{"points": short}]}
+    assert doubling_costs(runs, ["w:8", "w:32"]) == {"w:8→32": doubling_cost(short, long, 4)}
+
+
 def gpt_arena(r: dict[str, Any]) -> None:
     float32, int8 = r["rows"]
     for row in r["rows"]:
