@@ -55,10 +55,10 @@ rung with the most bytes that runs at the shortest k (climbing no further than R
 bytes measured, else to the nearest rung above); where the rung in force needs a longer k than
 the fastest, the one with the most bytes among those that run at the fastest's k, else the one
 that sends least. Where even the fastest needs more than k_max, a rung fits where its exchange
-alone would keep the share at k_max (the wait is what does not), else only the fastest. A rung tried with fewer bytes is kept only if its measured exchange is 10%
-faster than the rung before it, one with more bytes only if its measure still runs at the shortest
-k or is 10% faster anyway; else the autopilot goes back to that one and stays there while the
-measures hold (a measure JUMP = 2 times its mean or more, or half of it or less, replaces the mean
+alone would keep the share at k_max (the wait is what does not), else only the fastest. A rung
+tried with fewer bytes is kept only if its measured exchange is 10% faster than the rung before
+it, one with more bytes only if its measure still runs at the shortest k or is 10% faster anyway;
+else the autopilot goes back to that one and stays there while the measures hold (a measure JUMP = 2 times its mean or more, or half of it or less, replaces the mean
 at once, drops what other rungs measured on the old link and starts the search again, deciding on
 that one measure, where a rung whose state goes every m rounds would wait for m): fewer bits win
 only where the link is slower than the codec (on
@@ -608,9 +608,9 @@ class Pilot:
     def _more_bytes(self, rung: Rung, fit: set[Rung], sizes: Sizes) -> Rung | None:
         """The rung to climb to from `rung`: of those that send more by MARGIN and at most REACH
         times its bytes, else the nearest above it, the one that sends the most of the rungs that
-        `fit` (run at the shortest k of all); None when none does. A guess further than REACH is not one: from a sparse round of 52 KB, which a link's
-        burst let through in 0.02 s, float32's 141x the bytes were guessed at 0.33 s and took 105 s
-        (the GPT arena at 2 Mbit/s)."""
+        `fit` (run at the shortest k of all); None when none does. A guess further than REACH is
+        not one: from a sparse round of 52 KB, which a link's burst let through in 0.02 s,
+        float32's 141x the bytes were guessed at 0.33 s and took 105 s (the GPT arena at 2 Mbit/s)."""
         sends = {r: r.bytes(sizes) for r in self.rungs}
         above = sorted((r for r in self.rungs if sends[r] > sends[rung] * (1 + MARGIN)), key=sends.__getitem__)
         near = [r for r in above if sends[r] <= sends[rung] * REACH] or above[:1]
@@ -630,11 +630,8 @@ class Pilot:
         """The smallest of k_min·2^i that keeps exchanges under ρ of the time, within the bounds;
         below the k in force only when FALL of its half would do (a need that hovers about a
         power of two would move k up and down every round)."""
-        spec, need = self.spec, self._need(exchange_s, step_s)
-        k = spec.k_min
-        while k < need and k < spec.k_max:
-            k *= 2
-        k = min(k, spec.k_max)
+        need = self._need(exchange_s, step_s)
+        k = min(self._power(need), self.spec.k_max)
         return self.choice.k if k < self.choice.k and need > FALL * self.choice.k / 2 else k
 
     # -- a checkpoint's part ---------------------------------------------------------------------
