@@ -52,6 +52,26 @@ FEEDS = ("auto", "queue")  # how spawned workers get a list of batches (feed/)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zbv")  # a pipeline's (pipeline/stage.py; "zbv": zero bubble, V)
 
 
+def fleet_address(address: str) -> tuple[str, int, str]:
+    """(host, port, name) of a fleet's store, tcp://HOST:PORT[/NAME] (name: "parallelwrapper" when
+    none is given), or a ValueError that says what is wrong."""
+    rest = address.removeprefix("tcp://") if isinstance(address, str) else ""
+    where, _, name = rest.partition("/")
+    host, _, port = where.rpartition(":")
+    if not address.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"fleet's store must be tcp://HOST:PORT[/NAME], e.g. tcp://10.0.0.1:29400/run-7, got {address!r}")
+    return host, int(port), name or "parallelwrapper"
+
+
+def fleet_address_problem(value: object) -> str | None:
+    """What is wrong with a fleet's store address, as the end of "must be ...", or None when it is right."""
+    try:
+        fleet_address(value)  # type: ignore[arg-type]
+    except (ValueError, TypeError, AttributeError):
+        return "tcp://HOST:PORT[/NAME] (or None)"
+    return None
+
+
 def check_int(name: str, value: object, minimum: int = 1, hint: str = "") -> None:
     """A ValueError naming the option unless `value` is an int (not a bool) >= `minimum`."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -213,6 +233,13 @@ class Config:
     auto_resume: bool = option(
         True, "Under torchrun with checkpoints: a restarted group resumes from the last checkpoint.",
         boolean(), "auto_resume", example=False)
+    fleet: str | None = option(
+        None, "A fleet: processes launched apart (a torchrun on each machine) form one group in this store (tcp://HOST:PORT[/NAME]); "
+              "with on_worker_failure('replace') the survivors of a lost machine go on from the last average.",
+        ruled(fleet_address_problem, "tcp://10.0.0.1:29400", optional=True), "fleet", example="tcp://10.0.0.1:29400")
+    fleet_processes: int = option(
+        1, "With fleet(store): the processes that form its first group, on every machine together.",
+        count(1), "fleet", keyword="processes", example=4)
     peer_timeout: float = option(
         30.0, "Under torchrun: seconds a rank may hear nothing from a peer before it exits, naming it.",
         positive(), "peer_timeout", example=10.0)
@@ -274,6 +301,7 @@ _AUTO = "averaging_frequency('auto') does not go with "
 _EVERY = "average_updaters(every={c.average_updaters_every}) does not go with "
 _CODED = "gradient_encoding does not go with "
 _STAGES = "pipeline(stages={c.pipeline.stages}) does not go with "
+_FLEET = "fleet(...) does not go with "
 CONFLICTS: tuple[Conflict, ...] = (
     Conflict(("overlap_averaging", "training_mode"), lambda c, j: c.overlap_averaging and _shared(c),
              "overlap_averaging applies to TrainingMode.AVERAGING only: with SHARED_GRADIENTS every step needs the averaged "
@@ -348,6 +376,27 @@ CONFLICTS: tuple[Conflict, ...] = (
              "bytes leave exchanges above its share of the time (overlap_averaging(False) keeps it off); to overlap "
              "from the first round, set a fixed k",
              ".averaging_frequency('auto').overlap_averaging(True)"),
+    Conflict(("fleet", "on_worker_failure"), lambda c, j: c.fleet is not None and c.on_worker_failure != "replace",
+             _FLEET + "on_worker_failure('raise'): a fleet's processes go on without a lost one; set .on_worker_failure('replace') "
+             "with it, or, for a group that stops at a loss, launch one torchrun across the machines",
+             ".fleet('tcp://10.0.0.1:29400', processes=4)"),
+    Conflict(("fleet", "deterministic"), lambda c, j: c.fleet is not None and c.deterministic,
+             _FLEET + "deterministic(True): it deals batch i to rank i mod N, and a fleet's N and ranks change as processes go "
+             "and come; drop one",
+             ".fleet('tcp://10.0.0.1:29400', processes=4).on_worker_failure('replace').deterministic(True)"),
+    Conflict(("fleet", "training_mode"), lambda c, j: c.fleet is not None and _shared(c),
+             _FLEET + "TrainingMode.SHARED_GRADIENTS: its ranks read dealt shards, which a group that changes would deal "
+             "anew mid-epoch; use averaging",
+             ".fleet('tcp://10.0.0.1:29400', processes=4).on_worker_failure('replace').training_mode('shared-gradients')"),
+    Conflict(("fleet", "feed"), lambda c, j: c.fleet is not None and c.feed != "auto",
+             _FLEET + "feed('queue'): a fleet's processes claim their batches from its store; drop .feed('queue')",
+             ".fleet('tcp://10.0.0.1:29400', processes=4).on_worker_failure('replace').feed('queue')"),
+    Conflict(("fleet", "pipeline"), lambda c, j: c.fleet is not None and c.pipeline is not None,
+             _FLEET + "a pipeline in this version: a lost stage takes its pipeline with it, and stages step in lockstep; drop one",
+             ".fleet('tcp://10.0.0.1:29400', processes=4).on_worker_failure('replace').pipeline(stages=2)"),
+    Conflict(("fleet", "hierarchy"), lambda c, j: c.fleet is not None and c.hierarchy != "none",
+             _FLEET + "hierarchy('node') in this version: its nodes are torchrun's, which a fleet's group is not; drop one",
+             ".fleet('tcp://10.0.0.1:29400', processes=4).on_worker_failure('replace').hierarchy('node')"),
     Conflict(("pipeline", "on_worker_failure"), lambda c, j: c.pipeline is not None and c.on_worker_failure == "replace",
              _STAGES + "on_worker_failure(\"replace\"): a lost stage would take its whole pipeline with it; drop it",
              ".pipeline(stages=2).on_worker_failure('replace')"),

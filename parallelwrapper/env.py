@@ -76,7 +76,7 @@ def gpu_devices(workers: int, gpus: int) -> tuple[str, ...]:
 class Placement:
     """Where the workers of this machine run, resolved once from the config and the environment."""
 
-    world_size: int  # workers in the whole group: config.workers, or torchrun's WORLD_SIZE
+    world_size: int  # workers in the whole group: config.workers, torchrun's WORLD_SIZE, or a fleet's processes (its first group)
     devices: tuple[str, ...]  # one per worker on this machine, by local rank (spawned: the rank)
     backend: str  # "gloo" or "nccl"
     threads: int  # torch intra-op threads for each worker process
@@ -144,6 +144,8 @@ def resolve(
     processes one worker is (a pipeline's stages), and what the caller is told of them."""
     gpus = gpu_count() if gpus is None else gpus
     cores = core_count() if cores is None else cores
+    if config.fleet is not None and torchrun is None:
+        torchrun = TorchrunEnv(0, 1, 0, 1)  # a fleet's process launched by hand (python script.py): the one of its machine
     if torchrun is not None:
         return _resolve_torchrun(config, torchrun, gpus, cores, explicit, per_worker, notes)
 
@@ -236,7 +238,9 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
     )
     notes += told
     backend, threads, more = _backend_and_threads(config, devices, cores, refusal, "--nproc-per-node n")
-    return Placement(env.world_size // stages, devices, backend, threads, env, tuple(notes + more), stages)
+    # A fleet's group forms across the machines' torchruns, each of which knows its own processes only.
+    world = config.fleet_processes if config.fleet is not None else env.world_size // stages
+    return Placement(world, devices, backend, threads, env, tuple(notes + more), stages)
 
 
 def collective_timeout(config: Config) -> datetime.timedelta:

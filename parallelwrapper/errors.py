@@ -41,6 +41,12 @@ class Stopped(Exception):
 _TRACEBACK = "Traceback (most recent call last):"
 
 
+class GroupChanges(BaseException):
+    """A fleet's group changes at the start of this round, which no member has trained yet (a
+    process joins: replacement/fleet.py). Not an Exception, so that no handler of a step's or
+    a round's failures takes it for one: it unwinds the fit to its host, which forms the group."""
+
+
 class WorkerError(RuntimeError):
     """A worker failed, under any host (spawned, in-process, torchrun).
 
@@ -101,4 +107,4 @@ def _echo(line: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-__all__ = ["Stopped", "TrainingError", "Where", "WorkerError"]
+__all__ = ["GroupChanges", "Stopped", "TrainingError", "Where", "WorkerError"]

@@ -73,10 +73,10 @@ def choice(*choices: object) -> Check:
     return Check(choices=tuple(choices))
 
 
-def ruled(rule: Callable[[object], str | None], *examples: object) -> Check:
-    """A value `rule` passes: it says what is wrong with one (the end of "must be ..."), or None.
-    `examples` are some right values, for pw-fit's help."""
-    return Check(rule=rule, choices=examples)
+def ruled(rule: Callable[[object], str | None], *examples: object, optional: bool = False) -> Check:
+    """A value `rule` passes: it says what is wrong with one (the end of "must be ..."), or None
+    (or None where `optional`). `examples` are some right values, for pw-fit's help."""
+    return Check(rule=rule, choices=examples, optional=optional)
 
 
 def boolean() -> Check:

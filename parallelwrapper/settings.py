@@ -317,9 +317,20 @@ class Settings:
         a fresh process takes the failed spawned worker's rank, every worker goes back to the last
         landed average, and the batches of the abandoned round are fed again, so that each counts
         once; up to `max_replacements` times over the wrapper's life, and a batch that fails two
-        workers raises. Under torchrun use its `--max-restarts` with `.checkpoint(dir)` instead."""
+        workers raises. Under torchrun use its `--max-restarts` with `.checkpoint(dir)` instead,
+        or a fleet (`.fleet(store)`), whose survivors go on without a lost process."""
         self._set("max_replacements", max_replacements)
         return self._set("on_worker_failure", policy)
+
+    def fleet(self, store: str | None, *, processes: int = 1) -> Self:
+        """Run as one process of a fleet: `processes` processes launched apart (a torchrun on each
+        machine, `--nproc-per-node` of them there) that form one group in `store`,
+        tcp://HOST:PORT[/NAME], a store none of them hosts. With `.on_worker_failure("replace")`
+        the survivors of a lost process or machine go on without it from the last average, with
+        no process restarted; the lost round's batches are claimed again. None: not a fleet.
+        See docs/guides/many-machines.md."""
+        self._set("fleet_processes", processes)
+        return self._set("fleet", store)
 
     def auto_resume(self, flag: bool = True) -> Self:
         """Under torchrun with `.checkpoint(dir)`: a group that torchrun restarted (--max-restarts)

@@ -138,8 +138,9 @@ class Validation:
 
 @dataclass(frozen=True)
 class Replacement:
-    """A spawned worker failed and a fresh process took its rank (`.on_worker_failure("replace")`);
-    every worker went back to the average before round `lost_round`, which was trained again."""
+    """A worker was lost (`.on_worker_failure("replace")`): a fresh process took a spawned worker's
+    rank, or a fleet's survivors went on without it (`rank`: its rank in the group it left); every
+    worker went back to the average before round `lost_round`, which was trained again."""
 
     rank: int
     reason: WorkerError  # the failure, with its traceback

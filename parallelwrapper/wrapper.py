@@ -223,7 +223,7 @@ class ParallelWrapper:
 
     def _start_host(self) -> Host:
         """The host the placement calls for, with the features it asks (and replacement's side of a pool)."""
-        return start_host(self.config, self._job, self.placement, self._feature, replacement.replacer(self.config))
+        return start_host(self.config, self._job, self.placement, self._feature, replacement.replacer(self.config), replacement.survivor(self.config))
 
     def _auto_resume(self) -> str | None:
         """Under torchrun, a group that torchrun restarted (--max-restarts) resumes its first fit() from

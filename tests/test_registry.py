@@ -26,7 +26,7 @@ OPTIONS = list(declared(Config))
 OPTIONS_MD = Path(__file__).resolve().parents[1] / "docs" / "guides" / "options.md"
 # What a setter that takes more than its option needs first, to be called at all.
 BATCHES = [(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))]
-FIRST_ARGUMENTS: dict[str, tuple[Any, ...]] = {"average_updaters": (), "checkpoint": ("ckpt",), "on_worker_failure": ("replace",), "validation": (BATCHES,)}
+FIRST_ARGUMENTS: dict[str, tuple[Any, ...]] = {"average_updaters": (), "checkpoint": ("ckpt",), "on_worker_failure": ("replace",), "validation": (BATCHES,), "fleet": ("tcp://127.0.0.1:29400",)}
 
 
 def builder() -> Any:
@@ -58,8 +58,8 @@ def test_a_setter_given_the_example_builds_a_config_holding_it(d: Any) -> None:
         b = b.workers(2)
     got = b._options[d.name]
     assert got == example, (d.name, got)
-    if d.name not in ("hierarchy", "training_mode", "validation_every", "on_worker_failure", "max_replacements", "devices", "fragments"):
-        with b.build() as w:  # the rest need torchrun, spawned workers, two devices or another option: their values are checked above
+    if d.name not in ("hierarchy", "training_mode", "validation_every", "on_worker_failure", "max_replacements", "devices", "fragments", "fleet", "fleet_processes"):
+        with b.build() as w:  # the rest need torchrun, spawned workers, two devices, a fleet's store or another option: their values are checked above
             assert getattr(w.config, d.name) == example
 
 

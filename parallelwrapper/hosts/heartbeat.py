@@ -16,6 +16,7 @@ its peers stop watching it.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import threading
@@ -31,9 +32,11 @@ class Heartbeat:
     """This rank's beat and watch in the store at `host:port`, under `prefix` (this group's keys).
 
     Two daemon threads: one beats and reads the peers' counts; the other judges, since a store
-    call on a cut link can block for ever whatever the client's timeout."""
+    call on a cut link can block for ever whatever the client's timeout. Where the process is not
+    to end (`exits` False: a fleet's member, whose peers go on without a lost one), there is no
+    judge: its host asks how long each peer has been silent (`silent`) and forgets the lost."""
 
-    def __init__(self, host: str, port: int, prefix: str, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, prefix: str, rank: int, world: int, timeout_s: float, *, exits: bool = True) -> None:
         self._where, self._prefix, self._rank, self._timeout_s = (host, port), prefix, rank, timeout_s
         self._interval = min(timeout_s / 6, _MOST_S)
         self._stop = threading.Event()
@@ -41,7 +44,26 @@ class Heartbeat:
         self._heard = {r: (-1, self._answered) for r in range(world) if r != rank}  # peer: (its last count, when it changed)
         self._beat = threading.Thread(target=self._beats, name="parallelwrapper-heartbeat", daemon=True)
         self._beat.start()
-        threading.Thread(target=self._watch, name="parallelwrapper-peer-watch", daemon=True).start()
+        if exits:
+            threading.Thread(target=self._watch, name="parallelwrapper-peer-watch", daemon=True).start()
+
+    def silent(self, rank: int) -> float:
+        """Seconds since peer `rank`'s count last moved (or the store last answered, if that is
+        longer ago: a store that does not answer says nothing of the peers); for one that left
+        (it finished its fits) or was forgotten, for ever."""
+        heard = self._heard.get(rank)
+        now = time.monotonic()
+        return math.inf if heard is None else max(now - heard[1], now - self._answered)
+
+    def watch(self, ranks: tuple[int, ...]) -> None:
+        """Watch `ranks` (a fleet's group as it is now) and no other: the lost go, those that
+        joined come, silent from now until their first beat."""
+        now = time.monotonic()
+        for r in set(self._heard) - set(ranks):
+            self._heard.pop(r, None)
+        for r in ranks:
+            if r != self._rank and r not in self._heard:
+                self._heard[r] = (-1, now)
 
     def close(self) -> None:
         """Say this rank leaves (its peers stop watching it) and end the threads."""
@@ -55,22 +77,27 @@ class Heartbeat:
         # Its own client: the main thread's may be blocked in a call of its own.
         timeout = datetime.timedelta(seconds=self._timeout_s)
         store: TCPStore | None = None
+        known: set[int] = set()  # the peers whose key this client has made sure of
         while True:
             try:
                 if store is None:
                     store = TCPStore(*self._where, is_master=False, timeout=timeout)
-                    for r in self._heard:
-                        store.add(self._key(r), 0)  # a peer yet to beat reads as silent, not as a store that hangs
                 if self._stop.is_set():
                     store.add(self._key(self._rank), _LEFT)
                     return
                 store.add(self._key(self._rank), 1)
-                peers = list(self._heard)
+                peers = list(self._heard)  # a copy: `watch` may change them meanwhile
+                for r in set(peers) - known:
+                    store.add(self._key(r), 0)  # a peer yet to beat reads as silent, not as a store that hangs
+                    known.add(r)
                 # One round trip for every peer's count: the store's load grows with the ranks, not their square.
                 for r, count in zip(peers, map(int, store.multi_get([self._key(r) for r in peers]) if peers else [])):
+                    heard = self._heard.get(r)
+                    if heard is None:
+                        continue  # no longer watched
                     if count >= _LEFT:
-                        del self._heard[r]  # it finished: no longer a peer to watch
-                    elif count != self._heard[r][0]:
+                        self._heard.pop(r, None)  # it finished: no longer a peer to watch
+                    elif count != heard[0]:
                         self._heard[r] = (count, time.monotonic())
                 self._answered = time.monotonic()
             except RuntimeError:  # DistStoreError, a refused connection: the watch judges by `_answered`

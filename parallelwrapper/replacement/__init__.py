@@ -1,4 +1,4 @@
-"""Worker replacement (`.on_worker_failure("replace")`): a lost spawned worker replaced by a fresh process, its round redone.
+"""Worker replacement (`.on_worker_failure("replace")`): a lost spawned worker replaced by a fresh process, or a fleet's survivors going on, its round redone.
 
 Two things are kept that the round protocol needs nowhere else, so that a round can be lost and
 redone: the state each round starts from, a copy in every worker (keeper.py), and what was fed
@@ -19,12 +19,19 @@ as keeper.py's `Replaceable`, which they implement:
   and `survivor`: the worker's side (a keeper), which the round loop tells where each round
   starts (hooks.RoundObserver) and its process asks at a fit's edges and at a loss
   (hosts/process.py's Failover and Survivor protocols).
+
+A fleet's member (hosts/fleet.py) asks it one thing, what `survivor(config)` makes: its part that
+outlives a loss (fleet.py), which enrolls it, keeps each round's starting state as the keeper
+does (keeper.Keep, which both share, as they share the regroup's forming and the choice of the
+newest kept round) and forms the group anew after a loss or to take in a newcomer, with no main
+process: the survivors agree in the fleet's store.
 """
 
 from __future__ import annotations
 
 from ..config import Config
 from ..feature import Feature, Over
+from .fleet import Survivor
 from .replacer import Replacer
 
 
@@ -32,17 +39,19 @@ class Replaces(Over):
     """Replacement as a feature: what a lost spawned worker means (a fresh process in its place),
     told once under a host where it cannot act."""
 
-    def __init__(self, workers: int, rest: Feature) -> None:
+    def __init__(self, workers: int, fleet: bool, rest: Feature) -> None:
         super().__init__(rest)
-        self.workers = workers
+        self.workers, self.fleet = workers, fleet
 
     @property
     def redoes(self) -> bool:
         return True  # wherever the option is set, as the exchange always had it
 
     def notes(self, torchrun: bool) -> tuple[str, ...]:
-        if torchrun:
-            here: tuple[str, ...] = (
+        if torchrun and self.fleet:
+            here: tuple[str, ...] = ()  # the survivors of a fleet go on (fleet.py)
+        elif torchrun:
+            here = (
                 'under torchrun, on_worker_failure("replace") is ignored: torchrun restarts the group '
                 "(--max-restarts) and with .checkpoint(dir) it resumes from the last checkpoint",
             )
@@ -55,7 +64,7 @@ class Replaces(Over):
 
 def of(config: Config, rest: Feature) -> Feature:
     """Replacement over `rest`, when `config` replaces a lost worker."""
-    return Replaces(config.workers, rest) if config.on_worker_failure == "replace" else rest
+    return Replaces(config.workers, config.fleet is not None, rest) if config.on_worker_failure == "replace" else rest
 
 
 def replacer(config: Config) -> type[Replacer] | None:
@@ -64,4 +73,10 @@ def replacer(config: Config) -> type[Replacer] | None:
     return Replacer if config.on_worker_failure == "replace" else None
 
 
-__all__ = ["Replaces", "of", "replacer"]
+def survivor(config: Config) -> type[Survivor] | None:
+    """What makes a fleet member's part that outlives a loss (Survivor, called with the member's
+    own parts: hosts/fleet.py), or None when `config` does not go on without a lost member."""
+    return Survivor if config.on_worker_failure == "replace" else None
+
+
+__all__ = ["Replaces", "of", "replacer", "survivor"]

@@ -82,14 +82,15 @@ class WorkerSide:
         return Keeper(worker, source, self.ledgers[rank], rank, results, lambda generation: join(store, generation, self.members, self.timeout, into))
 
 
-class Keeper:
-    """A replaceable worker's side: records its takes, keeps each round's starting state, parks
-    after a failure and regroups. Its host makes it the round loop's observer."""
+class Keep:
+    """The state each round starts from, kept in every replica (any survivor's copy will do), and
+    a regroup's redo from one: what a lost round goes back to under every host that redoes one
+    (a spawned worker's Keeper, a fleet's member). Its host makes it the round loop's observer."""
 
     wants_averages = True  # an overlapped landing's average is what a round started from
+    worker: Replaceable  # set by the subclass; a fleet's member swaps in the worker it builds for each new group
 
-    def __init__(self, worker: Replaceable, source: QueueSource, ledger: Ledger, rank: int, results: Queue[Message], join: Callable[[int], None]) -> None:
-        self.worker, self.source, self.ledger, self.rank, self._results, self._join = worker, source, ledger, rank, results, join
+    def __init__(self) -> None:
         self.kept: Kept | None = None  # the state a redo of the oldest round not landed starts from
         self._begun: tuple[StateDict | None, StateDict] | None = None  # at the last round's start: its schedule and RNG
         self._average: TrainingState | None = None  # held at an overlapped landing (`average_landed`)
@@ -98,15 +99,14 @@ class Keeper:
     # -- the round loop's events (hooks.RoundObserver) --------------------------------------------
 
     def held_for(self, tag: int) -> None:
-        self.ledger.retag_last(tag)
+        """Nothing to record: the Keeper records its takes."""
 
     def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
-        """Round `tag` starts, rounds up to `landed` have landed: the slots of their batches go
-        back to the feeder, and this worker keeps what a redo of round `landed + 1` starts from.
-        When that is this round, the worker holds the last average; with the previous round in
-        flight, the average was held when round `landed` landed (or the kept state is still the
-        one it started from), with the schedule and RNG of round `landed + 1`'s start."""
-        self.source.release(self.ledger.cut(tag, epoch, finished, landed))
+        """Round `tag` starts, rounds up to `landed` have landed: this worker keeps what a redo
+        of round `landed + 1` starts from. When that is this round, the worker holds the last
+        average; with the previous round in flight, the average was held when round `landed`
+        landed (or the kept state is still the one it started from), with the schedule and RNG
+        of round `landed + 1`'s start."""
         r, rounds = self.worker.replica, self.worker.rounds
         # The kept state a new one replaces goes first: two at once are twice the model and its
         # optimizer's state, for a moment at every round.
@@ -125,7 +125,61 @@ class Keeper:
         """The replica holds a landed average, for this call only (overlap_averaging)."""
         self._average = self.worker.replica.state_dicts()
 
-    # -- its process's calls -----------------------------------------------------------------------
+    # -- its host's calls --------------------------------------------------------------------------
+
+    @property
+    def round(self) -> tuple[int, Counters] | None:
+        """(round, counters) of the round kept, which a redo starts from; None before any."""
+        return None if self.kept is None else (self.kept.seq, self.kept.counters)
+
+    def started(self) -> None:
+        """The fit has loaded its state: a regroup's round is kept again, so that a loss before
+        the round's start redoes it, not an older one whose batches have landed."""
+        if self._redo is not None:
+            self.kept, self._redo = self._redo, None
+
+    def receive(self, source: int) -> Kept:
+        """In a new process group that this worker has joined: the kept state of its process
+        `source`, by broadcast (a failure here is one more loss)."""
+        box = [self.kept if dist.get_rank() == source else None]
+        dist.broadcast_object_list(box, src=source)
+        assert box[0] is not None, "the source of a regroup kept a round"
+        return box[0]
+
+    def redo(self, kept: Kept, until_epoch: int, start: float) -> FitCommand:
+        """The fit that redoes the round `kept` (`receive`'s) began, until `until_epoch`, in the
+        fit begun at `start`. What this worker kept goes: the fit loads a state of its own."""
+        mine, self.kept = self.kept, None
+        # A survivor that kept the same round goes back to its RNG from then; one whose last round
+        # landed for the others only (the failure cut its collective) has the RNG it would have.
+        if mine is not None and mine.seq == kept.seq:
+            self.worker.load_own_state(mine.own)
+        self.worker.rounds.regrouped(kept.own)  # the policy's choices, the same on every worker (a fresh one has none)
+        self.worker.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
+        redo = FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None, start)
+        # What this worker keeps while it redoes the round, until the round's start keeps it anew:
+        # a loss before then goes back to this round, its own RNG with it (not the source's).
+        self._redo = dataclasses.replace(kept, own=self.worker.own_state())
+        return redo
+
+
+class Keeper(Keep):
+    """A replaceable spawned worker's side: records its takes, keeps each round's starting state
+    (Keep), parks after a failure and regroups at the main process's word. Its host makes it the
+    round loop's observer."""
+
+    def __init__(self, worker: Replaceable, source: QueueSource, ledger: Ledger, rank: int, results: Queue[Message], join: Callable[[int], None]) -> None:
+        super().__init__()
+        self.worker, self.source, self.ledger, self.rank, self._results, self._join = worker, source, ledger, rank, results, join
+
+    def held_for(self, tag: int) -> None:
+        self.ledger.retag_last(tag)
+
+    def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
+        """Round `tag` starts, rounds up to `landed` have landed: the slots of their batches go
+        back to the feeder, and this worker keeps what a redo of round `landed + 1` starts from."""
+        self.source.release(self.ledger.cut(tag, epoch, finished, landed))
+        super().round_starts(tag, epoch, finished, landed)
 
     def fit_of(self, command: object) -> FitCommand:
         """The fit that `command` stands for: a fit as it is; a Regroup's, the redo of its source's
@@ -135,21 +189,14 @@ class Keeper:
         self.kept = None
         return fit
 
-    def started(self) -> None:
-        """The fit has loaded its state: a regroup's round is kept again, so that a loss before
-        the round's start redoes it, not an older one whose batches have landed."""
-        if self._redo is not None:
-            self.kept, self._redo = self._redo, None
-
     def lost(self, error: WorkerError) -> None:
         """Report the failure, leave the process group (every peer's collective ends) and say
         which round's state this worker kept."""
         self._results.put(("error", self.rank, error))
         if dist.is_initialized():
             dist.destroy_process_group()
-        kept = self.kept
         # With its pid: a message read late, from a process put down since, is told from its successor's.
-        self._results.put(("parked", self.rank, (os.getpid(), None if kept is None else (kept.seq, kept.counters))))
+        self._results.put(("parked", self.rank, (os.getpid(), self.round)))
 
     def fit_ended(self) -> None:
         """Every round of the fit landed: free what is still held (a batch taken ahead before an
@@ -172,8 +219,7 @@ class Keeper:
         try:
             if not dist.is_initialized():
                 self._join(command.generation)
-            box = [self.kept if self.rank == command.source else None]
-            dist.broadcast_object_list(box, src=command.source)
+            kept = self.receive(command.source)
         except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout, a group given up: one more loss
             failed = self.worker.failure(e)  # its summary and traceback
             raise WorkerError(
@@ -182,20 +228,7 @@ class Keeper:
                 "another worker was lost as the group formed, and the main process starts the regroup again without it",
                 failed.details,
             ) from None
-        kept = box[0]
-        assert kept is not None, "the source of a regroup kept a round"
-        mine = self.kept
-        # A survivor that kept the same round goes back to its RNG from then; one whose last round
-        # landed for the others only (the failure cut its collective) has the RNG it would have.
-        if mine is not None and mine.seq == kept.seq:
-            self.worker.load_own_state(mine.own)
-        self.worker.rounds.regrouped(kept.own)  # the policy's choices, the same on every worker (a fresh one has none)
-        self.worker.rounds.seq = kept.seq - 1  # the redone round starts as `kept.seq` again
-        redo = FitCommand(command.until_epoch, dataclasses.replace(kept.counters), kept.state, None, command.start)
-        # What this worker keeps while it redoes the round, until the round's start keeps it anew:
-        # a loss before then parks it with this round, its own RNG with it (not the source's).
-        self._redo = dataclasses.replace(kept, own=self.worker.own_state())
-        return redo
+        return self.redo(kept, command.until_epoch, command.start)
 
 
-__all__ = ["Keeper", "Kept", "Replaceable", "WorkerSide"]
+__all__ = ["Keep", "Keeper", "Kept", "Replaceable", "WorkerSide"]

@@ -43,12 +43,18 @@ def join(store: Store, generation: int, members: int, timeout: datetime.timedelt
     in it), after which the collectives get `timeout` again."""
     prefixed = PrefixStore(f"generation-{generation}", store)
     assemble(prefixed, members, generation)
+    form(prefixed, timeout, into)
+
+
+def form(store: Store, timeout: datetime.timedelta, into: Join) -> None:
+    """Join a generation's process group by `into` over `store` (its prefix), for FORM_S at most
+    (a member lost in it), after which the collectives get `timeout` again."""
     # torch names the default group by its count of groups made, and a join that failed half-way
     # (a member lost as gloo connected) left that count one up with no group made: this member
     # would wait under another name than a fresh process's until the timeout. It holds no group
     # here (a member joins only after it left the last one), so the count starts again at 0.
     distributed_c10d._world.group_count = 0
-    into(prefixed, min(timeout, datetime.timedelta(seconds=FORM_S)))
+    into(store, min(timeout, datetime.timedelta(seconds=FORM_S)))
     _set_pg_timeout(timeout)
 
 
@@ -76,4 +82,4 @@ def _say(store: Store, word: str) -> None:
         store.set("formed", word)
 
 
-__all__ = ["FORM_S", "Join", "Regroup", "abandon", "assemble", "join"]
+__all__ = ["FORM_S", "Join", "Regroup", "abandon", "assemble", "form", "join"]

@@ -1,0 +1,195 @@
+"""A fleet's process: one of processes launched apart that form their group in a shared store, go on without a lost one and take in one that comes.
+
+`.fleet("tcp://HOST:PORT/NAME", processes=N).on_worker_failure("replace")`: each machine runs its
+own torchrun (or python), and no process of the job hosts the store, so no machine is one the
+others cannot lose (docs/guides/many-machines.md). torchrun's agent restarts every worker of its
+job when the job's membership changes; a fleet's jobs are one per machine, so a machine lost is
+no change to the others' agents, and the fleet's group is the library's own. This host:
+- enters the fleet by its member's part that outlives a loss (the replacement feature's survivor,
+  which the wrapper hands it): generation 0 of the first N, or a later one that takes it in;
+- beats in the store and hears its peers' beats (heartbeat.py), which says who is silent;
+- claims its batches first-come from the store (feed/claims.py), so that a round's are anyone's;
+- answers a peer lost in a collective, and a process that comes to join, by the survivor's new
+  group (`regroup`, `grow`), for which it rebuilds its worker (`_build`), and redoes the round.
+A newcomer's first fit() joins the fit in progress with the state of a peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+import signal
+from collections.abc import Callable
+from typing import Protocol
+
+import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+
+from .. import feed
+from ..config import Config, fleet_address
+from ..env import Placement, claim_device, collective_timeout
+from ..errors import GroupChanges, WorkerError
+from ..feature import Feature, Plain
+from ..feed.claims import StoreCounter, claimed
+from ..feed.data import Batches
+from ..hooks import RoundObserver
+from ..job import Job
+from ..messages import FitCommand
+from ..types import Replacement, Reporter, TrainingState
+from .heartbeat import Heartbeat
+from .runtime import SignalHooks, Worker, stop_on_signals
+from .torchrun import _from_rank_0
+
+# gloo's words for a peer gone: its sockets closed or refused, or silent past the collective's timeout.
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Timed out waiting|Connection refused")
+_ENTER_S = 600.0  # how long a process waits to enter the fleet: for every machine's first processes, or to be taken in
+
+# How a member joins a generation's process group: over this store, with this timeout, as this rank of this size.
+Join = Callable[[Store, datetime.timedelta, int, int], None]
+
+
+class Survival(RoundObserver, Protocol):
+    """A fleet member's part that outlives a loss (replacement/fleet.py's Survivor), as this host
+    asks it: the round loop tells it where each round starts (it keeps that state)."""
+
+    me: int  # its member id, for life
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the group as it is now."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """The group's generation as it is now: 0, then one more at each change."""
+        ...
+
+    @property
+    def newcomer(self) -> bool:
+        """Whether it joined a running fleet and its first fit has yet to take the fleet's state."""
+        ...
+
+    def enter(self, processes: int, silent: Callable[[int], float], watch: Callable[[tuple[int, ...]], None], wait_s: float) -> tuple[int, int]:
+        """(rank, size) of the group it enters, which `processes` form first."""
+        ...
+
+    def attach(self, worker: Worker) -> None:
+        """Its worker, built for its group."""
+
+    def leave(self) -> None:
+        """It leaves the fleet."""
+
+    def started(self) -> None:
+        """The fit has loaded its state."""
+
+    def welcome(self, until_epoch: int, start: float) -> FitCommand:
+        """A newcomer's first fit: the one that redoes the fleet's round with it."""
+        ...
+
+    def grow(self, until_epoch: int, start: float) -> FitCommand:
+        """After GroupChanges: the fit that redoes the round with the newcomers."""
+        ...
+
+    def regroup(self, error: WorkerError, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
+        """After `error`: the fit that redoes the lost round in the group of the survivors, and
+        what the caller is told of each member lost."""
+        ...
+
+
+# What makes a member's Survival (replacement.survivor(config)): from the fleet's store, the seconds
+# after which a silent peer is gone, the collectives' timeout, how it joins a group and how it
+# rebuilds its worker for a group's (rank, size).
+Surviving = Callable[[Store, float, datetime.timedelta, Join, Callable[[int, int], Worker]], Survival]
+
+
+def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> tuple[TCPStore, Store]:
+    """The store at `address` (tcp://HOST:PORT[/NAME]), given `answer_s` to answer: a client of it
+    whose calls wait up to `timeout`, and the fleet's keys in it."""
+    host, port, name = fleet_address(address)
+    try:
+        client = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=answer_s))
+    except RuntimeError:
+        raise RuntimeError(
+            f"the fleet's store at {host}:{port} did not answer in {answer_s:g} s (peer_timeout): start it first, or "
+            "fix .fleet(store) (docs/guides/many-machines.md)"
+        ) from None
+    client.set_timeout(timeout)
+    return client, PrefixStore(name, client)
+
+
+class FleetWorker:
+    """The host interface (`fit`, `close`, `kill`) for this process as a member of a fleet."""
+
+    def __init__(self, config: Config, job: Job, placement: Placement, feature: Feature | None, surviving: Surviving) -> None:
+        """`feature`: the config's (features.of; None: Plain); `surviving`: what makes this
+        member's part that outlives a loss (config.refuse holds a fleet to on_worker_failure("replace"))."""
+        env = placement.torchrun
+        assert env is not None and config.fleet is not None, "FleetWorker outside a fleet"
+        self._config, self._job, self._feature, self._placement, self._local = config, job, feature or Plain(), placement, env.local_rank
+        claim_device(placement, env.local_rank, config.deterministic)
+        timeout = collective_timeout(config)
+        client, self._store = connect(config.fleet, config.peer_timeout, timeout)
+        self._hooks = SignalHooks()
+        self._survival = surviving(self._store, config.peer_timeout, timeout, self._join, self._build)
+        self.me = self._survival.me
+        beats = f"{fleet_address(config.fleet)[2]}/heartbeat"
+        self._heartbeat = Heartbeat(client.host, client.port, beats, self.me, 0, config.peer_timeout, exits=False)
+        rank, size = self._survival.enter(config.fleet_processes, self._heartbeat.silent, self._heartbeat.watch, _ENTER_S)
+        self._survival.attach(self._build(rank, size))
+        self._hooks.observer = self._survival
+        self._started = False
+
+    def _join(self, store: Store, timeout: datetime.timedelta, rank: int, size: int) -> None:
+        dist.init_process_group(self._placement.backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+    def _build(self, rank: int, size: int) -> Worker:
+        """This member's worker as rank `rank` of a group of `size`, from now on."""
+        env = self._placement.torchrun
+        assert env is not None
+        placement = dataclasses.replace(self._placement, world_size=size, torchrun=dataclasses.replace(env, rank=rank, world_size=size))
+        self._worker = Worker(self._job, self._config, placement, rank, self._local, hooks=self._hooks, feature=self._feature)
+        return self._worker
+
+    def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
+        """Train this member's claims of `data`; return the final state, the same on every member."""
+        survival, until_epoch, start = self._survival, command.until_epoch, command.start
+        if survival.newcomer:
+            command = dataclasses.replace(survival.welcome(until_epoch, start), order=command.order)
+        elif not self._started:
+            command = dataclasses.replace(command, state=_from_rank_0(command.state))
+        self._started = True
+        with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM), on_report) as report:
+            while True:
+                worker, counters = self._worker, command.counters
+                claims = None
+                if claimed(self._config, self._feature.alone):  # from where the fit (or the round it redoes) starts, in this group
+                    claims = StoreCounter(self._store, f"claims/generation-{survival.generation}/{counters.epoch}-{counters.position}")
+                source = feed.source(data, survival.rank, dist.get_world_size(), counters, until_epoch, claims, command.order)
+                try:
+                    worker.start(command)
+                    survival.started()
+                    del command  # loaded: the copy of the state goes now
+                    worker.train(until_epoch, source, report)
+                    break
+                except GroupChanges:
+                    command = survival.grow(until_epoch, start)  # this host's worker rebuilt for the new group (_build)
+                except WorkerError as e:
+                    if not _PEER_GONE.search(e.summary):
+                        raise
+                    command, told = survival.regroup(e, until_epoch, start)
+                    for replacement in told:
+                        report(replacement)
+        return self._worker.replica.whole_state()
+
+    def close(self) -> None:
+        """Leave the fleet: the peers stop watching this member, and the group goes."""
+        self._survival.leave()
+        self._heartbeat.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    kill = close
+
+
+__all__ = ["FleetWorker", "Join", "Surviving", "connect"]

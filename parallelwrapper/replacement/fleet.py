@@ -1,0 +1,267 @@
+"""A fleet's members: they enroll and form their group in the shared store, agree on the next after a loss with no leader, take in a process that joins, and redo the round from a kept state.
+
+A fleet (`.fleet(store, processes=N)` with `.on_worker_failure("replace")`) is processes launched
+apart, a torchrun on each machine, whose group forms in a store that none of them hosts
+(hosts/fleet.py; docs/guides/many-machines.md). Each enrolls once (`Survivor`: a number from the
+store's counter, its member id for life); generation 0 is the first N, ranked by id. Every member
+keeps the state each round starts from (keeper.Keep), and a group forms anew, generation g + 1,
+in two cases:
+- **A loss.** A peer lost in a collective: every survivor leaves the group and comes to
+  generation g + 1 (`regroup`), saying there which round it kept. It waits until every member
+  of generation g has come or been silent for `gone_s` (its host's heartbeat says how long each
+  has been): a survivor in its local steps comes at its next collective, a dead one never does.
+  The first to see the count closed writes the members (the store's `add` says who, as
+  regroup._say does: what every c10d store has), and every member reads that list, so all agree
+  on it and on the source of the redo, the member that kept the newest round (replacer.newest).
+- **A join.** A process that enrolls after the first N says so in the store and waits. At each
+  round's start the members agree on the count of those waiting (the first of them to start the
+  round reads it for all); when it has grown, they leave the group before training the round
+  (errors.GroupChanges) and form generation g + 1 with the newcomers after them (`grow`), and
+  rank 0 writes its members, which the newcomers wait for.
+Then the members form the group (regroup.form), rebuild their workers for its size, receive the
+source's kept state (a newcomer's state, from a peer, not from the disk) and redo its round, its
+batches claimed again from where it started (feed/claims.py), so each counts once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
+
+from ..errors import GroupChanges, WorkerError
+from ..messages import FitCommand
+from ..types import Counters, Replacement
+from .keeper import Keep, Replaceable
+from .regroup import form
+from .replacer import newest
+
+_POLL_S = 0.02  # how often a member waiting in the store looks again
+
+# How a member joins generation g's process group: over this store, with this timeout, as this rank of this size.
+Join = Callable[[Store, datetime.timedelta, int, int], None]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Generation `generation` of the fleet's group: its members' ids, rank r is members[r]."""
+
+    generation: int
+    members: tuple[int, ...]
+
+    def rank(self, member: int) -> int:
+        return self.members.index(member)
+
+
+class Survivor(Keep):
+    """A fleet member's part that outlives a loss: its enrolment and group, the state each round
+    starts from (Keep), and the group formed anew after a loss or to take in a newcomer."""
+
+    def __init__(self, store: Store, gone_s: float, timeout: datetime.timedelta, join: Join, rebuild: Callable[[int, int], Replaceable]) -> None:
+        """Enroll in `store` (the fleet's keys). A peer silent for `gone_s` is gone; `timeout`: the
+        collectives'; `join`: how this member joins a group; `rebuild(rank, size)`: its worker
+        anew, for a group of `size` (its host's). `enter` says which group it is in."""
+        super().__init__()
+        self.store, self.me = store, int(store.add("enrolled", 1)) - 1
+        self.group = Group(0, ())
+        self._gone_s, self._timeout, self._join, self._rebuild = gone_s, timeout, join, rebuild
+        self._silent: Callable[[int], float] = lambda member: 0.0
+        self._watch: Callable[[tuple[int, ...]], None] = lambda members: None
+        self._admitted = 0  # newcomers taken in so far, the same on every member
+        self._joining = 0  # those waiting, as the members agreed at the round's start
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank(self.me)
+
+    @property
+    def generation(self) -> int:
+        return self.group.generation
+
+    @property
+    def newcomer(self) -> bool:
+        """Whether this member joined a running fleet and has yet to take its state: its first fit
+        joins the one in progress (`welcome`)."""
+        return self._welcomed is False
+
+    def enter(self, processes: int, silent: Callable[[int], float], watch: Callable[[tuple[int, ...]], None], wait_s: float) -> tuple[int, int]:
+        """(rank, size) of the group this member enters: generation 0 once the first `processes`
+        have enrolled, or, enrolled after them, the generation that takes it in; `wait_s` at most.
+        `silent(member)`: seconds since a peer's last heartbeat; `watch(members)`: the peers to watch."""
+        self._silent, self._watch = silent, watch
+        deadline = time.monotonic() + wait_s
+        if self.me < processes:
+            while (enrolled := int(self.store.add("enrolled", 0))) < processes:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"member {self.me} waited {wait_s:g} s for the fleet's {processes} processes and {enrolled} enrolled: "
+                        "is every machine's torchrun started, with the same .fleet(store, processes=...)?"
+                    )
+                time.sleep(_POLL_S)
+            self.group = Group(0, tuple(range(processes)))
+        else:
+            self.store.set(f"joiner/{int(self.store.add('joining', 1)) - 1}", str(self.me))
+            while self.me not in (group := self._latest(processes)).members:
+                if int(self.store.add(f"generation-{group.generation}/left", 0)) >= len(group.members):
+                    raise RuntimeError(f"member {self.me} came to a fleet whose every member has left (generation {group.generation}): it has finished")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"member {self.me} waited {wait_s:g} s to join the running fleet: is it still training?")
+                time.sleep(_POLL_S)
+            self.group, self._welcomed = group, False
+            self._admitted = int(self.store.get(f"generation-{group.generation}/admitted"))
+        self._watch(self.group.members)
+        self._enter_group()
+        return self.rank, len(self.group.members)
+
+    _welcomed: bool | None = None  # a newcomer: False until its first fit has taken the fleet's state
+
+    def leave(self) -> None:
+        """This member leaves the fleet (its host closes): a process that comes to join once every
+        member has left is told the fleet has finished."""
+        self.store.add(f"generation-{self.generation}/left", 1)
+
+    def attach(self, worker: Replaceable) -> None:
+        """This member's worker, built for its group."""
+        self.worker = worker
+
+    def welcome(self, until_epoch: int, start: float) -> FitCommand:
+        """A newcomer's first fit: the state of the round the fleet redoes with it, from rank 0."""
+        self._welcomed = True
+        return self.redo(self.receive(0), until_epoch, start)
+
+    # -- the round loop's events --------------------------------------------------------------------
+
+    def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
+        """Keep the round's starting state; then, with the other members, read the count of
+        processes waiting to join (the first to start the round reads it for all), and leave
+        the round untrained when it has grown (GroupChanges, which its host answers: `grow`)."""
+        super().round_starts(tag, epoch, finished, landed)
+        key = f"generation-{self.generation}/round-{tag}"
+        if self.store.add(key, 1) == 1:
+            self.store.set(f"{key}/joining", str(int(self.store.add("joining", 0))))
+        else:
+            self.store.wait([f"{key}/joining"])
+        self._joining = int(self.store.get(f"{key}/joining"))
+        if self._joining > self._admitted:
+            raise GroupChanges(f"{self._joining - self._admitted} process(es) join the fleet at round {tag}")
+
+    # -- its host's calls ---------------------------------------------------------------------------
+
+    def grow(self, until_epoch: int, start: float) -> FitCommand:
+        """Take in the processes waiting to join (after GroupChanges): generation g + 1 is this
+        group's members, then the newcomers by their order of coming; return the fit that
+        redoes the round every member kept, from rank 0's copy."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        old = self.group
+        newcomers = tuple(int(self.store.get(f"joiner/{k}")) for k in range(self._admitted, self._joining))
+        self.group, self._admitted = Group(old.generation + 1, old.members + newcomers), self._joining
+        if self.rank == 0:
+            self.store.set(f"generation-{self.generation}/admitted", str(self._admitted))
+            self._write(self.group)
+        self._watch(self.group.members)
+        _say(f"member {self.me}: member{'s' if len(newcomers) > 1 else ''} {', '.join(map(str, newcomers))} joined (generation "
+             f"{self.generation}): {len(self.group.members)} processes")  # fmt: skip
+        self._enter_group()
+        self.attach(self._rebuilt())
+        return self.redo(self.receive(0), until_epoch, start)
+
+    def regroup(self, error: WorkerError, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
+        """After `error` (a peer lost, seen in a collective): leave the group, agree on the next
+        with the other survivors, and return the fit that redoes the newest kept round, with what
+        the caller is told of each member lost (its rank in the group it left). A member lost as
+        the new group forms or before the state reached every one is one more loss: the
+        survivors regroup again."""
+        lost_at, first = time.monotonic(), self.group
+        while True:
+            if dist.is_initialized():
+                dist.destroy_process_group()  # every peer's collective ends at once
+            self.group, source, counters = self._agree(error)
+            self._watch(self.group.members)
+            self.attach(self._rebuilt())
+            try:
+                self._enter_group()
+                kept = self.receive(source)
+            except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: one more loss
+                failed = self.worker.failure(e)
+                error = WorkerError(self.rank, f"lost its peers while regrouping (fleet generation {self.generation}): {failed.summary}", failed.details)
+                continue
+            break
+        lost = [m for m in first.members if m not in self.group.members]
+        _say(f"member {self.me} goes on without member{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (rank "
+             f"{', '.join(str(first.rank(m)) for m in lost)} of generation {first.generation}): {len(self.group.members)} processes "
+             f"from round {counters.rounds + 1}, {time.monotonic() - lost_at:.1f} s after the loss")  # fmt: skip
+        seconds = time.monotonic() - start
+        told = [Replacement(first.rank(m), error, counters.rounds + 1, seconds, counters=counters) for m in lost]
+        return self.redo(kept, until_epoch, start), told
+
+    # -- the group -------------------------------------------------------------------------------------
+
+    def _enter_group(self) -> None:
+        """Join this generation's process group, as this member's rank of it."""
+        prefixed = PrefixStore(f"generation-{self.generation}/group", self.store)
+        form(prefixed, self._timeout, lambda store, timeout: self._join(store, timeout, self.rank, len(self.group.members)))
+
+    def _rebuilt(self) -> Replaceable:
+        """This member's worker rebuilt for the group as it is now, with its own state as it was."""
+        worker, own = self._rebuild(self.rank, len(self.group.members)), self.worker.own_state()
+        worker.load_own_state(own)
+        return worker
+
+    def _write(self, group: Group) -> None:
+        """Write `group`'s members in the store, and make it the latest generation."""
+        self.store.set(f"generation-{group.generation}/members", ",".join(map(str, group.members)))
+        self.store.set("latest", str(group.generation))
+
+    def _latest(self, processes: int) -> Group:
+        """The latest generation: the last written, or the first `processes` (generation 0)."""
+        return self._written(int(self.store.get("latest"))) if self.store.check(["latest"]) else Group(0, tuple(range(processes)))
+
+    def _written(self, generation: int) -> Group:
+        """Generation `generation` as its members were written in the store."""
+        return Group(generation, tuple(int(m) for m in self.store.get(f"generation-{generation}/members").decode().split(",")))
+
+    def _agree(self, error: WorkerError) -> tuple[Group, int, Counters]:
+        """Come to the generation after this group's with the round this member kept, and return
+        the new group once its members are agreed, the rank whose kept round every one redoes, and
+        that round's counters: every member that came, those silent for `gone_s` or still away
+        after the collective timeout left out."""
+        old, g = self.group, self.group.generation + 1
+        store = PrefixStore(f"generation-{g}", self.store)
+        kept = self.round
+        store.set(f"kept/{self.me}", json.dumps(None if kept is None else [kept[0], dataclasses.asdict(kept[1])]))
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while not store.check(["members"]):
+            away = [m for m in old.members if not store.check([f"kept/{m}"])]
+            if all(self._silent(m) >= self._gone_s for m in away) or time.monotonic() > deadline:
+                if store.add("said", 1) == 1:  # the first to see the count closed writes the list
+                    store.set("admitted", str(self._admitted))
+                    self._write(Group(g, tuple(m for m in old.members if m not in away)))
+                break
+            time.sleep(_POLL_S)
+        group = self._written(g)
+        if self.me not in group.members:
+            raise WorkerError(
+                old.rank(self.me),
+                f"the fleet went on without member {self.me} (generation {g} formed of members {list(group.members)}): it was "
+                f"silent for {self._gone_s:g} s or more while its peers regrouped (stopped, or its link cut); start it again",
+            )
+        said = {r: json.loads(store.get(f"kept/{m}")) for r, m in enumerate(group.members)}
+        rounds = {r: None if v is None else (int(v[0]), Counters(**v[1])) for r, v in said.items()}
+        source, _, counters = newest(rounds, [error])
+        return group, source, counters
+
+
+def _say(line: str) -> None:
+    """One line of the fleet's news, on stderr: who left and who joined."""
+    print(f"parallelwrapper: {line}", file=sys.stderr, flush=True)
+
+
+__all__ = ["Group", "Join", "Survivor"]

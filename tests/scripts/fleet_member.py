@@ -1,0 +1,73 @@
+"""One process of a fleet, for tests/test_fleet.py: `MACHINE=m fleet_member.py STORE PROCESSES OUT_DIR [LOSE]`,
+launched by a torchrun of its own on each emulated machine m; with COME_AFTER=PATH, it enters the
+fleet once that file exists (a machine that comes later).
+
+Every member trains the same small model on one list of batches, which they claim first-come,
+with a short sleep in every step so that a machine is lost mid-run. With LOSE = r, the process of
+rank r in the fleet's group SIGKILLs its torchrun agent and then itself at its 8th step, once:
+its machine lost at once.
+Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid and
+its agent's restart count to OUT_DIR/history{m}.json; each writes its pid to OUT_DIR/pid{m}.txt
+when it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallelwrapper import ParallelWrapper
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from tiny import make_batches, mlp
+
+BATCHES, EPOCHS, LOSS_STEP = 48, 2, 8
+MACHINE = int(os.environ.get("MACHINE", "-1"))  # -1: imported by the test
+
+
+class Step:
+    """The training step: a short sleep, and member `lose`'s machine lost at its LOSS_STEP-th step."""
+
+    def __init__(self, lose: int | None, out: Path) -> None:
+        self.lose, self.out, self.steps = lose, out, 0
+
+    def __call__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.steps += 1
+        if self.steps == LOSS_STEP and dist.get_rank() == self.lose and not (self.out / "lost.txt").exists():
+            (self.out / "lost.txt").write_text(repr(time.time()))
+            os.kill(os.getppid(), signal.SIGKILL)  # the agent: torchrun starts a script's worker as its child
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.02)
+        return nn.functional.cross_entropy(net(batch[0]), batch[1])
+
+
+def main(store: str, processes: int, out: Path, lose: int | None) -> None:
+    net, step = mlp(), Step(lose, out)
+    builder = (
+        ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9).averaging_frequency(2).seed(3)
+        .threads_per_worker(1).fleet(store, processes=processes).on_worker_failure("replace").peer_timeout(2.0)
+        .training_step(step)
+    )  # fmt: skip
+    (out / f"pid{MACHINE}.txt").write_text(str(os.getpid()))
+    while "COME_AFTER" in os.environ and not Path(os.environ["COME_AFTER"]).exists():  # a machine that comes later, its imports done
+        time.sleep(0.01)
+    with builder.build() as wrapper:
+        history = wrapper.fit(make_batches(BATCHES), epochs=EPOCHS)
+    torch.save(net.state_dict(), out / f"model{MACHINE}.pt")
+    (out / f"history{MACHINE}.json").write_text(json.dumps({
+        "pid": os.getpid(), "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "epochs": [[e.epoch, e.iteration, e.samples] for e in history.epochs],
+        "replacements": [[r.rank, r.lost_round] for r in history.replacements],
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)

@@ -1,0 +1,89 @@
+"""A fleet: processes launched apart, a torchrun on each emulated machine, form one group in a store
+that none of them hosts (this test's, standing in for etcd). The machine of rank 0 is lost at once
+(its agent and its process SIGKILLed): the survivors go on from the last average with no process
+restarted, a machine that comes later joins with a peer's state, every batch is trained once, and
+every replica ends bitwise equal. Its fast part: the store's address and the refusals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import TCPStore
+
+from parallelwrapper import ParallelWrapper
+from parallelwrapper.config import fleet_address
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from fleet_member import BATCHES, EPOCHS
+from test_torchrun import clean_env, free_port, torchrun
+
+SCRIPT = Path(__file__).parent / "scripts" / "fleet_member.py"
+TIMEOUT_S = 90
+
+
+@pytest.mark.fast
+def test_a_fleets_store_is_tcp_host_port_and_a_name() -> None:
+    assert fleet_address("tcp://10.0.0.1:29400/run-7") == ("10.0.0.1", 29400, "run-7")
+    assert fleet_address("tcp://store.local:29400") == ("store.local", 29400, "parallelwrapper")
+    for wrong in ("10.0.0.1:29400", "tcp://10.0.0.1", "tcp://:29400", "tcp://h:99999", "etcd://h:2379"):
+        with pytest.raises(ValueError, match="^fleet's store must be tcp://HOST:PORT"):
+            fleet_address(wrong)
+    with pytest.raises(ValueError, match=r"^fleet must be tcp://HOST:PORT\[/NAME\] \(or None\), got 'h:1'"):
+        ParallelWrapper.builder(nn.Linear(2, 2)).fleet("h:1", processes=2).build()
+
+
+@pytest.mark.fast
+def test_a_fleet_whose_store_does_not_answer_says_so() -> None:
+    port = free_port()
+    builder = ParallelWrapper.builder(nn.Linear(2, 2)).fleet(f"tcp://127.0.0.1:{port}", processes=2).on_worker_failure("replace").peer_timeout(0.5)
+    with builder.build() as wrapper, pytest.raises(RuntimeError, match=f"^the fleet's store at 127.0.0.1:{port} did not answer in 0.5 s"):
+        wrapper.fit([(torch.zeros(1, 2), torch.zeros(1, 2))])
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins_from_a_peer(tmp_path: Path) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"tcp://127.0.0.1:{store.port}/test"
+    logs = [tmp_path / f"agent{m}.log" for m in range(4)]
+
+    def machine(m: int, *extra: str, **env: str) -> subprocess.Popen[bytes]:
+        command = torchrun("--standalone", "--nproc-per-node", "1", "--max-restarts", "0", str(SCRIPT), address, "3", str(tmp_path), *extra)
+        with logs[m].open("w") as log:  # each its own session: the lost one's agent and process are killed as a machine
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**clean_env(), "MACHINE": str(m), **env}, start_new_session=True)
+
+    machines = [machine(m, "0") for m in range(3)] + [machine(3, COME_AFTER=str(tmp_path / "lost.txt"))]
+    try:
+        for p in machines:
+            p.wait(timeout=TIMEOUT_S)
+    finally:
+        for p in machines:
+            p.kill()
+    codes = [p.returncode for p in machines]
+    logs_text = [log.read_text() for log in logs]
+    assert sorted(codes) == [-signal.SIGKILL, 0, 0, 0], (codes, [t[-3000:] for t in logs_text])
+    lost = codes.index(-signal.SIGKILL)
+    survivors = [m for m in range(3) if m != lost]
+    for m in [*survivors, 3]:
+        history = json.loads((tmp_path / f"history{m}.json").read_text())
+        assert history["pid"] == int((tmp_path / f"pid{m}.txt").read_text()) and history["restarts"] == 0  # never restarted
+        assert history["epochs"][-1][1] == EPOCHS * BATCHES, history  # every batch of every epoch once in the average
+        if m != 3:
+            assert [r[0] for r in history["replacements"]] == [0], history  # rank 0 of the first group lost
+    for m in survivors:
+        said = [line for line in logs_text[m].splitlines() if line.startswith("parallelwrapper: member")]
+        assert len(said) == 2 and "goes on without member" in said[0] and "(rank 0 of generation 0): 2 processes from round" in said[0], said
+        assert said[1].endswith("joined (generation 2): 3 processes"), said
+        seconds = float(said[0].split(", ")[-1].split(" s after")[0])
+        print(f"lost to the survivors' regroup: {seconds} s")
+    models = [torch.load(tmp_path / f"model{m}.pt") for m in [*survivors, 3]]
+    assert all(torch.equal(t, models[0][k]) for m in models for k, t in m.items())  # the newcomer's replica too, bitwise
+    assert not (tmp_path / f"model{lost}.pt").exists()
+    lost_at = float((tmp_path / "lost.txt").read_text())
+    print(f"the run after the loss: {max(p.stat().st_mtime for p in tmp_path.glob('model*.pt')) - lost_at:.1f} s")
