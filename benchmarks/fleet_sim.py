@@ -55,6 +55,7 @@ from benchmarks.common import machine, table, write_results
 
 DESIGNS = ("survivors", "restart", "rollback")
 RESULTS = Path(__file__).parent / "results"
+FLEET_SOAK_K = 16  # benchmarks/fleet_soak_worker.py's k
 SAMPLED = 64  # workers whose steps are drawn for a round's mean; more cost time and move it by less than 0.1%
 
 
@@ -83,6 +84,8 @@ class Fleet:
     checkpoint_s: float = 1.0  # 800 MB written at 1 GB/s
     stall_s: float = 5.0
     hours: float = 2.0
+    join_s: float | None = None  # a machine that comes back, taken in; None: a regroup and the state's transfer
+    cores: float = 0.0  # 0: every worker computes on a machine of its own; else all share these cores (emulated machines)
 
     def exchange(self, n: int) -> float:
         return self.exchange_s + self.hop_s * max(0, 2 * (n - 2))
@@ -93,10 +96,12 @@ class Fleet:
     def compute(self, n: int, rng: random.Random) -> float:
         """A round's local work on `n` workers: the mean worker's k steps, and one step more
         (first-come batches: a round ends one step after the fleet's last batch is taken)."""
+        # On shared cores a step is as slow as the processes that share them: `step_s` is the whole fleet's.
+        step = self.step_s * (max(1.0, n / self.cores) / max(1.0, self.workers / self.cores) if self.cores else 1.0)
         if self.cv == 0:
-            return self.k * self.step_s  # every worker alike: no straggler
+            return self.k * step  # every worker alike: no straggler
         sigma = math.sqrt(math.log(1 + self.cv**2))
-        mu = math.log(self.step_s) - sigma**2 / 2
+        mu = math.log(step) - sigma**2 / 2
         m = min(n, SAMPLED)
         mean = sum(rng.lognormvariate(mu, sigma) for _ in range(m * self.k)) / m
         return mean + max(rng.lognormvariate(mu, sigma) for _ in range(m))
@@ -133,7 +138,7 @@ def simulate(fleet: Fleet, design: str, faults: bool = True, seed: int = 0, sche
                 t += fleet.restart_s
                 done, redone, since = done - since, redone + since, 0.0
             else:
-                t += fleet.regroup_s + fleet.transfer()
+                t += fleet.regroup_s + fleet.transfer() if fleet.join_s is None else fleet.join_s
         n = (machines - lost) * fleet.per_machine
         compute = fleet.compute(n, rng)
         length = compute + fleet.exchange(n)
@@ -204,7 +209,39 @@ def calibration() -> list[dict[str, Any]]:
                   every_s=soak["every_s"], back_s=back, stall_s=stall, regroup_s=0.0, hours=0.1)  # fmt: skip
     rows.append({"design": "rollback", "run": "torchft_soak.json", "predicted": kept(fleet, "rollback", seeds=5, schedule="fixed"), "measured": soak["kept"],
                  "parts": {"stall_s": stall, "back_s": back, "step_s": step, "k": soak["k"], "every_s": soak["every_s"]}})  # fmt: skip
+    rows += survivors_calibration()
     return rows
+
+
+def survivors_calibration() -> list[dict[str, Any]]:
+    """The survivors' design on benchmarks/fleet_soak.py's emulated machines, from the parts its
+    runs measured: the fault-free pace (a round's seconds, the exchange in it), each loss's
+    seconds to the survivors' regroup and each return's to its joining (their lines' times), and
+    the machines sharing the host's cores. None where the soak has not run."""
+    path = RESULTS / "fleet_soak.json"
+    if not path.exists():
+        return []
+    soak = json.loads(path.read_text())
+    runs = [r for r in soak["runs"] if r["design"] == "fleet"]
+    clean, faulted = next(r for r in runs if not r["faults"]), next(r for r in runs if r["faults"])
+    lines = [(e["at"], e["line"]) for e in faulted["events"]]
+    regroups = [float(line.split(", ")[-1].split(" s after")[0]) for _, line in lines if "goes on without" in line]
+    takes = [float(line.split(", ")[-1].split(" s to take")[0]) for _, line in lines if " s to take in" in line]
+    backs = []  # a lost machine's seconds from its loss until it was taken in
+    for f in faulted["faults"]:
+        joined = [at for at, line in lines if "joined" in line and at >= f.get("back_at", math.inf)]
+        if joined:
+            backs.append(joined[0] - f["at"])
+    machines = soak["settings"]["machines"]
+    fleet = Fleet(workers=machines, per_machine=1, step_s=clean["seconds"] / clean["rounds"] / FLEET_SOAK_K, cv=0.05, k=FLEET_SOAK_K,
+                  exchange_s=0.0, hop_s=0.0, detect_s=0.0, regroup_s=sum(regroups) / len(regroups), join_s=sum(takes) / max(1, len(takes)),
+                  back_s=sum(backs) / max(1, len(backs)), cores=soak["machine"]["cpus"], hours=clean["seconds"] / 3600)  # fmt: skip
+    at = [f["at"] for f in faulted["faults"]]
+    free = simulate(fleet, "survivors", faults=False)["steps_per_s"]
+    predicted = simulate(fleet, "survivors", at=at)["steps_per_s"] / free
+    return [{"design": "survivors", "run": "fleet_soak.json fleet", "predicted": predicted, "measured": clean["seconds"] / faulted["seconds"],
+             "parts": {"regroup_s": fleet.regroup_s, "join_s": fleet.join_s, "back_s": fleet.back_s, "step_s": fleet.step_s, "k": fleet.k,
+                       "cores": fleet.cores, "faults": len(at)}}]  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:

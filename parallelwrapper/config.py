@@ -52,15 +52,25 @@ FEEDS = ("auto", "queue")  # how spawned workers get a list of batches (feed/)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zbv")  # a pipeline's (pipeline/stage.py; "zbv": zero bubble, V)
 
 
-def fleet_address(address: str) -> tuple[str, int, str]:
-    """(host, port, name) of a fleet's store, tcp://HOST:PORT[/NAME] (name: "parallelwrapper" when
-    none is given), or a ValueError that says what is wrong."""
-    rest = address.removeprefix("tcp://") if isinstance(address, str) else ""
+def fleet_address(address: str) -> tuple[str, tuple[tuple[str, int], ...], str]:
+    """(scheme, its (host, port)s, name) of a fleet's store: tcp://HOST:PORT[/NAME], a TCPStore,
+    or etcd://HOST:PORT[,HOST:PORT...][/NAME], an etcd cluster's members (its v2 API); the name is
+    "parallelwrapper" when none is given. Else a ValueError that says what is wrong."""
+    scheme, _, rest = address.partition("://") if isinstance(address, str) else ("", "", "")
     where, _, name = rest.partition("/")
-    host, _, port = where.rpartition(":")
-    if not address.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"fleet's store must be tcp://HOST:PORT[/NAME], e.g. tcp://10.0.0.1:29400/run-7, got {address!r}")
-    return host, int(port), name or "parallelwrapper"
+    hosts: list[tuple[str, int]] = []
+    for part in where.split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            hosts = []
+            break
+        hosts.append((host, int(port)))
+    if scheme not in ("tcp", "etcd") or not hosts or (scheme == "tcp" and len(hosts) > 1):
+        raise ValueError(
+            f"fleet's store must be tcp://HOST:PORT[/NAME] or etcd://HOST:PORT[,HOST:PORT...][/NAME], e.g. "
+            f"etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/run-7, got {address!r}"
+        )
+    return scheme, tuple(hosts), name or "parallelwrapper"
 
 
 def fleet_address_problem(value: object) -> str | None:
@@ -68,7 +78,7 @@ def fleet_address_problem(value: object) -> str | None:
     try:
         fleet_address(value)  # type: ignore[arg-type]
     except (ValueError, TypeError, AttributeError):
-        return "tcp://HOST:PORT[/NAME] (or None)"
+        return "tcp://HOST:PORT[/NAME] or etcd://HOST:PORT[,HOST:PORT...][/NAME] (or None)"
     return None
 
 
@@ -234,7 +244,8 @@ class Config:
         True, "Under torchrun with checkpoints: a restarted group resumes from the last checkpoint.",
         boolean(), "auto_resume", example=False)
     fleet: str | None = option(
-        None, "A fleet: processes launched apart (a torchrun on each machine) form one group in this store (tcp://HOST:PORT[/NAME]); "
+        None, "A fleet: processes launched apart (a torchrun on each machine) form one group in this store (tcp://HOST:PORT[/NAME], "
+              "or etcd://HOST:PORT,...[/NAME]); "
               "with on_worker_failure('replace') the survivors of a lost machine go on from the last average.",
         ruled(fleet_address_problem, "tcp://10.0.0.1:29400", optional=True), "fleet", example="tcp://10.0.0.1:29400")
     fleet_processes: int = option(

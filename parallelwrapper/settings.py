@@ -324,8 +324,9 @@ class Settings:
 
     def fleet(self, store: str | None, *, processes: int = 1) -> Self:
         """Run as one process of a fleet: `processes` processes launched apart (a torchrun on each
-        machine, `--nproc-per-node` of them there) that form one group in `store`,
-        tcp://HOST:PORT[/NAME], a store none of them hosts. With `.on_worker_failure("replace")`
+        machine, `--nproc-per-node` of them there) that form one group in `store`, a store none
+        of them hosts: etcd://HOST:PORT,HOST:PORT,...[/NAME] (an etcd cluster, so that no one
+        machine's loss stops it) or tcp://HOST:PORT[/NAME] (a TCPStore). With `.on_worker_failure("replace")`
         the survivors of a lost process or machine go on without it from the last average, with
         no process restarted; the lost round's batches are claimed again. None: not a fleet.
         See docs/guides/many-machines.md."""

@@ -87,7 +87,7 @@ def test_the_heartbeat_names_a_silent_peer_and_lets_a_leaving_one_go(monkeypatch
     lost: list[tuple[int, tuple[int, ...], str]] = []
     monkeypatch.setattr(Heartbeat, "_lost", lambda self, ranks, why: lost.append((self._rank, tuple(ranks), why)))
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    beats = [Heartbeat("127.0.0.1", store.port, "test", rank, 3, 1.0) for rank in (0, 1)]
+    beats = [Heartbeat(lambda: TCPStore("127.0.0.1", store.port, is_master=False), f"127.0.0.1:{store.port}", "test", rank, 3, 1.0) for rank in (0, 1)]
     time.sleep(1.8)
     assert {(rank, ranks, why) for rank, ranks, why in lost} == {(0, (2,), "no heartbeat"), (1, (2,), "no heartbeat")}
     beats[1].close()

@@ -1,13 +1,15 @@
 """A fleet's process: one of processes launched apart that form their group in a shared store, go on without a lost one and take in one that comes.
 
-`.fleet("tcp://HOST:PORT/NAME", processes=N).on_worker_failure("replace")`: each machine runs its
-own torchrun (or python), and no process of the job hosts the store, so no machine is one the
-others cannot lose (docs/guides/many-machines.md). torchrun's agent restarts every worker of its
+`.fleet("etcd://m1:2379,m2:2379,m3:2379/NAME", processes=N).on_worker_failure("replace")`: each
+machine runs its own torchrun (or python), and no process of the job hosts the store (an etcd
+cluster, or one TCPStore for a small job: `connect`), so no machine is one the others cannot lose
+(docs/guides/many-machines.md). torchrun's agent restarts every worker of its
 job when the job's membership changes; a fleet's jobs are one per machine, so a machine lost is
 no change to the others' agents, and the fleet's group is the library's own. This host:
 - enters the fleet by its member's part that outlives a loss (the replacement feature's survivor,
   which the wrapper hands it): generation 0 of the first N, or a later one that takes it in;
-- beats in the store and hears its peers' beats (heartbeat.py), which says who is silent;
+- beats in the store and hears its peers' beats (heartbeat.py), which says who is silent, and
+  listens on a socket of its own (`Lifeline`), which a dead process's peers find refused at once;
 - claims its batches first-come from the store (feed/claims.py), so that a round's are anyone's;
 - answers a peer lost in a collective, and a process that comes to join, by the survivor's new
   group (`regroup`, `grow`), for which it rebuilds its worker (`_build`), and redoes the round.
@@ -20,7 +22,11 @@ import dataclasses
 import datetime
 import re
 import signal
+import socket
+import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch.distributed as dist
@@ -70,7 +76,7 @@ class Survival(RoundObserver, Protocol):
         """Whether it joined a running fleet and its first fit has yet to take the fleet's state."""
         ...
 
-    def enter(self, processes: int, silent: Callable[[int], float], watch: Callable[[tuple[int, ...]], None], wait_s: float) -> tuple[int, int]:
+    def enter(self, processes: int, gone: Callable[[int], bool], watch: Callable[[tuple[int, ...]], None], wait_s: float) -> tuple[int, int]:
         """(rank, size) of the group it enters, which `processes` form first."""
         ...
 
@@ -87,8 +93,9 @@ class Survival(RoundObserver, Protocol):
         """A newcomer's first fit: the one that redoes the fleet's round with it."""
         ...
 
-    def grow(self, until_epoch: int, start: float) -> FitCommand:
-        """After GroupChanges: the fit that redoes the round with the newcomers."""
+    def grow(self, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
+        """After GroupChanges: the fit that redoes the round with the newcomers (after a loss
+        as they came, without the lost: what the caller is told of them)."""
         ...
 
     def regroup(self, error: WorkerError, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
@@ -103,19 +110,101 @@ class Survival(RoundObserver, Protocol):
 Surviving = Callable[[Store, float, datetime.timedelta, Join, Callable[[int, int], Worker]], Survival]
 
 
-def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> tuple[TCPStore, Store]:
-    """The store at `address` (tcp://HOST:PORT[/NAME]), given `answer_s` to answer: a client of it
-    whose calls wait up to `timeout`, and the fleet's keys in it."""
-    host, port, name = fleet_address(address)
+class Lifeline:
+    """A socket every member listens on, its address in the fleet's store, so that a peer can
+    tell a dead process at once: connecting to it is refused (its machine still up), where a
+    silent heartbeat takes peer_timeout to say so. A daemon thread accepts and closes."""
+
+    _ASKED_S = 0.1  # how long one peer's answer stands before it is asked again
+    _WAIT_S = 0.5  # how long a connection may take: past it, the heartbeat judges
+
+    def __init__(self, store: Store, me: int, store_host: str, store_port: int) -> None:
+        self._store, self._asked = store, dict[int, tuple[float, bool | None]]()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the address by which the store, and so the fleet, reaches this machine
+            probe.connect((socket.gethostbyname(store_host), store_port))
+            here = probe.getsockname()[0]
+        self._server = socket.create_server((here, 0))
+        threading.Thread(target=self._accept, name="parallelwrapper-lifeline", daemon=True).start()
+        store.set(f"lifeline/{me}", f"{here}:{self._server.getsockname()[1]}")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            connection.close()
+
+    def ask(self, member: int) -> bool | None:
+        """Whether `member`'s process accepts a connection (True), refuses it (False: it is dead),
+        or nothing answers in _WAIT_S (None: its machine is lost, cut off, or has yet to listen);
+        as asked at most _ASKED_S ago."""
+        now = time.monotonic()
+        asked = self._asked.get(member)
+        if asked is not None and now - asked[0] < self._ASKED_S:
+            return asked[1]
+        answer: bool | None = None
+        if self._store.check([f"lifeline/{member}"]):
+            host, _, port = self._store.get(f"lifeline/{member}").decode().rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=self._WAIT_S).close()
+                answer = True
+            except ConnectionRefusedError:
+                answer = False
+            except OSError:  # a timeout, an unreachable network
+                answer = None
+        self._asked[member] = (time.monotonic(), answer)
+        return answer
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@dataclass(frozen=True)
+class Connected:
+    """The fleet's store as this process reaches it: the fleet's keys, a way to make another
+    client (a thread's own), and where it is (for the messages, and the address this machine
+    reaches it by)."""
+
+    store: Store
+    connect: Callable[[], Store]
+    where: str
+    first: tuple[str, int]
+
+
+def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> Connected:
+    """The store at `address` (config.fleet_address), given `answer_s` to answer; its clients'
+    calls wait up to `timeout`."""
+    scheme, hosts, name = fleet_address(address)
+    where = ",".join(f"{h}:{p}" for h, p in hosts)
+    if scheme == "tcp":
+        (host, port), = hosts
+
+        def client() -> Store:
+            return PrefixStore(name, TCPStore(host, port, is_master=False, timeout=timeout))
+    else:
+        try:
+            import etcd  # python-etcd: the v2 API, as torchrun's etcd rendezvous
+        except ImportError:
+            raise RuntimeError("a fleet's store on etcd needs python-etcd: pip install python-etcd") from None
+        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+        def client() -> Store:
+            # Any member answers; a member lost, the client goes on with the others.
+            connection = etcd.Client(host=hosts, allow_reconnect=True, read_timeout=max(1, int(answer_s)))
+            return EtcdStore(connection, f"/parallelwrapper/{name}", timeout)
+
     try:
-        client = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=answer_s))
-    except RuntimeError:
+        probe = (TCPStore(hosts[0][0], hosts[0][1], is_master=False, timeout=datetime.timedelta(seconds=answer_s)) if scheme == "tcp"
+                 else client().check(["enrolled"]))  # fmt: skip
+        del probe
+        store = client()
+    except Exception:  # noqa: BLE001 - a refused connection, a timeout, etcd's errors: the same advice
         raise RuntimeError(
-            f"the fleet's store at {host}:{port} did not answer in {answer_s:g} s (peer_timeout): start it first, or "
+            f"the fleet's store at {where} did not answer in {answer_s:g} s (peer_timeout): start it first, or "
             "fix .fleet(store) (docs/guides/many-machines.md)"
         ) from None
-    client.set_timeout(timeout)
-    return client, PrefixStore(name, client)
+    return Connected(store, client, where, hosts[0])
 
 
 class FleetWorker:
@@ -129,16 +218,25 @@ class FleetWorker:
         self._config, self._job, self._feature, self._placement, self._local = config, job, feature or Plain(), placement, env.local_rank
         claim_device(placement, env.local_rank, config.deterministic)
         timeout = collective_timeout(config)
-        client, self._store = connect(config.fleet, config.peer_timeout, timeout)
+        connected = connect(config.fleet, config.peer_timeout, timeout)
+        self._store = connected.store
         self._hooks = SignalHooks()
         self._survival = surviving(self._store, config.peer_timeout, timeout, self._join, self._build)
         self.me = self._survival.me
-        beats = f"{fleet_address(config.fleet)[2]}/heartbeat"
-        self._heartbeat = Heartbeat(client.host, client.port, beats, self.me, 0, config.peer_timeout, exits=False)
-        rank, size = self._survival.enter(config.fleet_processes, self._heartbeat.silent, self._heartbeat.watch, _ENTER_S)
+        self._heartbeat = Heartbeat(connected.connect, connected.where, "heartbeat", self.me, 0, config.peer_timeout, exits=False)
+        self._lifeline = Lifeline(self._store, self.me, *connected.first)
+        rank, size = self._survival.enter(config.fleet_processes, self._gone, self._heartbeat.watch, _ENTER_S)
         self._survival.attach(self._build(rank, size))
         self._hooks.observer = self._survival
         self._started = False
+
+    def _gone(self, member: int) -> bool:
+        """Whether peer `member` is gone: its process refuses a connection (it died, its machine
+        still up); or, where nothing answers (a machine lost or cut off), it has been silent for
+        peer_timeout. A process that accepts is alive, whatever its heartbeat (a store that
+        fails over to another member delays the beats)."""
+        answer = self._lifeline.ask(member)
+        return answer is False or (answer is None and self._heartbeat.silent(member) >= self._config.peer_timeout)
 
     def _join(self, store: Store, timeout: datetime.timedelta, rank: int, size: int) -> None:
         dist.init_process_group(self._placement.backend, store=store, rank=rank, world_size=size, timeout=timeout)
@@ -173,19 +271,20 @@ class FleetWorker:
                     worker.train(until_epoch, source, report)
                     break
                 except GroupChanges:
-                    command = survival.grow(until_epoch, start)  # this host's worker rebuilt for the new group (_build)
+                    command, told = survival.grow(until_epoch, start)  # this host's worker rebuilt for the new group (_build)
                 except WorkerError as e:
                     if not _PEER_GONE.search(e.summary):
                         raise
                     command, told = survival.regroup(e, until_epoch, start)
-                    for replacement in told:
-                        report(replacement)
+                for replacement in told:
+                    report(replacement)
         return self._worker.replica.whole_state()
 
     def close(self) -> None:
         """Leave the fleet: the peers stop watching this member, and the group goes."""
         self._survival.leave()
         self._heartbeat.close()
+        self._lifeline.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

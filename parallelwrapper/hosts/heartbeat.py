@@ -15,29 +15,31 @@ its peers stop watching it.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.distributed import Store  # type: ignore[attr-defined]
 
 _MOST_S = 2.0  # the longest pause between two beats
 _LEFT = 1 << 40  # added to a rank's count when it leaves: past any count of beats
 
 
 class Heartbeat:
-    """This rank's beat and watch in the store at `host:port`, under `prefix` (this group's keys).
+    """This rank's beat and watch in the group's store, under `prefix` (this group's keys).
 
     Two daemon threads: one beats and reads the peers' counts; the other judges, since a store
     call on a cut link can block for ever whatever the client's timeout. Where the process is not
     to end (`exits` False: a fleet's member, whose peers go on without a lost one), there is no
     judge: its host asks how long each peer has been silent (`silent`) and forgets the lost."""
 
-    def __init__(self, host: str, port: int, prefix: str, rank: int, world: int, timeout_s: float, *, exits: bool = True) -> None:
-        self._where, self._prefix, self._rank, self._timeout_s = (host, port), prefix, rank, timeout_s
+    def __init__(self, connect: Callable[[], Store], where: str, prefix: str, rank: int, world: int, timeout_s: float, *, exits: bool = True) -> None:
+        """`connect()`: a client of the group's store (its own: the beats' thread calls it), which
+        is at `where` (for the messages)."""
+        self._connect, self._where, self._prefix, self._rank, self._timeout_s = connect, where, prefix, rank, timeout_s
         self._interval = min(timeout_s / 6, _MOST_S)
         self._stop = threading.Event()
         self._answered = time.monotonic()  # when the store last answered a whole beat
@@ -48,12 +50,11 @@ class Heartbeat:
             threading.Thread(target=self._watch, name="parallelwrapper-peer-watch", daemon=True).start()
 
     def silent(self, rank: int) -> float:
-        """Seconds since peer `rank`'s count last moved (or the store last answered, if that is
-        longer ago: a store that does not answer says nothing of the peers); for one that left
-        (it finished its fits) or was forgotten, for ever."""
+        """Seconds the store has answered this rank's beats while peer `rank`'s count did not
+        move (a store slow to answer says nothing of the peers); for one that left (it finished
+        its fits) or is not watched, for ever."""
         heard = self._heard.get(rank)
-        now = time.monotonic()
-        return math.inf if heard is None else max(now - heard[1], now - self._answered)
+        return math.inf if heard is None else max(0.0, self._answered - heard[1])
 
     def watch(self, ranks: tuple[int, ...]) -> None:
         """Watch `ranks` (a fleet's group as it is now) and no other: the lost go, those that
@@ -75,13 +76,12 @@ class Heartbeat:
 
     def _beats(self) -> None:
         # Its own client: the main thread's may be blocked in a call of its own.
-        timeout = datetime.timedelta(seconds=self._timeout_s)
-        store: TCPStore | None = None
+        store: Store | None = None
         known: set[int] = set()  # the peers whose key this client has made sure of
         while True:
             try:
                 if store is None:
-                    store = TCPStore(*self._where, is_master=False, timeout=timeout)
+                    store = self._connect()
                 if self._stop.is_set():
                     store.add(self._key(self._rank), _LEFT)
                     return
@@ -110,7 +110,7 @@ class Heartbeat:
             now = time.monotonic()
             silent = [r for r, (_, changed) in list(self._heard.items()) if now - changed >= self._timeout_s]
             if now - self._answered >= self._timeout_s:
-                self._lost(list(self._heard), f"the group's store at {self._where[0]}:{self._where[1]} has not answered")
+                self._lost(list(self._heard), f"the group's store at {self._where} has not answered")
             elif silent:
                 self._lost(silent, "no heartbeat")
 

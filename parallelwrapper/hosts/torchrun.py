@@ -15,6 +15,7 @@ workers; then the signal takes effect.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import re
 import signal
@@ -148,7 +149,9 @@ class TorchrunWorker:
             )  # fmt: skip
             self.resume_point = config.checkpoint_dir if resume else None
             if env.world_size > 1:  # alone, there is no peer to lose
-                self._heartbeat = Heartbeat(store.host, store.port, f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout)
+                host, port, beat_timeout = store.host, store.port, datetime.timedelta(seconds=config.peer_timeout)
+                self._heartbeat = Heartbeat(lambda: TCPStore(host, port, is_master=False, timeout=beat_timeout), f"{host}:{port}",
+                                            f"{prefix}/heartbeat", env.rank, env.world_size, config.peer_timeout)  # fmt: skip
         self._hooks = SignalHooks()
         self._job, self._workers = job, placement.world_size
         self._worker = Worker(job, config, placement, env.rank, env.local_rank, hooks=self._hooks, feature=feature)

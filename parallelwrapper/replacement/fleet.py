@@ -8,8 +8,9 @@ keeps the state each round starts from (keeper.Keep), and a group forms anew, ge
 in two cases:
 - **A loss.** A peer lost in a collective: every survivor leaves the group and comes to
   generation g + 1 (`regroup`), saying there which round it kept. It waits until every member
-  of generation g has come or been silent for `gone_s` (its host's heartbeat says how long each
-  has been): a survivor in its local steps comes at its next collective, a dead one never does.
+  of generation g has come or is gone (its host says: a process that refuses a connection, or
+  one silent for `gone_s`): a survivor in its local steps comes at its next collective, a dead
+  one never does.
   The first to see the count closed writes the members (the store's `add` says who, as
   regroup._say does: what every c10d store has), and every member reads that list, so all agree
   on it and on the source of the redo, the member that kept the newest round (replacer.newest).
@@ -72,7 +73,7 @@ class Survivor(Keep):
         self.store, self.me = store, int(store.add("enrolled", 1)) - 1
         self.group = Group(0, ())
         self._gone_s, self._timeout, self._join, self._rebuild = gone_s, timeout, join, rebuild
-        self._silent: Callable[[int], float] = lambda member: 0.0
+        self._gone: Callable[[int], bool] = lambda member: False
         self._watch: Callable[[tuple[int, ...]], None] = lambda members: None
         self._admitted = 0  # newcomers taken in so far, the same on every member
         self._joining = 0  # those waiting, as the members agreed at the round's start
@@ -91,11 +92,12 @@ class Survivor(Keep):
         joins the one in progress (`welcome`)."""
         return self._welcomed is False
 
-    def enter(self, processes: int, silent: Callable[[int], float], watch: Callable[[tuple[int, ...]], None], wait_s: float) -> tuple[int, int]:
+    def enter(self, processes: int, gone: Callable[[int], bool], watch: Callable[[tuple[int, ...]], None], wait_s: float) -> tuple[int, int]:
         """(rank, size) of the group this member enters: generation 0 once the first `processes`
         have enrolled, or, enrolled after them, the generation that takes it in; `wait_s` at most.
-        `silent(member)`: seconds since a peer's last heartbeat; `watch(members)`: the peers to watch."""
-        self._silent, self._watch = silent, watch
+        `gone(member)`: whether a peer is gone (its process refuses, or it has been silent for
+        `gone_s`); `watch(members)`: the peers to watch."""
+        self._gone, self._watch = gone, watch
         deadline = time.monotonic() + wait_s
         if self.me < processes:
             while (enrolled := int(self.store.add("enrolled", 0))) < processes:
@@ -154,10 +156,12 @@ class Survivor(Keep):
 
     # -- its host's calls ---------------------------------------------------------------------------
 
-    def grow(self, until_epoch: int, start: float) -> FitCommand:
+    def grow(self, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
         """Take in the processes waiting to join (after GroupChanges): generation g + 1 is this
         group's members, then the newcomers by their order of coming; return the fit that
-        redoes the round every member kept, from rank 0's copy."""
+        redoes the round every member kept, from rank 0's copy (and nothing to tell). A member
+        lost as the group forms, or before the state reached every one, is a loss (`regroup`)."""
+        began = time.monotonic()
         if dist.is_initialized():
             dist.destroy_process_group()
         old = self.group
@@ -167,11 +171,18 @@ class Survivor(Keep):
             self.store.set(f"generation-{self.generation}/admitted", str(self._admitted))
             self._write(self.group)
         self._watch(self.group.members)
-        _say(f"member {self.me}: member{'s' if len(newcomers) > 1 else ''} {', '.join(map(str, newcomers))} joined (generation "
-             f"{self.generation}): {len(self.group.members)} processes")  # fmt: skip
-        self._enter_group()
         self.attach(self._rebuilt())
-        return self.redo(self.receive(0), until_epoch, start)
+        try:
+            self._enter_group()
+            kept = self.receive(0)
+        except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: a loss
+            failed = self.worker.failure(e)
+            lost = WorkerError(self.rank, f"lost its peers while taking in a newcomer (fleet generation {self.generation}): {failed.summary}", failed.details)
+            return self.regroup(lost, until_epoch, start)
+        redo = self.redo(kept, until_epoch, start)
+        _say(f"member {self.me}: member{'s' if len(newcomers) > 1 else ''} {', '.join(map(str, newcomers))} joined (generation "
+             f"{self.generation}): {len(self.group.members)} processes, {time.monotonic() - began:.2f} s to take in")  # fmt: skip
+        return redo, []
 
     def regroup(self, error: WorkerError, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
         """After `error` (a peer lost, seen in a collective): leave the group, agree on the next
@@ -240,7 +251,7 @@ class Survivor(Keep):
         deadline = time.monotonic() + self._timeout.total_seconds()
         while not store.check(["members"]):
             away = [m for m in old.members if not store.check([f"kept/{m}"])]
-            if all(self._silent(m) >= self._gone_s for m in away) or time.monotonic() > deadline:
+            if all(self._gone(m) for m in away) or time.monotonic() > deadline:
                 if store.add("said", 1) == 1:  # the first to see the count closed writes the list
                     store.set("admitted", str(self._admitted))
                     self._write(Group(g, tuple(m for m in old.members if m not in away)))

@@ -1,0 +1,251 @@
+"""A fleet that loses a machine every 30 s, on emulated machines: the throughput it keeps, beside torchrun's restart-and-resume (issue 54).
+
+`--machines` network namespaces stand for machines of one process each, joined through a bridge
+in one more namespace, which holds the store (a TCPStore: etcd's stand-in, which no machine
+hosts); each machine's link is shaped to `--rate` both ways. Every design trains the same MLP on
+MNIST for `--epochs` (benchmarks/fleet_soak_worker.py), once without faults and once while, from
+its first step, one machine is lost every `--every` seconds (its torchrun agent and process
+SIGKILLed, in turn, the machine of rank 0 among them) and comes back `--back` seconds later (its
+torchrun started again):
+
+    fleet    `.fleet(store).on_worker_failure("replace")`, a torchrun per machine: the survivors go
+             on from the last average and the machine that comes back joins with a peer's state;
+    restart  one torchrun job across the machines (c10d rendezvous in the store, `--nnodes 1:N`,
+             `--max-restarts`), checkpoints every 4 rounds: at each change of machines every
+             agent restarts its process, and the group resumes from the last checkpoint.
+
+Kept = the fault-free run's seconds over the faulted run's, from the first step to the last
+process's end: the same samples, so the share of samples/s kept. Checked: every process that
+finished trained every epoch's batches once (its History's counters), the faulted run's test
+loss is within 1% of the fault-free one's, and no process is left in any namespace. Needs root
+and iproute2.
+
+    python -m benchmarks fleet_soak [--machines 4] [--every 30] [--back 10] [--epochs 40] [--rate 1gbit] [--designs fleet,restart] [--out benchmarks/results/fleet_soak.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine, table, write_results
+from benchmarks.slow_link import _remove_namespace, _run, _shape, check_privileges
+
+ROOT = Path(__file__).resolve().parents[1]
+HUB_ADDRESS, PORT = "10.214.0.100", 29400  # the bridge's address, in a namespace of this benchmark's own
+BATCHES = 938  # MNIST's 60,000 training images in batches of 64
+DESIGNS = ("fleet", "restart")
+
+
+@dataclass(frozen=True)
+class Machines:
+    """The hub's namespace (bridge and store) and each machine's namespace, device and address."""
+
+    hub: str
+    names: tuple[str, ...]
+    devices: tuple[str, ...]
+    addresses: tuple[str, ...]
+
+
+@contextmanager
+def emulated(machines: int, rate: str) -> Iterator[Machines]:
+    """`machines` namespaces joined through a bridge in a hub namespace, each link shaped to
+    `rate` both ways; all removed on exit (with whatever still runs in them)."""
+    tag = f"pwf{os.getpid() % 100000}"
+    made = Machines(f"{tag}h", tuple(f"{tag}m{i}" for i in range(machines)), tuple(f"{tag}m{i}" for i in range(machines)),
+                    tuple(f"10.214.0.{i + 1}" for i in range(machines)))  # fmt: skip
+    try:
+        _run("ip", "netns", "add", made.hub)
+        _run("ip", "-n", made.hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", made.hub, "addr", "add", f"{HUB_ADDRESS}/24", "dev", "br0")
+        for dev in ("lo", "br0"):
+            _run("ip", "-n", made.hub, "link", "set", dev, "up")
+        for i, (ns, dev, address) in enumerate(zip(made.names, made.devices, made.addresses)):
+            port = f"{tag}p{i}"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", made.hub)
+            _run("ip", "-n", made.hub, "link", "set", port, "master", "br0")
+            _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+            for name, where in (("lo", ns), (dev, ns), (port, made.hub)):
+                _run("ip", "-n", where, "link", "set", name, "up")
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *_shape(rate))
+            _run("tc", "-n", made.hub, "qdisc", "add", "dev", port, "root", "tbf", *_shape(rate))
+        yield made
+    finally:
+        for ns in (*made.names, made.hub):
+            _remove_namespace(ns)
+
+
+def left_in(ns: str) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+
+
+class Run:
+    """One design's run on the machines: each machine's torchrun, started, lost and started again."""
+
+    def __init__(self, design: str, made: Machines, out: Path, epochs: int, run_id: str) -> None:
+        self.design, self.made, self.out, self.epochs, self.id = design, made, out, epochs, run_id
+        self.agents: dict[int, subprocess.Popen[bytes]] = {}
+        self.starts = 0
+
+    def start(self, i: int) -> None:
+        n = len(self.made.names)
+        if self.design == "fleet":
+            launch: tuple[str, ...] = ("--standalone", "--nproc-per-node", "1")
+        else:
+            conf = "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
+            launch = ("--nnodes", f"1:{n}", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{HUB_ADDRESS}:{PORT}",
+                      "--rdzv-id", self.id, "--rdzv-conf", conf, "--max-restarts", "100", "--local-addr", self.made.addresses[i])  # fmt: skip
+        command = [
+            "ip", "netns", "exec", self.made.names[i], "env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "MASTER_ADDR", "-u", "MASTER_PORT",
+            f"GLOO_SOCKET_IFNAME={self.made.devices[i]}", f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1",
+            sys.executable, "-m", "torch.distributed.run", *launch, str(ROOT / "benchmarks" / "fleet_soak_worker.py"),
+            self.design, f"tcp://{HUB_ADDRESS}:{PORT}/{self.id}", str(n), str(self.out), str(self.epochs),
+        ]  # fmt: skip
+        self.starts += 1
+        log = (self.out / f"machine{i}-{self.starts}.log").open("wb")
+        self.agents[i] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def lose(self, i: int) -> None:
+        """Machine `i` lost at once: everything in its namespace SIGKILLed."""
+        for pid in left_in(self.made.names[i]):
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+        self.agents[i].wait()
+
+    def running(self) -> list[int]:
+        return [i for i, agent in self.agents.items() if agent.poll() is None]
+
+    def news(self) -> list[str]:
+        """The fleet's lines so far ("parallelwrapper: member ..."), over every machine's logs."""
+        return [line for log in sorted(self.out.glob("machine*.log")) for line in log.read_text(errors="replace").splitlines()
+                if line.startswith("parallelwrapper: member")]  # fmt: skip
+
+
+def soak(design: str, made: Machines, epochs: int, every: float | None, back: float, timeout_s: float) -> dict[str, Any]:
+    """One run of `design`, with a machine lost every `every` seconds from the first step (None:
+    none) and back `back` seconds later."""
+    with tempfile.TemporaryDirectory(prefix="fleet_soak-") as directory:
+        out = Path(directory)
+        store = subprocess.Popen(["ip", "netns", "exec", made.hub, sys.executable, "-c",
+                                  f"import time\nfrom torch.distributed import TCPStore\n"
+                                  f"s = TCPStore('{HUB_ADDRESS}', {PORT}, is_master=True, wait_for_workers=False)\ntime.sleep(1e9)"])  # fmt: skip
+        time.sleep(1.0)
+        run = Run(design, made, out, epochs, f"{design}-{int(time.time())}")
+        faults: list[dict[str, Any]] = []
+        try:
+            for i in range(len(made.names)):
+                run.start(i)
+            deadline = time.monotonic() + timeout_s
+            while not (out / "first.txt").exists():
+                if time.monotonic() > deadline or not run.running():
+                    raise RuntimeError(f"{design}: no step within {timeout_s:g} s: {_logs(out)}")
+                time.sleep(0.05)
+            first = float((out / "first.txt").read_text())
+            due, lost, returns = first + (every or 0.0), 0, dict[int, float]()
+            seen: set[str] = set()
+            events: list[dict[str, Any]] = []  # when each of the fleet's lines appeared, and what it says
+            while run.running() or returns:
+                now = time.time()
+                for line in run.news():
+                    if line not in seen:
+                        seen.add(line)
+                        events.append({"at": round(now - first, 2), "line": line})
+                for i, at in list(returns.items()):
+                    if now >= at:
+                        del returns[i]
+                        if run.running():  # a run that has ended takes no one back
+                            run.start(i)
+                            next(f for f in reversed(faults) if f["machine"] == i)["back_at"] = round(now - first, 2)
+                if every is not None and now >= due and len(run.running()) == len(made.names):
+                    victim = lost % len(made.names)
+                    run.lose(victim)
+                    faults.append({"machine": victim, "at": round(now - first, 2)})
+                    returns[victim], lost, due = now + back, lost + 1, due + every
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{design}: not done within {timeout_s:g} s: {_logs(out)}")
+                time.sleep(0.05)
+            results = [json.loads(p.read_text()) for p in sorted(out.glob("result-*.json"))]
+            codes = {i: agent.returncode for i, agent in run.agents.items()}
+            if not results:
+                raise RuntimeError(f"{design}: no process finished ({codes}): {_logs(out)}")
+            end = max(r["finished"] for r in results)
+            return {
+                "design": design, "faults": faults, "seconds": round(end - first, 2), "finished": len(results),
+                "exit_codes": codes, "test_loss": results[0]["test_loss"], "test_accuracy": results[0]["test_accuracy"],
+                "iterations": sorted({r["epochs"][-1][1] for r in results if r["epochs"]}),
+                "restarts": max(r["restarts"] for r in results), "left": {ns: left_in(ns) for ns in made.names}, "events": events,
+                "rounds": max(r["rounds"] for r in results),
+            }  # fmt: skip
+        finally:
+            for i in run.running():
+                run.lose(i)
+            store.kill()
+            store.wait()
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(out.glob("machine*.log")))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks fleet_soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--machines", type=int, default=4)
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between two machines lost")
+    parser.add_argument("--back", type=float, default=10.0, help="seconds until a lost machine comes back")
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--rate", default="1gbit", help="each machine's link, both ways (tc tbf)")
+    parser.add_argument("--designs", default=",".join(DESIGNS))
+    parser.add_argument("--timeout", type=float, default=1800.0, help="the most seconds one run may take")
+    parser.add_argument("--out", default="benchmarks/results/fleet_soak.json")
+    args = parser.parse_args(argv)
+    why = check_privileges()
+    if why:
+        raise SystemExit(f"fleet_soak: {why}")
+    designs = [d for d in args.designs.split(",") if d]
+    if not designs or set(designs) - set(DESIGNS):
+        raise SystemExit(f"fleet_soak: --designs takes some of {','.join(DESIGNS)}, got {args.designs!r}")
+    runs: list[dict[str, Any]] = []
+    problems: list[str] = []
+    with emulated(args.machines, args.rate) as made:
+        for design in designs:
+            for every in (None, args.every):
+                result = soak(design, made, args.epochs, every, args.back, args.timeout)
+                runs.append(result)
+                faults = f"a machine lost every {every:g} s" if every else "no faults"
+                print(f"{design}, {faults}: {result['seconds']} s, {len(result['faults'])} "
+                      f"machines lost, test loss {result['test_loss']:.4f}", flush=True)  # fmt: skip
+                if result["iterations"] != [args.epochs * BATCHES]:
+                    problems.append(f"{design}: a finished process trained {result['iterations']} batches, not {args.epochs * BATCHES}")
+                if any(result["left"].values()):
+                    problems.append(f"{design}: processes left behind: {result['left']}")
+        left_hub = left_in(made.hub)
+    rows = []
+    for design in designs:
+        clean, faulted = (r for r in runs if r["design"] == design)
+        kept = clean["seconds"] / faulted["seconds"]
+        loss = faulted["test_loss"] / clean["test_loss"] - 1
+        rows.append([design, clean["seconds"], faulted["seconds"], len(faulted["faults"]), f"{kept:.3f}", f"{loss:+.2%}", faulted["restarts"]])
+        if abs(loss) > 0.01:
+            problems.append(f"{design}: the faulted run's test loss is {loss:+.2%} of the fault-free one's (over 1%)")
+    print(table(["design", "fault-free s", "faulted s", "machines lost", "kept", "test loss vs fault-free", "agent restarts"], rows))
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    write_results(args.out, {"settings": settings, "machine": machine(), "runs": runs, "table": rows, "problems": problems, "hub_left": left_hub})
+    if problems:
+        raise SystemExit("fleet_soak: " + "; ".join(problems))
+
+
+if __name__ == "__main__":
+    main()
