@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,12 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine, table, write_results
+from benchmarks.common import BATCH, machine, table, write_results
 from benchmarks.slow_link import _remove_namespace, _run, _shape, check_privileges
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_ADDRESS, PORT = "10.214.0.100", 29400  # the bridge's address, in a namespace of this benchmark's own
-BATCHES = 938  # MNIST's 60,000 training images in batches of 64
+BATCHES = -(-60_000 // BATCH)  # MNIST's training images in batches of BATCH
 DESIGNS = ("fleet", "restart")
 
 
@@ -134,9 +135,9 @@ class Run:
                 if line.startswith("parallelwrapper: member")]  # fmt: skip
 
 
-def soak(design: str, made: Machines, epochs: int, every: float | None, back: float, timeout_s: float) -> dict[str, Any]:
+def soak(design: str, made: Machines, epochs: int, every: float | None, back: float, timeout_s: float, logs: Path | None) -> dict[str, Any]:
     """One run of `design`, with a machine lost every `every` seconds from the first step (None:
-    none) and back `back` seconds later."""
+    none) and back `back` seconds later; its machines' logs copied into `logs`, if given."""
     with tempfile.TemporaryDirectory(prefix="fleet_soak-") as directory:
         out = Path(directory)
         store = subprocess.Popen(["ip", "netns", "exec", made.hub, sys.executable, "-c",
@@ -194,6 +195,8 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
                 run.lose(i)
             store.kill()
             store.wait()
+            if logs is not None:
+                shutil.copytree(out, logs / f"{design}-{'faults' if every else 'clean'}", ignore=shutil.ignore_patterns("ckpt"), dirs_exist_ok=True)
 
 
 def _logs(out: Path) -> str:
@@ -210,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--designs", default=",".join(DESIGNS))
     parser.add_argument("--timeout", type=float, default=1800.0, help="the most seconds one run may take")
     parser.add_argument("--out", default="benchmarks/results/fleet_soak.json")
+    parser.add_argument("--logs", default=None, help="a directory to copy every run's machine logs into")
     args = parser.parse_args(argv)
     why = check_privileges()
     if why:
@@ -222,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with emulated(args.machines, args.rate) as made:
         for design in designs:
             for every in (None, args.every):
-                result = soak(design, made, args.epochs, every, args.back, args.timeout)
+                result = soak(design, made, args.epochs, every, args.back, args.timeout, None if args.logs is None else Path(args.logs))
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"
                 print(f"{design}, {faults}: {result['seconds']} s, {len(result['faults'])} "
@@ -241,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if abs(loss) > 0.01:
             problems.append(f"{design}: the faulted run's test loss is {loss:+.2%} of the fault-free one's (over 1%)")
     print(table(["design", "fault-free s", "faulted s", "machines lost", "kept", "test loss vs fault-free", "agent restarts"], rows))
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "logs")}
     write_results(args.out, {"settings": settings, "machine": machine(), "runs": runs, "table": rows, "problems": problems, "hub_left": left_hub})
     if problems:
         raise SystemExit("fleet_soak: " + "; ".join(problems))

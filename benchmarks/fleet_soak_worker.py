@@ -3,7 +3,8 @@
 MODE fleet: a member of a fleet (`.fleet(STORE, processes=PROCESSES).on_worker_failure("replace")`),
 under a torchrun of its own machine. MODE restart: a rank of one torchrun job across the machines,
 which its agents restart at every change of machines, resuming from the checkpoint in OUT/ckpt.
-Both train the same MLP on MNIST (batch 64, k = 16, SGD with Nesterov momentum), EPOCHS epochs.
+Both train the same MLP on MNIST (784-1024-1024-10, batches of benchmarks.common.BATCH, k = 16, SGD with
+Nesterov momentum), EPOCHS epochs.
 The first process to train writes the time to OUT/first.txt; each process that finishes writes
 OUT/result-{pid}.json: its History's epochs, its test loss and accuracy on the 10,000 test images,
 and the time it finished.
@@ -28,7 +29,7 @@ K, LR, PEER_TIMEOUT_S, CHECKPOINT_EVERY = 16, 0.05, 3.0, 4
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
 class Step:

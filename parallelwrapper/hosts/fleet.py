@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import re
 import signal
 import socket
@@ -264,6 +265,7 @@ class FleetWorker:
                 if claimed(self._config, self._feature.alone):  # from where the fit (or the round it redoes) starts, in this group
                     claims = StoreCounter(self._store, f"claims/generation-{survival.generation}/{counters.epoch}-{counters.position}")
                 source = feed.source(data, survival.rank, dist.get_world_size(), counters, until_epoch, claims, command.order)
+                lost: WorkerError | None = None
                 try:
                     worker.start(command)
                     survival.started()
@@ -271,11 +273,19 @@ class FleetWorker:
                     worker.train(until_epoch, source, report)
                     break
                 except GroupChanges:
-                    command, told = survival.grow(until_epoch, start)  # this host's worker rebuilt for the new group (_build)
+                    pass
                 except WorkerError as e:
                     if not _PEER_GONE.search(e.summary):
                         raise
-                    command, told = survival.regroup(e, until_epoch, start)
+                    lost = WorkerError(e.rank, e.summary, e.details, e.where, e.at, e.stage)  # the same, without its frames
+                # The frames of the collective that failed, held by its error's traceback, hold the
+                # old group's connections open: a peer blocked on this member, not on the lost one,
+                # would wait for the collective's timeout instead of coming to the regroup. So they
+                # go before it: the group's destruction then closes the connections at once.
+                del worker, source
+                gc.collect()
+                # This host's worker is rebuilt for the new group (_build).
+                command, told = survival.grow(until_epoch, start) if lost is None else survival.regroup(lost, until_epoch, start)
                 for replacement in told:
                     report(replacement)
         return self._worker.replica.whole_state()

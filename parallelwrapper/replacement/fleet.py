@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
 import sys
 import time
@@ -164,6 +165,7 @@ class Survivor(Keep):
         began = time.monotonic()
         if dist.is_initialized():
             dist.destroy_process_group()
+            gc.collect()
         old = self.group
         newcomers = tuple(int(self.store.get(f"joiner/{k}")) for k in range(self._admitted, self._joining))
         self.group, self._admitted = Group(old.generation + 1, old.members + newcomers), self._joining
@@ -193,7 +195,8 @@ class Survivor(Keep):
         lost_at, first = time.monotonic(), self.group
         while True:
             if dist.is_initialized():
-                dist.destroy_process_group()  # every peer's collective ends at once
+                dist.destroy_process_group()  # every peer's collective ends at once, once no one holds the group (its host: fleet.py)
+                gc.collect()
             self.group, source, counters = self._agree(error)
             self._watch(self.group.members)
             self.attach(self._rebuilt())
