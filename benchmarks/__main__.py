@@ -67,6 +67,10 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
         "a simulated fleet that loses machines: throughput kept at 64 to 1,024 workers, by design, calibrated on this machine's runs",
         ("--workers", "16", "--every", "60", "--hours", "0.05", "--seeds", "1", "--calibrate"),
     ),
+    "fleet_soak": (
+        "emulated machines, one lost every 30 s and back 10 s later: throughput kept by a fleet and by torchrun's restarts",
+        ("--loopback", "--machines", "2", "--epochs", "1", "--every", "3", "--back", "1", "--designs", "fleet", "--timeout", "120"),
+    ),
     "outer_rescale": (
         "an outer optimizer's loss when k changes mid-run (the autopilot's), by how its momentum is carried over",
         ("--steps", "8", "--layers", "1", "--width", "16", "--context", "16", "--batch", "2", "--k", "2,4", "--seeds", "0"),
