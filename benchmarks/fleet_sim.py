@@ -86,6 +86,7 @@ class Fleet:
     hours: float = 2.0
     join_s: float | None = None  # a machine that comes back, taken in; None: a regroup and the state's transfer
     cores: float = 0.0  # 0: every worker computes on a machine of its own; else all share these cores (emulated machines)
+    starting_s: float = 0.0  # of back_s, the seconds a machine that comes back starts (imports, loads) before it can join
 
     def exchange(self, n: int) -> float:
         return self.exchange_s + self.hop_s * max(0, 2 * (n - 2))
@@ -93,11 +94,13 @@ class Fleet:
     def transfer(self) -> float:
         return self.state_mb * 8 / self.link_mbit_s
 
-    def compute(self, n: int, rng: random.Random) -> float:
+    def compute(self, n: int, rng: random.Random, starting: int = 0) -> float:
         """A round's local work on `n` workers: the mean worker's k steps, and one step more
-        (first-come batches: a round ends one step after the fleet's last batch is taken)."""
+        (first-come batches: a round ends one step after the fleet's last batch is taken);
+        `starting`: machines starting meanwhile, which on shared cores take a share of them."""
         # On shared cores a step is as slow as the processes that share them: `step_s` is the whole fleet's.
-        step = self.step_s * (max(1.0, n / self.cores) / max(1.0, self.workers / self.cores) if self.cores else 1.0)
+        busy = n + starting
+        step = self.step_s * (max(1.0, busy / self.cores) / max(1.0, self.workers / self.cores) if self.cores else 1.0)
         if self.cv == 0:
             return self.k * step  # every worker alike: no straggler
         sigma = math.sqrt(math.log(1 + self.cv**2))
@@ -140,7 +143,8 @@ def simulate(fleet: Fleet, design: str, faults: bool = True, seed: int = 0, sche
             else:
                 t += fleet.regroup_s + fleet.transfer() if fleet.join_s is None else fleet.join_s
         n = (machines - lost) * fleet.per_machine
-        compute = fleet.compute(n, rng)
+        starting = sum(r - fleet.starting_s <= t for r in returns) * fleet.per_machine
+        compute = fleet.compute(n, rng, starting)
         length = compute + fleet.exchange(n)
         if fault < t + length and lost < machines - 1:
             into = max(fault - t, 0.0)
@@ -227,20 +231,22 @@ def survivors_calibration() -> list[dict[str, Any]]:
     lines = [(e["at"], e["line"]) for e in faulted["events"]]
     regroups = [float(line.split(", ")[-1].split(" s after")[0]) for _, line in lines if "goes on without" in line]
     takes = [float(line.split(", ")[-1].split(" s to take")[0]) for _, line in lines if " s to take in" in line]
-    backs = []  # a lost machine's seconds from its loss until it was taken in
+    backs, starts = [], []  # a lost machine's seconds from its loss until it was taken in, and from its start
     for f in faulted["faults"]:
         joined = [at for at, line in lines if "joined" in line and at >= f.get("back_at", math.inf)]
         if joined:
             backs.append(joined[0] - f["at"])
+            starts.append(joined[0] - f["back_at"])
     machines = soak["settings"]["machines"]
     fleet = Fleet(workers=machines, per_machine=1, step_s=clean["seconds"] / clean["rounds"] / FLEET_SOAK_K, cv=0.05, k=FLEET_SOAK_K,
                   exchange_s=0.0, hop_s=0.0, detect_s=0.0, regroup_s=sum(regroups) / len(regroups), join_s=sum(takes) / max(1, len(takes)),
-                  back_s=sum(backs) / max(1, len(backs)), cores=soak["machine"]["cpus"], hours=clean["seconds"] / 3600)  # fmt: skip
+                  back_s=sum(backs) / max(1, len(backs)), starting_s=sum(starts) / max(1, len(starts)), cores=soak["machine"]["cpus"],
+                  hours=clean["seconds"] / 3600)  # fmt: skip
     at = [f["at"] for f in faulted["faults"]]
     free = simulate(fleet, "survivors", faults=False)["steps_per_s"]
     predicted = simulate(fleet, "survivors", at=at)["steps_per_s"] / free
     return [{"design": "survivors", "run": "fleet_soak.json fleet", "predicted": predicted, "measured": clean["seconds"] / faulted["seconds"],
-             "parts": {"regroup_s": fleet.regroup_s, "join_s": fleet.join_s, "back_s": fleet.back_s, "step_s": fleet.step_s, "k": fleet.k,
+             "parts": {"regroup_s": fleet.regroup_s, "join_s": fleet.join_s, "back_s": fleet.back_s, "starting_s": fleet.starting_s, "step_s": fleet.step_s, "k": fleet.k,
                        "cores": fleet.cores, "faults": len(at)}}]  # fmt: skip
 
 

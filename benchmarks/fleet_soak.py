@@ -198,7 +198,7 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
             first = float((out / "first.txt").read_text())
             due, lost, returns = first + (every or 0.0), 0, dict[int, float]()
             seen: set[str] = set()
-            striking = every is not None
+            striking, capped = every is not None, None
             events: list[dict[str, Any]] = []  # when each of the fleet's lines appeared, and what it says
             while run.running() or returns:
                 now = time.time()
@@ -220,10 +220,13 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
                     faults.append({"machine": victim, "at": round(now - first, 2)})
                     returns[victim], lost, due = now + back, lost + 1, due + every
                 if cap_s is not None and now - first > cap_s:
-                    return _capped(design, out, faults, events, cap_s, made)
+                    capped = _capped(design, out, faults, events, cap_s)
+                    break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{design}: not done within {timeout_s:g} s: {_logs(out)}")
                 time.sleep(0.05)
+            if capped is not None:
+                return capped
             results = [json.loads(p.read_text()) for p in sorted(out.glob("result-*.json"))]
             codes = {i: agent.returncode for i, agent in run.agents.items()}
             if not results:
@@ -237,7 +240,7 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
                 "rounds": max(r["rounds"] for r in results),
             }  # fmt: skip
         finally:
-            for i in run.running():
+            for i in run.running():  # a stopped run's machines, or a failed one's
                 run.lose(i)
             store.kill()
             store.wait()
@@ -245,7 +248,7 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
                 shutil.copytree(out, logs / f"{design}-{'faults' if every else 'clean'}", ignore=shutil.ignore_patterns("ckpt"), dirs_exist_ok=True)
 
 
-def _capped(design: str, out: Path, faults: list[dict[str, Any]], events: list[dict[str, Any]], cap_s: float, made: Machines) -> dict[str, Any]:
+def _capped(design: str, out: Path, faults: list[dict[str, Any]], events: list[dict[str, Any]], cap_s: float) -> dict[str, Any]:
     """A run stopped at `cap_s` seconds: what its last checkpoint holds."""
     import torch
 
@@ -258,7 +261,7 @@ def _capped(design: str, out: Path, faults: list[dict[str, Any]], events: list[d
     else:
         raise RuntimeError(f"{design}: stopped at {cap_s:g} s with no checkpoint to read its progress from: {_logs(out)}")
     return {"design": design, "faults": faults, "seconds": cap_s, "capped": True, "iterations_done": counters["iterations"],
-            "events": events, "left": {ns: left_in(ns) for ns in made.names}, "finished": 0}  # fmt: skip
+            "events": events, "finished": 0}  # fmt: skip
 
 
 def _logs(out: Path) -> str:
@@ -308,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for every in (None, args.every):
                 cap = None if every is None or args.cap is None else args.cap * runs[-1]["seconds"]
                 result = soak(design, made, args.epochs, every, args.back, args.timeout, None if args.logs is None else Path(args.logs), cap)
+                result.setdefault("left", {ns: left_in(ns) for ns in made.names})  # a stopped run's, once its machines are put down
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"
                 done = f"stopped at {cap:g} s with {result['iterations_done']} batches trained" if result.get("capped") else f"test loss {result['test_loss']:.4f}"

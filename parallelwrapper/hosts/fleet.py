@@ -46,10 +46,10 @@ from ..messages import FitCommand
 from ..types import Replacement, Reporter, TrainingState
 from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, stop_on_signals
-from .torchrun import _from_rank_0
+from .torchrun import PEER_GONE, from_rank_0
 
-# gloo's words for a peer gone: its sockets closed or refused, or silent past the collective's timeout.
-_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Timed out waiting|Connection refused")
+# gloo's words for a peer gone (torchrun.py's), or refused, or silent past the collective's timeout.
+_PEER_GONE = re.compile(f"{PEER_GONE.pattern}|Timed out waiting|Connection refused")
 _ENTER_S = 600.0  # how long a process waits to enter the fleet: for every machine's first processes, or to be taken in
 
 # How a member joins a generation's process group: over this store, with this timeout, as this rank of this size.
@@ -256,7 +256,7 @@ class FleetWorker:
         if survival.newcomer:
             command = dataclasses.replace(survival.welcome(until_epoch, start), order=command.order)
         elif not self._started:
-            command = dataclasses.replace(command, state=_from_rank_0(command.state))
+            command = dataclasses.replace(command, state=from_rank_0(command.state))
         self._started = True
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM), on_report) as report:
             while True:

@@ -1,7 +1,7 @@
 """torchrun: this process as one rank of a group that torchrun started, on this machine or on many.
 torchrun's variables say the rank and the node's share of processes (env.resolve); the
 worker reads its own batches of the data (feed.source: claimed first-come, or its dealt shard),
-and runs the shared runtime. Its first fit() starts every rank from rank 0's state (`_from_rank_0`).
+and runs the shared runtime. Its first fit() starts every rank from rank 0's state (`from_rank_0`).
 
 Every incarnation of a group that torchrun restarts (--max-restarts) joins under keys of its own
 in torchrun's store (`_join`), agrees whether to resume from the last checkpoint, and watches its
@@ -42,7 +42,7 @@ from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, stop_on_signals
 
 _KEYS = "parallelwrapper"
-_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")  # gloo's words for a peer's closed sockets
+PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")  # gloo's words for a peer's closed sockets
 
 
 def _join(config: Config, env: TorchrunEnv) -> tuple[TCPStore, str, bool]:
@@ -83,7 +83,7 @@ def _join(config: Config, env: TorchrunEnv) -> tuple[TCPStore, str, bool]:
     return store, f"{_KEYS}/{generation}", resume
 
 
-def _from_rank_0(state: TrainingState) -> TrainingState:
+def from_rank_0(state: TrainingState) -> TrainingState:
     """Rank 0's state, on every rank of the default group. Each rank built its own model (drawn
     unseeded, or loaded differently), so the ranks would start apart: a first round averaging
     unrelated models (a NaN loss, at times), and params at lr 0, which no round averages, apart
@@ -160,7 +160,7 @@ class TorchrunWorker:
     def fit(self, command: FitCommand, data: Batches, on_report: Reporter) -> TrainingState:
         """Train this rank's shard; return the final state (model, optimizer, schedule), the same on every rank."""
         if not self._started:
-            command = dataclasses.replace(command, state=_from_rank_0(command.state))
+            command = dataclasses.replace(command, state=from_rank_0(command.state))
             self._started = True
         counters = command.counters
         self._fits += 1  # every rank counts its fits alike: the key of this fit's claims
@@ -172,7 +172,7 @@ class TorchrunWorker:
                 del command  # loaded: the copy of the state goes now, not at the fit's end
                 self._worker.train(until_epoch, source, report)
             except WorkerError as e:
-                if not _PEER_GONE.search(e.summary):
+                if not PEER_GONE.search(e.summary):
                     raise
                 hint = (
                     "; a peer rank's process is gone (killed, or failed: its own error is in its log): torchrun's "
