@@ -69,7 +69,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "fleet_soak": (
         "emulated machines, one lost every 30 s and back 10 s later: throughput kept by a fleet and by torchrun's restarts",
-        ("--loopback", "--machines", "2", "--epochs", "1", "--every", "3", "--back", "1", "--designs", "fleet", "--timeout", "120"),
+        ("--loopback", "--machines", "2", "--epochs", "1", "--every", "2", "--back", "1", "--designs", "fleet", "--timeout", "120"),
     ),
     "outer_rescale": (
         "an outer optimizer's loss when k changes mid-run (the autopilot's), by how its momentum is carried over",

@@ -5,8 +5,8 @@ in one more namespace, which holds the store (a TCPStore: etcd's stand-in, which
 hosts); each machine's link is shaped to `--rate` both ways. Every design trains the same MLP on
 MNIST for `--epochs` (benchmarks/fleet_soak_worker.py), once without faults and once while, from
 its first step, one machine is lost every `--every` seconds (its torchrun agent and process
-SIGKILLed, in turn, the machine of rank 0 among them) and comes back `--back` seconds later (its
-torchrun started again):
+SIGKILLed, in turn, the machine of rank 0 among them; for the fleet, once every machine lost
+before has been taken in again) and comes back `--back` seconds later (its torchrun started again):
 
     fleet    `.fleet(store).on_worker_failure("replace")`, a torchrun per machine: the survivors go
              on from the last average and the machine that comes back joins with a peer's state;
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,6 +49,7 @@ from benchmarks.slow_link import _remove_namespace, _run, _shape, check_privileg
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_ADDRESS, PORT = "10.214.0.100", 29400  # the bridge's address, in a namespace of this benchmark's own
+_JOINED = re.compile(r"members? ([\d, ]+) joined \(generation")  # a survivor's line: who was taken in
 BATCHES = -(-60_000 // BATCH)  # MNIST's training images in batches of BATCH
 DESIGNS = ("fleet", "restart")
 
@@ -214,7 +216,11 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
                         if run.running():  # a run that has ended takes no one back
                             run.start(i)
                             next(f for f in reversed(faults) if f["machine"] == i)["back_at"] = round(now - first, 2)
-                if striking and now >= due and len(run.running()) == len(made.names):
+                # A fleet's machine is struck only once every machine lost before has been taken in
+                # again: else a newcomer still starting would be all that is left of the fleet.
+                taken_in = {m for line in seen if (said := _JOINED.search(line)) for m in said.group(1).split(", ")}
+                whole = design != "fleet" or len(taken_in) >= lost
+                if striking and now >= due and whole and len(run.running()) == len(made.names):
                     victim = lost % len(made.names)
                     run.lose(victim)
                     faults.append({"machine": victim, "at": round(now - first, 2)})

@@ -145,6 +145,16 @@ def fleet_sim(r: dict[str, Any]) -> None:
     assert all(0 < row[d] <= 1 for row in r["rows"] for d in ("survivors", "restart", "rollback")), r["rows"]
 
 
+def fleet_soak(r: dict[str, Any]) -> None:
+    """Each design ran without faults and with machines lost, no process was left and every
+    finished process trained every batch once (the benchmark's own checks: `problems`)."""
+    assert r["table"] and not r["problems"], r
+    clean, faulted = r["runs"]
+    assert not clean["faults"] and faulted["faults"], r["runs"]
+    assert any("goes on without" in e["line"] for e in faulted["events"]), faulted["events"]
+    figure(clean["seconds"] / faulted["seconds"])
+
+
 def outer_rescale(r: dict[str, Any]) -> None:
     """Every schedule trained, and each that changes k under every rule, to a finite loss."""
     rows = {(row["schedule"], row["rule"]) for row in r["rows"]}
@@ -165,6 +175,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "inference": inference,
     "gpu_checks": gpu_checks,
     "fleet_sim": fleet_sim,
+    "fleet_soak": fleet_soak,
     "outer_rescale": outer_rescale,
 }
 
