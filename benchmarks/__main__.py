@@ -49,7 +49,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "fault_soak": (
         "the share of samples/s kept with .on_worker_failure('replace') under a fault every few seconds",
-        ("--workers", "2", "--epochs", "10", "--batches", "200", "--every", "1", "--most", "1", "--faults", "SIGKILL"),
+        ("--workers", "2", "--epochs", "6", "--batches", "200", "--every", "1", "--most", "1", "--faults", "SIGKILL"),
     ),
     "memory": (
         "peak memory of the main process and each worker against DDP's ranks",
@@ -69,7 +69,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "fleet_soak": (
         "emulated machines, one lost every 30 s and back 10 s later: throughput kept by a fleet and by torchrun's restarts",
-        ("--loopback", "--machines", "2", "--epochs", "1", "--every", "2", "--back", "1", "--designs", "fleet", "--timeout", "120"),
+        ("--loopback", "--machines", "2", "--epochs", "4", "--width", "64", "--every", "0.5", "--back", "60", "--designs", "fleet", "--timeout", "120"),
     ),
     "outer_rescale": (
         "an outer optimizer's loss when k changes mid-run (the autopilot's), by how its momentum is carried over",

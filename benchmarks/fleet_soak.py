@@ -116,8 +116,8 @@ def left_in(ns: str) -> list[str]:
 class Run:
     """One design's run on the machines: each machine's torchrun, started, lost and started again."""
 
-    def __init__(self, design: str, made: Machines, out: Path, epochs: int, run_id: str) -> None:
-        self.design, self.made, self.out, self.epochs, self.id = design, made, out, epochs, run_id
+    def __init__(self, design: str, made: Machines, out: Path, epochs: int, width: int, run_id: str) -> None:
+        self.design, self.made, self.out, self.epochs, self.width, self.id = design, made, out, epochs, width, run_id
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         self.starts = 0
 
@@ -133,7 +133,7 @@ class Run:
             *self.made.inside(self.made.names[i]), "env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "MASTER_ADDR", "-u", "MASTER_PORT",
             f"GLOO_SOCKET_IFNAME={self.made.devices[i]}", f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1",
             sys.executable, "-m", "torch.distributed.run", *launch, str(ROOT / "benchmarks" / "fleet_soak_worker.py"),
-            self.design, f"tcp://{self.made.hub_address}:{self.made.port}/{self.id}", str(n), str(self.out), str(self.epochs),
+            self.design, f"tcp://{self.made.hub_address}:{self.made.port}/{self.id}", str(n), str(self.out), str(self.epochs), str(self.width),
         ]  # fmt: skip
         self.starts += 1
         log = (self.out / f"machine{i}-{self.starts}.log").open("wb")
@@ -176,7 +176,7 @@ def _tree(root: int) -> list[int]:
 
 
 def soak(design: str, made: Machines, epochs: int, every: float | None, back: float, timeout_s: float, logs: Path | None,
-         cap_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+         cap_s: float | None = None, width: int = 1024) -> dict[str, Any]:  # fmt: skip
     """One run of `design`, with a machine lost every `every` seconds from the first step (None:
     none) and back `back` seconds later; its machines' logs copied into `logs`, if given. A run
     still going `cap_s` seconds after its first step is stopped there, and its progress is its
@@ -186,8 +186,8 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
         store = subprocess.Popen([*made.inside(made.hub), sys.executable, "-c",
                                   f"import time\nfrom torch.distributed import TCPStore\n"
                                   f"s = TCPStore('{made.hub_address}', {made.port}, is_master=True, wait_for_workers=False)\ntime.sleep(1e9)"])  # fmt: skip
-        time.sleep(1.0)
-        run = Run(design, made, out, epochs, f"{design}-{int(time.time())}")
+        _listening(made, store)
+        run = Run(design, made, out, epochs, width, f"{design}-{int(time.time())}")
         faults: list[dict[str, Any]] = []
         try:
             for i in range(len(made.names)):
@@ -270,6 +270,18 @@ def _capped(design: str, out: Path, faults: list[dict[str, Any]], events: list[d
             "events": events, "finished": 0}  # fmt: skip
 
 
+def _listening(made: Machines, store: subprocess.Popen[bytes]) -> None:
+    """Wait until the store started in the hub answers (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and store.poll() is None:
+        probe = subprocess.run([*made.inside(made.hub), sys.executable, "-c", f"import socket; socket.create_connection(('{made.hub_address}', {made.port}), 1)"],
+                               capture_output=True)  # fmt: skip
+        if probe.returncode == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the store at {made.hub_address}:{made.port} did not start")
+
+
 def _logs(out: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(out.glob("machine*.log")))
 
@@ -293,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--every", type=float, default=30.0, help="seconds between two machines lost")
     parser.add_argument("--back", type=float, default=10.0, help="seconds until a lost machine comes back")
     parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden units (784-W-W-10)")
     parser.add_argument("--rate", default="1gbit", help="each machine's link, both ways (tc tbf)")
     parser.add_argument("--designs", default=",".join(DESIGNS))
     parser.add_argument("--timeout", type=float, default=1800.0, help="the most seconds one run may take")
@@ -316,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for design in designs:
             for every in (None, args.every):
                 cap = None if every is None or args.cap is None else args.cap * runs[-1]["seconds"]
-                result = soak(design, made, args.epochs, every, args.back, args.timeout, None if args.logs is None else Path(args.logs), cap)
+                logs = None if args.logs is None else Path(args.logs)
+                result = soak(design, made, args.epochs, every, args.back, args.timeout, logs, cap, args.width)
                 result.setdefault("left", {ns: left_in(ns) for ns in made.names})  # a stopped run's, once its machines are put down
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"

@@ -1,10 +1,10 @@
-"""One process of benchmarks/fleet_soak.py's emulated machines: `torchrun ... fleet_soak_worker.py MODE STORE PROCESSES OUT EPOCHS`.
+"""One process of benchmarks/fleet_soak.py's emulated machines: `torchrun ... fleet_soak_worker.py MODE STORE PROCESSES OUT EPOCHS [WIDTH]`.
 
 MODE fleet: a member of a fleet (`.fleet(STORE, processes=PROCESSES).on_worker_failure("replace")`),
 under a torchrun of its own machine. MODE restart: a rank of one torchrun job across the machines,
 which its agents restart at every change of machines, resuming from the checkpoint in OUT/ckpt.
-Both train the same MLP on MNIST (784-1024-1024-10, batches of benchmarks.common.BATCH, k = 16, SGD with
-Nesterov momentum), EPOCHS epochs.
+Both train the same MLP on MNIST (784-WIDTH-WIDTH-10, WIDTH 1024 unless given, batches of
+benchmarks.common.BATCH, k = 16, SGD with Nesterov momentum), EPOCHS epochs.
 The first process to train writes the time to OUT/first.txt; each process that finishes writes
 OUT/result-{pid}.json: its History's epochs, its test loss and accuracy on the 10,000 test images,
 and the time it finished.
@@ -27,9 +27,9 @@ from parallelwrapper import ParallelWrapper
 K, LR, PEER_TIMEOUT_S, CHECKPOINT_EVERY = 16, 0.05, 3.0, 4
 
 
-def mlp() -> nn.Module:
+def mlp(width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
 class Step:
@@ -47,8 +47,8 @@ class Step:
         return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
-def main(mode: str, store: str, processes: int, out: Path, epochs: int) -> None:
-    net = mlp()
+def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: int = 1024) -> None:
+    net = mlp(width)
     builder = (
         ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=LR, momentum=0.9, nesterov=True).averaging_frequency(K)
         .seed(0).threads_per_worker(1).peer_timeout(PEER_TIMEOUT_S).training_step(Step(out))
@@ -71,4 +71,4 @@ def main(mode: str, store: str, processes: int, out: Path, epochs: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), *map(int, sys.argv[6:7]))
