@@ -78,6 +78,7 @@ class Survivor(Keep):
         self._watch: Callable[[tuple[int, ...]], None] = lambda members: None
         self._admitted = 0  # newcomers taken in so far, the same on every member
         self._joining = 0  # those waiting, as the members agreed at the round's start
+        self._welcomed: bool | None = None  # a newcomer: False until its first fit has taken the fleet's state (`welcome`)
 
     @property
     def rank(self) -> int:
@@ -122,8 +123,6 @@ class Survivor(Keep):
         self._watch(self.group.members)
         self._enter_group()
         return self.rank, len(self.group.members)
-
-    _welcomed: bool | None = None  # a newcomer: False until its first fit has taken the fleet's state
 
     def leave(self) -> None:
         """This member leaves the fleet (its host closes): a process that comes to join once every
