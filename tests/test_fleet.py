@@ -2,7 +2,8 @@
 that none of them hosts (this test's, standing in for etcd). The machine of rank 0 is lost at once
 (its agent and its process SIGKILLed): the survivors go on from the last average with no process
 restarted, a machine that comes later joins with a peer's state, every batch is trained once, and
-every replica ends bitwise equal. Its fast part: the store's address and the refusals."""
+every replica ends bitwise equal; with the autopilot, an outer optimizer and checkpoints on, and the
+last checkpoint holding the end. Its fast part: the store's address and the refusals."""
 
 from __future__ import annotations
 
@@ -86,5 +87,7 @@ def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins
     models = [torch.load(tmp_path / f"model{m}.pt") for m in [*survivors, 3]]
     assert all(torch.equal(t, models[0][k]) for m in models for k, t in m.items())  # the newcomer's replica too, bitwise
     assert not (tmp_path / f"model{lost}.pt").exists()
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)  # written by whoever is rank 0 at the time
+    assert saved["counters"]["iterations"] == EPOCHS * BATCHES, saved["counters"]
     lost_at = float((tmp_path / "lost.txt").read_text())
     print(f"the run after the loss: {max(p.stat().st_mtime for p in tmp_path.glob('model*.pt')) - lost_at:.1f} s")

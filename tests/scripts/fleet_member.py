@@ -8,7 +8,8 @@ rank r in the fleet's group SIGKILLs its torchrun agent and then itself at its 8
 its machine lost at once.
 Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid and
 its agent's restart count to OUT_DIR/history{m}.json; each writes its pid to OUT_DIR/pid{m}.txt
-when it starts.
+when it starts. It runs with the features a fleet composes with: the autopilot (k from 1 to 4), an
+outer optimizer (DiLoCo's Nesterov SGD) and a checkpoint in OUT_DIR/ckpt every 2 rounds.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class Step:
 def main(store: str, processes: int, out: Path, lose: int | None) -> None:
     net, step = mlp(), Step(lose, out)
     builder = (
-        ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9).averaging_frequency(2).seed(3)
-        .threads_per_worker(1).fleet(store, processes=processes).on_worker_failure("replace").peer_timeout(2.0)
+        ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9).averaging_frequency("auto", k_min=1, k_max=4)
+        .outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).checkpoint(out / "ckpt", every=2).seed(3).threads_per_worker(1)
+        .fleet(store, processes=processes).on_worker_failure("replace").peer_timeout(2.0)
         .training_step(step)
     )  # fmt: skip
     (out / f"pid{MACHINE}.txt").write_text(str(os.getpid()))
