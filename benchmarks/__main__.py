@@ -68,8 +68,8 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("--workers", "16", "--every", "60", "--hours", "0.05", "--seeds", "1", "--calibrate"),
     ),
     "fleet_soak": (
-        "emulated machines, one lost every 30 s and back 10 s later: throughput kept by a fleet and by torchrun's restarts",
-        ("--loopback", "--machines", "2", "--epochs", "4", "--width", "64", "--every", "0.5", "--back", "60", "--designs", "fleet", "--timeout", "120"),
+        "emulated machines, one lost every 30 s and back 10 s later: throughput kept by a fleet, by torchrun's restarts and by torchft",
+        ("--loopback", "--machines", "2", "--epochs", "4", "--width", "64", "--every", "0.5", "--back", "60", "--designs", "fleet", "--store", "tcp", "--timeout", "120"),
     ),
     "outer_rescale": (
         "an outer optimizer's loss when k changes mid-run (the autopilot's), by how its momentum is carried over",

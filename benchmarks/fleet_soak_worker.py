@@ -3,11 +3,18 @@
 MODE fleet: a member of a fleet (`.fleet(STORE, processes=PROCESSES).on_worker_failure("replace")`),
 under a torchrun of its own machine. MODE restart: a rank of one torchrun job across the machines,
 which its agents restart at every change of machines, resuming from the checkpoint in OUT/ckpt.
-Both train the same MLP on MNIST (784-WIDTH-WIDTH-10, WIDTH 1024 unless given, batches of
+MODE torchft: machine $MACHINE's replica group of one process, at $ADDRESS, with torchft 0.2.0's
+LocalSGD, meeting the others at the lighthouse $LIGHTHOUSE and going on with any one of them
+(min_replica_size 1; a collective waits 5 s for a peer, as in torchft's LocalSGD example); a
+replica that comes back heals from a peer. torchft has no shared claims: replica m trains batches
+m, m + PROCESSES, ... of an endless round of the epoch, and each committed sync adds its replica's
+samples to a counter in STORE (a TCPStore); every replica stops once it holds EPOCHS epochs of
+samples, so that every design trains as many samples (torchft's not each exactly once).
+All train the same MLP on MNIST (784-WIDTH-WIDTH-10, WIDTH 1024 unless given, batches of
 benchmarks.common.BATCH, k = 16, SGD with Nesterov momentum), EPOCHS epochs.
 The first process to train writes the time to OUT/first.txt; each process that finishes writes
-OUT/result-{pid}.json: its History's epochs, its test loss and accuracy on the 10,000 test images,
-and the time it finished.
+OUT/result-{pid}.json: its History's epochs (none for torchft), its test loss and accuracy on the
+10,000 test images, and the time it finished.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,6 +31,7 @@ from torch import nn
 
 from benchmarks.common import DEFAULT_DATA_DIR, mnist_batches
 from parallelwrapper import ParallelWrapper
+from parallelwrapper.config import fleet_address
 
 K, LR, PEER_TIMEOUT_S, CHECKPOINT_EVERY = 16, 0.05, 3.0, 4
 
@@ -48,6 +57,8 @@ class Step:
 
 
 def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: int = 1024) -> None:
+    if mode == "torchft":
+        return torchft(store, processes, out, epochs, width)
     net = mlp(width)
     builder = (
         ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=LR, momentum=0.9, nesterov=True).averaging_frequency(K)
@@ -57,17 +68,48 @@ def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: i
         builder = builder.fleet(store, processes=processes).on_worker_failure("replace")
     else:
         builder = builder.checkpoint(out / "ckpt", every=CHECKPOINT_EVERY)
-    train, test = mnist_batches(DEFAULT_DATA_DIR), mnist_batches(DEFAULT_DATA_DIR, "test", 1000)
     with builder.build() as wrapper:
-        history = wrapper.fit(train, epochs=epochs)
+        history = wrapper.fit(mnist_batches(DEFAULT_DATA_DIR), epochs=epochs)
+    finish(out, net, epochs=[[e.epoch, e.iteration, e.samples] for e in history.epochs], replacements=len(history.replacements),
+           restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rounds=wrapper.rounds)  # fmt: skip
+
+
+def torchft(store: str, processes: int, out: Path, epochs: int, width: int) -> None:
+    """MODE torchft (the module's docstring): until the replicas' committed samples reach EPOCHS epochs."""
+    from torch.distributed import TCPStore
+
+    from benchmarks.torchft_lenet import torchft_sync
+
+    _, ((host, port),), name = fleet_address(store)
+    counter, key, target = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60)), f"{name}/samples", epochs * 60_000
+    machine, net, step = int(os.environ["MACHINE"]), mlp(width), Step(out)
+    inner = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9, nesterov=True)
+    batches = mnist_batches(DEFAULT_DATA_DIR)
+    outer = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # unused by LocalSGD
+    with torchft_sync("torchft-localsgd", net, inner, K, lighthouse=os.environ["LIGHTHOUSE"], replica_id=f"machine{machine}", replicas=processes,
+                      outer=outer, host=os.environ["ADDRESS"], timeout=30.0, pg_timeout=5.0, min_replicas=1) as manager:  # fmt: skip
+        steps, pending, synced = 0, 0, manager.current_step()
+        while steps % K or int(counter.add(key, 0)) < target:
+            x, y = batches[(machine + steps * processes) % len(batches)]
+            inner.zero_grad()
+            step(net, (x, y)).backward()
+            inner.step()  # LocalSGD syncs in this step's hook every K steps
+            steps, pending = steps + 1, pending + len(y)
+            if steps % K == 0:
+                if manager.current_step() != synced:  # committed (a heal moves the step too: its sync commits with it)
+                    counter.add(key, pending)
+                pending, synced = 0, manager.current_step()
+        rounds = manager.current_step()
+    finish(out, net, epochs=[], replacements=0, restarts=0, rounds=rounds, samples=int(counter.add(key, 0)))
+
+
+def finish(out: Path, net: nn.Module, **result: object) -> None:
+    """OUT/result-{pid}.json: the end's time, `net`'s test loss and accuracy on the 10,000 test images, and `result`."""
+    test = mnist_batches(DEFAULT_DATA_DIR, "test", 1000)
     with torch.no_grad():
         loss = sum(float(nn.functional.cross_entropy(net(x), y, reduction="sum")) for x, y in test) / 10_000
         right = sum(int((net(x).argmax(1) == y).sum()) for x, y in test)
-    (out / f"result-{os.getpid()}.json").write_text(json.dumps({
-        "finished": time.time(), "test_loss": loss, "test_accuracy": right / 10_000,
-        "epochs": [[e.epoch, e.iteration, e.samples] for e in history.epochs], "replacements": len(history.replacements),
-        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "rounds": wrapper.rounds,
-    }))  # fmt: skip
+    (out / f"result-{os.getpid()}.json").write_text(json.dumps({"finished": time.time(), "test_loss": loss, "test_accuracy": right / 10_000, **result}))
 
 
 if __name__ == "__main__":

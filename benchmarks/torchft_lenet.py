@@ -88,11 +88,15 @@ def torchft_sync(
     outer: dict[str, Any],
     host: str = "localhost",
     timeout: float = 60.0,
+    pg_timeout: float | None = None,
+    min_replicas: int | None = None,
 ) -> Iterator[Any]:
     """Within the block, `inner.step()` runs torchft's `kind` ("torchft-diloco": DiLoCo with an
     outer SGD of `outer`'s arguments; "torchft-localsgd": LocalSGD, parameters averaged) every `k`
     steps, among `replicas` replica groups that meet at `lighthouse`. `host` is the address the
-    other groups reach this one at (its store and manager). Yields the Manager."""
+    other groups reach this one at (its store and manager); `pg_timeout`, the seconds a collective
+    waits for a peer (default `timeout`); `min_replicas`, the fewest groups a quorum goes on with
+    (default all `replicas`). Yields the Manager."""
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo, LocalSGD
 
@@ -109,10 +113,10 @@ def torchft_sync(
     wait = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this replica group's
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=wait),
+        pg=ProcessGroupGloo(timeout=wait if pg_timeout is None else datetime.timedelta(seconds=pg_timeout)),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        min_replica_size=replicas,
+        min_replica_size=replicas if min_replicas is None else min_replicas,
         use_async_quorum=False,
         replica_id=replica_id,
         store_addr=host,
