@@ -10,11 +10,8 @@ no change to the others' agents, and the fleet's group is the library's own. Thi
   which the wrapper hands it): generation 0 of the first N, or a later one that takes it in;
 - beats in the store and hears its peers' beats (heartbeat.py), which says who is silent, and
   listens on a socket of its own (`Lifeline`), which a dead process's peers find refused at once;
-- claims its batches first-come (feed/claims.py), so that a round's are anyone's, from a TCPStore
-  that its generation's rank 0 hosts (`Claims`): one claim a batch is one round trip, where an
-  etcd cluster's add is a consensus write retried under contention (3.3 ms alone, 7-11 ms with three
-  processes claiming, on this machine's loopback); that store goes with rank 0, and so does its
-  generation, which the survivors' next one replaces with a store of its own;
+- claims its batches first-come (feed/claims.py), so that a round's are anyone's, from the store
+  its generation's rank 0 hosts (the survivor's `local`: replacement/fleet.py says why not etcd);
 - answers a peer lost in a collective, and a process that comes to join, by the survivor's new
   group (`regroup`, `grow`), for which it rebuilds its worker (`_build`), and redoes the round.
 A newcomer's first fit() joins the fit in progress with the state of a peer.
@@ -53,7 +50,7 @@ from .runtime import SignalHooks, Worker, stop_on_signals
 from .torchrun import PEER_GONE, from_rank_0
 
 # gloo's words for a peer gone (torchrun.py's), or refused, or silent past the collective's
-# timeout; and a TCPStore client's, for the claims' store of a rank 0 gone.
+# timeout; and a TCPStore client's, for the store of a generation whose rank 0 is gone.
 _PEER_GONE = re.compile(f"{PEER_GONE.pattern}|Timed out waiting|Connection refused|Connection was likely closed")
 _ENTER_S = 600.0  # how long a process waits to enter the fleet: for every machine's first processes, or to be taken in
 
@@ -66,6 +63,7 @@ class Survival(RoundObserver, Protocol):
     asks it: the round loop tells it where each round starts (it keeps that state)."""
 
     me: int  # its member id, for life
+    local: Store | None  # its generation's own store, which its rank 0 hosts: the claims go there
 
     @property
     def rank(self) -> int:
@@ -82,8 +80,8 @@ class Survival(RoundObserver, Protocol):
         """Whether it joined a running fleet and its first fit has yet to take the fleet's state."""
         ...
 
-    def enter(self, processes: int, gone: Callable[[int], bool], watch: Callable[[tuple[int, ...]], None], wait_s: float) -> tuple[int, int]:
-        """(rank, size) of the group it enters, which `processes` form first."""
+    def enter(self, processes: int, gone: Callable[[int], bool], watch: Callable[[tuple[int, ...]], None], wait_s: float, host: str) -> tuple[int, int]:
+        """(rank, size) of the group it enters, which `processes` form first; `host`: the address its peers reach it at."""
         ...
 
     def attach(self, worker: Worker) -> None:
@@ -167,31 +165,6 @@ class Lifeline:
         self._server.close()
 
 
-class Claims:
-    """The claims' store of the generation in force: a TCPStore that its rank 0 hosts at `host`,
-    its address in the fleet's store; the others connect to it. A new generation, a new store."""
-
-    def __init__(self, fleet: Store, host: str, timeout: datetime.timedelta) -> None:
-        self._fleet, self._host, self._timeout = fleet, host, timeout
-        self._generation: int | None = None
-        self._store: Store | None = None
-
-    def counter(self, generation: int, rank: int, key: str) -> StoreCounter:
-        """Claims on `key` in generation `generation`'s store, as its rank `rank`."""
-        if generation != self._generation:
-            self._store, where = None, f"claims-store/generation-{generation}"  # the last generation's goes
-            if rank == 0:
-                self._store = TCPStore(self._host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
-                self._fleet.set(where, f"{self._host}:{self._store.port}")
-            else:
-                self._fleet.wait([where])
-                host, _, port = self._fleet.get(where).decode().rpartition(":")
-                self._store = TCPStore(host, int(port), is_master=False, timeout=self._timeout)
-            self._generation = generation
-        assert self._store is not None
-        return StoreCounter(self._store, key)
-
-
 @dataclass(frozen=True)
 class Connected:
     """The fleet's store as this process reaches it: the fleet's keys, a way to make another
@@ -257,8 +230,7 @@ class FleetWorker:
         self.me = self._survival.me
         self._heartbeat = Heartbeat(connected.connect, connected.where, "heartbeat", self.me, 0, config.peer_timeout, exits=False)
         self._lifeline = Lifeline(self._store, self.me, *connected.first)
-        self._claims = Claims(self._store, self._lifeline.host, timeout)
-        rank, size = self._survival.enter(config.fleet_processes, self._gone, self._heartbeat.watch, _ENTER_S)
+        rank, size = self._survival.enter(config.fleet_processes, self._gone, self._heartbeat.watch, _ENTER_S, self._lifeline.host)
         self._survival.attach(self._build(rank, size))
         self._hooks.observer = self._survival
         self._started = False
@@ -295,7 +267,8 @@ class FleetWorker:
                 worker, counters = self._worker, command.counters
                 claims = None
                 if claimed(self._config, self._feature.alone):  # from where the fit (or the round it redoes) starts, in this group
-                    claims = self._claims.counter(survival.generation, survival.rank, f"claims/{counters.epoch}-{counters.position}")
+                    assert survival.local is not None, "a fit outside a group"
+                    claims = StoreCounter(survival.local, f"claims/{counters.epoch}-{counters.position}")
                 source = feed.source(data, survival.rank, dist.get_world_size(), counters, until_epoch, claims, command.order)
                 lost: WorkerError | None = None
                 try:
