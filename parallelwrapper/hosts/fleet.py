@@ -27,9 +27,10 @@ import signal
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
@@ -175,6 +176,7 @@ class Connected:
     connect: Callable[[], Store]
     where: str
     first: tuple[str, int]
+    steady: Callable[[float], None] = lambda wait_s: None  # waits, at most so long, until the store takes writes at once (etcd's `_steady`)
 
 
 def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> Connected:
@@ -194,10 +196,12 @@ def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> Conne
             raise RuntimeError("a fleet's store on etcd needs python-etcd: pip install python-etcd") from None
         from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
-        def client() -> Store:
+        def etcd_client() -> etcd.Client:
             # Any member answers; a member lost, the client goes on with the others.
-            connection = etcd.Client(host=hosts, allow_reconnect=True, read_timeout=max(1, int(answer_s)))
-            return EtcdStore(connection, f"/parallelwrapper/{name}", timeout)
+            return etcd.Client(host=hosts, allow_reconnect=True, read_timeout=max(1, int(answer_s)))
+
+        def client() -> Store:
+            return EtcdStore(etcd_client(), f"/parallelwrapper/{name}", timeout)
 
     try:
         probe = (TCPStore(hosts[0][0], hosts[0][1], is_master=False, timeout=datetime.timedelta(seconds=answer_s)) if scheme == "tcp"
@@ -209,7 +213,26 @@ def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> Conne
             f"the fleet's store at {where} did not answer in {answer_s:g} s (peer_timeout): start it first, or "
             "fix .fleet(store) (docs/guides/many-machines.md)"
         ) from None
-    return Connected(store, client, where, hosts[0])
+    if scheme == "tcp":
+        return Connected(store, client, where, hosts[0])
+    probe_client = etcd_client()
+    return Connected(store, client, where, hosts[0], lambda wait_s: _steady(probe_client, wait_s))
+
+
+def _steady(client: Any, wait_s: float) -> None:
+    """Wait, `wait_s` at most, until the etcd cluster's leader answers. A write that a member
+    forwards to a leader lost a moment ago waits out the client's read timeout before it goes to
+    another member (3.4-3.6 s of a soak's regroups at peer_timeout 3, where its other regroups took
+    0.5-0.9 s), while a new election takes about its election timeout: written once a leader
+    answers, the survivors' first word goes at once."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            url = urllib.parse.urlsplit(client.leader["clientURLs"][0])
+            socket.create_connection((url.hostname, url.port), timeout=0.2).close()
+            return
+        except Exception:  # noqa: BLE001 - no leader yet, or a lost one that refuses: asked again
+            time.sleep(0.05)
 
 
 class FleetWorker:
@@ -224,7 +247,7 @@ class FleetWorker:
         claim_device(placement, env.local_rank, config.deterministic)
         timeout = collective_timeout(config)
         connected = connect(config.fleet, config.peer_timeout, timeout)
-        self._store = connected.store
+        self._store, self._steady = connected.store, connected.steady
         self._hooks = SignalHooks()
         self._survival = surviving(self._store, config.peer_timeout, timeout, self._join, self._build)
         self.me = self._survival.me
@@ -290,6 +313,8 @@ class FleetWorker:
                 del worker, source
                 gc.collect()
                 # This host's worker is rebuilt for the new group (_build).
+                if lost is not None:
+                    self._steady(self._config.peer_timeout)  # the store's leader may have gone with the lost machine
                 command, told = survival.grow(until_epoch, start) if lost is None else survival.regroup(lost, until_epoch, start)
                 for replacement in told:
                     report(replacement)
