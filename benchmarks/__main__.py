@@ -75,6 +75,10 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
         "an outer optimizer's loss when k changes mid-run (the autopilot's), by how its momentum is carried over",
         ("--steps", "8", "--layers", "1", "--width", "16", "--context", "16", "--batch", "2", "--k", "2,4", "--seeds", "0"),
     ),
+    "loss_side": (
+        "what a longer round costs in loss per doubling of k, against an online signal's estimate of it (the average's worth over the loss curve's fall)",
+        ("--steps", "16", "--k", "2,4", "--eval-every", "4", "--jobs", "1x16"),
+    ),
     "gpu_checks": (
         "the CUDA paths, each a short fit on cuda:0 (on a lent GPU; --device cpu tries it here)",
         ("--device", "cpu", "--batches", "30", "--only", "channels_last"),

@@ -163,6 +163,15 @@ def outer_rescale(r: dict[str, Any]) -> None:
     assert all(math.isfinite(v) for row in r["rows"] for v in row["losses"]), r["rows"]
 
 
+def loss_side(r: dict[str, Any]) -> None:
+    """Each k's run probed every round (a finite gain) and scored; a row for the pair of k."""
+    (runs,) = r["runs"].values()
+    assert [run["k"] for run in runs] == [2, 4], runs
+    assert all(len(run["probes"]) == 16 // run["k"] and all(math.isfinite(p["gain"]) for p in run["probes"]) for run in runs), runs
+    assert all(len(run["points"]) == 5 for run in runs), runs  # at 0, 4, 8, 12, 16 steps
+    assert [row[1] for row in r["table"]] == ["2 to 4"], r["table"]
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "throughput": throughput,
     "torchft_lenet": torchft_lenet,
@@ -177,6 +186,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "fleet_sim": fleet_sim,
     "fleet_soak": fleet_soak,
     "outer_rescale": outer_rescale,
+    "loss_side": loss_side,
 }
 
 
