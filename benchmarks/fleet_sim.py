@@ -213,16 +213,20 @@ def calibration() -> list[dict[str, Any]]:
                   every_s=soak["every_s"], back_s=back, stall_s=stall, regroup_s=0.0, hours=0.1)  # fmt: skip
     rows.append({"design": "rollback", "run": "torchft_soak.json", "predicted": kept(fleet, "rollback", seeds=5, schedule="fixed"), "measured": soak["kept"],
                  "parts": {"stall_s": stall, "back_s": back, "step_s": step, "k": soak["k"], "every_s": soak["every_s"]}})  # fmt: skip
-    rows += survivors_calibration()
+    for name in SOAKS:
+        rows += survivors_calibration(name)
     return rows
 
 
-def survivors_calibration() -> list[dict[str, Any]]:
-    """The survivors' design on benchmarks/fleet_soak.py's emulated machines, from the parts its
-    runs measured: the fault-free pace (a round's seconds, the exchange in it), each loss's
-    seconds to the survivors' regroup and each return's to its joining (their lines' times), and
-    the machines sharing the host's cores. None where the soak has not run."""
-    path = RESULTS / "fleet_soak.json"
+SOAKS = ("fleet_soak.json", "fleet_soak_etcd.json")  # benchmarks/fleet_soak.py's runs: its store a TCPStore in the hub, then etcd on the machines
+
+
+def survivors_calibration(name: str) -> list[dict[str, Any]]:
+    """The survivors' design on benchmarks/fleet_soak.py's emulated machines (results/`name`), from
+    the parts its runs measured: the fault-free pace (a round's seconds, the exchange in it), each
+    loss's seconds to the survivors' regroup and each return's to its joining (their lines' times),
+    and the machines sharing the host's cores. None where the soak has not run."""
+    path = RESULTS / name
     if not path.exists():
         return []
     soak = json.loads(path.read_text())
@@ -245,7 +249,7 @@ def survivors_calibration() -> list[dict[str, Any]]:
     at = [f["at"] for f in faulted["faults"]]
     free = simulate(fleet, "survivors", faults=False)["steps_per_s"]
     predicted = simulate(fleet, "survivors", at=at)["steps_per_s"] / free
-    return [{"design": "survivors", "run": "fleet_soak.json fleet", "predicted": predicted, "measured": clean["seconds"] / faulted["seconds"],
+    return [{"design": "survivors", "run": f"{name} fleet", "predicted": predicted, "measured": clean["seconds"] / faulted["seconds"],
              "parts": {"regroup_s": fleet.regroup_s, "join_s": fleet.join_s, "back_s": fleet.back_s, "starting_s": fleet.starting_s, "step_s": fleet.step_s, "k": fleet.k,
                        "cores": fleet.cores, "faults": len(at)}}]  # fmt: skip
 
