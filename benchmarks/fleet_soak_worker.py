@@ -78,16 +78,15 @@ def torchft(store: str, processes: int, out: Path, epochs: int, width: int) -> N
     """MODE torchft (the module's docstring): until the replicas' committed samples reach EPOCHS epochs."""
     from torch.distributed import TCPStore
 
-    from benchmarks.torchft_lenet import torchft_sync
+    from benchmarks.torchft_lenet import OUTER, torchft_sync
 
     _, ((host, port),), name = fleet_address(store)
     counter, key, target = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60)), f"{name}/samples", epochs * 60_000
     machine, net, step = int(os.environ["MACHINE"]), mlp(width), Step(out)
     inner = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9, nesterov=True)
     batches = mnist_batches(DEFAULT_DATA_DIR)
-    outer = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # unused by LocalSGD
     with torchft_sync("torchft-localsgd", net, inner, K, lighthouse=os.environ["LIGHTHOUSE"], replica_id=f"machine{machine}", replicas=processes,
-                      outer=outer, host=os.environ["ADDRESS"], timeout=30.0, pg_timeout=5.0, min_replicas=1) as manager:  # fmt: skip
+                      outer=OUTER, host=os.environ["ADDRESS"], timeout=30.0, pg_timeout=5.0, min_replicas=1) as manager:  # fmt: skip
         steps, pending, synced = 0, 0, manager.current_step()
         while steps % K or int(counter.add(key, 0)) < target:
             x, y = batches[(machine + steps * processes) % len(batches)]

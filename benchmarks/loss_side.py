@@ -47,15 +47,6 @@ REPLICAS = 2
 CURVE = 32  # the rounds the loss curve's slope is fitted over, as the autopilot would
 
 
-@torch.no_grad()
-def _loss(model: torch.nn.Module, batch: gpt_arena.Batch) -> float:
-    was = model.training
-    model.eval()
-    loss = float(F.cross_entropy(model(batch[0]), batch[1]))
-    model.train(was)
-    return loss
-
-
 def train(text: torch.Tensor, val: list[gpt_arena.Batch], k: int, steps: int, eval_every: int, seed: int, layers: int, width: int) -> dict[str, Any]:
     """One run at `k`: the average's validation loss every `eval_every` steps ("points"), and at
     every round's end the gain and the curve's slope so far ("probes")."""
@@ -78,9 +69,9 @@ def train(text: torch.Tensor, val: list[gpt_arena.Batch], k: int, steps: int, ev
                 loss.backward()  # type: ignore[no-untyped-call]
                 optimizer.step()
                 losses.append(float(loss.detach()))
-        before = [_loss(model, batch) for model, batch in zip(replicas, last)]
+        before = [gpt_arena.val_loss(model, [batch]) for model, batch in zip(replicas, last)]  # eval mode, no gradients
         _average(replicas)
-        after = [_loss(replicas[0], batch) for batch in last]
+        after = [gpt_arena.val_loss(replicas[0], [batch]) for batch in last]
         done = first + k
         curve = [*curve[1 - CURVE:], (float(done), statistics.fmean(losses))]
         probes.append({"steps": done, "gain": statistics.fmean(b - a for b, a in zip(before, after)), "slope": _slope(curve)})
