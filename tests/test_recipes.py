@@ -211,12 +211,12 @@ def test_16_mixed_a_step_the_scaler_skips_still_joins_its_round(tmp_path: Path, 
 
 
 def test_bf16_mixed_trains_lenet_on_mnist_as_well_as_float32(mnist_dir: Path) -> None:
-    """Two workers, 40 batches of 128 real MNIST images each, the same seed: test accuracy on
+    """Two workers, 40 batches of 64 real MNIST images each, the same seed: test accuracy on
     2,000 test images within 2 points of float32's."""
     from parallelwrapper.app.mnist import load_mnist
     from parallelwrapper.app.models import LeNet
 
-    train = load_mnist(mnist_dir, "train", download=False).batches(128, shuffle=True, seed=0)[:80]
+    train = load_mnist(mnist_dir, "train", download=False).batches(64, shuffle=True, seed=0)[:80]
     test = load_mnist(mnist_dir, "test", download=False).batches(1000)[:2]
     accuracy = {}
     for precision in ("32", "bf16-mixed"):  # 16-mixed: float16 kernels crawl on a CPU; pw-fit's figures are in the note
