@@ -218,9 +218,9 @@ def calibration() -> list[dict[str, Any]]:
     return rows
 
 
-# benchmarks/fleet_soak.py's runs: its store a TCPStore in the hub, then etcd on the machines, then
-# etcd again with a faster regroup, on a day this machine ran the fault-free soak 2.06x slower.
-SOAKS = ("fleet_soak.json", "fleet_soak_etcd.json", "fleet_soak_etcd_freeze.json")
+# benchmarks/fleet_soak.py's runs: its store a TCPStore in the hub, then etcd on the machines; then
+# etcd before and after the regroup's collection went, on a day this machine ran 2.06x slower.
+SOAKS = ("fleet_soak.json", "fleet_soak_etcd.json", "fleet_soak_etcd_before_freeze.json", "fleet_soak_etcd_freeze.json")
 
 
 def survivors_calibration(name: str) -> list[dict[str, Any]]:
