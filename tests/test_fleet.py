@@ -8,9 +8,13 @@ last checkpoint holding the end. Its fast part: the store's address and the refu
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +46,38 @@ def test_a_fleets_store_is_a_tcp_store_or_etcds_members_and_a_name() -> None:
 
 
 @pytest.mark.fast
+def test_a_groups_connections_are_those_made_as_it_formed_and_shutting_them_ends_a_blocked_read_once() -> None:
+    """Connections.shut closes, both ways, the TCP connections opened between mark() and taken():
+    not a listener, not one to a spared endpoint (the fleet's store), not one opened before; a
+    read blocked on one ends at once; and a decision about an earlier group shuts nothing."""
+    from parallelwrapper.hosts.connections import Connections
+
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_server(("127.0.0.1", 0)) as store:
+        older = socket.create_connection(server.getsockname())
+        connections = Connections({store.getsockname()})
+        connections.mark()
+        listener = socket.create_server(("127.0.0.1", 0))
+        pair, spared = socket.create_connection(server.getsockname()), socket.create_connection(store.getsockname())
+        far, _ = server.accept()
+        connections.taken()
+        before = connections.taken_count
+        assert connections.shut(before - 1) == 0  # decided about the group before: nothing
+        read: list[bytes] = []
+        reader = threading.Thread(target=lambda: read.append(far.recv(1)))
+        reader.start()
+        assert connections.shut(before) == 2 and connections.shut(before) == 0  # the pair's two ends (both this process's here), once
+        reader.join(timeout=5)
+        assert read == [b""]  # the blocked read ended
+        with pytest.raises(OSError):
+            pair.send(b"x")
+        spared.sendall(b"x")
+        older.sendall(b"x")
+        assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        for s in (older, listener, pair, spared, far):
+            s.close()
+
+
+@pytest.mark.fast
 def test_a_fleet_whose_store_does_not_answer_says_so() -> None:
     port = free_port()
     builder = ParallelWrapper.builder(nn.Linear(2, 2)).fleet(f"tcp://127.0.0.1:{port}", processes=2).on_worker_failure("replace").peer_timeout(0.5)
@@ -49,18 +85,20 @@ def test_a_fleet_whose_store_does_not_answer_says_so() -> None:
         wrapper.fit([(torch.zeros(1, 2), torch.zeros(1, 2))])
 
 
+def machine(out: Path, store: TCPStore, m: int, *extra: str, **env: str) -> subprocess.Popen[bytes]:
+    """Emulated machine `m`: a torchrun of its own running fleet_member.py, one of 3 processes in
+    `store`'s fleet, its log in `out`/agent{m}.log; each its own session, so that a lost one's
+    agent and process are killed as a machine."""
+    command = torchrun("--standalone", "--nproc-per-node", "1", "--max-restarts", "0", str(SCRIPT), f"tcp://127.0.0.1:{store.port}/test", "3", str(out), *extra)
+    with (out / f"agent{m}.log").open("w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**clean_env(), "MACHINE": str(m), **env}, start_new_session=True)
+
+
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins_from_a_peer(tmp_path: Path) -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    address = f"tcp://127.0.0.1:{store.port}/test"
     logs = [tmp_path / f"agent{m}.log" for m in range(4)]
-
-    def machine(m: int, *extra: str, **env: str) -> subprocess.Popen[bytes]:
-        command = torchrun("--standalone", "--nproc-per-node", "1", "--max-restarts", "0", str(SCRIPT), address, "3", str(tmp_path), *extra)
-        with logs[m].open("w") as log:  # each its own session: the lost one's agent and process are killed as a machine
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**clean_env(), "MACHINE": str(m), **env}, start_new_session=True)
-
-    machines = [machine(m, "0") for m in range(3)] + [machine(3, COME_AFTER=str(tmp_path / "lost.txt"))]
+    machines = [machine(tmp_path, store, m, "0") for m in range(3)] + [machine(tmp_path, store, 3, COME_AFTER=str(tmp_path / "lost.txt"))]
     try:
         for p in machines:
             p.wait(timeout=TIMEOUT_S)
@@ -91,3 +129,42 @@ def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins
     assert saved["counters"]["iterations"] == EPOCHS * BATCHES, saved["counters"]
     lost_at = float((tmp_path / "lost.txt").read_text())
     print(f"the run after the loss: {max(p.stat().st_mtime for p in tmp_path.glob('model*.pt')) - lost_at:.1f} s")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_a_stopped_member_closes_nothing_and_its_peers_go_on_without_it_within_the_peer_timeout(tmp_path: Path) -> None:
+    """The process of rank 0, which hosts its generation's store, SIGSTOPped at its 8th step: a hung
+    host or a cut link, whose sockets stay open, so gloo would wait out its 330 s timeout. Its
+    peers hear no beat for peer_timeout (2 s), find nothing answering at its lifeline, shut their
+    connections of the group and go on without it, every batch once, their replicas equal.
+    Continued once they have finished, it is told the fleet went on without it, and ends."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    machines = [machine(tmp_path, store, m, "0", STOP="1") for m in range(3)]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while sum(p.poll() is not None for p in machines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stopped = [m for m, p in enumerate(machines) if p.poll() is None]
+        logs = [(tmp_path / f"agent{m}.log").read_text() for m in range(3)]
+        assert len(stopped) == 1, ([p.returncode for p in machines], [t[-3000:] for t in logs])
+        survivors = [m for m in range(3) if m not in stopped]
+        assert [machines[m].returncode for m in survivors] == [0, 0], [t[-3000:] for t in logs]
+        finished = max((tmp_path / f"model{m}.pt").stat().st_mtime for m in survivors) - float((tmp_path / "lost.txt").read_text())
+        os.kill(int((tmp_path / f"pid{stopped[0]}.txt").read_text()), signal.SIGCONT)
+        machines[stopped[0]].wait(timeout=60)
+    finally:
+        for p in machines:
+            p.kill()
+    for m in survivors:
+        history = json.loads((tmp_path / f"history{m}.json").read_text())
+        assert history["restarts"] == 0 and history["epochs"][-1][1] == EPOCHS * BATCHES, history
+        assert [r[0] for r in history["replacements"]] == [0], history
+        said = [line for line in logs[m].splitlines() if line.startswith("parallelwrapper: member")]
+        assert len(said) == 2 and "member 0 gone (no heartbeat for 2 s, and nothing answers" in said[0] and said[0].endswith("shut, so that the group regroups now"), said
+        assert "goes on without member" in said[1] and "(rank 0 of generation 0): 2 processes from round" in said[1], said
+    models = [torch.load(tmp_path / f"model{m}.pt") for m in survivors]
+    assert all(torch.equal(t, models[0][k]) for m in models for k, t in m.items())
+    assert finished < 60, finished  # the rest of the run after the stop, far inside gloo's 330 s
+    print(f"the run after the stop: {finished:.1f} s")
+    told = (tmp_path / f"agent{stopped[0]}.log").read_text()
+    assert machines[stopped[0]].returncode != 0 and "the fleet went on without member" in told, told[-3000:]

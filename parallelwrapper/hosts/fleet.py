@@ -9,7 +9,11 @@ no change to the others' agents, and the fleet's group is the library's own. Thi
 - enters the fleet by its member's part that outlives a loss (the replacement feature's survivor,
   which the wrapper hands it): generation 0 of the first N, or a later one that takes it in;
 - beats in the store and hears its peers' beats (heartbeat.py), which says who is silent, and
-  listens on a socket of its own (`Lifeline`), which a dead process's peers find refused at once;
+  answers on a socket of its own (`Lifeline`), which a dead process's peers find refused at once;
+- ends its collective at once when a peer is gone without closing anything (stopped, its link
+  cut): the heartbeat's judge shuts this member's connections of its group (connections.py), and
+  so every member's collective ends and the survivors regroup, where gloo alone would wait out its
+  timeout;
 - claims its batches first-come (feed/claims.py), so that a round's are anyone's, from the store
   its generation's rank 0 hosts (the survivor's `local`: replacement/fleet.py says why not etcd);
 - answers a peer lost in a collective, and a process that comes to join, by the survivor's new
@@ -19,12 +23,14 @@ A newcomer's first fit() joins the fit in progress with the state of a peer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -46,6 +52,7 @@ from ..hooks import RoundObserver
 from ..job import Job
 from ..messages import FitCommand
 from ..types import Replacement, Reporter, TrainingState
+from .connections import Connections, endpoints
 from .heartbeat import Heartbeat
 from .runtime import SignalHooks, Worker, stop_on_signals
 from .torchrun import PEER_GONE, from_rank_0
@@ -118,7 +125,8 @@ Surviving = Callable[[Store, float, datetime.timedelta, Join, Callable[[int, int
 class Lifeline:
     """A socket every member listens on, its address in the fleet's store, so that a peer can
     tell a dead process at once: connecting to it is refused (its machine still up), where a
-    silent heartbeat takes peer_timeout to say so. A daemon thread accepts and closes."""
+    silent heartbeat takes peer_timeout to say so. A daemon thread accepts, answers a byte and
+    closes: a stopped process's kernel still accepts, but nothing answers."""
 
     _ASKED_S = 0.1  # how long one peer's answer stands before it is asked again
     _WAIT_S = 0.5  # how long a connection may take: past it, the heartbeat judges
@@ -139,12 +147,13 @@ class Lifeline:
                 connection, _ = self._server.accept()
             except OSError:  # closed
                 return
-            connection.close()
+            with connection, contextlib.suppress(OSError):  # the asker gone already
+                connection.sendall(b"!")
 
     def ask(self, member: int) -> bool | None:
-        """Whether `member`'s process accepts a connection (True), refuses it (False: it is dead),
-        or nothing answers in _WAIT_S (None: its machine is lost, cut off, or has yet to listen);
-        as asked at most _ASKED_S ago."""
+        """Whether `member`'s process answers (True), refuses a connection (False: it is dead), or
+        nothing answers in _WAIT_S (None: it is stopped, its machine lost or cut off, or it has
+        yet to listen); as asked at most _ASKED_S ago."""
         now = time.monotonic()
         asked = self._asked.get(member)
         if asked is not None and now - asked[0] < self._ASKED_S:
@@ -153,8 +162,8 @@ class Lifeline:
         if self._store.check([f"lifeline/{member}"]):
             host, _, port = self._store.get(f"lifeline/{member}").decode().rpartition(":")
             try:
-                socket.create_connection((host, int(port)), timeout=self._WAIT_S).close()
-                answer = True
+                with socket.create_connection((host, int(port)), timeout=self._WAIT_S) as connection:
+                    answer = connection.recv(1) == b"!" or None
             except ConnectionRefusedError:
                 answer = False
             except OSError:  # a timeout, an unreachable network
@@ -254,11 +263,13 @@ class FleetWorker:
         connected = connect(config.fleet, config.peer_timeout, timeout)
         self._store, self._steady = connected.store, connected.steady
         self._hooks = SignalHooks()
+        self._connections, self._members = Connections(endpoints(fleet_address(config.fleet)[1])), tuple[int, ...]()
         self._survival = surviving(self._store, config.peer_timeout, timeout, self._join, self._build)
         self.me = self._survival.me
-        self._heartbeat = Heartbeat(connected.connect, connected.where, "heartbeat", self.me, 0, config.peer_timeout, exits=False)
+        self._heartbeat = Heartbeat(connected.connect, connected.where, "heartbeat", self.me, 0, config.peer_timeout, on_lost=self._silent)
         self._lifeline = Lifeline(self._store, self.me, *connected.first)
-        rank, size = self._survival.enter(config.fleet_processes, self._gone, self._heartbeat.watch, _ENTER_S, self._lifeline.host)
+        rank, size = self._survival.enter(config.fleet_processes, self._gone, self._watch, _ENTER_S, self._lifeline.host)
+        self._connections.taken()
         self._survival.attach(self._build(rank, size))
         self._hooks.observer = self._survival
         self._started = False
@@ -266,12 +277,30 @@ class FleetWorker:
     def _gone(self, member: int) -> bool:
         """Whether peer `member` is gone: its process refuses a connection (it died, its machine
         still up); or, where nothing answers (a machine lost or cut off), it has been silent for
-        peer_timeout. A process that accepts is alive, whatever its heartbeat (a store that
+        peer_timeout. A process that answers is alive, whatever its heartbeat (a store that
         fails over to another member delays the beats)."""
         answer = self._lifeline.ask(member)
         return answer is False or (answer is None and self._heartbeat.silent(member) >= self._config.peer_timeout)
 
+    def _watch(self, members: tuple[int, ...]) -> None:
+        """The group's members as they are now: the heartbeat watches them."""
+        self._members = members
+        self._heartbeat.watch(members)
+
+    def _silent(self, members: list[int], why: str) -> None:
+        """The heartbeat's judge, from its thread: peers silent for peer_timeout (`why`). Those of
+        the group that are gone (`_gone`) closed nothing, and the collective waiting on them would
+        wait out its timeout: this member shuts its connections of the group, so that its
+        collective and every peer's end now, and the survivors regroup without them."""
+        taken, group, generation = self._connections.taken_count, self._members, self._survival.generation
+        gone = [m for m in members if m in group and self._gone(m)]  # the lifeline's answer may take _WAIT_S: the group may change meanwhile
+        if gone and (shut := self._connections.shut(taken)):
+            print(f"parallelwrapper: member {self.me}: member{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} gone ({why} for "
+                  f"{self._config.peer_timeout:g} s, and nothing answers: stopped, its link cut, or ended): {shut} connection(s) of "
+                  f"generation {generation} shut, so that the group regroups now", file=sys.stderr, flush=True)  # fmt: skip
+
     def _join(self, store: Store, timeout: datetime.timedelta, rank: int, size: int) -> None:
+        self._connections.mark()
         dist.init_process_group(self._placement.backend, store=store, rank=rank, world_size=size, timeout=timeout)
 
     def _build(self, rank: int, size: int) -> Worker:
@@ -321,6 +350,7 @@ class FleetWorker:
                 if lost is not None:
                     self._steady(self._config.peer_timeout)  # the store's leader may have gone with the lost machine
                 command, told = survival.grow(until_epoch, start) if lost is None else survival.regroup(lost, until_epoch, start)
+                self._connections.taken()
                 for replacement in told:
                     report(replacement)
         return self._worker.replica.whole_state()

@@ -8,7 +8,8 @@ the group. So every rank runs a daemon thread that bumps its own counter in the 
 A peer whose counter has not moved for `peer_timeout`, or a store that has not answered for that
 long, is lost: the main thread may be blocked in a collective, so the judge prints one line naming
 the lost ranks to stderr and ends the process with `os._exit(1)`; torchrun's agent then restarts the
-group (--max-restarts) or stops. The threads go on while the main thread works (a validation, a
+group (--max-restarts) or stops. A fleet's member is not to end: its judge is its host's
+(`on_lost`), which closes the group's connections so that every survivor regroups (fleet.py). The threads go on while the main thread works (a validation, a
 checkpoint, the time between two fits), and a rank that leaves (close()) adds 2^40 to its count, so
 its peers stop watching it.
 """
@@ -33,12 +34,15 @@ class Heartbeat:
 
     Two daemon threads: one beats and reads the peers' counts; the other judges, since a store
     call on a cut link can block for ever whatever the client's timeout. Where the process is not
-    to end (`exits` False: a fleet's member, whose peers go on without a lost one), there is no
-    judge: its host asks how long each peer has been silent (`silent`) and forgets the lost."""
+    to end (a fleet's member, whose peers go on without a lost one), the judge is `on_lost`, and
+    its host asks how long each peer has been silent (`silent`) and forgets the lost (`watch`)."""
 
-    def __init__(self, connect: Callable[[], Store], where: str, prefix: str, rank: int, world: int, timeout_s: float, *, exits: bool = True) -> None:
+    def __init__(self, connect: Callable[[], Store], where: str, prefix: str, rank: int, world: int, timeout_s: float, *,
+                 on_lost: Callable[[list[int], str], None] | None = None) -> None:  # fmt: skip
         """`connect()`: a client of the group's store (its own: the beats' thread calls it), which
-        is at `where` (for the messages)."""
+        is at `where` (for the messages). `on_lost(ranks, why)`: called from the judge's thread, at
+        every look while peers are silent for `timeout_s` (or the store has not answered for so
+        long: every peer); by default this process says so and ends."""
         self._connect, self._where, self._prefix, self._rank, self._timeout_s = connect, where, prefix, rank, timeout_s
         self._interval = min(timeout_s / 6, _MOST_S)
         self._stop = threading.Event()
@@ -46,8 +50,8 @@ class Heartbeat:
         self._heard = {r: (-1, self._answered) for r in range(world) if r != rank}  # peer: (its last count, when it changed)
         self._beat = threading.Thread(target=self._beats, name="parallelwrapper-heartbeat", daemon=True)
         self._beat.start()
-        if exits:
-            threading.Thread(target=self._watch, name="parallelwrapper-peer-watch", daemon=True).start()
+        self._on_lost = on_lost or self._lost
+        threading.Thread(target=self._watch, name="parallelwrapper-peer-watch", daemon=True).start()
 
     def silent(self, rank: int) -> float:
         """Seconds the store has answered this rank's beats while peer `rank`'s count did not
@@ -106,13 +110,13 @@ class Heartbeat:
             self._stop.wait(self._interval)
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._interval) and self._heard:
+        while not self._stop.wait(self._interval):
             now = time.monotonic()
             silent = [r for r, (_, changed) in list(self._heard.items()) if now - changed >= self._timeout_s]
-            if now - self._answered >= self._timeout_s:
-                self._lost(list(self._heard), f"the group's store at {self._where} has not answered")
+            if now - self._answered >= self._timeout_s and self._heard:
+                self._on_lost(list(self._heard), f"the group's store at {self._where} has not answered")
             elif silent:
-                self._lost(silent, "no heartbeat")
+                self._on_lost(silent, "no heartbeat")
 
     def _lost(self, ranks: list[int], why: str) -> None:
         if self._stop.is_set() or not threading.main_thread().is_alive():

@@ -217,9 +217,12 @@ class Survivor(Keep):
                 continue
             break
         lost = [m for m in first.members if m not in self.group.members]
-        _say(f"member {self.me} goes on without member{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (rank "
-             f"{', '.join(str(first.rank(m)) for m in lost)} of generation {first.generation}): {len(self.group.members)} processes "
-             f"from round {counters.rounds + 1}, {time.monotonic() - lost_at:.1f} s after the loss")  # fmt: skip
+        after = f"{len(self.group.members)} processes from round {counters.rounds + 1}, {time.monotonic() - lost_at:.1f} s after the loss"
+        if lost:
+            _say(f"member {self.me} goes on without member{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (rank "
+                 f"{', '.join(str(first.rank(m)) for m in lost)} of generation {first.generation}): {after}")  # fmt: skip
+        else:  # a connection lost, every member there: the group formed again
+            _say(f"member {self.me} goes on with every member of generation {first.generation} (a connection lost: {error.summary[:200]}): {after}")
         seconds = time.monotonic() - start
         told = [Replacement(first.rank(m), error, counters.rounds + 1, seconds, counters=counters) for m in lost]
         return self.redo(kept, until_epoch, start), told

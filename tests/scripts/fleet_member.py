@@ -5,7 +5,9 @@ fleet once that file exists (a machine that comes later).
 Every member trains the same small model on one list of batches, which they claim first-come,
 with a short sleep in every step so that a machine is lost mid-run. With LOSE = r, the process of
 rank r in the fleet's group SIGKILLs its torchrun agent and then itself at its 8th step, once:
-its machine lost at once.
+its machine lost at once; with STOP=1 as well, it SIGSTOPs itself instead, closing nothing (a hung
+host), and its agent waits on it; with CUT=1, it writes its machine's number to OUT_DIR/cut.txt and
+trains on, for tests/scripts/fleet_cut.py to cut its machine's link.
 Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid and
 its agent's restart count to OUT_DIR/history{m}.json; each writes its pid to OUT_DIR/pid{m}.txt
 when it starts. It runs with the features a fleet composes with: the autopilot (k from 1 to 4), an
@@ -42,10 +44,15 @@ class Step:
 
     def __call__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.steps += 1
-        if self.steps == LOSS_STEP and dist.get_rank() == self.lose and not (self.out / "lost.txt").exists():
+        if self.steps == LOSS_STEP and dist.get_rank() == self.lose and os.environ.get("CUT") and not (self.out / "cut.txt").exists():
+            (self.out / "cut.txt").write_text(str(MACHINE))
+        elif self.steps == LOSS_STEP and dist.get_rank() == self.lose and not os.environ.get("CUT") and not (self.out / "lost.txt").exists():
             (self.out / "lost.txt").write_text(repr(time.time()))
-            os.kill(os.getppid(), signal.SIGKILL)  # the agent: torchrun starts a script's worker as its child
-            os.kill(os.getpid(), signal.SIGKILL)
+            if os.environ.get("STOP"):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                os.kill(os.getppid(), signal.SIGKILL)  # the agent: torchrun starts a script's worker as its child
+                os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.02)
         return nn.functional.cross_entropy(net(batch[0]), batch[1])
 
