@@ -1,4 +1,4 @@
-"""A rank's watch over its peers: under torchrun a lost peer ends this process within `peer_timeout`; in a fleet it says who is silent.
+"""A rank's watch over its peers: under torchrun a lost peer ends this process within `peer_timeout`; in a fleet it tells its host who is silent.
 
 A rank killed with SIGKILL closes its sockets, and gloo fails its peers' collective at once. A rank
 that is stopped (SIGSTOP, a hung host) or whose link is cut closes nothing: without this watch its
