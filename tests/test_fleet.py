@@ -78,6 +78,23 @@ def test_a_groups_connections_are_those_made_as_it_formed_and_shutting_them_ends
 
 
 @pytest.mark.fast
+def test_a_lifeline_tells_a_live_process_from_a_dead_one_and_from_one_that_accepts_but_does_not_answer() -> None:
+    """Lifeline.ask: True where the member's thread answers; False where its port refuses (the
+    process died); None where the kernel accepts for a process that answers nothing (stopped)."""
+    from parallelwrapper.hosts.fleet import Lifeline
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    live, asker = Lifeline(store, 0, "127.0.0.1", store.port), Lifeline(store, 9, "127.0.0.1", store.port)
+    stopped = socket.create_server(("127.0.0.1", 0))  # listens, never accepts: as a stopped process's kernel
+    store.set("lifeline/1", f"127.0.0.1:{stopped.getsockname()[1]}")
+    with socket.create_server(("127.0.0.1", 0)) as dead:
+        store.set("lifeline/2", f"127.0.0.1:{dead.getsockname()[1]}")
+    assert (asker.ask(0), asker.ask(1), asker.ask(2), asker.ask(3)) == (True, None, False, None)  # 3: never listened
+    for s in (live, asker, stopped):
+        s.close()
+
+
+@pytest.mark.fast
 def test_a_fleet_whose_store_does_not_answer_says_so() -> None:
     port = free_port()
     builder = ParallelWrapper.builder(nn.Linear(2, 2)).fleet(f"tcp://127.0.0.1:{port}", processes=2).on_worker_failure("replace").peer_timeout(0.5)
