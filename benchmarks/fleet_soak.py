@@ -9,7 +9,10 @@ design's rendezvous store and torchft's lighthouse (torchft's own single point).
 MNIST for `--epochs` (benchmarks/fleet_soak_worker.py), once without faults and once while, from
 its first step, one machine is lost every `--every` seconds (its torchrun agent and process
 SIGKILLed, in turn, the machine of rank 0 among them; for the fleet, once every machine lost
-before has been taken in again) and comes back `--back` seconds later (its torchrun started again):
+before has been taken in again) and comes back `--back` seconds later (its torchrun started again).
+With `--loss power` the machine's link goes down first and comes back up with it, so that nothing
+its killed processes close reaches the others, as when a machine loses its power: its peers must
+find it silent (`peer_timeout`):
 
     fleet    `.fleet(store).on_worker_failure("replace")`, a torchrun per machine: the survivors go
              on from the last average and the machine that comes back joins with a peer's state;
@@ -29,7 +32,7 @@ one's. Needs root and iproute2; `--loopback` runs the machines as sessions of pr
 machine's loopback, unshaped, with no root.
 
     python -m benchmarks fleet_soak [--machines 4] [--every 30] [--back 10] [--epochs 40] [--rate 1gbit] [--designs fleet,restart,torchft]
-        [--store tcp|etcd] [--loopback] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
+        [--store tcp|etcd] [--loss kill|power] [--loopback] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ class Machines:
     addresses: tuple[str, ...]
     hub_address: str = HUB_ADDRESS
     port: int = PORT
+    links: tuple[str, ...] = ()  # the hub's end of each machine's link (none on loopback)
+
+    def link(self, i: int, up: bool) -> None:
+        """Machine `i`'s link up or down, at the hub's end."""
+        _run("ip", "-n", self.hub, "link", "set", self.links[i], "up" if up else "down")
 
     def inside(self, ns: str) -> tuple[str, ...]:
         """The prefix that runs a command in namespace `ns` (nothing on loopback)."""
@@ -101,15 +109,14 @@ def emulated(machines: int, rate: str) -> Iterator[Machines]:
     `rate` both ways; all removed on exit (with whatever still runs in them)."""
     tag = f"pwf{os.getpid() % 100000}"
     made = Machines(f"{tag}h", tuple(f"{tag}m{i}" for i in range(machines)), tuple(f"{tag}m{i}" for i in range(machines)),
-                    tuple(f"10.214.0.{i + 1}" for i in range(machines)))  # fmt: skip
+                    tuple(f"10.214.0.{i + 1}" for i in range(machines)), links=tuple(f"{tag}p{i}" for i in range(machines)))  # fmt: skip
     try:
         _run("ip", "netns", "add", made.hub)
         _run("ip", "-n", made.hub, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", made.hub, "addr", "add", f"{HUB_ADDRESS}/24", "dev", "br0")
         for dev in ("lo", "br0"):
             _run("ip", "-n", made.hub, "link", "set", dev, "up")
-        for i, (ns, dev, address) in enumerate(zip(made.names, made.devices, made.addresses)):
-            port = f"{tag}p{i}"
+        for ns, dev, address, port in zip(made.names, made.devices, made.addresses, made.links):
             _run("ip", "netns", "add", ns)
             _run("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", made.hub)
             _run("ip", "-n", made.hub, "link", "set", port, "master", "br0")
@@ -181,14 +188,19 @@ class Run:
     started, lost and started again, with the machine's etcd member where the fleet's store is etcd."""
 
     def __init__(self, design: str, made: Machines, out: Path, epochs: int, width: int, run_id: str, etcd: Etcd | None = None,
-                 lighthouse: str = "") -> None:  # fmt: skip
+                 lighthouse: str = "", power: bool = False) -> None:  # fmt: skip
+        """`power`: a machine lost loses its link first (`lose`)."""
         self.design, self.made, self.out, self.epochs, self.width, self.id = design, made, out, epochs, width, run_id
-        self.etcd, self.lighthouse = etcd, lighthouse
+        self.etcd, self.lighthouse, self.power = etcd, lighthouse, power
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         self.starts = 0
+        self.down: set[int] = set()  # the machines whose link is down
 
     def start(self, i: int) -> None:
         n, ns, address = len(self.made.names), self.made.names[i], self.made.addresses[i]
+        if i in self.down:
+            self.made.link(i, up=True)
+            self.down.discard(i)
         hub_store = f"tcp://{self.made.hub_address}:{self.made.port}/{self.id}"
         env = ["env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "MASTER_ADDR", "-u", "MASTER_PORT", f"GLOO_SOCKET_IFNAME={self.made.devices[i]}",
                f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", f"MACHINE={i}", f"ADDRESS={address}", f"LIGHTHOUSE={self.lighthouse}", "RUST_LOG=warn"]  # fmt: skip
@@ -213,7 +225,11 @@ class Run:
 
     def lose(self, i: int) -> None:
         """Machine `i` lost at once: everything in its namespace (on loopback, its agent's process
-        tree: torchrun starts each worker in a session of its own; and its etcd member) SIGKILLed."""
+        tree: torchrun starts each worker in a session of its own; and its etcd member) SIGKILLed;
+        with `power`, once its link is down."""
+        if self.power:
+            self.made.link(i, up=False)
+            self.down.add(i)
         for pid in [*left_in(self.made.names[i]), *_tree(self.agents[i].pid)]:
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -250,12 +266,13 @@ def _tree(root: int) -> list[int]:
 
 
 def soak(design: str, made: Machines, epochs: int, every: float | None, back: float, timeout_s: float, logs: Path | None,
-         cap_s: float | None = None, width: int = 1024, store_kind: str = "tcp") -> dict[str, Any]:  # fmt: skip
+         cap_s: float | None = None, width: int = 1024, store_kind: str = "tcp", power: bool = False) -> dict[str, Any]:  # fmt: skip
     """One run of `design`, with a machine lost every `every` seconds from the first step (None:
     none) and back `back` seconds later; its machines' logs copied into `logs`, if given. A run
     still going `cap_s` seconds after its first step is stopped there, and its progress is its
     last checkpoint's (the restart design's: it writes one every 4 rounds). A fleet's store is
-    `store_kind`'s: "etcd" (members on the first machines) or "tcp" (in the hub)."""
+    `store_kind`'s: "etcd" (members on the first machines) or "tcp" (in the hub). `power`: a lost
+    machine's link goes down first."""
     with tempfile.TemporaryDirectory(prefix="fleet_soak-") as directory:
         out = Path(directory)
         store = _serve(made, made.port, f"from torch.distributed import TCPStore\ns = TCPStore('{made.hub_address}', {made.port}, is_master=True, wait_for_workers=False)")
@@ -264,7 +281,7 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
         lighthouse = None
         if design == "torchft":  # torchft's own single point, in the hub: quorums of any one replica, as its LocalSGD example's
             lighthouse = _serve(made, lighthouse_port, f"from torchft.coordination import LighthouseServer\ns = LighthouseServer(bind='[::]:{lighthouse_port}', min_replicas=1)")
-        run = Run(design, made, out, epochs, width, f"{design}-{int(time.time())}", etcd, f"http://{made.hub_address}:{lighthouse_port}")
+        run = Run(design, made, out, epochs, width, f"{design}-{int(time.time())}", etcd, f"http://{made.hub_address}:{lighthouse_port}", power)
         faults: list[dict[str, Any]] = []
         try:
             if etcd is not None:
@@ -329,6 +346,8 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
         finally:
             for i in run.running():  # a stopped run's machines, or a failed one's
                 run.lose(i)
+            for i in run.down:  # for the next run
+                made.link(i, up=True)
             for server in (store, lighthouse, *(etcd.members.values() if etcd else ())):
                 if server is not None:
                     server.kill()
@@ -401,7 +420,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results/fleet_soak.json")
     parser.add_argument("--logs", default=None, help="a directory to copy every run's machine logs into")
     parser.add_argument("--loopback", action="store_true", help="machines as sessions of processes on loopback, unshaped: no root needed")
+    parser.add_argument("--loss", choices=("kill", "power"), default="kill",
+                        help="a machine lost: its processes killed (their sockets close), or its link down first (a machine without power: nothing closes)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.loss == "power" and args.loopback:
+        raise SystemExit("fleet_soak: --loss power takes a machine's link down: it needs the emulated machines, not --loopback")
     why = None if args.loopback else check_privileges()
     if why:
         raise SystemExit(f"fleet_soak: {why} (or --loopback)")
@@ -424,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for every in (None, args.every):
                 cap = None if every is None or args.cap is None else args.cap * runs[-1]["seconds"]
                 logs = None if args.logs is None else Path(args.logs)
-                result = soak(design, made, args.epochs, every, args.back, args.timeout, logs, cap, args.width, args.store)
+                result = soak(design, made, args.epochs, every, args.back, args.timeout, logs, cap, args.width, args.store, args.loss == "power")
                 result["left"] = {ns: left_in(ns) for ns in made.names}  # once its machines and store are put down
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
 from benchmarks.fleet_soak import _serve, emulated  # noqa: E402
-from benchmarks.slow_link import _run, check_privileges  # noqa: E402
+from benchmarks.slow_link import check_privileges  # noqa: E402
 from fleet_member import BATCHES, EPOCHS  # noqa: E402
 
 
@@ -48,14 +48,13 @@ def main() -> None:
                     raise SystemExit(f"fleet_cut: a machine ended before the cut: {out}")
                 time.sleep(0.05)
             cut = int((out / "cut.txt").read_text())
-            port = f"{made.hub[:-1]}p{cut}"  # the hub's end of the cut machine's veth
-            _run("ip", "-n", made.hub, "link", "set", port, "down")
+            made.link(cut, up=False)
             cut_at = time.time()
             survivors = [m for m in range(3) if m != cut]
             for m in survivors:
                 agents[m].wait(timeout=120)
             finished = max((out / f"model{m}.pt").stat().st_mtime for m in survivors) - cut_at
-            _run("ip", "-n", made.hub, "link", "set", port, "up")
+            made.link(cut, up=True)
             try:
                 agents[cut].wait(timeout=120)
             except subprocess.TimeoutExpired:
