@@ -219,15 +219,19 @@ def calibration() -> list[dict[str, Any]]:
 
 
 # benchmarks/fleet_soak.py's runs: its store a TCPStore in the hub, then etcd on the machines; then
-# etcd before and after the regroup's collection went, on a day this machine ran 2.06x slower.
-SOAKS = ("fleet_soak.json", "fleet_soak_etcd.json", "fleet_soak_etcd_before_freeze.json", "fleet_soak_etcd_freeze.json")
+# etcd before and after the regroup's collection went, on a day this machine ran 2.06x slower; then
+# with the heartbeat's judge, machines killed and machines that lost their power, on such a day.
+SOAKS = ("fleet_soak.json", "fleet_soak_etcd.json", "fleet_soak_etcd_before_freeze.json", "fleet_soak_etcd_freeze.json",
+         "fleet_soak_etcd_judge.json", "fleet_soak_etcd_power.json")
 
 
 def survivors_calibration(name: str) -> list[dict[str, Any]]:
     """The survivors' design on benchmarks/fleet_soak.py's emulated machines (results/`name`), from
     the parts its runs measured: the fault-free pace (a round's seconds, the exchange in it), each
     loss's seconds to the survivors' regroup and each return's to its joining (their lines' times),
-    and the machines sharing the host's cores. None where the soak has not run."""
+    and the machines sharing the host's cores; where its machines lost their power (`--loss
+    power`: nothing closes), the seconds from a loss to the survivors' line, less the regroup's,
+    are the detection's. None where the soak has not run."""
     path = RESULTS / name
     if not path.exists():
         return []
@@ -243,16 +247,21 @@ def survivors_calibration(name: str) -> list[dict[str, Any]]:
         if joined:
             backs.append(joined[0] - f["at"])
             starts.append(joined[0] - f["back_at"])
+    detect_s = 0.0  # a killed process's sockets close: gloo's error is the detection
+    if soak["settings"].get("loss") == "power":
+        seen = [min(at for at, line in lines if "goes on without" in line and at >= f["at"]) - f["at"] for f in faulted["faults"]
+                if any("goes on without" in line and at >= f["at"] for at, line in lines)]  # fmt: skip
+        detect_s = max(0.0, sum(seen) / len(seen) - sum(regroups) / len(regroups))
     machines = soak["settings"]["machines"]
     fleet = Fleet(workers=machines, per_machine=1, step_s=clean["seconds"] / clean["rounds"] / FLEET_SOAK_K, cv=0.05, k=FLEET_SOAK_K,
-                  exchange_s=0.0, hop_s=0.0, detect_s=0.0, regroup_s=sum(regroups) / len(regroups), join_s=sum(takes) / max(1, len(takes)),
+                  exchange_s=0.0, hop_s=0.0, detect_s=detect_s, regroup_s=sum(regroups) / len(regroups), join_s=sum(takes) / max(1, len(takes)),
                   back_s=sum(backs) / max(1, len(backs)), starting_s=sum(starts) / max(1, len(starts)), cores=soak["machine"]["cpus"],
                   hours=clean["seconds"] / 3600)  # fmt: skip
     at = [f["at"] for f in faulted["faults"]]
     free = simulate(fleet, "survivors", faults=False)["steps_per_s"]
     predicted = simulate(fleet, "survivors", at=at)["steps_per_s"] / free
     return [{"design": "survivors", "run": f"{name} fleet", "predicted": predicted, "measured": clean["seconds"] / faulted["seconds"],
-             "parts": {"regroup_s": fleet.regroup_s, "join_s": fleet.join_s, "back_s": fleet.back_s, "starting_s": fleet.starting_s, "step_s": fleet.step_s, "k": fleet.k,
+             "parts": {"detect_s": fleet.detect_s, "regroup_s": fleet.regroup_s, "join_s": fleet.join_s, "back_s": fleet.back_s, "starting_s": fleet.starting_s, "step_s": fleet.step_s, "k": fleet.k,
                        "cores": fleet.cores, "faults": len(at)}}]  # fmt: skip
 
 
