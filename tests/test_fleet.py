@@ -80,7 +80,8 @@ def test_a_groups_connections_are_those_made_as_it_formed_and_shutting_them_ends
 @pytest.mark.fast
 def test_a_lifeline_tells_a_live_process_from_a_dead_one_and_from_one_that_accepts_but_does_not_answer() -> None:
     """Lifeline.ask: True where the member's thread answers; False where its port refuses (the
-    process died); None where the kernel accepts for a process that answers nothing (stopped)."""
+    process died); None where the kernel accepts for a process that answers nothing (stopped);
+    and a member's address, once read, is not read from the store again."""
     from parallelwrapper.hosts.fleet import Lifeline
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -90,6 +91,10 @@ def test_a_lifeline_tells_a_live_process_from_a_dead_one_and_from_one_that_accep
     with socket.create_server(("127.0.0.1", 0)) as dead:
         store.set("lifeline/2", f"127.0.0.1:{dead.getsockname()[1]}")
     assert (asker.ask(0), asker.ask(1), asker.ask(2), asker.ask(3)) == (True, None, False, None)  # 3: never listened
+    # An address read once needs no store again: asked when the store may be what was lost.
+    store.delete_key("lifeline/0")
+    time.sleep(Lifeline._ASKED_S)
+    assert asker.ask(0) is True
     for s in (live, asker, stopped):
         s.close()
 

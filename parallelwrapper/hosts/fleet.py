@@ -132,7 +132,7 @@ class Lifeline:
     _WAIT_S = 0.5  # how long a connection may take: past it, the heartbeat judges
 
     def __init__(self, store: Store, me: int, store_host: str, store_port: int) -> None:
-        self._store, self._asked = store, dict[int, tuple[float, bool | None]]()
+        self._store, self._asked, self._addresses = store, dict[int, tuple[float, bool | None]](), dict[int, tuple[str, int]]()
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the address by which the store, and so the fleet, reaches this machine
             probe.connect((socket.gethostbyname(store_host), store_port))
             here = probe.getsockname()[0]
@@ -159,10 +159,9 @@ class Lifeline:
         if asked is not None and now - asked[0] < self._ASKED_S:
             return asked[1]
         answer: bool | None = None
-        if self._store.check([f"lifeline/{member}"]):
-            host, _, port = self._store.get(f"lifeline/{member}").decode().rpartition(":")
+        if (address := self._address(member)) is not None:
             try:
-                with socket.create_connection((host, int(port)), timeout=self._WAIT_S) as connection:
+                with socket.create_connection(address, timeout=self._WAIT_S) as connection:
                     answer = connection.recv(1) == b"!" or None
             except ConnectionRefusedError:
                 answer = False
@@ -170,6 +169,19 @@ class Lifeline:
                 answer = None
         self._asked[member] = (time.monotonic(), answer)
         return answer
+
+    def learn(self, members: tuple[int, ...]) -> None:
+        """Read the addresses of `members` not known yet, while the store answers (a group just
+        formed): asked later, when the store may be the thing lost, they need no store."""
+        for member in members:
+            self._address(member)
+
+    def _address(self, member: int) -> tuple[str, int] | None:
+        """Where `member` listens: from the store once, then as kept; None before it listens."""
+        if member not in self._addresses and self._store.check([f"lifeline/{member}"]):
+            host, _, port = self._store.get(f"lifeline/{member}").decode().rpartition(":")
+            self._addresses[member] = (host, int(port))
+        return self._addresses.get(member)
 
     def close(self) -> None:
         self._server.close()
@@ -276,9 +288,10 @@ class FleetWorker:
 
     def _gone(self, member: int) -> bool:
         """Whether peer `member` is gone: its process refuses a connection (it died, its machine
-        still up); or, where nothing answers (a machine lost or cut off), it has been silent for
-        peer_timeout. A process that answers is alive, whatever its heartbeat (a store that
-        fails over to another member delays the beats)."""
+        still up); or, where nothing answers (a machine lost or cut off), its heartbeat has not
+        moved for peer_timeout. A process that answers is alive, whatever its heartbeat: a store
+        that fails over to another member (the lost machine held the one its clients ask) holds
+        every count still, and the lifeline, which needs no store, tells the lost from the live."""
         answer = self._lifeline.ask(member)
         return answer is False or (answer is None and self._heartbeat.silent(member) >= self._config.peer_timeout)
 
@@ -286,6 +299,7 @@ class FleetWorker:
         """The group's members as they are now: the heartbeat watches them."""
         self._members = members
         self._heartbeat.watch(members)
+        self._lifeline.learn(members)
 
     def _silent(self, members: list[int], why: str) -> None:
         """The heartbeat's judge, from its thread: peers silent for peer_timeout (`why`). Those of

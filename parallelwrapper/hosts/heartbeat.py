@@ -54,11 +54,12 @@ class Heartbeat:
         threading.Thread(target=self._watch, name="parallelwrapper-peer-watch", daemon=True).start()
 
     def silent(self, rank: int) -> float:
-        """Seconds the store has answered this rank's beats while peer `rank`'s count did not
-        move (a store slow to answer says nothing of the peers); for one that left (it finished
-        its fits) or is not watched, for ever."""
+        """Seconds since peer `rank`'s count last moved, by the clock, whether or not the store
+        answered meanwhile (a store that does not answer holds every count still: the caller
+        tells the live from the lost another way, as a fleet's lifeline); for one that left (it
+        finished its fits) or is not watched, for ever."""
         heard = self._heard.get(rank)
-        return math.inf if heard is None else max(0.0, self._answered - heard[1])
+        return math.inf if heard is None else time.monotonic() - heard[1]
 
     def watch(self, ranks: tuple[int, ...]) -> None:
         """Watch `ranks` (a fleet's group as it is now) and no other: the lost go, those that
