@@ -100,6 +100,41 @@ def test_a_lifeline_tells_a_live_process_from_a_dead_one_and_from_one_that_accep
 
 
 @pytest.mark.fast
+def test_a_newcomer_whose_sender_is_lost_as_it_takes_the_state_regroups_with_the_survivors() -> None:
+    """A soak lost the machine of rank 0 as it sent its state to a newcomer: the newcomer's take-in
+    failed with gloo's error, and it ended with a traceback while its peers went on without it.
+    It is a loss like any other: the newcomer regroups (and takes the state from the survivor that
+    kept the newest round), out of the handler, so that the failed collective's frames are gone."""
+    import datetime
+
+    from parallelwrapper.errors import WorkerError
+    from parallelwrapper.replacement.fleet import Group, Survivor
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    newcomer = Survivor(store, 1.0, datetime.timedelta(seconds=5), lambda *_: None, lambda rank, size: None)  # type: ignore[arg-type, return-value]
+    newcomer.group = Group(2, (1, 2, newcomer.me))
+
+    class Worker:
+        def failure(self, error: BaseException) -> WorkerError:
+            return WorkerError(2, f"{type(error).__name__}: {error}")
+
+    def receive(source: int) -> None:
+        raise RuntimeError("Connection closed by peer [10.0.0.1]:41890")
+
+    regrouped: list[tuple[WorkerError, bool]] = []
+
+    def regroup(error: WorkerError, until_epoch: int, start: float) -> tuple[str, list[object]]:
+        regrouped.append((error, sys.exc_info()[0] is None))
+        return "the survivors' round", []
+
+    newcomer.worker, newcomer.receive, newcomer.regroup = Worker(), receive, regroup  # type: ignore[assignment, method-assign]
+    assert newcomer.welcome(3, 0.0) == "the survivors' round"
+    (error, outside_the_handler), = regrouped
+    assert error.summary.startswith("lost its peers while being taken in (fleet generation 2): RuntimeError: Connection closed by peer"), error.summary
+    assert outside_the_handler
+
+
+@pytest.mark.fast
 def test_a_fleet_whose_store_does_not_answer_says_so() -> None:
     port = free_port()
     builder = ParallelWrapper.builder(nn.Linear(2, 2)).fleet(f"tcp://127.0.0.1:{port}", processes=2).on_worker_failure("replace").peer_timeout(0.5)

@@ -330,6 +330,7 @@ class FleetWorker:
         survival, until_epoch, start = self._survival, command.until_epoch, command.start
         if survival.newcomer:
             command = dataclasses.replace(survival.welcome(until_epoch, start), order=command.order)
+            self._connections.taken()  # a loss as it was taken in formed another group
         elif not self._started:
             command = dataclasses.replace(command, state=from_rank_0(command.state))
         self._started = True

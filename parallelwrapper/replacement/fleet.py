@@ -142,9 +142,19 @@ class Survivor(Keep):
         self.worker = worker
 
     def welcome(self, until_epoch: int, start: float) -> FitCommand:
-        """A newcomer's first fit: the state of the round the fleet redoes with it, from rank 0."""
+        """A newcomer's first fit: the state of the round the fleet redoes with it, from rank 0. A
+        member lost before the state reached it is a loss, as in `grow`: it regroups with the
+        survivors and takes the state from the one that kept the newest round (its peers tell
+        of the loss; it had no round of its own to lose)."""
         self._welcomed = True
-        return self.redo(self.receive(0), until_epoch, start)
+        try:
+            kept = self.receive(0)
+        except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: a loss
+            failed = self.worker.failure(e)
+            lost = WorkerError(self.rank, f"lost its peers while being taken in (fleet generation {self.generation}): {failed.summary}", failed.details)
+        else:
+            return self.redo(kept, until_epoch, start)
+        return self.regroup(lost, until_epoch, start)[0]  # out of the handler: its frames, which hold the group's connections, have gone
 
     # -- the round loop's events --------------------------------------------------------------------
 
@@ -188,11 +198,12 @@ class Survivor(Keep):
         except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: a loss
             failed = self.worker.failure(e)
             lost = WorkerError(self.rank, f"lost its peers while taking in a newcomer (fleet generation {self.generation}): {failed.summary}", failed.details)
-            return self.regroup(lost, until_epoch, start)
-        redo = self.redo(kept, until_epoch, start)
-        _say(f"member {self.me}: member{'s' if len(newcomers) > 1 else ''} {', '.join(map(str, newcomers))} joined (generation "
-             f"{self.generation}): {len(self.group.members)} processes, {time.monotonic() - began:.2f} s to take in")  # fmt: skip
-        return redo, []
+        else:
+            redo = self.redo(kept, until_epoch, start)
+            _say(f"member {self.me}: member{'s' if len(newcomers) > 1 else ''} {', '.join(map(str, newcomers))} joined (generation "
+                 f"{self.generation}): {len(self.group.members)} processes, {time.monotonic() - began:.2f} s to take in")  # fmt: skip
+            return redo, []
+        return self.regroup(lost, until_epoch, start)  # out of the handler, as in `welcome`
 
     def regroup(self, error: WorkerError, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
         """After `error` (a peer lost, seen in a collective): leave the group, agree on the next
