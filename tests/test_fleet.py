@@ -135,49 +135,6 @@ def test_a_newcomer_whose_sender_is_lost_as_it_takes_the_state_regroups_with_the
 
 
 @pytest.mark.fast
-def test_an_etcd_client_goes_past_a_member_that_answers_no_connection_within_a_second() -> None:
-    """A member whose machine is lost answers no connection: the fleet's etcd client gives up on
-    it after one connect of _CONNECT_S (1 s) and asks the next member. With python-etcd's one
-    timeout and urllib3's retries it waited 6.2 s; a power soak's regroups waited 7.0 s for it.
-    The silent member is a socket whose one place in its accept queue is taken (so a connect
-    waits, as for a machine lost); the live one answers as etcd's v2 API does."""
-    import json
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from parallelwrapper.hosts.fleet import _CONNECT_S, _etcd_client
-
-    class Member(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.startswith("/v2/machines"):
-                body = f"http://127.0.0.1:{self.server.server_address[1]}".encode()
-            else:
-                body = json.dumps({"action": "get", "node": {"key": "/k", "value": "v", "modifiedIndex": 1, "createdIndex": 1}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    live = ThreadingHTTPServer(("127.0.0.1", 0), Member)
-    threading.Thread(target=live.serve_forever, daemon=True).start()
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(0)
-    held = socket.create_connection(silent.getsockname())
-    client = _etcd_client((("127.0.0.1", live.server_address[1]),), 3.0)
-    # python-etcd asks the members in its own order: the silent one first, as the member the clients ask first lost.
-    client._base_uri, client._machines_cache = f"http://127.0.0.1:{silent.getsockname()[1]}", [f"http://127.0.0.1:{live.server_address[1]}"]
-    began = time.monotonic()
-    assert client.read("/k").value == "v"
-    assert _CONNECT_S <= time.monotonic() - began < 2 * _CONNECT_S
-    live.shutdown()
-    for s in (held, silent):
-        s.close()
-
-
-@pytest.mark.fast
 def test_a_fleet_whose_store_does_not_answer_says_so() -> None:
     port = free_port()
     builder = ParallelWrapper.builder(nn.Linear(2, 2)).fleet(f"tcp://127.0.0.1:{port}", processes=2).on_worker_failure("replace").peer_timeout(0.5)
