@@ -61,7 +61,6 @@ from .torchrun import PEER_GONE, from_rank_0
 # timeout; and a TCPStore client's, for the store of a generation whose rank 0 is gone.
 _PEER_GONE = re.compile(f"{PEER_GONE.pattern}|Timed out waiting|Connection refused|Connection was likely closed")
 _ENTER_S = 600.0  # how long a process waits to enter the fleet: for every machine's first processes, or to be taken in
-_CONNECT_S = 1.0  # the most an etcd client waits for a member to accept a connection: on a LAN it takes milliseconds; past it, the next member
 
 # How a member joins a generation's process group: over this store, with this timeout, as this rank of this size.
 Join = Callable[[Store, datetime.timedelta, int, int], None]
@@ -219,7 +218,8 @@ def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> Conne
         from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
         def etcd_client() -> etcd.Client:
-            return _etcd_client(hosts, answer_s)
+            # Any member answers; a member lost, the client goes on with the others.
+            return etcd.Client(host=hosts, allow_reconnect=True, read_timeout=max(1, int(answer_s)))
 
         def client() -> Store:
             return EtcdStore(etcd_client(), f"/parallelwrapper/{name}", timeout)
@@ -238,22 +238,6 @@ def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> Conne
         return Connected(store, client, where, hosts[0])
     probe_client = etcd_client()
     return Connected(store, client, where, hosts[0], lambda wait_s: _steady(probe_client, wait_s))
-
-
-def _etcd_client(hosts: tuple[tuple[str, int], ...], answer_s: float) -> Any:
-    """A python-etcd client of the members at `hosts`: any member answers, and a member lost, it
-    goes on with the others. A member whose machine is lost answers no connection at all, and
-    python-etcd knows one timeout, for the connect and the read, while urllib3 tries a connect 4
-    times: each client waited 2 x 3 s there before it asked the next member (a power soak's
-    regroups waited 7.0 s for it). The connect alone is bounded (_CONNECT_S), and tried once."""
-    import etcd  # python-etcd (connect has said how to install it)
-    import urllib3  # python-etcd's HTTP
-
-    read_s = max(1, int(answer_s))
-    client = etcd.Client(host=hosts, allow_reconnect=True, read_timeout=read_s)
-    client._read_timeout = urllib3.Timeout(connect=min(_CONNECT_S, read_s), read=read_s)  # python-etcd has no setter
-    client.http = urllib3.PoolManager(num_pools=10, maxsize=10, retries=urllib3.Retry(connect=0, read=0))
-    return client
 
 
 def _steady(client: Any, wait_s: float) -> None:
