@@ -27,16 +27,17 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import json
 import re
 import signal
 import socket
 import sys
 import threading
 import time
-import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
@@ -61,6 +62,8 @@ from .torchrun import PEER_GONE, from_rank_0
 # timeout; and a TCPStore client's, for the store of a generation whose rank 0 is gone.
 _PEER_GONE = re.compile(f"{PEER_GONE.pattern}|Timed out waiting|Connection refused|Connection was likely closed")
 _ENTER_S = 600.0  # how long a process waits to enter the fleet: for every machine's first processes, or to be taken in
+_ASK_S = 0.5  # how long one ask of an etcd member whether it leads may take: on a LAN, milliseconds
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # to the members, never through an HTTP proxy of the environment
 
 # How a member joins a generation's process group: over this store, with this timeout, as this rank of this size.
 Join = Callable[[Store, datetime.timedelta, int, int], None]
@@ -236,24 +239,27 @@ def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> Conne
         ) from None
     if scheme == "tcp":
         return Connected(store, client, where, hosts[0])
-    probe_client = etcd_client()
-    return Connected(store, client, where, hosts[0], lambda wait_s: _steady(probe_client, wait_s))
+    return Connected(store, client, where, hosts[0], lambda wait_s: _steady(hosts, wait_s))
 
 
-def _steady(client: Any, wait_s: float) -> None:
-    """Wait, `wait_s` at most, until the etcd cluster's leader answers. A write that a member
-    forwards to a leader lost a moment ago waits out the client's read timeout before it goes to
-    another member (3.4-3.6 s of a soak's regroups at peer_timeout 3, where its other regroups took
-    0.5-0.9 s), while a new election takes about its election timeout: written once a leader
-    answers, the survivors' first word goes at once."""
+def _steady(hosts: tuple[tuple[str, int], ...], wait_s: float) -> None:
+    """Wait, `wait_s` at most, until a member of the etcd cluster at `hosts` says it leads. A write
+    that a member forwards to a leader lost a moment ago waits out the client's read timeout before
+    it goes to another member (3.4-3.6 s of a soak's regroups at peer_timeout 3, where its other
+    regroups took 0.5-0.9 s), while a new election takes about its election timeout: written once
+    a leader answers, the survivors' first word goes at once. Each member is asked directly, each
+    ask bounded (_ASK_S): through python-etcd, whose one timeout covers the connect as well and
+    whose HTTP tries a connect 4 times, the ask waited 7.0 s at a member whose machine was lost."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        try:
-            url = urllib.parse.urlsplit(client.leader["clientURLs"][0])
-            socket.create_connection((url.hostname, url.port), timeout=0.2).close()
-            return
-        except Exception:  # noqa: BLE001 - no leader yet, or a lost one that refuses: asked again
-            time.sleep(0.05)
+        for host, port in hosts:
+            try:
+                with _DIRECT.open(f"http://{host}:{port}/v2/stats/self", timeout=_ASK_S) as answer:
+                    if json.load(answer).get("state") == "StateLeader":
+                        return
+            except (OSError, ValueError):  # lost, refusing, not answering yet: the next
+                pass
+        time.sleep(0.05)
 
 
 class FleetWorker:
