@@ -37,7 +37,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
@@ -239,23 +239,27 @@ def connect(address: str, answer_s: float, timeout: datetime.timedelta) -> Conne
         ) from None
     if scheme == "tcp":
         return Connected(store, client, where, hosts[0])
-    return Connected(store, client, where, hosts[0], lambda wait_s: _steady(hosts, wait_s))
+    return Connected(store, client, where, hosts[0], lambda wait_s: _steady(hosts, wait_s, store))
 
 
-def _steady(hosts: tuple[tuple[str, int], ...], wait_s: float) -> None:
+def _steady(hosts: tuple[tuple[str, int], ...], wait_s: float, store: Any) -> None:
     """Wait, `wait_s` at most, until a member of the etcd cluster at `hosts` says it leads. A write
     that a member forwards to a leader lost a moment ago waits out the client's read timeout before
     it goes to another member (3.4-3.6 s of a soak's regroups at peer_timeout 3, where its other
     regroups took 0.5-0.9 s), while a new election takes about its election timeout: written once
     a leader answers, the survivors' first word goes at once. Each member is asked directly, each
     ask bounded (_ASK_S): through python-etcd, whose one timeout covers the connect as well and
-    whose HTTP tries a connect 4 times, the ask waited 7.0 s at a member whose machine was lost."""
+    whose HTTP tries a connect 4 times, the ask waited 7.0 s at a member whose machine was lost.
+    The leader found, `store` (an EtcdStore: the survivors' regroup writes through it) asks it
+    first from then on: python-etcd asks the member it last asked first, and that one may be the
+    member just lost (its first write after a loss waited 7.0 s there)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         for host, port in hosts:
             try:
                 with _DIRECT.open(f"http://{host}:{port}/v2/stats/self", timeout=_ASK_S) as answer:
                     if json.load(answer).get("state") == "StateLeader":
+                        store.client._base_uri = f"http://{host}:{port}"  # python-etcd has no setter
                         return
             except (OSError, ValueError):  # lost, refusing, not answering yet: the next
                 pass
