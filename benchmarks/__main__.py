@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import subprocess
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -24,6 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+# What quick's processes fork from has imported: torch._dynamo (making an optimizer imports it), the
+# library's workers, and the benchmarks' common parts (each benchmark's own module is light).
+_PRELOAD = ["torch._dynamo", "parallelwrapper.hosts.process", "benchmarks.common"]
 
 # name: what it measures (one line), and its flags at its smallest size.
 BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -100,23 +105,42 @@ def run(name: str, argv: Sequence[str]) -> None:
         raise SystemExit(result)
 
 
+def _logged(name: str, argv: Sequence[str], log: str | None) -> None:
+    """`run(name, argv)` in a process of quick's, its output to the file `log` (None: quick's)."""
+    if log is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    run(name, argv)
+
+
 def quick(out: Path, jobs: int = 1) -> int:
     """Every benchmark at its smallest size, each in a fresh process writing `out`/NAME.json, `jobs`
-    at a time (more than 1: each one's output goes to `out`/NAME.log); the number that failed."""
+    at a time (more than 1: each one's output goes to `out`/NAME.log); the number that failed. The
+    processes fork from one server that imported torch, the library and the benchmarks once
+    (`_PRELOAD`), as the library's workers do: a process of its own each, without some 5 s of CPU
+    each for the imports."""
     began = time.monotonic()
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    # By its module's name: run as `python -m benchmarks` this module is __main__, which the
+    # server's processes do not import.
+    from benchmarks.__main__ import _logged as logged
 
     def one(name: str) -> bool:
         gpu = name == "gpu_checks" and torch.cuda.is_available()
-        command = [sys.executable, "-m", "benchmarks", name, "--smoke", *(["--device", "cuda:0"] if gpu else []), "--out", str(out / f"{name}.json")]
+        argv = ["--smoke", *(["--device", "cuda:0"] if gpu else []), "--out", str(out / f"{name}.json")]
         wall = time.monotonic()
-        if jobs == 1:
-            code = subprocess.run(command).returncode
-        else:
-            log = out / f"{name}.log"
-            with log.open("w") as f:
-                code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
-            if code != 0:
-                print(f"quick: {name}'s last lines ({log}):\n" + "\n".join(log.read_text().splitlines()[-30:]), file=sys.stderr, flush=True)
+        log = None if jobs == 1 else out / f"{name}.log"
+        process = ctx.Process(target=logged, args=(name, argv, None if log is None else str(log)), name=f"benchmark-{name}")
+        process.start()
+        process.join()
+        code = process.exitcode
+        if code != 0 and log is not None:
+            print(f"quick: {name}'s last lines ({log}):\n" + "\n".join(log.read_text().splitlines()[-30:]), file=sys.stderr, flush=True)
         print(f"quick: {name}: {'ok' if code == 0 else f'FAILED (exit {code})'} in {time.monotonic() - wall:.0f} s", flush=True)
         return code == 0
 
