@@ -150,8 +150,7 @@ class Survivor(Keep):
         try:
             kept = self.receive(0)
         except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: a loss
-            failed = self.worker.failure(e)
-            lost = WorkerError(self.rank, f"lost its peers while being taken in (fleet generation {self.generation}): {failed.summary}", failed.details)
+            lost = self._lost(e, "being taken in")
         else:
             return self.redo(kept, until_epoch, start)
         return self.regroup(lost, until_epoch, start)[0]  # out of the handler: its frames, which hold the group's connections, have gone
@@ -196,8 +195,7 @@ class Survivor(Keep):
             self._enter_group()
             kept = self.receive(0)
         except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: a loss
-            failed = self.worker.failure(e)
-            lost = WorkerError(self.rank, f"lost its peers while taking in a newcomer (fleet generation {self.generation}): {failed.summary}", failed.details)
+            lost = self._lost(e, "taking in a newcomer")
         else:
             redo = self.redo(kept, until_epoch, start)
             _say(f"member {self.me}: member{'s' if len(newcomers) > 1 else ''} {', '.join(map(str, newcomers))} joined (generation "
@@ -223,8 +221,7 @@ class Survivor(Keep):
                 self._enter_group()
                 kept = self.receive(source)
             except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: one more loss
-                failed = self.worker.failure(e)
-                error = WorkerError(self.rank, f"lost its peers while regrouping (fleet generation {self.generation}): {failed.summary}", failed.details)
+                error = self._lost(e, "regrouping")
                 continue
             break
         lost = [m for m in first.members if m not in self.group.members]
@@ -239,6 +236,12 @@ class Survivor(Keep):
         return self.redo(kept, until_epoch, start), told
 
     # -- the group -------------------------------------------------------------------------------------
+
+    def _lost(self, error: Exception, doing: str) -> WorkerError:
+        """A collective or a store call that failed while this member was `doing` something with
+        its new group: a loss, said as its worker says a failure."""
+        failed = self.worker.failure(error)
+        return WorkerError(self.rank, f"lost its peers while {doing} (fleet generation {self.generation}): {failed.summary}", failed.details)
 
     def _enter_group(self) -> None:
         """Join this generation's process group, as this member's rank of it, and its own store
