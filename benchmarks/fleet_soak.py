@@ -6,7 +6,8 @@ store (`--store`) is either an etcd cluster whose three members run on the first
 (etcd 3.4 with its v2 API, and python-etcd), so that a lost machine takes its member with it, rank
 0's first of all; or a TCPStore in the hub, which no machine hosts. The hub also holds the restart
 design's rendezvous store and torchft's lighthouse (torchft's own single point). Every design trains the same MLP on
-MNIST for `--epochs` (benchmarks/fleet_soak_worker.py), once without faults and once while, from
+MNIST for `--epochs` (benchmarks/fleet_soak_worker.py; `--schedule cosine` lowers its learning rate
+to 0 by the end), once without faults and once while, from
 its first step, one machine is lost every `--every` seconds (its torchrun agent and process
 SIGKILLed, in turn, the machine of rank 0 among them; for the fleet, once every machine lost
 before has been taken in again) and comes back `--back` seconds later (its torchrun started again).
@@ -32,7 +33,7 @@ one's. Needs root and iproute2; `--loopback` runs the machines as sessions of pr
 machine's loopback, unshaped, with no root.
 
     python -m benchmarks fleet_soak [--machines 4] [--every 30] [--back 10] [--epochs 40] [--rate 1gbit] [--designs fleet,restart,torchft]
-        [--store tcp|etcd] [--loss kill|power] [--loopback] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
+        [--schedule constant|cosine] [--store tcp|etcd] [--loss kill|power] [--loopback] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
 """
 
 from __future__ import annotations
@@ -187,10 +188,11 @@ class Run:
     """One design's run on the machines: each machine's torchrun (torchft: its replica's process),
     started, lost and started again, with the machine's etcd member where the fleet's store is etcd."""
 
-    def __init__(self, design: str, made: Machines, out: Path, epochs: int, width: int, run_id: str, etcd: Etcd | None = None,
+    def __init__(self, design: str, made: Machines, out: Path, job: tuple[int, int, str], run_id: str, etcd: Etcd | None = None,
                  lighthouse: str = "", power: bool = False) -> None:  # fmt: skip
-        """`power`: a machine lost loses its link first (`lose`)."""
-        self.design, self.made, self.out, self.epochs, self.width, self.id = design, made, out, epochs, width, run_id
+        """`job`: the worker's EPOCHS, WIDTH and SCHEDULE (fleet_soak_worker.py); `power`: a machine
+        lost loses its link first (`lose`)."""
+        self.design, self.made, self.out, self.job, self.id = design, made, out, job, run_id
         self.etcd, self.lighthouse, self.power = etcd, lighthouse, power
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         self.starts = 0
@@ -204,7 +206,7 @@ class Run:
         hub_store = f"tcp://{self.made.hub_address}:{self.made.port}/{self.id}"
         env = ["env", "-u", "RANK", "-u", "WORLD_SIZE", "-u", "MASTER_ADDR", "-u", "MASTER_PORT", f"GLOO_SOCKET_IFNAME={self.made.devices[i]}",
                f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", f"MACHINE={i}", f"ADDRESS={address}", f"LIGHTHOUSE={self.lighthouse}", "RUST_LOG=warn"]  # fmt: skip
-        worker = [str(ROOT / "benchmarks" / "fleet_soak_worker.py"), self.design, hub_store, str(n), str(self.out), str(self.epochs), str(self.width)]
+        worker = [str(ROOT / "benchmarks" / "fleet_soak_worker.py"), self.design, hub_store, str(n), str(self.out), *map(str, self.job)]
         if self.design == "torchft":  # no torchrun; its hostname its address, which torchft's checkpoint server gives its peers
             named = ("unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', address) if ns else ()
             command = [*self.made.inside(ns), *named, *env, sys.executable, *worker]
@@ -265,10 +267,11 @@ def _tree(root: int) -> list[int]:
     return tree
 
 
-def soak(design: str, made: Machines, epochs: int, every: float | None, back: float, timeout_s: float, logs: Path | None,
-         cap_s: float | None = None, width: int = 1024, store_kind: str = "tcp", power: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One run of `design`, with a machine lost every `every` seconds from the first step (None:
-    none) and back `back` seconds later; its machines' logs copied into `logs`, if given. A run
+def soak(design: str, made: Machines, job: tuple[int, int, str], every: float | None, back: float, timeout_s: float, logs: Path | None,
+         cap_s: float | None = None, store_kind: str = "tcp", power: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One run of `design` on `job` (its epochs, the MLP's width, the learning rate's schedule),
+    with a machine lost every `every` seconds from the first step (None: none) and back `back`
+    seconds later; its machines' logs copied into `logs`, if given. A run
     still going `cap_s` seconds after its first step is stopped there, and its progress is its
     last checkpoint's (the restart design's: it writes one every 4 rounds). A fleet's store is
     `store_kind`'s: "etcd" (members on the first machines) or "tcp" (in the hub). `power`: a lost
@@ -281,7 +284,7 @@ def soak(design: str, made: Machines, epochs: int, every: float | None, back: fl
         lighthouse = None
         if design == "torchft":  # torchft's own single point, in the hub: quorums of any one replica, as its LocalSGD example's
             lighthouse = _serve(made, lighthouse_port, f"from torchft.coordination import LighthouseServer\ns = LighthouseServer(bind='[::]:{lighthouse_port}', min_replicas=1)")
-        run = Run(design, made, out, epochs, width, f"{design}-{int(time.time())}", etcd, f"http://{made.hub_address}:{lighthouse_port}", power)
+        run = Run(design, made, out, job, f"{design}-{int(time.time())}", etcd, f"http://{made.hub_address}:{lighthouse_port}", power)
         faults: list[dict[str, Any]] = []
         try:
             if etcd is not None:
@@ -410,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--back", type=float, default=10.0, help="seconds until a lost machine comes back")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden units (784-W-W-10)")
+    parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                        help="the learning rate: 0.05 throughout, or falling to 0 on a cosine by the epoch (an end whose test loss the batches' order moves less)")  # fmt: skip
     parser.add_argument("--rate", default="1gbit", help="each machine's link, both ways (tc tbf)")
     parser.add_argument("--designs", default=",".join(DESIGNS))
     parser.add_argument("--store", choices=("tcp", "etcd"), default="etcd",
@@ -447,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for every in (None, args.every):
                 cap = None if every is None or args.cap is None else args.cap * runs[-1]["seconds"]
                 logs = None if args.logs is None else Path(args.logs)
-                result = soak(design, made, args.epochs, every, args.back, args.timeout, logs, cap, args.width, args.store, args.loss == "power")
+                result = soak(design, made, (args.epochs, args.width, args.schedule), every, args.back, args.timeout, logs, cap, args.store, args.loss == "power")
                 result["left"] = {ns: left_in(ns) for ns in made.names}  # once its machines and store are put down
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"

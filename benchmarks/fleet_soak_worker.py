@@ -1,4 +1,4 @@
-"""One process of benchmarks/fleet_soak.py's emulated machines: `torchrun ... fleet_soak_worker.py MODE STORE PROCESSES OUT EPOCHS [WIDTH]`.
+"""One process of benchmarks/fleet_soak.py's emulated machines: `torchrun ... fleet_soak_worker.py MODE STORE PROCESSES OUT EPOCHS [WIDTH [SCHEDULE]]`.
 
 MODE fleet: a member of a fleet (`.fleet(STORE, processes=PROCESSES).on_worker_failure("replace")`),
 under a torchrun of its own machine. MODE restart: a rank of one torchrun job across the machines,
@@ -11,7 +11,10 @@ m, m + PROCESSES, ... of an endless round of the epoch, and each committed sync 
 samples to a counter in STORE (a TCPStore); every replica stops once it holds EPOCHS epochs of
 samples, so that every design trains as many samples (torchft's not each exactly once).
 All train the same MLP on MNIST (784-WIDTH-WIDTH-10, WIDTH 1024 unless given, batches of
-benchmarks.common.BATCH, k = 16, SGD with Nesterov momentum), EPOCHS epochs.
+benchmarks.common.BATCH, k = 16, SGD with Nesterov momentum), EPOCHS epochs, at a learning rate
+of 0.05 throughout (SCHEDULE constant, the default) or falling from it to 0 on a cosine by the
+epoch (SCHEDULE cosine: torch's CosineAnnealingLR over EPOCHS; torchft's replicas set it from the
+epochs their committed samples hold, at each sync).
 The first process to train writes the time to OUT/first.txt; each process that finishes writes
 OUT/result-{pid}.json: its History's epochs (none for torchft), its test loss and accuracy on the
 10,000 test images, and the time it finished.
@@ -20,6 +23,7 @@ OUT/result-{pid}.json: its History's epochs (none for torchft), its test loss an
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -56,14 +60,21 @@ class Step:
         return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
-def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: int = 1024) -> None:
+def cosine(epoch: float, epochs: int) -> float:
+    """SCHEDULE cosine's learning rate at `epoch` (CosineAnnealingLR's, T_max `epochs`, eta_min 0)."""
+    return LR * (1 + math.cos(math.pi * epoch / epochs)) / 2
+
+
+def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: int = 1024, schedule: str = "constant") -> None:
     if mode == "torchft":
-        return torchft(store, processes, out, epochs, width)
+        return torchft(store, processes, out, epochs, width, schedule)
     net = mlp(width)
     builder = (
         ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=LR, momentum=0.9, nesterov=True).averaging_frequency(K)
         .seed(0).threads_per_worker(1).peer_timeout(PEER_TIMEOUT_S).training_step(Step(out))
     )  # fmt: skip
+    if schedule == "cosine":
+        builder = builder.lr_scheduler(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs)
     if mode == "fleet":
         builder = builder.fleet(store, processes=processes).on_worker_failure("replace")
     else:
@@ -74,7 +85,7 @@ def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: i
            restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rounds=wrapper.rounds)  # fmt: skip
 
 
-def torchft(store: str, processes: int, out: Path, epochs: int, width: int) -> None:
+def torchft(store: str, processes: int, out: Path, epochs: int, width: int, schedule: str) -> None:
     """MODE torchft (the module's docstring): until the replicas' committed samples reach EPOCHS epochs."""
     from torch.distributed import TCPStore
 
@@ -98,6 +109,9 @@ def torchft(store: str, processes: int, out: Path, epochs: int, width: int) -> N
                 if manager.current_step() != synced:  # committed (a heal moves the step too: its sync commits with it)
                     counter.add(key, pending)
                 pending, synced = 0, manager.current_step()
+                if schedule == "cosine":
+                    for group in inner.param_groups:
+                        group["lr"] = cosine(int(counter.add(key, 0)) // 60_000, epochs)
         rounds = manager.current_step()
     finish(out, net, epochs=[], replacements=0, restarts=0, rounds=rounds, samples=int(counter.add(key, 0)))
 
@@ -112,4 +126,4 @@ def finish(out: Path, net: nn.Module, **result: object) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), *map(int, sys.argv[6:7]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), *map(int, sys.argv[6:7]), *sys.argv[7:8])
