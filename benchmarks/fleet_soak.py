@@ -345,6 +345,7 @@ def soak(design: str, made: Machines, job: tuple[int, int, str], every: float | 
                 "iterations": sorted({r["epochs"][-1][1] for r in results if r["epochs"]}),
                 "restarts": max(r["restarts"] for r in results), "events": events,
                 "rounds": max(r["rounds"] for r in results), "samples": max(r.get("samples", 0) for r in results),
+                "test_losses": sorted({r["test_loss"] for r in results}), "last_lr": sorted({str(r.get("lr")) for r in results}),
             }  # fmt: skip
         finally:
             for i in run.running():  # a stopped run's machines, or a failed one's

@@ -82,7 +82,8 @@ def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: i
     with builder.build() as wrapper:
         history = wrapper.fit(mnist_batches(DEFAULT_DATA_DIR), epochs=epochs)
     finish(out, net, epochs=[[e.epoch, e.iteration, e.samples] for e in history.epochs], replacements=len(history.replacements),
-           restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rounds=wrapper.rounds)  # fmt: skip
+           restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rounds=wrapper.rounds,
+           lr=None if wrapper.lr_scheduler is None else wrapper.lr_scheduler.get_last_lr())  # fmt: skip
 
 
 def torchft(store: str, processes: int, out: Path, epochs: int, width: int, schedule: str) -> None:
