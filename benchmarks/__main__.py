@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -25,10 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-
-# What quick's processes fork from has imported: torch._dynamo (making an optimizer imports it), the
-# library's workers, and the benchmarks' common parts (each benchmark's own module is light).
-_PRELOAD = ["torch._dynamo", "parallelwrapper.hosts.process", "benchmarks.common"]
 
 # name: what it measures (one line), and its flags at its smallest size.
 BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -120,12 +115,13 @@ def _logged(name: str, argv: Sequence[str], log: str | None) -> None:
 def quick(out: Path, jobs: int = 1) -> int:
     """Every benchmark at its smallest size, each in a fresh process writing `out`/NAME.json, `jobs`
     at a time (more than 1: each one's output goes to `out`/NAME.log); the number that failed. The
-    processes fork from one server that imported torch, the library and the benchmarks once
-    (`_PRELOAD`), as the library's workers do: a process of its own each, without some 5 s of CPU
-    each for the imports."""
+    processes fork from the server the library's workers start from, which has imported torch and
+    the library once, and here the benchmarks' common parts too (each benchmark's own module is
+    light): a process of its own each, without some 5 s of CPU each for the imports."""
+    from parallelwrapper.processes import worker_context
+
     began = time.monotonic()
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = worker_context("benchmarks.common")
     # By its module's name: run as `python -m benchmarks` this module is __main__, which the
     # server's processes do not import.
     from benchmarks.__main__ import _logged as logged

@@ -39,11 +39,12 @@ _PRELOAD = ["parallelwrapper.hosts.process", "parallelwrapper.inference.process"
 _HEAP = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20), "MALLOC_TRIM_THRESHOLD_": (-1, 256 << 20)}  # mallopt's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 
 
-def worker_context() -> ForkServerContext:
+def worker_context(*also: str) -> ForkServerContext:
     """The multiprocessing context every worker starts from. (torch's, whose reducers send
-    tensors through shared memory.)"""
+    tensors through shared memory.) `also`: more modules for the server to import, where a
+    harness's own processes start from it too (`python -m benchmarks quick`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload([*_PRELOAD, *also])
     return ctx
 
 
