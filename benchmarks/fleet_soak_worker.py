@@ -22,6 +22,7 @@ OUT/result-{pid}.json: its History's epochs (none for torchft), its test loss an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -55,8 +56,12 @@ class Step:
     def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if not self.seen:
             self.seen = True
-            if not self.first.exists():
-                self.first.write_text(repr(time.time()))
+            if not self.first.exists():  # written whole, then linked in: the soak never reads a half-written one, and the first link wins
+                mine = self.first.with_name(f"first-{os.getpid()}.txt")
+                mine.write_text(repr(time.time()))
+                with contextlib.suppress(FileExistsError):
+                    os.link(mine, self.first)
+                mine.unlink()
         return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
