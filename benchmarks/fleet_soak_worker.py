@@ -17,7 +17,7 @@ epoch (SCHEDULE cosine: torch's CosineAnnealingLR over EPOCHS; torchft's replica
 epochs their committed samples hold, at each sync).
 The first process to train writes the time to OUT/first.txt; each process that finishes writes
 OUT/result-{pid}.json: its History's epochs (none for torchft), its test loss and accuracy on the
-10,000 test images, and the time it finished.
+10,000 test images, its loss on the 60,000 training images, and the time it finished.
 """
 
 from __future__ import annotations
@@ -123,12 +123,16 @@ def torchft(store: str, processes: int, out: Path, epochs: int, width: int, sche
 
 
 def finish(out: Path, net: nn.Module, **result: object) -> None:
-    """OUT/result-{pid}.json: the end's time, `net`'s test loss and accuracy on the 10,000 test images, and `result`."""
+    """OUT/result-{pid}.json: the end's time, `net`'s test loss and accuracy on the 10,000 test
+    images, its loss on the 60,000 training images (how far it fitted what it trained on, apart
+    from how it generalizes), and `result`."""
     test = mnist_batches(DEFAULT_DATA_DIR, "test", 1000)
     with torch.no_grad():
         loss = sum(float(nn.functional.cross_entropy(net(x), y, reduction="sum")) for x, y in test) / 10_000
         right = sum(int((net(x).argmax(1) == y).sum()) for x, y in test)
-    (out / f"result-{os.getpid()}.json").write_text(json.dumps({"finished": time.time(), "test_loss": loss, "test_accuracy": right / 10_000, **result}))
+        finished = time.time()  # the training set's loss below is not the run's time
+        train = sum(float(nn.functional.cross_entropy(net(x), y, reduction="sum")) for x, y in mnist_batches(DEFAULT_DATA_DIR, "train", 1000)) / 60_000
+    (out / f"result-{os.getpid()}.json").write_text(json.dumps({"finished": finished, "test_loss": loss, "test_accuracy": right / 10_000, "train_loss": train, **result}))
 
 
 if __name__ == "__main__":

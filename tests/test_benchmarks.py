@@ -153,6 +153,9 @@ def fleet_soak(r: dict[str, Any]) -> None:
     assert not clean["faults"] and faulted["faults"], r["runs"]
     assert any("goes on without" in e["line"] for e in faulted["events"]), faulted["events"]
     figure(clean["seconds"] / faulted["seconds"])
+    for run in r["runs"]:  # the model's end, on the images it trained on and on the test set's
+        figure(run["train_loss"])
+        figure(run["test_loss"])
 
 
 def outer_rescale(r: dict[str, Any]) -> None:
