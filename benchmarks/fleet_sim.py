@@ -222,7 +222,8 @@ def calibration() -> list[dict[str, Any]]:
 # etcd before and after the regroup's collection went, on a day this machine ran 2.06x slower; then
 # with the heartbeat's judge, on such a day; then machines that lose their power, with silence
 # counted by the clock and then with the bounded wait for etcd's leader; then killed machines on a
-# slow day, the learning rate falling on a cosine (predicted 0.791 against 0.763). Not the two other power
+# slow day, the learning rate falling on a cosine (predicted 0.791 against 0.763), and that soak
+# again on etcd and on loopback with a TCPStore (machines as sessions of processes). Not the two other power
 # soaks, outside the 5% it is held to: fleet_soak_etcd_power.json (0.622 against 0.580, +7.4%) and
 # fleet_soak_etcd_power_leader.json (0.682 against 0.630, +8.2%).
 SOAKS = (
@@ -234,6 +235,8 @@ SOAKS = (
     "fleet_soak_etcd_power_clock.json",
     "fleet_soak_etcd_power_steady.json",
     "fleet_soak_etcd_cosine.json",
+    "fleet_soak_etcd_cosine_run2.json",
+    "fleet_soak_loopback_cosine.json",
 )
 
 
