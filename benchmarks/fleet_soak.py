@@ -346,7 +346,7 @@ def soak(design: str, made: Machines, job: tuple[int, int, str], every: float | 
                 "restarts": max(r["restarts"] for r in results), "events": events,
                 "rounds": max(r["rounds"] for r in results), "samples": max(r.get("samples", 0) for r in results),
                 "test_losses": sorted({r["test_loss"] for r in results}), "last_lr": sorted({str(r.get("lr")) for r in results}),
-                "train_loss": results[0].get("train_loss"),
+                "train_loss": results[0]["train_loss"],
             }  # fmt: skip
         finally:
             for i in run.running():  # a stopped run's machines, or a failed one's

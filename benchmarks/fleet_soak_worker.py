@@ -23,6 +23,7 @@ OUT/result-{pid}.json: its History's epochs (none for torchft), its test loss an
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from torch import nn
 from benchmarks.common import DEFAULT_DATA_DIR, mnist_batches
 from parallelwrapper import ParallelWrapper
 from parallelwrapper.config import fleet_address
+from parallelwrapper.evaluation import classification_metrics, metric_sums
 
 K, LR, PEER_TIMEOUT_S, CHECKPOINT_EVERY = 16, 0.05, 3.0, 4
 
@@ -126,13 +128,11 @@ def finish(out: Path, net: nn.Module, **result: object) -> None:
     """OUT/result-{pid}.json: the end's time, `net`'s test loss and accuracy on the 10,000 test
     images, its loss on the 60,000 training images (how far it fitted what it trained on, apart
     from how it generalizes), and `result`."""
-    test = mnist_batches(DEFAULT_DATA_DIR, "test", 1000)
-    with torch.no_grad():
-        loss = sum(float(nn.functional.cross_entropy(net(x), y, reduction="sum")) for x, y in test) / 10_000
-        right = sum(int((net(x).argmax(1) == y).sum()) for x, y in test)
-        finished = time.time()  # the training set's loss below is not the run's time
-        train = sum(float(nn.functional.cross_entropy(net(x), y, reduction="sum")) for x, y in mnist_batches(DEFAULT_DATA_DIR, "train", 1000)) / 60_000
-    (out / f"result-{os.getpid()}.json").write_text(json.dumps({"finished": finished, "test_loss": loss, "test_accuracy": right / 10_000, "train_loss": train, **result}))
+    metrics = functools.partial(classification_metrics, loss_fn=nn.functional.cross_entropy)  # as ParallelWrapper.evaluate scores
+    test, n = metric_sums(net, mnist_batches(DEFAULT_DATA_DIR, "test", 1000), metrics, torch.device("cpu"))
+    finished = time.time()  # the training set's loss below is not the run's time
+    train, m = metric_sums(net, mnist_batches(DEFAULT_DATA_DIR, "train", 1000), metrics, torch.device("cpu"))
+    (out / f"result-{os.getpid()}.json").write_text(json.dumps({"finished": finished, "test_loss": test["loss"] / n, "test_accuracy": test["accuracy"] / n, "train_loss": train["loss"] / m, **result}))
 
 
 if __name__ == "__main__":
