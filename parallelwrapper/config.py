@@ -251,6 +251,10 @@ class Config:
     fleet_processes: int = option(
         1, "With fleet(store): the processes that form its first group, on every machine together.",
         count(1), "fleet", keyword="processes", example=4)
+    fleet_rescale: bool = option(
+        True, "With fleet(store): a round of n live processes, fewer than planned, moves the model n/N of the way to their average, "
+              "so that a sample weighs what it does in the planned fleet; False: to the average.",
+        boolean(), "fleet", keyword="rescale", example=False)
     peer_timeout: float = option(
         30.0, "Under torchrun: seconds a rank may hear nothing from a peer before it exits, naming it.",
         positive(), "peer_timeout", example=10.0)
@@ -267,6 +271,12 @@ class Config:
             self.autopilot.check_payloads()
         check_devices(self.devices)  # how many there must be is env.resolve's to check
         refuse(self)
+
+    def planned_workers(self, world_size: int) -> int:
+        """The workers this run is planned for, by which a per-step schedule counts its global steps
+        and a round's share of the model's move is weighed: a fleet's `processes` (its group shrinks
+        and grows about them), else the group's `world_size`."""
+        return self.fleet_processes if self.fleet is not None else world_size
 
 
 OPTIONS: dict[str, Declared] = {d.name: d for d in declared(Config)}  # every option, by name, as declared

@@ -239,8 +239,7 @@ def _resolve_torchrun(config: Config, env: TorchrunEnv, gpus: int, cores: int, e
     notes += told
     backend, threads, more = _backend_and_threads(config, devices, cores, refusal, "--nproc-per-node n")
     # A fleet's group forms across the machines' torchruns, each of which knows its own processes only.
-    world = config.fleet_processes if config.fleet is not None else env.world_size // stages
-    return Placement(world, devices, backend, threads, env, tuple(notes + more), stages)
+    return Placement(config.planned_workers(env.world_size // stages), devices, backend, threads, env, tuple(notes + more), stages)
 
 
 def collective_timeout(config: Config) -> datetime.timedelta:

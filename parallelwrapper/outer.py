@@ -9,6 +9,10 @@ averaging is the outer step SGD(lr=1): θ_start − 1·Δ = average(θ).
 
 Buffers and the inner optimizer's state are averaged as without an outer optimizer. With
 overlap_averaging the step lands a round late (docs/design.md, "The outer step with overlap").
+
+A fleet's round of n live processes, fewer than the N it is planned for, steps on its `share`
+n/N of Δ: it averaged n/N of the samples a planned round does, and moves the model as far on
+them (parts.Parts; without an outer optimizer, the share's step is plain averaging's, SGD(lr=1)).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from .types import StateDict
 class OuterStep:
     """One worker's anchor (θ_start) and outer optimizer, over the model's trainable parameters."""
 
-    def __init__(self, spec: OuterSpec, params: list[torch.Tensor]) -> None:
-        self.params = params
+    def __init__(self, spec: OuterSpec, params: list[torch.Tensor], share: float = 1.0) -> None:
+        self.params, self.share = params, share
         self.anchor: list[torch.Tensor] = [torch.nn.Parameter(p.detach().clone()) for p in params]
         self.optimizer = spec.build(self.anchor)
 
@@ -37,7 +41,7 @@ class OuterStep:
     @torch.no_grad()
     def step(self, averages: list[torch.Tensor | None] | None = None) -> None:
         """After an averaging: `averages` (by default the model's parameters) hold average(θ);
-        move the anchor by the outer optimizer on Δ = anchor − average(θ) and put the result in
+        move the anchor by the outer optimizer on Δ = share · (anchor − average(θ)) and put the result in
         them. With overlap_averaging the model holds its own progress since on top of the average,
         which is kept: the averages are a buffer's, and the parameters move half way from their
         snapshot to the result (Streaming DiLoCo's mixing, rounds/streaming.py).
@@ -46,7 +50,10 @@ class OuterStep:
         anchors, targets = [a for a, t in pairs if t is not None], [t for _, t in pairs if t is not None]
         if not targets:
             return
-        for a, delta in zip(anchors, torch._foreach_sub(anchors, targets), strict=True):
+        deltas = torch._foreach_sub(anchors, targets)
+        if self.share != 1.0:
+            torch._foreach_mul_(deltas, self.share)
+        for a, delta in zip(anchors, deltas, strict=True):
             a.grad = delta
         self.optimizer.step()
         torch._foreach_copy_(targets, anchors)

@@ -1,7 +1,9 @@
 """The parts of one copy of the training (model, optimizer, schedule, outer optimizer) and their one `TrainingState`.
 
 `.lr_scheduler(...)` and `.outer_optimizer(...)` add the schedule and the outer optimizer; the
-`TrainingState` is what they are saved and loaded as.
+`TrainingState` is what they are saved and loaded as. A fleet's replica in a group smaller than
+planned steps on its share of each round's move (outer.py), with the outer optimizer or, without
+one, with plain averaging's step, which holds no state.
 
 Each worker holds one (worker.Replica, on its copy of the model), and the wrapper holds one on
 the user's model: a fit() starts every worker from the wrapper's state and ends by loading rank
@@ -16,23 +18,35 @@ from collections.abc import Callable
 import torch
 
 from .batches import to_cpu
-from .job import Job
+from .job import Job, OuterSpec
 from .outer import OuterStep
 from .rounds.state import optimizer_state_tensors, trained_parameters
 from .schedule import Schedule, make_schedule
 from .shared_state import reside, ship
 from .types import StateDict, TrainingState
 
+# Plain averaging as an outer step: θ_start − 1·Δ (outer.py), of which a share is taken.
+_PLAIN = OuterSpec(torch.optim.SGD, {"lr": 1.0})
+
 
 class Parts:
     """A model and its optimizer, schedule and outer optimizer (each built as the job says)."""
 
-    def __init__(self, model: torch.nn.Module, job: Job, world_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, job: Job, world_size: int, share: float = 1.0) -> None:
+        """`world_size`: the workers the run is planned for (Config.planned_workers), by which a
+        per-step schedule counts; `share`: of each round's move to the average (outer.py)."""
         self.model = model
         self.optimizer = job.make_optimizer(model)
         self.schedule: Schedule | None = make_schedule(job.lr_scheduler, self.optimizer, world_size)
         trained = trained_parameters(model, self.optimizer)
-        self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trained)
+        self.outer = None if job.outer_optimizer is None else OuterStep(job.outer_optimizer, trained, share)
+        self._partial = OuterStep(_PLAIN, trained, share) if self.outer is None and share != 1.0 else None
+
+    @property
+    def landing(self) -> OuterStep | None:
+        """The step a landed average takes: the outer optimizer's, or plain averaging's on a share
+        of the move; None: the average is the model's."""
+        return self.outer if self.outer is not None else self._partial
 
     def state(self) -> TrainingState:
         """Every part's state, on the CPU: a copy, which training the parts does not change."""
@@ -71,10 +85,10 @@ class Parts:
         self.model.load_state_dict(state.model)
         if self.schedule is not None and state.lr_scheduler is not None:
             self.schedule.load_state_dict(state.lr_scheduler)
-        if self.outer is not None:
-            self.outer.restart()  # the loaded parameters are the next round's start
-            if state.outer_optimizer is not None:
-                self.outer.load_state_dict(state.outer_optimizer if take else to_cpu(state.outer_optimizer))
+        if self.landing is not None:
+            self.landing.restart()  # the loaded parameters are the next round's start
+        if self.outer is not None and state.outer_optimizer is not None:
+            self.outer.load_state_dict(state.outer_optimizer if take else to_cpu(state.outer_optimizer))
 
 
 __all__ = ["Parts"]

@@ -322,14 +322,18 @@ class Settings:
         self._set("max_replacements", max_replacements)
         return self._set("on_worker_failure", policy)
 
-    def fleet(self, store: str | None, *, processes: int = 1) -> Self:
+    def fleet(self, store: str | None, *, processes: int = 1, rescale: bool = True) -> Self:
         """Run as one process of a fleet: `processes` processes launched apart (a torchrun on each
         machine, `--nproc-per-node` of them there) that form one group in `store`, a store none
         of them hosts: etcd://HOST:PORT,HOST:PORT,...[/NAME] (an etcd cluster, so that no one
         machine's loss stops it) or tcp://HOST:PORT[/NAME] (a TCPStore). With `.on_worker_failure("replace")`
         the survivors of a lost process or machine go on without it from the last average, with
         no process restarted; the lost round's batches are claimed again. None: not a fleet.
-        See docs/guides/many-machines.md."""
+        `processes` is the fleet as planned: while n of them are live, n < `processes`, a round
+        moves the model n/`processes` of the way to its average (`rescale=False`: all the way),
+        so that a sample weighs what it does in the planned fleet, and a per-step schedule counts
+        global steps of `processes` processes. See docs/guides/many-machines.md."""
+        self._set("fleet_rescale", rescale)
         self._set("fleet_processes", processes)
         return self._set("fleet", store)
 

@@ -40,7 +40,10 @@ class Replica:
         *,
         hooks: Hooks | None = None,
     ) -> None:
-        self.parts = Parts(model, job, world_size)  # its optimizer, schedule and outer optimizer
+        # A fleet's group smaller than planned moves the model its share of the way to each average.
+        planned = config.planned_workers(world_size)
+        share = min(1.0, world_size / planned) if config.fleet_rescale else 1.0
+        self.parts = Parts(model, job, planned, share)  # its optimizer, schedule and outer optimizer
         self.model, self.optimizer, self.schedule = model, self.parts.optimizer, self.parts.schedule
         self.job, self.config, self.device, self.rank, self.world_size = job, config, device, rank, world_size
         self.hooks = hooks or Hooks()
@@ -166,13 +169,14 @@ class Replica:
         return metric_sums(self.model, share, validation_metrics(self.job), self.device, self._autocast)
 
     def averaged(self, averages: Mapping[int, torch.Tensor] | None = None) -> None:
-        """This round's average has landed: the outer optimizer, if any, steps from it. It is in
-        the model, or (overlap_averaging) in `averages` by id(parameter), where the step's result
-        goes; a parameter that is not there (in a still group, or in another fragment) does not
-        step."""
-        outer = self.parts.outer
-        if outer is not None:
-            outer.step(None if averages is None else [averages.get(id(p)) for p in outer.params])
+        """This round's average has landed: the outer optimizer, if any, steps from it, or a
+        fleet's group smaller than planned takes its share of the way to it (Parts.landing). It
+        is in the model, or (overlap_averaging) in `averages` by id(parameter), where the step's
+        result goes; a parameter that is not there (in a still group, or in another fragment) does
+        not step."""
+        landing = self.parts.landing
+        if landing is not None:
+            landing.step(None if averages is None else [averages.get(id(p)) for p in landing.params])
 
     def rounds_changed(self, before: int, after: int) -> None:
         """The rounds' k goes from `before` to `after`: the outer optimizer, if any, follows (OuterStep.rounds_changed)."""
@@ -250,7 +254,6 @@ class Replica:
         if self.parts.outer is not None:  # its momentum compounds over rounds: short rounds amplify it most
             what = "learning rate or the outer optimizer's (DiLoCo's outer lr 0.7 and momentum 0.9 suit rounds of hundreds of steps)"
         raise TrainingError(
-            f"loss is {float(stacked[bad])} at local step {first_step + bad} (epoch {epoch}); lower the "
-            f"{what}, or use .nan_policy('skip') to drop such a worker from its round",
+            f"loss is {float(stacked[bad])} at local step {first_step + bad} (epoch {epoch}); lower the {what}, or use .nan_policy('skip') to drop such a worker from its round",
             Where(epoch, -1, first_step + bad),
         )

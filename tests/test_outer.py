@@ -46,14 +46,19 @@ def _rounds_with_outer(rank: int, world: int, which: int, overlap: bool) -> dict
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "outer": replica.parts.outer.state_dict()}
 
 
+def _outer(which: int | None, anchor: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """OUTERS[which] on `anchor`; None: plain averaging's outer step, SGD(lr=1)."""
+    cls, kwargs = (torch.optim.SGD, {"lr": 1.0}) if which is None else OUTERS[which]
+    return cls(anchor, **kwargs)
+
+
 @one_thread()
-def reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def reference(which: int | None, world: int = 2, share: float = 1.0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The rounds in one process: each worker's k steps from the round's start, the mean of the
-    replicas' states, then the outer step from the start on Δ = start − mean."""
+    replicas' states, then the outer step from the start on Δ = share · (start − mean)."""
     model = bn_model()
     anchor = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
-    cls, kwargs = OUTERS[which]
-    outer = cls(anchor, **kwargs)
+    outer = _outer(which, anchor)
     data = {rank: batches(rank, SIZES) for rank in range(world)}
     for r in range(ROUNDS):
         states = []
@@ -70,7 +75,7 @@ def reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict
         model.load_state_dict({k: v.round().long() if k.endswith("num_batches_tracked") else v.float() for k, v in mean.items()})
         with torch.no_grad():
             for a, p in zip(anchor, model.parameters(), strict=True):
-                a.grad = a - p
+                a.grad = (a - p) * share
             outer.step()
             for a, p in zip(anchor, model.parameters(), strict=True):
                 p.copy_(a)
@@ -107,18 +112,18 @@ MIX = 0.5  # α: the share of its snapshot against the outer step's result a wor
 
 
 @one_thread()
-def streaming_reference(which: int, world: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def streaming_reference(which: int | None, world: int = 2, share: float = 1.0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Streaming DiLoCo with one round of delay and mixing factor α, in one process, as
     docs/design.md writes it. Each worker trains round 0 from θ0 and sends its snapshot S_i, then
     trains round 1 on top. Round 0 lands: θ' = outer step from the anchor on Δ = anchor − mean(S),
     and each worker's parameters go to θ' + (x − S_i) + α(S_i − θ'), its buffers to
     mean(S) + (x − S_i). It sends that as its next snapshot, and so on; the last round lands with
-    no step since, on θ'' itself (the buffers on their mean)."""
+    no step since, on θ'' itself (the buffers on their mean). Δ is scaled by `share`; without an
+    outer optimizer (`which` None) the step is plain averaging's, followed in full (no α)."""
     start = bn_model()
     replicas = [bn_model() for _ in range(world)]
     anchor = [nn.Parameter(p.detach().clone()) for p in start.parameters()]
-    cls, kwargs = OUTERS[which]
-    outer = cls(anchor, **kwargs)
+    outer, mix = _outer(which, anchor), 0.0 if which is None else MIX
     data = {rank: batches(rank, SIZES) for rank in range(world)}
     names = [name for name, _ in start.named_parameters()]
 
@@ -139,7 +144,7 @@ def streaming_reference(which: int, world: int = 2) -> tuple[dict[str, torch.Ten
         mean = {k: v.round().long() if k.endswith("num_batches_tracked") else v.float() for k, v in mean.items()}
         with torch.no_grad():
             for a, name in zip(anchor, names, strict=True):
-                a.grad = a - mean[name]
+                a.grad = (a - mean[name]) * share
             outer.step()
             return mean | {name: a.detach().clone() for a, name in zip(anchor, names, strict=True)}
 
@@ -150,8 +155,45 @@ def streaming_reference(which: int, world: int = 2) -> tuple[dict[str, torch.Ten
         target = land(sent)
         for replica, own in zip(replicas, sent, strict=True):
             moved = {k: v + (target[k] - own[k]) for k, v in replica.state_dict().items()}
-            replica.load_state_dict(moved | {name: moved[name] + MIX * (own[name] - target[name]) for name in names})
+            replica.load_state_dict(moved | {name: moved[name] + mix * (own[name] - target[name]) for name in names})
     return land(snapshots()), outer.state_dict()
+
+
+def _fleet_rounds(rank: int, world: int, which: int | None, overlap: bool, rescale: bool) -> dict[str, torch.Tensor]:
+    """The rounds of a fleet planned for world + 1 processes, run by `world` of them (one lost)."""
+    model = bn_model()
+    outer = None if which is None else OuterSpec(*OUTERS[which])
+    job = Job(model, torch.optim.SGD, {"lr": 0.1}, nn.functional.cross_entropy, None, outer_optimizer=outer)
+    config = Config(averaging_frequency=K, overlap_averaging=overlap, fleet="tcp://127.0.0.1:29400", fleet_processes=world + 1, fleet_rescale=rescale, on_worker_failure="replace")
+    replica = Replica(model, job, config, CPU, rank, world)
+    Rounds(replica, config, CPU, rank, world).run(1, ListSource(batches(rank, SIZES), rank, world), lambda r: None)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+FLEET = [(None, False, True), (None, True, True), (0, False, True), (None, False, False)]
+
+
+@pytest.mark.parametrize("at", range(len(FLEET)), ids=["plain", "plain-streaming", "sgd-nesterov", "rescale-off"])
+def test_a_fleet_short_of_a_process_moves_its_share_of_the_way_to_each_average(at: int, fleet_rounds: list[list[dict[str, torch.Tensor]]]) -> None:
+    """Two live processes of a fleet planned for three: each round moves the model 2/3 of the way
+    from the round's start to the average (the outer optimizer on 2/3 of Δ), so that a sample
+    weighs what it does in the planned fleet; with rescale=False, all the way. The replicas agree
+    bitwise, and equal a one-process computation."""
+    which, overlap, rescale = FLEET[at]
+    results = fleet_rounds[at]
+    expected, _ = (streaming_reference if overlap else reference)(which, 2, 2 / 3 if rescale else 1.0)
+    for key, value in expected.items():
+        assert torch.equal(results[0][key], results[1][key]), f"{key}: replicas differ"
+        torch.testing.assert_close(results[0][key], value, rtol=1e-5 if overlap else 1e-6, atol=1e-6, msg=key)
+    if rescale:  # the share is what moved it: the whole way to the average is elsewhere
+        whole, _ = (streaming_reference if overlap else reference)(which, 2)
+        assert not all(torch.allclose(results[0][key], whole[key]) for key in whole)
+
+
+@pytest.fixture(scope="module")
+def fleet_rounds() -> list[list[dict[str, torch.Tensor]]]:
+    """`_fleet_rounds` of every FLEET variant, in one group of two processes: by variant, by rank."""
+    return run_each(_fleet_rounds, 2, FLEET, timeout=120)
 
 
 PROGRESS = {  # per rank: its steps in rounds 0, 1 and 2 (the last, which lands with no step since)

@@ -58,7 +58,7 @@ def test_a_setter_given_the_example_builds_a_config_holding_it(d: Any) -> None:
         b = b.workers(2)
     got = b._options[d.name]
     assert got == example, (d.name, got)
-    if d.name not in ("hierarchy", "training_mode", "validation_every", "on_worker_failure", "max_replacements", "devices", "fragments", "fleet", "fleet_processes"):
+    if d.name not in ("hierarchy", "training_mode", "validation_every", "on_worker_failure", "max_replacements", "devices", "fragments", "fleet", "fleet_processes", "fleet_rescale"):
         with b.build() as w:  # the rest need torchrun, spawned workers, two devices, a fleet's store or another option: their values are checked above
             assert getattr(w.config, d.name) == example
 

@@ -20,7 +20,12 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, MultiplicativeLR, OneCycleLR, ReduceLROnPlateau, StepLR
 
 from parallelwrapper import ParallelWrapper, TrainingMode
+from parallelwrapper.config import Config
+from parallelwrapper.job import Job, SchedulerSpec
+from parallelwrapper.rounds.cut import RoundCut
 from parallelwrapper.schedule import Schedule, planned_length, sizing_warning
+from parallelwrapper.types import Counters
+from parallelwrapper.worker import Replica
 from tiny import make_batches, mlp
 
 pytestmark = pytest.mark.timeout(180)
@@ -381,3 +386,25 @@ def test_a_warm_up_from_lr_0_on_first_come_workers_averages_every_group() -> Non
         history = wrapper.fit(data)
     assert history.scores and all(math.isfinite(s.score) for s in history.scores)
     assert wrapper.lr_scheduler.last_epoch == wrapper.steps_per_epoch(data)
+
+
+@pytest.mark.fast
+def test_a_fleet_short_of_a_process_counts_global_steps_of_the_planned_fleet() -> None:
+    """Three live processes of a fleet planned for four: a per-step schedule's global step is the
+    planned fleet's, ⌈I / 4⌉ at an epoch's start and a step per 4 batches, so that it neither jumps
+    ahead when a machine goes (⌈I / 3⌉) nor stands still when it comes back; and a round moves the
+    model 3/4 of the way to its average. Five processes (one more than planned) move it all the way."""
+    config = Config(fleet="tcp://127.0.0.1:29400", fleet_processes=4, on_worker_failure="replace")
+    job = Job(nn.Linear(2, 2), torch.optim.SGD, {"lr": 0.1}, F.mse_loss, None, lr_scheduler=SchedulerSpec(StepLR, {"step_size": 10}, "step"))
+    shares = {}
+    for live in (3, 4, 5):
+        replica = Replica(nn.Linear(2, 2), job, config, torch.device("cpu"), 0, live)
+        assert replica.schedule is not None and replica.schedule.world_size == 4
+        assert replica.schedule.target(Counters(iterations=120)) == 30
+        shares[live] = None if replica.parts.landing is None else replica.parts.landing.share
+    assert shares == {3: 0.75, 4: None, 5: None}
+    cut = RoundCut(3, config.planned_workers(3))
+    cut.epoch_starts(Counters(iterations=120, epoch=2, position=40))
+    assert [cut.step_of(i) for i in (40, 43, 44, 48)] == [30, 30, 31, 32]
+    off = Config(fleet="tcp://127.0.0.1:29400", fleet_processes=4, fleet_rescale=False, on_worker_failure="replace")
+    assert Replica(nn.Linear(2, 2), job, off, torch.device("cpu"), 0, 3).parts.landing is None

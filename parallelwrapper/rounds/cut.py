@@ -13,7 +13,9 @@ ended in five rounds, the last of one batch.)
 The global step is DDP's: the epoch's batch i is step s + (i − p) // N, where s is the step
 count ⌈I / N⌉ when the epoch began (I: the batches of every landed round, over the wrapper's
 life) and p the epoch's first index (a resumed epoch starts past 0). A per-step schedule runs
-each batch at its step (schedule.py).
+each batch at its step (schedule.py). N is the workers the run is planned for: a fleet's
+`processes`, whatever its group's size now, so that its steps neither jump when a machine goes
+nor stand still when it comes back (Config.planned_workers).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from ..types import Batch, Counters
 class RoundCut:
     """One worker's view of the epoch's batches, round by round."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, planned: int | None = None) -> None:
         self.ranks = ranks  # every rank that takes batches (with a hierarchy: of every node)
+        self.planned = planned or ranks  # the ranks a global step counts (a fleet's planned processes)
         self.start = self.end = 0  # the round being trained: the epoch's batches [start, end)
         self.finished = False  # this worker has had its end of the epoch
         self._epoch = 0  # the epoch being cut
@@ -43,7 +46,7 @@ class RoundCut:
 
     def epoch_starts(self, counters: Counters) -> None:
         self.finished, self.end, self._epoch = False, counters.position, counters.epoch
-        self._first = (math.ceil(counters.iterations / self.ranks), counters.position)
+        self._first = (math.ceil(counters.iterations / self.planned), counters.position)
 
     def round_starts(self, batches: int) -> None:
         self.start, self.end = self.end, self.end + batches
@@ -67,7 +70,7 @@ class RoundCut:
 
     def step_of(self, index: int) -> int:
         step, first = self._first
-        return step + (index - first) // self.ranks
+        return step + (index - first) // self.planned
 
     def next(self, waiting: Callable[[], None], held_for: Callable[[int], None]) -> tuple[int, Batch] | None:
         """The round's next batch for this worker, or None: at its end of the epoch, or when the

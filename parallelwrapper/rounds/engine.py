@@ -74,7 +74,8 @@ class Rounds:
         self.started = time.monotonic()  # when the fit() began, which the records' seconds count from (begin)
         self._averages_state = config.training_mode is TrainingMode.AVERAGING  # after any warm-up
         self.seq = 0  # rounds started over this worker's life, the same on every worker: the observer's tags (hooks.RoundObserver)
-        self._cut = RoundCut(world_size * (1 if lockstep is None else lockstep.size))  # which batches each round trains, and their steps
+        ranks = world_size * (1 if lockstep is None else lockstep.size)
+        self._cut = RoundCut(ranks, config.planned_workers(ranks))  # which batches each round trains, and their steps
         self.policy = policy_for(config, trainer, self.clock, device, group, together)  # what each averaging round runs with (policy.py)
 
     @property
