@@ -30,10 +30,12 @@ every process that finished trained every epoch's batches once (its History's co
 has no such counters, and trains its replicas' own batches), and no process is left in any
 namespace. Told: the faulted run's test loss against the fault-free
 one's. Needs root and iproute2; `--loopback` runs the machines as sessions of processes on this
-machine's loopback, unshaped, with no root.
+machine's loopback, unshaped, with no root. `--fault-free FILE` takes each design's fault-free run
+from an earlier result of the same job instead of running it again: for a change that acts only
+when a machine is lost (a fault-free fleet never runs short of a process).
 
     python -m benchmarks fleet_soak [--machines 4] [--every 30] [--back 10] [--epochs 40] [--rate 1gbit] [--designs fleet,restart,torchft]
-        [--schedule constant|cosine] [--store tcp|etcd] [--loss kill|power] [--loopback] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
+        [--schedule constant|cosine] [--store tcp|etcd] [--loss kill|power] [--loopback] [--fault-free FILE] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
 """
 
 from __future__ import annotations
@@ -408,6 +410,27 @@ def row(design: str, clean: dict[str, Any], faulted: dict[str, Any], batches: in
     return [design, clean["seconds"], faulted["seconds"], len(faulted["faults"]), f"{kept:.3f}", f"{loss:+.2%}", faulted["restarts"]]
 
 
+# The settings a fault-free run depends on: an earlier run is the same job's where they agree.
+_SAME_JOB = ("machines", "epochs", "width", "schedule", "rate", "store", "loopback")
+
+
+def fault_free_runs(path: str, settings: dict[str, Any], designs: list[str]) -> dict[str, dict[str, Any]]:
+    """Each of `designs`' first fault-free run (no machine lost, not stopped) in the earlier
+    result at `path`, whose job must be this one's (_SAME_JOB); SystemExit where it is not, or
+    where a design has none."""
+    earlier = json.loads(Path(path).read_text())
+    differ = [f"{k} {earlier['settings'].get(k)!r} against {settings[k]!r}" for k in _SAME_JOB if earlier["settings"].get(k) != settings[k]]
+    if differ:
+        raise SystemExit(f"fleet_soak: --fault-free {path} ran another job ({'; '.join(differ)}): run without --fault-free, or give a result of this job")
+    runs: dict[str, dict[str, Any]] = {}
+    for run in earlier["runs"]:
+        if not run["faults"] and not run.get("capped"):
+            runs.setdefault(run["design"], run)
+    if missing := [d for d in designs if d not in runs]:
+        raise SystemExit(f"fleet_soak: --fault-free {path} has no fault-free run of {', '.join(missing)}: run without --fault-free, or drop it from --designs")
+    return runs
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks fleet_soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--machines", type=int, default=4)
@@ -426,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a faulted run still going this many times its fault-free run's seconds is stopped, its progress read from its checkpoint")  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/fleet_soak.json")
     parser.add_argument("--logs", default=None, help="a directory to copy every run's machine logs into")
+    parser.add_argument("--fault-free", default=None, metavar="FILE",
+                        help="each design's fault-free run from this earlier result of the same job, instead of running it again")  # fmt: skip
     parser.add_argument("--loopback", action="store_true", help="machines as sessions of processes on loopback, unshaped: no root needed")
     parser.add_argument("--loss", choices=("kill", "power"), default="kill",
                         help="a machine lost: its processes killed (their sockets close), or its link down first (a machine without power: nothing closes)")  # fmt: skip
@@ -446,12 +471,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         from benchmarks.torchft_lenet import version
 
         settings["torchft"] = version()
+    earlier = {} if args.fault_free is None else fault_free_runs(args.fault_free, settings, designs)
     runs: list[dict[str, Any]] = []
     problems: list[str] = []
     rows: list[list[Any]] = []
     with loopback(args.machines) if args.loopback else emulated(args.machines, args.rate) as made:
         for design in designs:
             for every in (None, args.every):
+                if every is None and design in earlier:
+                    runs.append(earlier[design])
+                    print(f"{design}, no faults: {earlier[design]['seconds']} s, from {args.fault_free}", flush=True)
+                    continue
                 cap = None if every is None or args.cap is None else args.cap * runs[-1]["seconds"]
                 logs = None if args.logs is None else Path(args.logs)
                 result = soak(design, made, (args.epochs, args.width, args.schedule), every, args.back, args.timeout, logs, cap, args.store, args.loss == "power")
