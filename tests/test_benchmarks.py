@@ -99,6 +99,23 @@ def test_a_doubling_of_k_costs_the_steps_the_longer_round_took_to_the_shorter_on
     assert doubling_costs(runs, ["w:8", "w:32"]) == {"w:8→32": doubling_cost(short, long, 4)}
 
 
+@pytest.mark.fast
+def test_a_soak_takes_its_fault_free_run_from_an_earlier_result_of_the_same_job_only(tmp_path: Path) -> None:
+    """fleet_soak --fault-free: each design's first fault-free, finished run of the earlier result;
+    another job's result (its epochs differ), or one without that design's fault-free run, is refused."""
+    from benchmarks.fleet_soak import fault_free_runs
+
+    settings = {"machines": 4, "epochs": 36, "width": 1024, "schedule": "cosine", "rate": "1gbit", "store": "tcp", "loopback": True, "every": 30.0}
+    runs = [{"design": "fleet", "faults": [{"at": 3.0}], "seconds": 9.0}, {"design": "fleet", "faults": [], "seconds": 7.0}, {"design": "fleet", "faults": [], "seconds": 8.0}]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"settings": {**settings, "every": 100000.0}, "runs": runs}))
+    assert fault_free_runs(str(earlier), settings, ["fleet"]) == {"fleet": runs[1]}
+    with pytest.raises(SystemExit, match=r"ran another job \(epochs 36 against 12\)"):
+        fault_free_runs(str(earlier), {**settings, "epochs": 12}, ["fleet"])
+    with pytest.raises(SystemExit, match="has no fault-free run of restart"):
+        fault_free_runs(str(earlier), settings, ["fleet", "restart"])
+
+
 def gpt_arena(r: dict[str, Any]) -> None:
     float32, int8 = r["rows"]
     for row in r["rows"]:

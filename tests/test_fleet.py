@@ -2,8 +2,11 @@
 that none of them hosts (this test's, standing in for etcd). The machine of rank 0 is lost at once
 (its agent and its process SIGKILLed): the survivors go on from the last average with no process
 restarted, a machine that comes later joins with a peer's state, every batch is trained once, and
-every replica ends bitwise equal; with the autopilot, an outer optimizer and checkpoints on, and the
-last checkpoint holding the end. Its fast part: the store's address and the refusals."""
+every replica ends bitwise equal; with the autopilot, an outer optimizer, checkpoints and a per-step
+OneCycleLR sized for the fleet as planned on, and the last checkpoint holding the end (where two
+survivors ended the run, the schedule had counted their steps as two processes' and raised: "Tried
+to step 33 times. The specified number of total steps is 32"). Its fast part: the store's address
+and the refusals."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ trains on, for tests/scripts/fleet_cut.py to cut its machine's link.
 Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid and
 its agent's restart count to OUT_DIR/history{m}.json; each writes its pid to OUT_DIR/pid{m}.txt
 when it starts. It runs with the features a fleet composes with: the autopilot (k from 1 to 4), an
-outer optimizer (DiLoCo's Nesterov SGD) and a checkpoint in OUT_DIR/ckpt every 2 rounds.
+outer optimizer (DiLoCo's Nesterov SGD), a per-step OneCycleLR sized for the run as the fleet
+planned (which raises if stepped past its end) and a checkpoint in OUT_DIR/ckpt every 2 rounds.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main(store: str, processes: int, out: Path, lose: int | None) -> None:
         .fleet(store, processes=processes).on_worker_failure("replace").peer_timeout(2.0)
         .training_step(step)
     )  # fmt: skip
+    builder.lr_scheduler(torch.optim.lr_scheduler.OneCycleLR, interval="step", max_lr=0.1, total_steps=EPOCHS * builder.steps_per_epoch(BATCHES))
     (out / f"pid{MACHINE}.txt").write_text(str(os.getpid()))
     while "COME_AFTER" in os.environ and not Path(os.environ["COME_AFTER"]).exists():  # a machine that comes later, its imports done
         time.sleep(0.01)
