@@ -32,10 +32,12 @@ namespace. Told: the faulted run's test loss against the fault-free
 one's. Needs root and iproute2; `--loopback` runs the machines as sessions of processes on this
 machine's loopback, unshaped, with no root. `--fault-free FILE` takes each design's fault-free run
 from an earlier result of the same job instead of running it again: for a change that acts only
-when a machine is lost (a fault-free fleet never runs short of a process).
+when a machine is lost (a fault-free fleet never runs short of a process), such as `--rescale off`,
+the fleet's rounds short of a machine moving the model all the way to their average
+(`.fleet(..., rescale=False)`) instead of their share of it.
 
     python -m benchmarks fleet_soak [--machines 4] [--every 30] [--back 10] [--epochs 40] [--rate 1gbit] [--designs fleet,restart,torchft]
-        [--schedule constant|cosine] [--store tcp|etcd] [--loss kill|power] [--loopback] [--fault-free FILE] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
+        [--schedule constant|cosine] [--rescale on|off] [--store tcp|etcd] [--loss kill|power] [--loopback] [--fault-free FILE] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
 """
 
 from __future__ import annotations
@@ -190,9 +192,9 @@ class Run:
     """One design's run on the machines: each machine's torchrun (torchft: its replica's process),
     started, lost and started again, with the machine's etcd member where the fleet's store is etcd."""
 
-    def __init__(self, design: str, made: Machines, out: Path, job: tuple[int, int, str], run_id: str, etcd: Etcd | None = None,
+    def __init__(self, design: str, made: Machines, out: Path, job: tuple[int, int, str, str], run_id: str, etcd: Etcd | None = None,
                  lighthouse: str = "", power: bool = False) -> None:  # fmt: skip
-        """`job`: the worker's EPOCHS, WIDTH and SCHEDULE (fleet_soak_worker.py); `power`: a machine
+        """`job`: the worker's EPOCHS, WIDTH, SCHEDULE and RESCALE (fleet_soak_worker.py); `power`: a machine
         lost loses its link first (`lose`)."""
         self.design, self.made, self.out, self.job, self.id = design, made, out, job, run_id
         self.etcd, self.lighthouse, self.power = etcd, lighthouse, power
@@ -269,9 +271,9 @@ def _tree(root: int) -> list[int]:
     return tree
 
 
-def soak(design: str, made: Machines, job: tuple[int, int, str], every: float | None, back: float, timeout_s: float, logs: Path | None,
+def soak(design: str, made: Machines, job: tuple[int, int, str, str], every: float | None, back: float, timeout_s: float, logs: Path | None,
          cap_s: float | None = None, store_kind: str = "tcp", power: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One run of `design` on `job` (its epochs, the MLP's width, the learning rate's schedule),
+    """One run of `design` on `job` (its epochs, the MLP's width, the learning rate's schedule, the fleet's rescale),
     with a machine lost every `every` seconds from the first step (None: none) and back `back`
     seconds later; its machines' logs copied into `logs`, if given. A run
     still going `cap_s` seconds after its first step is stopped there, and its progress is its
@@ -440,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden units (784-W-W-10)")
     parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                         help="the learning rate: 0.05 throughout, or falling to 0 on a cosine by the epoch (an end whose test loss the batches' order moves less)")  # fmt: skip
+    parser.add_argument("--rescale", choices=("on", "off"), default="on",
+                        help="the fleet's rounds short of a machine move the model their share of the way to the average (on), or all the way (off)")  # fmt: skip
     parser.add_argument("--rate", default="1gbit", help="each machine's link, both ways (tc tbf)")
     parser.add_argument("--designs", default=",".join(DESIGNS))
     parser.add_argument("--store", choices=("tcp", "etcd"), default="etcd",
@@ -484,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     continue
                 cap = None if every is None or args.cap is None else args.cap * runs[-1]["seconds"]
                 logs = None if args.logs is None else Path(args.logs)
-                result = soak(design, made, (args.epochs, args.width, args.schedule), every, args.back, args.timeout, logs, cap, args.store, args.loss == "power")
+                result = soak(design, made, (args.epochs, args.width, args.schedule, args.rescale), every, args.back, args.timeout, logs, cap, args.store, args.loss == "power")
                 result["left"] = {ns: left_in(ns) for ns in made.names}  # once its machines and store are put down
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"

@@ -1,7 +1,8 @@
-"""One process of benchmarks/fleet_soak.py's emulated machines: `torchrun ... fleet_soak_worker.py MODE STORE PROCESSES OUT EPOCHS [WIDTH [SCHEDULE]]`.
+"""One process of benchmarks/fleet_soak.py's emulated machines: `torchrun ... fleet_soak_worker.py MODE STORE PROCESSES OUT EPOCHS [WIDTH [SCHEDULE [RESCALE]]]`.
 
 MODE fleet: a member of a fleet (`.fleet(STORE, processes=PROCESSES).on_worker_failure("replace")`),
-under a torchrun of its own machine. MODE restart: a rank of one torchrun job across the machines,
+under a torchrun of its own machine; RESCALE off: `.fleet(..., rescale=False)`, each round moved
+to its average, however few processes are live. MODE restart: a rank of one torchrun job across the machines,
 which its agents restart at every change of machines, resuming from the checkpoint in OUT/ckpt.
 MODE torchft: machine $MACHINE's replica group of one process, at $ADDRESS, with torchft 0.2.0's
 LocalSGD, meeting the others at the lighthouse $LIGHTHOUSE and going on with any one of them
@@ -72,7 +73,7 @@ def cosine(epoch: float, epochs: int) -> float:
     return LR * (1 + math.cos(math.pi * epoch / epochs)) / 2
 
 
-def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: int = 1024, schedule: str = "constant") -> None:
+def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: int = 1024, schedule: str = "constant", rescale: str = "on") -> None:
     if mode == "torchft":
         return torchft(store, processes, out, epochs, width, schedule)
     net = mlp(width)
@@ -83,7 +84,7 @@ def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: i
     if schedule == "cosine":
         builder = builder.lr_scheduler(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs)
     if mode == "fleet":
-        builder = builder.fleet(store, processes=processes).on_worker_failure("replace")
+        builder = builder.fleet(store, processes=processes, rescale=rescale == "on").on_worker_failure("replace")
     else:
         builder = builder.checkpoint(out / "ckpt", every=CHECKPOINT_EVERY)
     with builder.build() as wrapper:
@@ -136,4 +137,4 @@ def finish(out: Path, net: nn.Module, **result: object) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), *map(int, sys.argv[6:7]), *sys.argv[7:8])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), *map(int, sys.argv[6:7]), *sys.argv[7:9])
