@@ -254,6 +254,7 @@ class Replica:
         if self.parts.outer is not None:  # its momentum compounds over rounds: short rounds amplify it most
             what = "learning rate or the outer optimizer's (DiLoCo's outer lr 0.7 and momentum 0.9 suit rounds of hundreds of steps)"
         raise TrainingError(
-            f"loss is {float(stacked[bad])} at local step {first_step + bad} (epoch {epoch}); lower the {what}, or use .nan_policy('skip') to drop such a worker from its round",
+            f"loss is {float(stacked[bad])} at local step {first_step + bad} (epoch {epoch}); lower the "
+            f"{what}, or use .nan_policy('skip') to drop such a worker from its round",
             Where(epoch, -1, first_step + bad),
         )

@@ -30,9 +30,9 @@ from ..types import Batch, Counters
 class RoundCut:
     """One worker's view of the epoch's batches, round by round."""
 
-    def __init__(self, ranks: int, planned: int | None = None) -> None:
+    def __init__(self, ranks: int, planned: int) -> None:
         self.ranks = ranks  # every rank that takes batches (with a hierarchy: of every node)
-        self.planned = planned or ranks  # the ranks a global step counts (a fleet's planned processes)
+        self.planned = planned  # the ranks a global step counts: `ranks`, or a fleet's planned processes
         self.start = self.end = 0  # the round being trained: the epoch's batches [start, end)
         self.finished = False  # this worker has had its end of the epoch
         self._epoch = 0  # the epoch being cut
