@@ -237,8 +237,12 @@ def test_only_the_application_imports_click_or_matplotlib() -> None:
     assert {name for name in users if not (name + ".").startswith(APP + ".")} == set()
 
 
-def test_importing_the_library_loads_neither_click_nor_matplotlib() -> None:
-    loaded = "sorted(m for m in sys.modules if m.split('.')[0] in ('click', 'matplotlib') or m.startswith('parallelwrapper.app'))"
+def test_importing_the_library_loads_neither_click_nor_matplotlib_nor_torchs_pipelining() -> None:
+    """Nor torch.distributed.pipelining, which imports torch._dynamo and sympy: 2 s of every
+    process's start (pw-fit's, each torchrun rank's), where torch itself takes 2.2 s. A pipeline's
+    module imports it, for a config that asks for one (pipeline/stages.py)."""
+    heavy = ("click", "matplotlib", "torch.distributed.pipelining", "torch._dynamo", "sympy")
+    loaded = f"sorted(m for m in sys.modules if m.startswith({heavy}) or m.startswith('parallelwrapper.app'))"
     code = f"import sys, parallelwrapper; print({loaded})"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=PACKAGE.parent, check=True).stdout
     assert out.strip() == "[]"

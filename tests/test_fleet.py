@@ -224,7 +224,9 @@ def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins
         if m != 3:
             assert [r[0] for r in history["replacements"]] == [0], history  # rank 0 of the first group lost
     for m in survivors:
-        said = [line for line in logs_text[m].splitlines() if line.startswith("parallelwrapper: member")]
+        # The heartbeat's judge may hear of the loss first, where the survivor's collective waits on the
+        # other survivor and not on the lost process's closed socket: it says so on a line of its own.
+        said = [line for line in logs_text[m].splitlines() if line.startswith("parallelwrapper: member") and not line.endswith("so that the group regroups now")]
         assert len(said) == 2 and "goes on without member" in said[0] and "(rank 0 of generation 0): 2 processes from round" in said[0], said
         assert "joined (generation 2): 3 processes, " in said[1] and said[1].endswith(" s to take in"), said
         seconds = float(said[0].split(", ")[-1].split(" s after")[0])
