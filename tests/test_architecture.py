@@ -238,9 +238,9 @@ def test_only_the_application_imports_click_or_matplotlib() -> None:
 
 
 def test_importing_the_library_loads_neither_click_nor_matplotlib_nor_torchs_pipelining() -> None:
-    """Nor torch.distributed.pipelining, which imports torch._dynamo and sympy: 2 s of every
-    process's start (pw-fit's, each torchrun rank's), where torch itself takes 2.2 s. A pipeline's
-    module imports it, for a config that asks for one (pipeline/stages.py)."""
+    """Nor torch.distributed.pipelining, which imports torch._dynamo and sympy: 2 s of the start of
+    a process that makes no optimizer (`pw-fit --help`, `pw-fit predict`), where torch itself takes
+    2.2 s. A pipeline's module imports it, for a config that asks for one (pipeline/stages.py)."""
     heavy = ("click", "matplotlib", "torch.distributed.pipelining", "torch._dynamo", "sympy")
     loaded = f"sorted(m for m in sys.modules if m.startswith({heavy}) or m.startswith('parallelwrapper.app'))"
     code = f"import sys, parallelwrapper; print({loaded})"

@@ -1,7 +1,8 @@
 """The pipeline as a feature (`Stages`): a worker's S processes, each stage's seat, and its states joined.
 
 Its own module, which the package's `of` imports only for a config that asks for a pipeline: it
-imports torch.distributed.pipelining, and with it torch._dynamo, some 2 s of a process's start.
+imports torch.distributed.pipelining, and with it torch._dynamo: some 2 s of the start of a process
+that makes no optimizer (making one imports torch._dynamo too), such as `pw-fit predict`.
 """
 
 from __future__ import annotations

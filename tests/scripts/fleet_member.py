@@ -68,9 +68,9 @@ def main(store: str, processes: int, out: Path, lose: int | None) -> None:
     )  # fmt: skip
     builder.lr_scheduler(torch.optim.lr_scheduler.OneCycleLR, interval="step", max_lr=0.1, total_steps=EPOCHS * builder.steps_per_epoch(BATCHES))
     (out / f"pid{MACHINE}.txt").write_text(str(os.getpid()))
-    while "COME_AFTER" in os.environ and not Path(os.environ["COME_AFTER"]).exists():  # a machine that comes later, its imports done
-        time.sleep(0.01)
-    with builder.build() as wrapper:
+    with builder.build() as wrapper:  # which makes the optimizer once, and so imports torch._dynamo (some 2 s)
+        while "COME_AFTER" in os.environ and not Path(os.environ["COME_AFTER"]).exists():  # a machine that comes later, its imports done
+            time.sleep(0.01)
         history = wrapper.fit(make_batches(BATCHES), epochs=EPOCHS)
     torch.save(net.state_dict(), out / f"model{MACHINE}.pt")
     (out / f"history{MACHINE}.json").write_text(json.dumps({
