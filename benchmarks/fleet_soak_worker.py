@@ -16,7 +16,8 @@ benchmarks.common.BATCH, k = 16, SGD with Nesterov momentum), EPOCHS epochs, at 
 of 0.05 throughout (SCHEDULE constant, the default) or falling from it to 0 on a cosine by the
 epoch (SCHEDULE cosine: torch's CosineAnnealingLR over EPOCHS; torchft's replicas set it from the
 epochs their committed samples hold, at each sync).
-The first process to train writes the time to OUT/first.txt; each process that finishes writes
+The first process to train writes the time to OUT/first.txt; a machine back after the fleet has
+finished ends at once, writing nothing (FleetEnded); each process that finishes writes
 OUT/result-{pid}.json: its History's epochs (none for torchft), its test loss and accuracy on the
 10,000 test images, its loss on the 60,000 training images, and the time it finished.
 """
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import DEFAULT_DATA_DIR, mnist_batches
-from parallelwrapper import ParallelWrapper
+from parallelwrapper import FleetEnded, ParallelWrapper
 from parallelwrapper.config import fleet_address
 from parallelwrapper.evaluation import classification_metrics, metric_sums
 
@@ -88,7 +89,11 @@ def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: i
     else:
         builder = builder.checkpoint(out / "ckpt", every=CHECKPOINT_EVERY)
     with builder.build() as wrapper:
-        history = wrapper.fit(mnist_batches(DEFAULT_DATA_DIR), epochs=epochs)
+        try:
+            history = wrapper.fit(mnist_batches(DEFAULT_DATA_DIR), epochs=epochs)
+        except FleetEnded as e:  # a machine back after the run: it ends as the others do, with nothing to report
+            print(e, file=sys.stderr)
+            return
     finish(out, net, epochs=[[e.epoch, e.iteration, e.samples] for e in history.epochs], replacements=len(history.replacements),
            restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rounds=wrapper.rounds,
            lr=None if wrapper.lr_scheduler is None else wrapper.lr_scheduler.get_last_lr())  # fmt: skip

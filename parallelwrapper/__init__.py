@@ -8,7 +8,7 @@
 from .autopilot import Autopilot
 from .checkpoint import CheckpointError, checkpoint_counters
 from .config import CONFLICTS, OPTIONS, PAYLOAD_DTYPES, PIPELINE_SCHEDULES, PRECISIONS, Config, GradientEncoding, NanPolicy, Pipeline, TrainingMode
-from .errors import TrainingError, WorkerError
+from .errors import FleetEnded, TrainingError, WorkerError
 from .inference import INFERENCE_OPTIONS, InferenceError, InferenceMode, ParallelInference
 from .listeners import CsvWriter, EarlyStopping, History, JsonlWriter, ProgressBar, ScoreLogger, autopilot_changes, exchange_share
 from .registry import declared
@@ -26,6 +26,7 @@ __all__ = [
     "CsvWriter",
     "EarlyStopping",
     "EpochEnd",
+    "FleetEnded",
     "INFERENCE_OPTIONS",
     "GradientEncoding",
     "History",

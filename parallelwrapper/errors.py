@@ -1,4 +1,4 @@
-"""The errors a user can meet from a worker: `WorkerError`, `TrainingError`, `Stopped`, and the `Where` they name.
+"""The errors a user can meet from a worker: `WorkerError`, `TrainingError`, `Stopped`, `FleetEnded`, and the `Where` they name.
 
 Apart from the records (types.py) so that every layer can raise them and name where a worker was,
 from the bottom of the module map: this imports nothing of the package."""
@@ -39,6 +39,13 @@ class Stopped(Exception):
 
 
 _TRACEBACK = "Traceback (most recent call last):"
+
+
+class FleetEnded(RuntimeError):
+    """A fleet's process came after the fleet had finished: every member of its last group has
+    left, so there is nothing to join and nothing left to train (replacement/fleet.py). Its fit
+    trained nothing and its model is not the fleet's: a machine's script that may come back late
+    ends quietly on it (docs/guides/many-machines.md)."""
 
 
 class GroupChanges(BaseException):
@@ -107,4 +114,4 @@ def _echo(line: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-__all__ = ["GroupChanges", "Stopped", "TrainingError", "Where", "WorkerError"]
+__all__ = ["FleetEnded", "GroupChanges", "Stopped", "TrainingError", "Where", "WorkerError"]

@@ -238,6 +238,13 @@ def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins
     assert saved["counters"]["iterations"] == EPOCHS * BATCHES, saved["counters"]
     lost_at = float((tmp_path / "lost.txt").read_text())
     print(f"the run after the loss: {max(p.stat().st_mtime for p in tmp_path.glob('model*.pt')) - lost_at:.1f} s")
+    # A machine back after the run has ended: its fit raises FleetEnded, which the script catches
+    # and prints; it saves nothing, and its agent ends as cleanly as the others'.
+    late = machine(tmp_path, store, 4)
+    assert late.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "agent4.log").read_text()[-3000:]
+    said = [line for line in (tmp_path / "agent4.log").read_text().splitlines() if line.startswith("member 4 ")]
+    assert len(said) == 1 and said[0].startswith("member 4 came after the fleet had finished (every member of generation 2 has left): nothing is left to train"), said
+    assert not (tmp_path / "model4.pt").exists() and not (tmp_path / "history4.json").exists()
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)

@@ -290,7 +290,12 @@ class FleetWorker:
         self.me = self._survival.me
         self._heartbeat = Heartbeat(connected.connect, connected.where, "heartbeat", self.me, 0, config.peer_timeout, on_lost=self._silent)
         self._lifeline = Lifeline(self._store, self.me, *connected.first)
-        rank, size = self._survival.enter(config.fleet_processes, self._gone, self._watch, _ENTER_S, self._lifeline.host)
+        try:
+            rank, size = self._survival.enter(config.fleet_processes, self._gone, self._watch, _ENTER_S, self._lifeline.host)
+        except BaseException:  # FleetEnded, a wait run out: a script that goes on has no heartbeat of this member beating on
+            self._heartbeat.close()
+            self._lifeline.close()
+            raise
         self._connections.taken()
         self._survival.attach(self._build(rank, size))
         self._hooks.observer = self._survival

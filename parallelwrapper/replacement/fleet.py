@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from ..errors import GroupChanges, WorkerError
+from ..errors import FleetEnded, GroupChanges, WorkerError
 from ..messages import FitCommand
 from ..types import Counters, Replacement
 from .keeper import Keep, Replaceable
@@ -122,7 +122,11 @@ class Survivor(Keep):
             self.store.set(f"joiner/{int(self.store.add('joining', 1)) - 1}", str(self.me))
             while self.me not in (group := self._latest(processes)).members:
                 if int(self.store.add(f"generation-{group.generation}/left", 0)) >= len(group.members):
-                    raise RuntimeError(f"member {self.me} came to a fleet whose every member has left (generation {group.generation}): it has finished")
+                    raise FleetEnded(
+                        f"member {self.me} came after the fleet had finished (every member of generation {group.generation} has left): nothing "
+                        "is left to train, and this process's model is not the fleet's; end this machine's script (except "
+                        "parallelwrapper.FleetEnded), or start a new run under another .fleet(store) name"
+                    )
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"member {self.me} waited {wait_s:g} s to join the running fleet: is it still training?")
                 time.sleep(_POLL_S)

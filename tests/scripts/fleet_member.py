@@ -1,6 +1,7 @@
 """One process of a fleet, for tests/test_fleet.py: `MACHINE=m fleet_member.py STORE PROCESSES OUT_DIR [LOSE]`,
 launched by a torchrun of its own on each emulated machine m; with COME_AFTER=PATH, it enters the
-fleet once that file exists (a machine that comes later).
+fleet once that file exists (a machine that comes later). One that comes after the fleet has
+finished ends at once, saving nothing, as a machine's script should (FleetEnded).
 
 Every member trains the same small model on one list of batches, which they claim first-come,
 with a short sleep in every step so that a machine is lost mid-run. With LOSE = r, the process of
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallelwrapper import ParallelWrapper
+from parallelwrapper import FleetEnded, ParallelWrapper
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny import make_batches, mlp
@@ -71,7 +72,11 @@ def main(store: str, processes: int, out: Path, lose: int | None) -> None:
     with builder.build() as wrapper:  # which makes the optimizer once, and so imports torch._dynamo (some 2 s)
         while "COME_AFTER" in os.environ and not Path(os.environ["COME_AFTER"]).exists():  # a machine that comes later, its imports done
             time.sleep(0.01)
-        history = wrapper.fit(make_batches(BATCHES), epochs=EPOCHS)
+        try:
+            history = wrapper.fit(make_batches(BATCHES), epochs=EPOCHS)
+        except FleetEnded as e:  # it came after the run: nothing to save
+            print(e, file=sys.stderr)
+            return
     torch.save(net.state_dict(), out / f"model{MACHINE}.pt")
     (out / f"history{MACHINE}.json").write_text(json.dumps({
         "pid": os.getpid(), "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
