@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from parallelwrapper import ParallelWrapper, Score, exchange_share
 from parallelwrapper.app.mnist import load_mnist
 from parallelwrapper.app.models import LeNet
+from parallelwrapper.processes import worker_context
 
 BATCH = 128
 LR, MOMENTUM = 0.02, 0.9  # Nesterov SGD; 0.04 (pw-fit's default) spikes to NaN at k = 1 from this seed
@@ -182,10 +183,14 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int | None, resu
             dist.destroy_process_group()
 
 
-def run_processes(fn: Callable[..., Any], world: int, *args: Any, group: bool = True, timeout: float = 900) -> list[Any]:
-    """fn(rank, world, *args) in `world` spawned single-thread processes, in a gloo group when
-    `group`; returns their (picklable, tensor-free) results by rank."""
-    ctx = mp.get_context("spawn")
+def run_processes(fn: Callable[..., Any], world: int, *args: Any, group: bool = True, timeout: float = 900, spawn: bool = False) -> list[Any]:
+    """fn(rank, world, *args) in `world` single-thread processes, in a gloo group when `group`;
+    returns their (picklable, tensor-free) results by rank. The processes start as the library's
+    workers do, from its forkserver (processes.worker_context), which imports torch once for
+    them all and for the wrapper's own workers in the same benchmark; where a fresh interpreter
+    each (`spawn`) imported torch, and torch._dynamo at their first optimizer, some 4 s each.
+    What they time starts after their start, either way."""
+    ctx = mp.get_context("spawn") if spawn else worker_context("benchmarks.common")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if group else None
     results = ctx.Queue()
     procs = [

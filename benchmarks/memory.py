@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         size = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
         count = sum(p.numel() for p in model.parameters())
         del model
-        ddp = run_processes(_ddp_rank, 2, params, args.batches)
+        ddp = run_processes(_ddp_rank, 2, params, args.batches, spawn=True)  # as the results of record were measured: each rank its own interpreter
         entry: dict[str, Any] = {"parameters": count, "model_mib": size, "ddp_ranks": ddp}
         rows.append((f"{count / 1e6:.1f}M", size, "DDP ranks", "", " / ".join(f"{r['rss_peak_mib']:.0f}" for r in ddp), "", "", "", ""))
         for label, code in codes.items():
