@@ -30,7 +30,6 @@ three times a microbatch instead of once.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import queue
 import statistics
 import threading
@@ -45,6 +44,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from benchmarks.common import median_ratio, rotated, run_processes, table, write_results
 from parallelwrapper import ParallelWrapper
+from parallelwrapper.processes import worker_context
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -145,10 +145,10 @@ def _bare_stage(rank: int, world: int, width: int, batches: Batches, microbatche
 
 
 class Bare:
-    """`_bare_stage` in two spawned processes that stay up between passes."""
+    """`_bare_stage` in two processes (common.run_processes') that stay up between passes."""
 
     def __init__(self, width: int, batches: Batches, microbatches: int, schedule: str) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = worker_context("benchmarks.common")  # run_processes' own, whose processes take the queues
         self.commands, self.times = [ctx.Queue() for _ in range(2)], ctx.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(width, batches, microbatches, schedule), daemon=True)
