@@ -104,6 +104,26 @@ def test_a_lifeline_tells_a_live_process_from_a_dead_one_and_from_one_that_accep
 
 
 @pytest.mark.fast
+def test_the_members_agree_on_a_rounds_newcomers_without_one_waiting_on_another() -> None:
+    """The first member to start a round read the count of processes waiting to join and wrote it
+    for the others, who waited for it: lost in between, it held them until the heartbeat's judge
+    shut the group (peer_timeout). Now each proposes what it reads and the first proposal stands:
+    a member that comes first takes its own reading at once, whoever never comes, and a later one
+    takes the first's, whatever the fleet's count has become since."""
+    import datetime
+
+    from parallelwrapper.replacement.fleet import agreed_joining
+
+    fleet, local = (TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=2)) for _ in range(2))
+    began = time.monotonic()
+    assert agreed_joining(local, fleet, 7) == 0  # no one has come to join: nothing in the fleet's store yet
+    fleet.add("joining", 1)  # a process comes after the first member read the count
+    assert agreed_joining(local, fleet, 7) == 0  # the round's count is the first member's
+    assert agreed_joining(local, fleet, 8) == 1  # the next round's first reads it
+    assert time.monotonic() - began < 1.0  # none waited (the store's timeout is 2 s)
+
+
+@pytest.mark.fast
 def test_a_newcomer_whose_sender_is_lost_as_it_takes_the_state_regroups_with_the_survivors() -> None:
     """A soak lost the machine of rank 0 as it sent its state to a newcomer: the newcomer's take-in
     failed with gloo's error, and it ended with a traceback while its peers went on without it.

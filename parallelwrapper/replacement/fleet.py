@@ -162,17 +162,12 @@ class Survivor(Keep):
     # -- the round loop's events --------------------------------------------------------------------
 
     def round_starts(self, tag: int, epoch: int, finished: bool, landed: int) -> None:
-        """Keep the round's starting state; then, with the other members, read the count of
-        processes waiting to join (the first to start the round reads it for all), and leave
-        the round untrained when it has grown (GroupChanges, which its host answers: `grow`)."""
+        """Keep the round's starting state; then agree with the other members on the count of
+        processes waiting to join (`agreed_joining`), and leave the round untrained when it has
+        grown (GroupChanges, which its host answers: `grow`)."""
         super().round_starts(tag, epoch, finished, landed)
-        local, key = self.local, f"round-{tag}"
-        assert local is not None, "a round outside a group"
-        if local.add(key, 1) == 1:
-            local.set(f"{key}/joining", self.store.get("joining").decode() if self.store.check(["joining"]) else "0")
-        else:
-            local.wait([f"{key}/joining"])
-        self._joining = int(local.get(f"{key}/joining"))
+        assert self.local is not None, "a round outside a group"
+        self._joining = agreed_joining(self.local, self.store, tag)
         if self._joining > self._admitted:
             raise GroupChanges(f"{self._joining - self._admitted} process(es) join the fleet at round {tag}")
 
@@ -311,9 +306,20 @@ class Survivor(Keep):
         return group, source, counters
 
 
+def agreed_joining(local: Store, fleet: Store, tag: int) -> int:
+    """The count of processes waiting to join the fleet (its store's `joining`) that every member
+    of a group takes at round `tag`'s start: each proposes the count as it reads it, and the first
+    proposal stands (a compare-and-set in the group's store, `local`). No member waits on another:
+    where the first to start a round read the count and every other waited for it to write it,
+    the first lost in between held its peers until the heartbeat's judge shut the group's
+    connections (peer_timeout later)."""
+    seen = fleet.get("joining").decode() if fleet.check(["joining"]) else "0"
+    return int(local.compare_set(f"round-{tag}/joining", "", seen))
+
+
 def _say(line: str) -> None:
     """One line of the fleet's news, on stderr: who left and who joined."""
     print(f"parallelwrapper: {line}", file=sys.stderr, flush=True)
 
 
-__all__ = ["Group", "Join", "Survivor"]
+__all__ = ["Group", "Join", "Survivor", "agreed_joining"]
