@@ -366,19 +366,21 @@ def soak(design: str, made: Machines, job: tuple[int, int, str, str], every: flo
 
 
 def _capped(design: str, out: Path, faults: list[dict[str, Any]], events: list[dict[str, Any]], cap_s: float) -> dict[str, Any]:
-    """A run stopped at `cap_s` seconds: what its last checkpoint holds."""
+    """A run stopped at `cap_s` seconds: what its last checkpoint holds, or None for its batches
+    where it keeps none (the fleet's: its events and faults are kept all the same)."""
     import torch
 
-    for _ in range(20):  # a checkpoint being written is read again a moment later
-        try:
-            counters = torch.load(out / "ckpt" / "checkpoint.pt", weights_only=False)["counters"]
-            break
-        except Exception:  # noqa: BLE001 - half-written, or none yet
-            time.sleep(0.1)
-    else:
-        raise RuntimeError(f"{design}: stopped at {cap_s:g} s with no checkpoint to read its progress from: {_logs(out)}")
-    return {"design": design, "faults": faults, "seconds": cap_s, "capped": True, "iterations_done": counters["iterations"],
-            "events": events, "finished": 0}  # fmt: skip
+    done = None
+    if design != "fleet":
+        for _ in range(20):  # a checkpoint being written is read again a moment later
+            try:
+                done = torch.load(out / "ckpt" / "checkpoint.pt", weights_only=False)["counters"]["iterations"]
+                break
+            except Exception:  # noqa: BLE001 - half-written, or none yet
+                time.sleep(0.1)
+        else:
+            raise RuntimeError(f"{design}: stopped at {cap_s:g} s with no checkpoint to read its progress from: {_logs(out)}")
+    return {"design": design, "faults": faults, "seconds": cap_s, "capped": True, "iterations_done": done, "events": events, "finished": 0}
 
 
 def _serve(made: Machines, port: int, code: str) -> subprocess.Popen[bytes]:
@@ -402,9 +404,10 @@ def _logs(out: Path) -> str:
 def row(design: str, clean: dict[str, Any], faulted: dict[str, Any], batches: int) -> list[Any]:
     """The table's row of a design: its two runs' seconds, the machines lost, the share of
     samples/s kept (of a stopped run, the batches its checkpoint holds), the test loss."""
-    if faulted.get("capped"):
-        kept = faulted["iterations_done"] / faulted["seconds"] / (batches / clean["seconds"])
-        return [design, clean["seconds"], f"stopped at {faulted['seconds']:g}", len(faulted["faults"]), f"{kept:.3f}", "-", "-"]
+    if faulted.get("capped"):  # unfinished at the cap: its kept is below the fault-free run's seconds over the cap's
+        done = faulted["iterations_done"]
+        kept = f"< {clean['seconds'] / faulted['seconds']:.3f}" if done is None else f"{done / faulted['seconds'] / (batches / clean['seconds']):.3f}"
+        return [design, clean["seconds"], f"stopped at {faulted['seconds']:g}", len(faulted["faults"]), kept, "-", "-"]
     kept = clean["seconds"] / faulted["seconds"]
     loss = faulted["test_loss"] / clean["test_loss"] - 1
     if abs(loss) > 0.01:  # a goal (issue 54), not a check: two fault-free runs of first-come claims differ too
@@ -492,7 +495,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 result["left"] = {ns: left_in(ns) for ns in made.names}  # once its machines and store are put down
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"
-                done = f"stopped at {cap:g} s with {result['iterations_done']} batches trained" if result.get("capped") else f"test loss {result['test_loss']:.4f}"
+                done = (f"stopped at {cap:g} s with {result['iterations_done'] if result['iterations_done'] is not None else 'an unknown number of'} batches trained"
+                        if result.get("capped") else f"test loss {result['test_loss']:.4f}")  # fmt: skip
                 print(f"{design}, {faults}: {result['seconds']} s, {len(result['faults'])} machines lost, {done}", flush=True)
                 if not result.get("capped") and design != "torchft" and result["iterations"] != [args.epochs * BATCHES]:
                     problems.append(f"{design}: a finished process trained {result['iterations']} batches, not {args.epochs * BATCHES}")
