@@ -183,14 +183,19 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int | None, resu
             dist.destroy_process_group()
 
 
+def peer_context(spawn: bool = False) -> Any:
+    """The multiprocessing context the peers of `run_processes` start from (and the queues they
+    take): the library's workers' forkserver (processes.worker_context), which imports torch once
+    for them all and for the wrapper's own workers in the same benchmark; or, `spawn`, a fresh
+    interpreter each, which imports torch, and torch._dynamo at its first optimizer, some 4 s each."""
+    return mp.get_context("spawn") if spawn else worker_context("benchmarks.common")
+
+
 def run_processes(fn: Callable[..., Any], world: int, *args: Any, group: bool = True, timeout: float = 900, spawn: bool = False) -> list[Any]:
-    """fn(rank, world, *args) in `world` single-thread processes, in a gloo group when `group`;
-    returns their (picklable, tensor-free) results by rank. The processes start as the library's
-    workers do, from its forkserver (processes.worker_context), which imports torch once for
-    them all and for the wrapper's own workers in the same benchmark; where a fresh interpreter
-    each (`spawn`) imported torch, and torch._dynamo at their first optimizer, some 4 s each.
-    What they time starts after their start, either way."""
-    ctx = mp.get_context("spawn") if spawn else worker_context("benchmarks.common")
+    """fn(rank, world, *args) in `world` single-thread processes of `peer_context(spawn)`, in a
+    gloo group when `group`; returns their (picklable, tensor-free) results by rank. What they
+    time starts after their start, either way."""
+    ctx = peer_context(spawn)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if group else None
     results = ctx.Queue()
     procs = [

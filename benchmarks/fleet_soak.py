@@ -495,8 +495,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 result["left"] = {ns: left_in(ns) for ns in made.names}  # once its machines and store are put down
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"
-                done = (f"stopped at {cap:g} s with {result['iterations_done'] if result['iterations_done'] is not None else 'an unknown number of'} batches trained"
-                        if result.get("capped") else f"test loss {result['test_loss']:.4f}")  # fmt: skip
+                if result.get("capped"):
+                    trained = "an unknown number of" if result["iterations_done"] is None else result["iterations_done"]
+                    done = f"stopped at {cap:g} s with {trained} batches trained"
+                else:
+                    done = f"test loss {result['test_loss']:.4f}"
                 print(f"{design}, {faults}: {result['seconds']} s, {len(result['faults'])} machines lost, {done}", flush=True)
                 if not result.get("capped") and design != "torchft" and result["iterations"] != [args.epochs * BATCHES]:
                     problems.append(f"{design}: a finished process trained {result['iterations']} batches, not {args.epochs * BATCHES}")

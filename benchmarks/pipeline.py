@@ -42,9 +42,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble
 
-from benchmarks.common import median_ratio, rotated, run_processes, table, write_results
+from benchmarks.common import median_ratio, peer_context, rotated, run_processes, table, write_results
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.processes import worker_context
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -148,7 +147,7 @@ class Bare:
     """`_bare_stage` in two processes (common.run_processes') that stay up between passes."""
 
     def __init__(self, width: int, batches: Batches, microbatches: int, schedule: str) -> None:
-        ctx = worker_context("benchmarks.common")  # run_processes' own, whose processes take the queues
+        ctx = peer_context()  # run_processes', whose processes take the queues
         self.commands, self.times = [ctx.Queue() for _ in range(2)], ctx.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(width, batches, microbatches, schedule), daemon=True)
