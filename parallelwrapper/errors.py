@@ -39,6 +39,7 @@ class Stopped(Exception):
 
 
 _TRACEBACK = "Traceback (most recent call last):"
+_SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
 
 
 class FleetEnded(RuntimeError):
@@ -103,6 +104,13 @@ class WorkerError(RuntimeError):
         return WorkerError(self.rank, self.summary, self.details, self.where, self.at, self.stage, self.echoes + lines)
 
 
+def summary(error: BaseException) -> str:
+    """One line that says what happened: the exception's type and the first line of its message."""
+    text = str(error) if isinstance(error, TrainingError) else f"{type(error).__name__}: {error}"
+    line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return line if len(line) <= _SUMMARY_CHARS else line[:_SUMMARY_CHARS] + "..."
+
+
 def _who(process: int, stages: int) -> str:
     """A process named as its worker, and its stage in a pipeline."""
     return f"worker {process}" if stages == 1 else f"worker {process // stages} stage {process % stages}"
@@ -114,4 +122,4 @@ def _echo(line: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-__all__ = ["FleetEnded", "GroupChanges", "Stopped", "TrainingError", "Where", "WorkerError"]
+__all__ = ["FleetEnded", "GroupChanges", "Stopped", "TrainingError", "Where", "WorkerError", "summary"]

@@ -28,7 +28,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 from .. import feed
 from ..config import Config
 from ..env import Placement, claim_device, collective_timeout
-from ..errors import Stopped, WorkerError
+from ..errors import Stopped, WorkerError, summary
 from ..feature import Feature
 from ..feed.claims import StoreCounter
 from ..feed.queue import Item, QueueSource, Taking
@@ -38,7 +38,7 @@ from ..job import Job
 from ..messages import FitCommand, Message
 from ..processes import adopt_environment, end_with_main_process
 from ..types import EpochEnd, Report
-from .runtime import Worker, summary
+from .runtime import Worker
 from .supervisor import ProgressBoard
 
 # What the main process puts on a worker's command queue, in this order: to a standby, the rank it

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..checkpoint import make_checkpointer, rng_state, set_rng_state
 from ..config import Config
 from ..env import Placement
-from ..errors import Stopped, TrainingError, WorkerError
+from ..errors import Stopped, TrainingError, WorkerError, summary
 from ..feature import Feature, Plain
 from ..feed.data import FeedError
 from ..feed.protocols import BatchSource
@@ -43,7 +43,6 @@ from ..messages import FitCommand
 from ..rounds import Rounds
 from ..types import Report, Reporter, StateDict
 
-_SUMMARY_CHARS = 300  # the first line of an error: the rest is in the traceback below it
 # One Ctrl-C reaches a torchrun worker twice, from the terminal and forwarded by torchrun's agent:
 # a signal this soon after the first is the same request, not a second press.
 _REPEAT_S = 2.0
@@ -171,13 +170,6 @@ def _walk(tb: TracebackType | None) -> Iterator[TracebackType]:
     while tb is not None:
         yield tb
         tb = tb.tb_next
-
-
-def summary(error: BaseException) -> str:
-    """One line that says what happened: the exception's type and the first line of its message."""
-    text = str(error) if isinstance(error, TrainingError) else f"{type(error).__name__}: {error}"
-    line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    return line if len(line) <= _SUMMARY_CHARS else line[:_SUMMARY_CHARS] + "..."
 
 
 class SignalHooks(Hooks):

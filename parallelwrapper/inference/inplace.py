@@ -12,7 +12,7 @@ import threading
 import torch
 
 from ..env import Placement
-from ..hosts.runtime import summary
+from ..errors import summary
 from .requests import NOT_A_TENSOR, Request, answer, model_failed
 
 

@@ -29,8 +29,8 @@ from typing import Literal, cast
 import torch
 
 from ..env import Placement, claim_device
+from ..errors import summary
 from ..feed.slots import Mappings
-from ..hosts.runtime import summary
 from ..processes import adopt_environment, end_with_main_process
 from .requests import NOT_A_TENSOR
 
