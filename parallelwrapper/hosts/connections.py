@@ -54,7 +54,11 @@ class Connections:
         self.taken_count = 0
 
     def mark(self) -> None:
-        """The group is about to be entered: what is open now is not its."""
+        """The group is about to be entered: what is open now is not its, and the last group's
+        connections, which went with it, are no longer there to shut (a judge that sees a peer
+        gone while the next forms shuts nothing: the forming's waits end by themselves)."""
+        with self._lock:
+            self._group = {}
         self._before = set(_open().values())
 
     def taken(self) -> None:

@@ -378,6 +378,11 @@ class FleetWorker:
                 gc.collect()
                 # This host's worker is rebuilt for the new group (_build).
                 if lost is not None:
+                    # And its collectives still queued after the one that failed (an average's
+                    # buckets) wait on peers that have left: the group's destruction waited for them,
+                    # each member on another, until a judge shut the group (peer_timeout later).
+                    # Shut now, they fail at once, here and at every peer still waiting on this one.
+                    self._connections.shut(self._connections.taken_count)
                     self._steady(self._config.peer_timeout)  # the store's leader may have gone with the lost machine
                 command, told = survival.grow(until_epoch, start) if lost is None else survival.regroup(lost, until_epoch, start)
                 self._connections.taken()

@@ -15,10 +15,11 @@ in two cases:
   regroup._say does: what every c10d store has), and every member reads that list, so all agree
   on it and on the source of the redo, the member that kept the newest round (replacer.newest).
 - **A join.** A process that enrolls after the first N says so in the store and waits. At each
-  round's start the members agree on the count of those waiting (the first of them to start the
-  round reads it for all); when it has grown, they leave the group before training the round
-  (errors.GroupChanges) and form generation g + 1 with the newcomers after them (`grow`), and
-  rank 0 writes its members, which the newcomers wait for.
+  round's start the members agree on the count of those waiting (each proposes what it reads,
+  and the first proposal stands: `agreed_joining`); when it has grown, they leave the group
+  before training the round (errors.GroupChanges) and form generation g + 1 with the newcomers
+  after them (`grow`), and every member writes its members, which the newcomers wait for. A
+  member lost as that group forms is a loss like any other, to the newcomers too (`welcome`).
 What a generation says every round, that agreement and the claims of its batches, goes to a
 TCPStore that its rank 0 hosts (`local`), not to the fleet's store: an etcd cluster's writes are
 consensus writes, retried under contention (3.3 ms an `add` alone, 7-11 ms with three processes
@@ -43,14 +44,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from ..errors import FleetEnded, GroupChanges, WorkerError
+from ..errors import FleetEnded, GroupChanges, WorkerError, summary
 from ..messages import FitCommand
 from ..types import Counters, Replacement
 from .keeper import Keep, Replaceable
-from .regroup import form
+from .regroup import FORM_S, form
 from .replacer import newest
 
 _POLL_S = 0.02  # how often a member waiting in the store looks again
+_FORM = datetime.timedelta(seconds=FORM_S)
 
 # How a member joins generation g's process group: over this store, with this timeout, as this rank of this size.
 Join = Callable[[Store, datetime.timedelta, int, int], None]
@@ -84,6 +86,7 @@ class Survivor(Keep):
         self._admitted = 0  # newcomers taken in so far, the same on every member
         self._joining = 0  # those waiting, as the members agreed at the round's start
         self._welcomed: bool | None = None  # a newcomer: False until its first fit has taken the fleet's state (`welcome`)
+        self._unformed: WorkerError | None = None  # a newcomer's: the loss that its group's forming met (`enter`)
         self._host = ""  # the address its peers reach it at (`enter`)
         self.local: Store | None = None  # the generation's own store, which its rank 0 hosts: every round's keys and claims
 
@@ -133,7 +136,14 @@ class Survivor(Keep):
             self.group, self._welcomed = group, False
             self._admitted = int(self.store.get(f"generation-{group.generation}/admitted"))
         self._watch(self.group.members)
-        self._enter_group()
+        try:
+            self._enter_group()
+        except Exception as e:  # a member lost as the group formed: gloo's refusals, a store's timeout
+            if self._welcomed is None:
+                raise  # generation 0's: no member has a round to go back to
+            # The newcomer's peers regroup without the lost member and wait for it: its first fit
+            # does too (`welcome`). The error goes as a line: its frames hold the half-formed group.
+            self._unformed = WorkerError(self.rank, f"lost its peers while being taken in (fleet generation {self.generation}): {summary(e)}")
         return self.rank, len(self.group.members)
 
     def leave(self) -> None:
@@ -147,16 +157,17 @@ class Survivor(Keep):
 
     def welcome(self, until_epoch: int, start: float) -> FitCommand:
         """A newcomer's first fit: the state of the round the fleet redoes with it, from rank 0. A
-        member lost before the state reached it is a loss, as in `grow`: it regroups with the
-        survivors and takes the state from the one that kept the newest round (its peers tell
-        of the loss; it had no round of its own to lose)."""
-        self._welcomed = True
-        try:
-            kept = self.receive(0)
-        except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: a loss
-            lost = self._lost(e, "being taken in")
-        else:
-            return self.redo(kept, until_epoch, start)
+        member lost as its group formed (`enter`) or before the state reached it is a loss, as in
+        `grow`: it regroups with the survivors and takes the state from the one that kept the
+        newest round (its peers tell of the loss; it had no round of its own to lose)."""
+        self._welcomed, lost, self._unformed = True, self._unformed, None
+        if lost is None:
+            try:
+                kept = self.receive(0)
+            except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: a loss
+                lost = self._lost(e, "being taken in")
+            else:
+                return self.redo(kept, until_epoch, start)
         return self.regroup(lost, until_epoch, start)[0]  # out of the handler: its frames, which hold the group's connections, have gone
 
     # -- the round loop's events --------------------------------------------------------------------
@@ -185,9 +196,11 @@ class Survivor(Keep):
         old = self.group
         newcomers = tuple(int(self.store.get(f"joiner/{k}")) for k in range(self._admitted, self._joining))
         self.group, self._admitted = Group(old.generation + 1, old.members + newcomers), self._joining
-        if self.rank == 0:
-            self.store.set(f"generation-{self.generation}/admitted", str(self._admitted))
-            self._write(self.group)
+        # Every member writes it, the same words: a newcomer waits to read its generation, and one
+        # lost before its write (rank 0 was the one) left the newcomers waiting to be taken in while
+        # the survivors, their forming failed, waited in `_agree` for them, to the collective timeout.
+        self.store.set(f"generation-{self.generation}/admitted", str(self._admitted))
+        self._write(self.group)
         self._watch(self.group.members)
         self.attach(self._rebuilt())
         try:
@@ -252,9 +265,13 @@ class Survivor(Keep):
             self.local = TCPStore(self._host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
             self.store.set(where, f"{self._host}:{self.local.port}")
         else:
-            self.store.wait([where])
+            # For FORM_S at most, as the group's forming: rank 0 lost as it formed (or gone to the
+            # next generation, its own forming failed) never writes it, and this member waiting
+            # out the collective timeout here held every peer, which waits for it in `_agree`.
+            self.store.wait([where], _FORM)
             host, _, port = self.store.get(where).decode().rpartition(":")
-            self.local = TCPStore(host, int(port), is_master=False, timeout=self._timeout)
+            self.local = TCPStore(host, int(port), is_master=False, timeout=_FORM)
+            self.local.set_timeout(self._timeout)
 
     def _rebuilt(self) -> Replaceable:
         """This member's worker rebuilt for the group as it is now, with its own state as it was."""
@@ -268,8 +285,16 @@ class Survivor(Keep):
         self.store.set("latest", str(group.generation))
 
     def _latest(self, processes: int) -> Group:
-        """The latest generation: the last written, or the first `processes` (generation 0)."""
-        return self._written(int(self.store.get("latest"))) if self.store.check(["latest"]) else Group(0, tuple(range(processes)))
+        """The latest generation: the last written, or the first `processes` (generation 0). Its
+        members are written before it is made the latest (`_write`), and a member slow to write
+        a growing group's words may set `latest` back a generation: the members written after
+        `latest`'s count say which is the last."""
+        if not self.store.check(["latest"]):
+            return Group(0, tuple(range(processes)))
+        generation = int(self.store.get("latest"))
+        while self.store.check([f"generation-{generation + 1}/members"]):
+            generation += 1
+        return self._written(generation)
 
     def _written(self, generation: int) -> Group:
         """Generation `generation` as its members were written in the store."""

@@ -8,7 +8,9 @@ with a short sleep in every step so that a machine is lost mid-run. With LOSE = 
 rank r in the fleet's group SIGKILLs its torchrun agent and then itself at its 8th step, once:
 its machine lost at once; with STOP=1 as well, it SIGSTOPs itself instead, closing nothing (a hung
 host), and its agent waits on it; with CUT=1, it writes its machine's number to OUT_DIR/cut.txt and
-trains on, for tests/scripts/fleet_cut.py to cut its machine's link.
+trains on, for tests/scripts/fleet_cut.py to cut its machine's link; with GROWS=1, it writes
+OUT_DIR/begun.txt there instead (a newcomer's COME_AFTER), and loses its machine as the group
+starts to take the newcomer in, before it has written anything of the group to come.
 Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid and
 its agent's restart count to OUT_DIR/history{m}.json; each writes its pid to OUT_DIR/pid{m}.txt
 when it starts. It runs with the features a fleet composes with: the autopilot (k from 1 to 4), an
@@ -30,6 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from parallelwrapper import FleetEnded, ParallelWrapper
+from parallelwrapper.messages import FitCommand
+from parallelwrapper.replacement.fleet import Survivor
+from parallelwrapper.types import Replacement
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny import make_batches, mlp
@@ -48,19 +53,38 @@ class Step:
         self.steps += 1
         if self.steps == LOSS_STEP and dist.get_rank() == self.lose and os.environ.get("CUT") and not (self.out / "cut.txt").exists():
             (self.out / "cut.txt").write_text(str(MACHINE))
+        elif self.steps == LOSS_STEP and dist.get_rank() == self.lose and os.environ.get("GROWS"):
+            (self.out / "begun.txt").write_text("")
         elif self.steps == LOSS_STEP and dist.get_rank() == self.lose and not os.environ.get("CUT") and not (self.out / "lost.txt").exists():
-            (self.out / "lost.txt").write_text(repr(time.time()))
-            if os.environ.get("STOP"):
-                os.kill(os.getpid(), signal.SIGSTOP)
-            else:
-                os.kill(os.getppid(), signal.SIGKILL)  # the agent: torchrun starts a script's worker as its child
-                os.kill(os.getpid(), signal.SIGKILL)
+            self.lost()
         time.sleep(0.02)
         return nn.functional.cross_entropy(net(batch[0]), batch[1])
+
+    def lost(self) -> None:
+        """This machine lost: its process stopped (STOP) or killed with its agent."""
+        (self.out / "lost.txt").write_text(repr(time.time()))
+        if os.environ.get("STOP"):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os.kill(os.getppid(), signal.SIGKILL)  # the agent: torchrun starts a script's worker as its child
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def lost_as_it_grows(self) -> None:
+        """(GROWS) Member `lose`'s machine lost as its group starts to take a newcomer in."""
+        grow = Survivor.grow
+
+        def lost_first(survivor: Survivor, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
+            if survivor.rank == self.lose:
+                self.lost()
+            return grow(survivor, until_epoch, start)
+
+        Survivor.grow = lost_first  # type: ignore[method-assign]
 
 
 def main(store: str, processes: int, out: Path, lose: int | None) -> None:
     net, step = mlp(), Step(lose, out)
+    if os.environ.get("GROWS"):
+        step.lost_as_it_grows()
     builder = (
         ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9).averaging_frequency("auto", k_min=1, k_max=4)
         .outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).checkpoint(out / "ckpt", every=2).seed(3).threads_per_worker(1)
