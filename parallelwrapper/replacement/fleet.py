@@ -18,8 +18,11 @@ in two cases:
   round's start the members agree on the count of those waiting (each proposes what it reads,
   and the first proposal stands: `agreed_joining`); when it has grown, they leave the group
   before training the round (errors.GroupChanges) and form generation g + 1 with the newcomers
-  after them (`grow`), and every member writes its members, which the newcomers wait for. A
-  member lost as that group forms is a loss like any other, to the newcomers too (`welcome`).
+  after them (`grow`), which the newcomers wait for. A member lost as that group forms is a loss
+  like any other, to the newcomers too (`welcome`).
+Both come to generation g + 1 by one rule (`_agree`): the first member to say it writes it, and
+every member takes it as written, so that a member which saw a loss while the others grew the
+group (a collective that failed for it alone) forms the same group as they do.
 What a generation says every round, that agreement and the claims of its batches, goes to a
 TCPStore that its rank 0 hosts (`local`), not to the fleet's store: an etcd cluster's writes are
 consensus writes, retried under contention (3.3 ms an `add` alone, 7-11 ms with three processes
@@ -186,65 +189,50 @@ class Survivor(Keep):
 
     def grow(self, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
         """Take in the processes waiting to join (after GroupChanges): generation g + 1 is this
-        group's members, then the newcomers by their order of coming; return the fit that
-        redoes the round every member kept, from rank 0's copy (and nothing to tell). A member
-        lost as the group forms, or before the state reached every one, is a loss (`regroup`)."""
-        began = time.monotonic()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            gc.collect()
-        old = self.group
-        newcomers = tuple(int(self.store.get(f"joiner/{k}")) for k in range(self._admitted, self._joining))
-        self.group, self._admitted = Group(old.generation + 1, old.members + newcomers), self._joining
-        # Every member writes it, the same words: a newcomer waits to read its generation, and one
-        # lost before its write (rank 0 was the one) left the newcomers waiting to be taken in while
-        # the survivors, their forming failed, waited in `_agree` for them, to the collective timeout.
-        self.store.set(f"generation-{self.generation}/admitted", str(self._admitted))
-        self._write(self.group)
-        self._watch(self.group.members)
-        self.attach(self._rebuilt())
-        try:
-            self._enter_group()
-            kept = self.receive(0)
-        except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: a loss
-            lost = self._lost(e, "taking in a newcomer")
-        else:
-            redo = self.redo(kept, until_epoch, start)
-            _say(f"member {self.me}: member{'s' if len(newcomers) > 1 else ''} {', '.join(map(str, newcomers))} joined (generation "
-                 f"{self.generation}): {len(self.group.members)} processes, {time.monotonic() - began:.2f} s to take in")  # fmt: skip
-            return redo, []
-        return self.regroup(lost, until_epoch, start)  # out of the handler, as in `welcome`
+        group's members, then the newcomers by their order of coming, unless a member that saw a
+        loss said the next generation first (`_reform`)."""
+        return self._reform(None, until_epoch, start)
 
     def regroup(self, error: WorkerError, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
-        """After `error` (a peer lost, seen in a collective): leave the group, agree on the next
-        with the other survivors, and return the fit that redoes the newest kept round, with what
-        the caller is told of each member lost (its rank in the group it left). A member lost as
-        the new group forms or before the state reached every one is one more loss: the
-        survivors regroup again."""
-        lost_at, first = time.monotonic(), self.group
+        """After `error` (a peer lost, seen in a collective): go on without the members lost,
+        unless a member that grew the group said the next generation first (`_reform`)."""
+        return self._reform(error, until_epoch, start)
+
+    def _reform(self, error: WorkerError | None, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
+        """Leave the group and form the next with the other members (`_agree`): grown (`error`
+        None) or without the members lost (after `error`). Return the fit that redoes the kept
+        round that every member takes, with what the caller is told of each member lost (its rank
+        in the group it left). A member lost as the group forms, or before the state reached every
+        one, is one more loss: they agree on the next generation again."""
+        began, first = time.monotonic(), self.group
         while True:
             if dist.is_initialized():
                 dist.destroy_process_group()  # every peer's collective ends at once, once no one holds the group (its host: fleet.py)
                 gc.collect()
-            self.group, source, counters = self._agree(error)
+            self.group, source = self._agree(error)
             self._watch(self.group.members)
             self.attach(self._rebuilt())
             try:
                 self._enter_group()
                 kept = self.receive(source)
             except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: one more loss
-                error = self._lost(e, "regrouping")
+                error = self._lost(e, "regrouping" if error is not None else "taking in a newcomer")
                 continue
             break
         lost = [m for m in first.members if m not in self.group.members]
-        after = f"{len(self.group.members)} processes from round {counters.rounds + 1}, {time.monotonic() - lost_at:.1f} s after the loss"
+        joined = [m for m in self.group.members if m not in first.members]
+        counters, seconds = kept.counters, time.monotonic() - began
+        if joined:
+            _say(f"member {self.me}: member{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} joined (generation "
+                 f"{self.generation}): {len(self.group.members)} processes, {seconds:.2f} s to take in")  # fmt: skip
+        after = f"{len(self.group.members)} processes from round {counters.rounds + 1}, {seconds:.1f} s after the loss"
         if lost:
             _say(f"member {self.me} goes on without member{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (rank "
                  f"{', '.join(str(first.rank(m)) for m in lost)} of generation {first.generation}): {after}")  # fmt: skip
-        else:  # a connection lost, every member there: the group formed again
+        elif error is not None and not joined:  # a connection lost, every member there: the group formed again
             _say(f"member {self.me} goes on with every member of generation {first.generation} (a connection lost: {error.summary[:200]}): {after}")
-        seconds = time.monotonic() - start
-        told = [Replacement(first.rank(m), error, counters.rounds + 1, seconds, counters=counters) for m in lost]
+        reason = error or WorkerError(first.rank(self.me), f"lost as generation {first.generation} took in a newcomer (a peer saw the loss)")
+        told = [Replacement(first.rank(m), reason, counters.rounds + 1, time.monotonic() - start, counters=counters) for m in lost]
         return self.redo(kept, until_epoch, start), told
 
     # -- the group -------------------------------------------------------------------------------------
@@ -286,9 +274,9 @@ class Survivor(Keep):
 
     def _latest(self, processes: int) -> Group:
         """The latest generation: the last written, or the first `processes` (generation 0). Its
-        members are written before it is made the latest (`_write`), and a member slow to write
-        a growing group's words may set `latest` back a generation: the members written after
-        `latest`'s count say which is the last."""
+        members are written before it is made the latest (`_write`), and a writer that stalled
+        in between may set `latest` back a generation: the members written past `latest`'s
+        count say which is the last."""
         if not self.store.check(["latest"]):
             return Group(0, tuple(range(processes)))
         generation = int(self.store.get("latest"))
@@ -300,35 +288,54 @@ class Survivor(Keep):
         """Generation `generation` as its members were written in the store."""
         return Group(generation, tuple(int(m) for m in self.store.get(f"generation-{generation}/members").decode().split(",")))
 
-    def _agree(self, error: WorkerError) -> tuple[Group, int, Counters]:
+    def _agree(self, error: WorkerError | None) -> tuple[Group, int]:
         """Come to the generation after this group's with the round this member kept, and return
-        the new group once its members are agreed, the rank whose kept round every one redoes, and
-        that round's counters: every member that came, those silent for `gone_s` or still away
-        after the collective timeout left out."""
+        it once its members are agreed, with the rank whose kept round every one takes. The first
+        member to say it (the store's `add`, as regroup._say) writes it, and every member takes it
+        as written, whatever it saw itself:
+        - one that grows the group (`error` None, after GroupChanges) says it at once: this group's
+          members, then the newcomers; every one kept the same round, and rank 0's is taken;
+        - one after a loss, once every member of this group has come or is gone (silent for
+          `gone_s`, or still away after the collective timeout): those that came; the newest
+          round they kept is taken (replacer.newest).
+        A member that saw a loss in the last round's collective while the others went on to grow
+        the group comes to the same generation: one rule for both, where two left each waiting
+        for the other's words."""
         old, g = self.group, self.group.generation + 1
         store = PrefixStore(f"generation-{g}", self.store)
         kept = self.round
         store.set(f"kept/{self.me}", json.dumps(None if kept is None else [kept[0], dataclasses.asdict(kept[1])]))
+        if error is None and store.add("said", 1) == 1:
+            store.set("grown", "1")
+            newcomers = tuple(int(self.store.get(f"joiner/{k}")) for k in range(self._admitted, self._joining))
+            self._decide(Group(g, old.members + newcomers), self._joining)
         deadline = time.monotonic() + self._timeout.total_seconds()
         while not store.check(["members"]):
             away = [m for m in old.members if not store.check([f"kept/{m}"])]
             if all(self._gone(m) for m in away) or time.monotonic() > deadline:
                 if store.add("said", 1) == 1:  # the first to see the count closed writes the list
-                    store.set("admitted", str(self._admitted))
-                    self._write(Group(g, tuple(m for m in old.members if m not in away)))
+                    self._decide(Group(g, tuple(m for m in old.members if m not in away)), self._admitted)
                 break
             time.sleep(_POLL_S)
         group = self._written(g)
+        self._admitted = int(store.get("admitted"))
         if self.me not in group.members:
             raise WorkerError(
                 old.rank(self.me),
                 f"the fleet went on without member {self.me} (generation {g} formed of members {list(group.members)}): it was "
                 f"silent for {self._gone_s:g} s or more while its peers regrouped (stopped, or its link cut); start it again",
             )
+        if store.check(["grown"]):
+            return group, 0
         said = {r: json.loads(store.get(f"kept/{m}")) for r, m in enumerate(group.members)}
         rounds = {r: None if v is None else (int(v[0]), Counters(**v[1])) for r, v in said.items()}
-        source, _, counters = newest(rounds, [error])
-        return group, source, counters
+        return group, newest(rounds, [] if error is None else [error])[0]
+
+    def _decide(self, group: Group, admitted: int) -> None:
+        """Write `group`, the next generation, with the count of newcomers taken in by then: a
+        newcomer waits to read the generation that lists it, and then that count."""
+        self.store.set(f"generation-{group.generation}/admitted", str(admitted))
+        self._write(group)
 
 
 def agreed_joining(local: Store, fleet: Store, tag: int) -> int:

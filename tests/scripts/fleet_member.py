@@ -70,11 +70,11 @@ class Step:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def lost_as_it_grows(self) -> None:
-        """(GROWS) Member `lose`'s machine lost as its group starts to take a newcomer in."""
+        """(GROWS) The machine of rank `lose` lost as its group first starts to take a newcomer in."""
         grow = Survivor.grow
 
         def lost_first(survivor: Survivor, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
-            if survivor.rank == self.lose:
+            if survivor.rank == self.lose and not (self.out / "lost.txt").exists():
                 self.lost()
             return grow(survivor, until_epoch, start)
 
