@@ -243,11 +243,9 @@ def machine(out: Path, store: TCPStore, m: int, *extra: str, **env: str) -> subp
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**clean_env(), "MACHINE": str(m), **env}, start_new_session=True)
 
 
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins_from_a_peer(tmp_path: Path) -> None:
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    logs = [tmp_path / f"agent{m}.log" for m in range(4)]
-    machines = [machine(tmp_path, store, m, "0") for m in range(3)] + [machine(tmp_path, store, 3, COME_AFTER=str(tmp_path / "lost.txt"))]
+def one_machine_lost(out: Path, machines: list[subprocess.Popen[bytes]]) -> tuple[int, list[str]]:
+    """Wait for every machine (`machine`) to end, and check that one was lost (SIGKILLed) and the
+    others exited 0: the lost one's number, and each machine's log."""
     try:
         for p in machines:
             p.wait(timeout=TIMEOUT_S)
@@ -255,9 +253,15 @@ def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins
         for p in machines:
             p.kill()
     codes = [p.returncode for p in machines]
-    logs_text = [log.read_text() for log in logs]
-    assert sorted(codes) == [-signal.SIGKILL, 0, 0, 0], (codes, [t[-3000:] for t in logs_text])
-    lost = codes.index(-signal.SIGKILL)
+    logs = [(out / f"agent{m}.log").read_text() for m in range(len(machines))]
+    assert sorted(codes) == [-signal.SIGKILL] + [0] * (len(machines) - 1), (codes, [t[-3000:] for t in logs])
+    return codes.index(-signal.SIGKILL), logs
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins_from_a_peer(tmp_path: Path) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    lost, logs_text = one_machine_lost(tmp_path, [machine(tmp_path, store, m, "0") for m in range(3)] + [machine(tmp_path, store, 3, COME_AFTER=str(tmp_path / "lost.txt"))])
     survivors = [m for m in range(3) if m != lost]
     for m in [*survivors, 3]:
         history = json.loads((tmp_path / f"history{m}.json").read_text())
@@ -296,21 +300,12 @@ def test_rank_0s_machine_lost_as_the_group_takes_a_newcomer_in_the_rest_go_on_wi
     etcd soak waited out the collectives' 330 s timeout there (328.1 s): the newcomer waited to
     read a group only rank 0 wrote, or for the address of the store rank 0 never hosted, while
     the survivors waited for it in their agreement; and a newcomer whose forming failed ended
-    with a traceback. Now every member writes the group, the newcomer's waits end within
-    regroup.FORM_S, and its failed forming is a loss it regroups from: all three go on, each
-    batch once, the newcomer's replica bitwise the survivors'."""
+    with a traceback. Now the first member to say the next generation writes it and every
+    member takes it as written, the newcomer's waits end within regroup.FORM_S, and its failed
+    forming is a loss it regroups from: all three go on, each batch once, the newcomer's
+    replica bitwise the survivors'."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    machines = [machine(tmp_path, store, m, "0", GROWS="1") for m in range(3)] + [machine(tmp_path, store, 3, COME_AFTER=str(tmp_path / "begun.txt"))]
-    try:
-        for p in machines:
-            p.wait(timeout=TIMEOUT_S)
-    finally:
-        for p in machines:
-            p.kill()
-    codes = [p.returncode for p in machines]
-    logs = [(tmp_path / f"agent{m}.log").read_text() for m in range(4)]
-    assert sorted(codes) == [-signal.SIGKILL, 0, 0, 0], (codes, [t[-3000:] for t in logs])
-    lost = codes.index(-signal.SIGKILL)
+    lost, logs = one_machine_lost(tmp_path, [machine(tmp_path, store, m, "0", GROWS="1") for m in range(3)] + [machine(tmp_path, store, 3, COME_AFTER=str(tmp_path / "begun.txt"))])
     finishers = [m for m in range(4) if m != lost]
     for m in finishers:
         history = json.loads((tmp_path / f"history{m}.json").read_text())

@@ -231,8 +231,8 @@ class Survivor(Keep):
                  f"{', '.join(str(first.rank(m)) for m in lost)} of generation {first.generation}): {after}")  # fmt: skip
         elif error is not None and not joined:  # a connection lost, every member there: the group formed again
             _say(f"member {self.me} goes on with every member of generation {first.generation} (a connection lost: {error.summary[:200]}): {after}")
-        reason = error or WorkerError(first.rank(self.me), f"lost as generation {first.generation} took in a newcomer (a peer saw the loss)")
-        told = [Replacement(first.rank(m), reason, counters.rounds + 1, time.monotonic() - start, counters=counters) for m in lost]
+        since = time.monotonic() - start
+        told = [Replacement(first.rank(m), error or _lost_as_it_grew(first, m), counters.rounds + 1, since, counters=counters) for m in lost]
         return self.redo(kept, until_epoch, start), told
 
     # -- the group -------------------------------------------------------------------------------------
@@ -267,14 +267,9 @@ class Survivor(Keep):
         worker.load_own_state(own)
         return worker
 
-    def _write(self, group: Group) -> None:
-        """Write `group`'s members in the store, and make it the latest generation."""
-        self.store.set(f"generation-{group.generation}/members", ",".join(map(str, group.members)))
-        self.store.set("latest", str(group.generation))
-
     def _latest(self, processes: int) -> Group:
         """The latest generation: the last written, or the first `processes` (generation 0). Its
-        members are written before it is made the latest (`_write`), and a writer that stalled
+        members are written before it is made the latest (`_decide`), and a writer that stalled
         in between may set `latest` back a generation: the members written past `latest`'s
         count say which is the last."""
         if not self.store.check(["latest"]):
@@ -332,10 +327,11 @@ class Survivor(Keep):
         return group, newest(rounds, [] if error is None else [error])[0]
 
     def _decide(self, group: Group, admitted: int) -> None:
-        """Write `group`, the next generation, with the count of newcomers taken in by then: a
-        newcomer waits to read the generation that lists it, and then that count."""
+        """Write `group`, the next generation, with the count of newcomers taken in by then, and
+        make it the latest: a newcomer waits to read the generation that lists it, then that count."""
         self.store.set(f"generation-{group.generation}/admitted", str(admitted))
-        self._write(group)
+        self.store.set(f"generation-{group.generation}/members", ",".join(map(str, group.members)))
+        self.store.set("latest", str(group.generation))
 
 
 def agreed_joining(local: Store, fleet: Store, tag: int) -> int:
@@ -347,6 +343,12 @@ def agreed_joining(local: Store, fleet: Store, tag: int) -> int:
     connections (peer_timeout later)."""
     seen = fleet.get("joining").decode() if fleet.check(["joining"]) else "0"
     return int(local.compare_set(f"round-{tag}/joining", "", seen))
+
+
+def _lost_as_it_grew(group: Group, member: int) -> WorkerError:
+    """What a member that was growing `group` is told of `member`, lost meanwhile: it saw no
+    failure of its own, a peer did (and said the next generation without it)."""
+    return WorkerError(group.rank(member), f"lost as generation {group.generation} took in a newcomer (a peer saw the loss)")
 
 
 def _say(line: str) -> None:
