@@ -53,19 +53,38 @@ def race(names: Sequence[str], repeats: int, run: Callable[[str, int], dict[str,
         for name in rotated(names, repeat):
             wall = time.monotonic()
             try:
-                result = run(name, repeat)
+                result: dict[str, Any] | RuntimeError = run(name, repeat)
             except RuntimeError as e:
                 if not keep_going:
                     raise
-                cause = next((line for line in reversed(str(e).splitlines()) if "Error" in line), str(e).splitlines()[0])
-                runs[name].append({**FAILED, "error": cause, "wall_seconds": time.monotonic() - wall})
-                print(f"repeat {repeat + 1}, {name}: failed: {cause}", flush=True)
-                continue
-            r = {**time_to_target(result["points"], target), **result, "wall_seconds": time.monotonic() - wall}
-            runs[name].append(r)
-            reached = f"{r['seconds']:.1f} s, {r['steps_per_rank']:.0f} steps" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
-            print(f"repeat {repeat + 1}, {name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {r['wall_seconds']:.0f} s", flush=True)
+                result = e
+            runs[name].append(_record(name, repeat, result, target, time.monotonic() - wall))
     return runs
+
+
+def race_by_turns(names: Sequence[str], repeats: int, run_all: Callable[[list[str], int], dict[str, dict[str, Any] | RuntimeError]], target: float) -> Runs:
+    """As `race` with `keep_going`, but a repeat's contenders run together, taking turns in an
+    order rotated each repeat: `run_all(order, repeat)` returns each one's result, or the
+    RuntimeError it failed with (slow_link.py --interleave). Its wall seconds are the repeat's."""
+    runs: Runs = {name: [] for name in names}
+    for repeat in range(repeats):
+        wall = time.monotonic()
+        results = run_all(rotated(names, repeat), repeat)
+        for name in names:
+            runs[name].append(_record(name, repeat, results[name], target, time.monotonic() - wall))
+    return runs
+
+
+def _record(name: str, repeat: int, result: dict[str, Any] | RuntimeError, target: float, wall: float) -> dict[str, Any]:
+    """A run's record: its fields with its time to `target`, or FAILED with its cause."""
+    if isinstance(result, RuntimeError):
+        cause = next((line for line in reversed(str(result).splitlines()) if "Error" in line), str(result).splitlines()[0])
+        print(f"repeat {repeat + 1}, {name}: failed: {cause}", flush=True)
+        return {**FAILED, "error": cause, "wall_seconds": wall}
+    r = {**time_to_target(result["points"], target), **result, "wall_seconds": wall}
+    reached = f"{r['seconds']:.1f} s, {r['steps_per_rank']:.0f} steps" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
+    print(f"repeat {repeat + 1}, {name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {wall:.0f} s", flush=True)
+    return r
 
 
 def thirds(runs: Runs, repeat: int, fixed: Collection[str]) -> tuple[str, list[float]] | None:

@@ -38,7 +38,7 @@ from typing import Any
 
 from benchmarks import torchft_lenet
 from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
-from benchmarks.race import Runs, best, doubling_costs, race, regret
+from benchmarks.race import Runs, best, doubling_costs, race, race_by_turns, regret
 from benchmarks.slow_link_worker import AUTOS, WRAPPERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
@@ -138,14 +138,36 @@ def _remove_namespace(ns: str) -> None:
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, name: str, timeout: float, per_node: int = 1,
-              changes: Sequence[tuple[float, str]] = ()) -> None:  # fmt: skip
-    """One torchrun agent per namespace, as on two machines, each starting `per_node` ranks; raises
-    with the logs' tails on failure. `changes`: the link's rate from so many seconds after the
-    ranks start (the caller sets it back after)."""
-    procs: list[subprocess.Popen[bytes]] = []
-    pending = list(changes)
-    logs = [log_dir / f"{name}.rank{r}.log" for r in range(2)]
+@dataclass
+class Ranks:
+    """One contender's torchrun agents, one a namespace, and their logs."""
+
+    name: str
+    procs: list[subprocess.Popen[bytes]]
+    logs: list[Path]
+
+    @property
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    @property
+    def failed(self) -> bool:
+        return any(p.poll() not in (None, 0) for p in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            _stop(p)
+
+    def check(self, timeout: float) -> None:
+        """A RuntimeError with the logs' tails unless every agent ended well."""
+        if any(p.returncode != 0 for p in self.procs):
+            tails = "\n".join(f"--- rank {r}:\n" + _tail(log) for r, log in enumerate(self.logs))
+            raise RuntimeError(f"{self.name}: the ranks failed or ran past {timeout:.0f} s (exit codes {[p.returncode for p in self.procs]})\n{tails}")
+
+
+def start_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, name: str, per_node: int = 1) -> Ranks:
+    """One torchrun agent per namespace, as on two machines, each starting `per_node` ranks."""
+    ranks = Ranks(name, [], [log_dir / f"{name}.rank{r}.log" for r in range(2)])
     try:
         for r in range(2):
             command = [
@@ -159,23 +181,97 @@ def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, 
             # BENCH_ADDRESS: where the other namespace reaches this one (torchft's store and manager).
             path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
             env = {**os.environ, "GLOO_SOCKET_IFNAME": link.devices[r], "OMP_NUM_THREADS": "1", "BENCH_ADDRESS": link.addresses[r], "PYTHONPATH": path}
-            with logs[r].open("wb") as log:
+            with ranks.logs[r].open("wb") as log:
                 # A session of its own: a Ctrl-C here reaches the driver, which stops them in order.
-                procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                ranks.procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    except BaseException:
+        ranks.stop()
+        raise
+    return ranks
+
+
+def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, name: str, timeout: float, per_node: int = 1,
+              changes: Sequence[tuple[float, str]] = ()) -> None:  # fmt: skip
+    """`start_ranks` and wait for them; raises with the logs' tails on failure. `changes`: the
+    link's rate from so many seconds after the ranks start (the caller sets it back after)."""
+    pending = list(changes)
+    ranks = start_ranks(link, port, worker_args, log_dir, name, per_node)
+    try:
         start = time.monotonic()
         deadline = start + timeout
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-                break
+        while ranks.running and not ranks.failed and time.monotonic() < deadline:
             while pending and time.monotonic() - start >= pending[0][0]:
                 reshape(link, pending.pop(0)[1])
             time.sleep(0.1 if pending else 0.5)
     finally:
-        for p in procs:
-            _stop(p)
-    if any(p.returncode != 0 for p in procs):
-        tails = "\n".join(f"--- rank {r}:\n" + _tail(logs[r]) for r in range(2))
-        raise RuntimeError(f"{name}: the ranks failed or ran past {timeout:.0f} s (exit codes {[p.returncode for p in procs]})\n{tails}")
+        ranks.stop()
+    ranks.check(timeout)
+
+
+def rate_at(seconds: float, rate: str, changes: Sequence[tuple[float, str]]) -> str:
+    """The link's rate `seconds` into a contender's run under --changes."""
+    return next((r for at, r in reversed(changes) if seconds >= at), rate)
+
+
+def interleaved(link: Link, runs: dict[str, tuple[int, list[str]]], work: Path, timeout: float, per_node: int, rate: str,
+                changes: Sequence[tuple[float, str]]) -> dict[str, RuntimeError | None]:  # fmt: skip
+    """--interleave: every contender of `runs` (name: its master port and worker arguments, in the
+    order of their turns) starts at once, and they train by turns, one chunk (a score) each, in
+    that order, until each has ended (slow_link_worker.Turns). The set-up of all of them is done
+    before the first turn; a drift of the machine's pace over minutes then falls on each alike,
+    where contenders run one after the other lets it fall on whichever ran then. Under `changes`
+    the link follows each contender's own training clock as it takes its turn. Returns each
+    one's failure, None where it ended well."""
+    started: dict[str, Ranks] = {}
+    folders = {name: work / f"turns-{i}" for i, name in enumerate(runs)}
+    outcome: dict[str, RuntimeError | None] = {}
+    try:
+        for name, (port, worker_args) in runs.items():
+            folders[name].mkdir()
+            started[name] = start_ranks(link, port, [*worker_args, "--turns", str(folders[name])], work, name, per_node)
+        deadline = time.monotonic() + timeout * len(runs)
+        while not all((folders[n] / "ready").exists() or not started[n].running for n in runs):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        clocks, turn, shaped = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0), rate
+        playing = [n for n in runs if started[n].running and not started[n].failed]
+        while playing and time.monotonic() < deadline:
+            for name in list(playing):
+                ranks, folder = started[name], folders[name]
+                pending = [(at, r) for at, r in changes if at > clocks[name]]
+                if (now := rate_at(clocks[name], rate, changes)) != shaped:
+                    reshape(link, now)
+                    shaped = now
+                handed = time.monotonic()
+                (folder / "go").write_text(str(turn[name]))
+                said: dict[str, Any] = {}
+                while ranks.running and not ranks.failed and time.monotonic() < deadline:
+                    if (folder / "done").exists() and (said := json.loads((folder / "done").read_text()))["chunk"] == turn[name]:
+                        break
+                    while pending and time.monotonic() - handed >= pending[0][0] - clocks[name]:  # on its clock, within its turn
+                        shaped = pending.pop(0)[1]
+                        reshape(link, shaped)
+                    time.sleep(0.005)
+                if said.get("chunk") == turn[name] and not said["last"]:
+                    clocks[name], turn[name] = said["seconds"], turn[name] + 1
+                    continue
+                playing.remove(name)  # its last chunk, or it ended or failed: it leaves the turns before the next one takes its own
+                end = time.monotonic() + 60
+                while ranks.running and not ranks.failed and time.monotonic() < end:
+                    time.sleep(0.05)
+    finally:
+        for ranks in started.values():
+            ranks.stop()
+        if changes:
+            reshape(link, rate)
+    for name, ranks in started.items():
+        try:
+            ranks.check(timeout)
+            outcome[name] = None
+        except RuntimeError as e:
+            outcome[name] = e
+    return outcome
 
 
 def _stop(p: subprocess.Popen[bytes]) -> None:
@@ -323,6 +419,9 @@ def main(argv: Sequence[str] | None = None) -> None:
              "wrapper-auto-sync (the same, never overlapped), wrapper-auto-sparse (sparse among its payloads), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
+    parser.add_argument("--interleave", action="store_true",
+                        help="a repeat's contenders start together and train by turns, a score's chunk each, so that a drift of the machine's pace "
+                             "falls on every one alike (one after the other, a run falls on whatever the machine did then)")
     parser.add_argument("--changes", default=None, metavar="S:RATE,...",
                         help="the link's rate from S seconds after each contender's ranks start, e.g. 60:10mbit,120:200mbit (--rate again before the next)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces, no shaping: both nodes on this machine's loopback (no root; --smoke)")
@@ -398,23 +497,41 @@ def main(argv: Sequence[str] | None = None) -> None:
                 flush=True,
             )
 
-        def run(name: str, repeat: int) -> dict[str, Any]:
-            nonlocal port
+        def worker_args(name: str, repeat: int) -> tuple[list[str], Path]:
             kind, _, k = name.partition(":")
             out = work / f"{kind}{k}.{repeat}.json"
-            port += 1  # a fresh port per run: the previous run's sockets may linger in TIME_WAIT
-            try:
-                run_ranks(link, port - 1, [kind, *([k] if k else []), "--out", str(out), *shared], work, name, args.timeout, args.procs_per_node, changes)
-            finally:
-                if changes:
-                    reshape(link, args.rate)
+            return [kind, *([k] if k else []), "--out", str(out), *shared], out
+
+        def result(out: Path) -> dict[str, Any]:
             result = json.loads(out.read_text())
             points = result.pop("points")
             return {"points": points, "comm_fraction": result.get("comm_fraction"), "choices": choices(result), "result": result}
 
-        runs = race(contenders, args.repeats, run, args.target, keep_going=True)  # one contender's failure (a NaN loss) is its result
+        def run(name: str, repeat: int) -> dict[str, Any]:
+            nonlocal port
+            argv, out = worker_args(name, repeat)
+            port += 1  # a fresh port per run: the previous run's sockets may linger in TIME_WAIT
+            try:
+                run_ranks(link, port - 1, argv, work, name, args.timeout, args.procs_per_node, changes)
+            finally:
+                if changes:
+                    reshape(link, args.rate)
+            return result(out)
 
-    settings = {"rate": args.rate, "changes": args.changes, "exchange_share": args.exchange_share, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
+        def run_all(order: list[str], repeat: int) -> dict[str, dict[str, Any] | RuntimeError]:
+            nonlocal port
+            each = {name: (port + 10 * i, *worker_args(name, repeat)) for i, name in enumerate(order)}  # 10 apart: torchft's lighthouse is at +1000
+            port += 10 * len(order)
+            failed = interleaved(link, {n: (at, argv) for n, (at, argv, _) in each.items()}, work, args.timeout, args.procs_per_node, args.rate, changes)
+            return {n: failed[n] or result(out) for n, (_, _, out) in each.items()}
+
+        if args.interleave:
+            runs = race_by_turns(contenders, args.repeats, run_all, args.target)
+        else:
+            runs = race(contenders, args.repeats, run, args.target, keep_going=True)  # one contender's failure (a NaN loss) is its result
+
+    settings = {"rate": args.rate, "changes": args.changes, "interleave": args.interleave,
+                "exchange_share": args.exchange_share, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
                 "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs, "arena": args.arena,
                 "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "layers": args.layers, "width": args.width, "python": sys.version.split()[0],

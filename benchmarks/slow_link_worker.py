@@ -145,6 +145,42 @@ class Split:
 SPLIT = Split()
 
 
+class Turns:
+    """`--turns DIR` (slow_link.py --interleave): this contender trains a chunk only when the
+    driver hands it the turn, so that the race's contenders take turns chunk by chunk and a drift
+    of the machine's pace over minutes falls on every one of them alike. Both ranks wait for the
+    driver's `go` file to name the chunk (no collective is open while another contender trains),
+    meet at a barrier off the clock, and rank 0 says in `done` what the chunk left: the training
+    seconds so far (the driver steers a changing link by them) and whether it was the last."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+
+    def ready(self) -> None:
+        """Set up (the wrapper built, the clocks about to start): the driver starts the turns once
+        every contender is."""
+        if self.folder is not None and dist.get_rank() == 0:
+            self._write("ready", {})
+
+    def wait(self, chunk: int) -> None:
+        if self.folder is None:
+            return
+        go = self.folder / "go"
+        while not (go.exists() and go.read_text() == str(chunk)):
+            time.sleep(0.005)
+        dist.barrier()
+
+    def done(self, chunk: int, seconds: float, last: bool) -> None:
+        if self.folder is not None and dist.get_rank() == 0:
+            self._write("done", {"chunk": chunk, "seconds": seconds, "last": last})
+
+    def _write(self, name: str, fields: dict[str, Any]) -> None:
+        assert self.folder is not None
+        part = self.folder / f"{name}.part"
+        part.write_text(json.dumps(fields))
+        part.replace(self.folder / name)  # whole or not at all, for the driver's reads
+
+
 def local_sgd(net: nn.Module, optimizer: torch.optim.Optimizer, after_step: Callable[[], None], rank: int, world: int) -> Trainer:
     """The plain loop of ddp, pma and none: this rank's batches (i mod world), one step each."""
     after_step = SPLIT.timed(after_step)
@@ -285,8 +321,11 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         train = make_trainer(args.contender, args.k, model, args, stack)
         dist.barrier()  # start the clocks together, after the set-up (DDP's broadcast included)
+        turns = Turns(args.turns)
+        turns.ready()
         wall = time.perf_counter()
-        for chunk in chunks(stream, world * args.eval_every):
+        for i, chunk in enumerate(chunks(stream, world * args.eval_every)):
+            turns.wait(i)
             start = time.perf_counter()
             train(chunk)
             dist.barrier()  # the chunk is done when the slower rank is done
@@ -303,6 +342,7 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
             points.append({"seconds": seconds, "samples": samples, "steps": steps, ("val_loss" if gpt else "accuracy"): acc})
             if rank == 0:
                 print(f"{args.contender} {args.k}: {steps} steps, {seconds:.1f} s, {'val loss' if gpt else 'accuracy'} {acc:.4f}", flush=True)
+            turns.done(i, seconds, reached(acc) or spent)
             if reached(acc) or spent:
                 break
         wall = time.perf_counter() - wall
@@ -377,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="its Nesterov momentum")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--timeout", type=float, default=300, help="seconds any collective may take")
+    parser.add_argument("--turns", type=Path, default=None, help="slow_link.py --interleave's folder: train a chunk only when it says so (Turns)")
     args = parser.parse_args(argv)
     if args.contender in ("pma", *WRAPPERS, *torchft_lenet.KINDS) and args.eval_every % args.k:
         parser.error(f"--eval-every {args.eval_every} must be a multiple of k = {args.k}, to score right after an averaging")
