@@ -145,6 +145,9 @@ class Split:
 SPLIT = Split()
 
 
+POLL_S = 0.1  # a waiting rank's look at the go file: off the clock, and 20 idle ranks polling every 5 ms took most of a core
+
+
 class Turns:
     """`--turns DIR` (slow_link.py --interleave): this contender trains a chunk only when the
     driver hands it the turn, so that the race's contenders take turns chunk by chunk and a drift
@@ -167,7 +170,7 @@ class Turns:
             return
         go = self.folder / "go"
         while not (go.exists() and go.read_text() == str(chunk)):
-            time.sleep(0.005)
+            time.sleep(POLL_S)
         dist.barrier()
 
     def done(self, chunk: int, seconds: float, last: bool) -> None:

@@ -84,6 +84,27 @@ def test_the_three_targets_are_the_best_fixed_settings_scores_at_its_thirds_and_
 
 
 @pytest.mark.fast
+def test_a_race_by_turns_hands_each_repeat_its_rotated_order_and_records_a_failure_as_its_result() -> None:
+    """race.race_by_turns (slow_link --interleave) on a made-up run_all: each repeat is one call
+    with the order rotated by the repeat; a contender's RuntimeError is its FAILED record, with
+    the line that names the error, and the others' times to the target are theirs."""
+    from benchmarks.race import race_by_turns
+
+    orders: list[list[str]] = []
+
+    def run_all(order: list[str], repeat: int) -> dict[str, dict[str, Any] | RuntimeError]:
+        orders.append(order)
+        point = {"seconds": 2.0 + repeat, "samples": 0, "steps": 4, "val_loss": 1.0}
+        return {"a:8": {"points": [point]}, "b:32": RuntimeError("b:32: the ranks failed\nValueError: loss is NaN"), "c": {"points": [{**point, "val_loss": 3.0}]}}
+
+    runs = race_by_turns(["a:8", "b:32", "c"], 2, run_all, 2.0)
+    assert orders == [["a:8", "b:32", "c"], ["b:32", "c", "a:8"]]
+    assert [r["seconds"] for r in runs["a:8"]] == [2.0, 3.0]
+    assert [r["error"] for r in runs["b:32"]] == ["ValueError: loss is NaN"] * 2 and runs["b:32"][0]["seconds"] is None
+    assert [r["seconds"] for r in runs["c"]] == [None, None] and runs["c"][0]["best_accuracy"] == 3.0
+
+
+@pytest.mark.fast
 def test_a_doubling_of_k_costs_the_steps_the_longer_round_took_to_the_shorter_ones_losses() -> None:
     """race.doubling_cost on made-up runs at k and 4k: from a third of the shorter run on, the
     longer run's interpolated steps to each of its losses, as a cost per doubling of k; and
