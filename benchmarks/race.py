@@ -43,6 +43,22 @@ def time_to_target(points: Sequence[dict[str, Any]], target: float) -> dict[str,
     }
 
 
+def crossed(points: Sequence[dict[str, Any]], target: float) -> float | None:
+    """The training seconds at which a run first reached `target` (a validation loss at or below
+    it, an accuracy at or above it), read off the line between the score before and the first
+    score that reached it (the first score's own seconds where it is the run's first); None where
+    never. Scores come a few per run (every 128 steps in the GPT arenas), so the first score at
+    the target alone moves a contender's time by a whole chunk for a fraction of a percent."""
+    key, sign = ("val_loss", 1) if points and "val_loss" in points[0] else ("accuracy", -1)
+    for before, p in zip([None, *points], points):
+        if sign * p[key] <= sign * target:
+            if before is None or sign * before[key] <= sign * p[key]:
+                return float(p["seconds"])
+            share = (before[key] - target) / (before[key] - p[key])
+            return float(before["seconds"] + share * (p["seconds"] - before["seconds"]))
+    return None
+
+
 def race(names: Sequence[str], repeats: int, run: Callable[[str, int], dict[str, Any]], target: float, keep_going: bool = False) -> Runs:
     """`run(name, repeat)` for every contender in every repeat, rotated; each record is the run's
     own fields with its time to `target` and wall seconds. `keep_going`: a run that raises
@@ -106,15 +122,15 @@ def thirds(runs: Runs, repeat: int, fixed: Collection[str]) -> tuple[str, list[f
 
 def regret(runs: Runs, fixed: Collection[str]) -> tuple[list[tuple[str, list[float]] | None], dict[str, list[list[float | None]]]]:
     """Per repeat, its best fixed setting and three targets (`thirds`); and per contender, per
-    repeat, its seconds to each target over the fastest fixed setting's to the same target (None:
-    it never reached it)."""
+    repeat, its seconds to each target (`crossed`, between scores) over the fastest fixed
+    setting's to the same target (None: it never reached it)."""
     out: dict[str, list[list[float | None]]] = {n: [] for n in runs}
     targets = [thirds(runs, i, fixed) for i in range(min(len(rs) for rs in runs.values()))]
     for i, found in enumerate(targets):
         if found is None:
             continue
         for target in found[1]:
-            reached = {n: time_to_target(rs[i]["points"], target)["seconds"] if rs[i].get("points") else None for n, rs in runs.items()}
+            reached = {n: crossed(rs[i]["points"], target) if rs[i].get("points") else None for n, rs in runs.items()}
             times = [t for n in fixed if (t := reached.get(n)) is not None]
             fastest = min(times) if times else None
             for n in runs:

@@ -396,7 +396,7 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
     found, regrets = regret(runs, fixed)
     if any(found):
         targets = "; ".join(f"repeat {i + 1}: {f[0]}'s {', '.join(f'{t:.4g}' for t in f[1])}" for i, f in enumerate(found) if f)
-        print(f"\nseconds to each target over the fastest fixed setting's (targets: the best fixed setting's score at a third, two thirds and the end; {targets})")
+        print(f"\nseconds to each target, read between scores, over the fastest fixed setting's (targets: the best fixed setting's score at a third, two thirds and the end; {targets})")
         print(table(["contender", "a third", "two thirds", "the end"],
                     [(n, *(" / ".join(_fmt(r[j]) for r in rs) for j in range(3))) for n, rs in regrets.items() if rs]))  # fmt: skip
     costs = doubling_costs(runs, fixed)

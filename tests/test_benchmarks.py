@@ -71,8 +71,9 @@ def race(vs: str) -> Callable[[dict[str, Any]], None]:
 @pytest.mark.fast
 def test_the_three_targets_are_the_best_fixed_settings_scores_at_its_thirds_and_regret_is_over_the_fastest() -> None:
     """race.thirds and race.regret on made-up runs: the best fixed setting ends lowest (b); its
-    scores at steps 2, 4 and 6 are the targets; a contender's seconds to each over the fastest
-    fixed setting's, None where it never reached it."""
+    scores at steps 2, 4 and 6 are the targets; a contender's seconds to each (read between its
+    scores: a:8 crosses 2.6 at 2 + 2 * 0.4 / 0.5 = 3.6 s) over the fastest fixed setting's, None
+    where it never reached it."""
     from benchmarks.race import regret, thirds
 
     def run(losses: list[float], step_s: float) -> dict[str, Any]:
@@ -80,7 +81,7 @@ def test_the_three_targets_are_the_best_fixed_settings_scores_at_its_thirds_and_
 
     runs = {"a:8": [run([3.0, 2.5, 2.4], 1.0)], "b:32": [run([3.2, 2.6, 2.2], 2.0)], "auto": [run([2.9, 2.5, 2.3], 1.5)]}
     assert thirds(runs, 0, ["a:8", "b:32"]) == ("b:32", [3.2, 2.6, 2.2])
-    assert regret(runs, ["a:8", "b:32"]) == ([("b:32", [3.2, 2.6, 2.2])], {"a:8": [[1.0, 1.0, None]], "b:32": [[2.0, 2.0, 1.0]], "auto": [[1.5, 1.5, None]]})
+    assert regret(runs, ["a:8", "b:32"]) == ([("b:32", [3.2, 2.6, 2.2])], {"a:8": [[1.0, 1.0, None]], "b:32": [[2.0, 8 / 3.6, 1.0]], "auto": [[1.5, 5.25 / 3.6, None]]})
 
 
 @pytest.mark.fast
