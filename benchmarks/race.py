@@ -78,16 +78,19 @@ def race(names: Sequence[str], repeats: int, run: Callable[[str, int], dict[str,
     return runs
 
 
-def race_by_turns(names: Sequence[str], repeats: int, run_all: Callable[[list[str], int], dict[str, dict[str, Any] | RuntimeError]], target: float) -> Runs:
+def race_by_turns(names: Sequence[str], repeats: int, run_all: Callable[[list[str], int], dict[str, dict[str, Any] | RuntimeError]], target: float,
+                  landed: Callable[[Runs], None] = lambda runs: None) -> Runs:  # fmt: skip
     """As `race` with `keep_going`, but a repeat's contenders run together, taking turns in an
     order rotated each repeat: `run_all(order, repeat)` returns each one's result, or the
-    RuntimeError it failed with (slow_link.py --interleave). Its wall seconds are the repeat's."""
+    RuntimeError it failed with (slow_link.py --interleave). Its wall seconds are the repeat's.
+    `landed` is handed the runs so far after each repeat."""
     runs: Runs = {name: [] for name in names}
     for repeat in range(repeats):
         wall = time.monotonic()
         results = run_all(rotated(names, repeat), repeat)
         for name in names:
             runs[name].append(_record(name, repeat, results[name], target, time.monotonic() - wall))
+        landed(runs)
     return runs
 
 

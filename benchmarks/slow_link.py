@@ -223,11 +223,10 @@ def interleaved(link: Link, runs: dict[str, tuple[int, list[str]]], work: Path, 
     the link follows each contender's own training clock as it takes its turn. Returns each
     one's failure, None where it ended well."""
     started: dict[str, Ranks] = {}
-    folders = {name: work / f"turns-{i}" for i, name in enumerate(runs)}
+    folders = {name: Path(tempfile.mkdtemp(prefix="turns-", dir=work)) for name in runs}  # one a contender, fresh each repeat
     outcome: dict[str, RuntimeError | None] = {}
     try:
         for name, (port, worker_args) in runs.items():
-            folders[name].mkdir()
             started[name] = start_ranks(link, port, [*worker_args, "--turns", str(folders[name])], work, name, per_node)
         deadline = time.monotonic() + timeout * len(runs)
         while not all((folders[n] / "ready").exists() or not started[n].running for n in runs):
@@ -525,8 +524,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             failed = interleaved(link, {n: (at, argv) for n, (at, argv, _) in each.items()}, work, args.timeout, args.procs_per_node, args.rate, changes)
             return {n: failed[n] or result(out) for n, (_, _, out) in each.items()}
 
-        if args.interleave:
-            runs = race_by_turns(contenders, args.repeats, run_all, args.target)
+        if args.interleave:  # each repeat's runs kept as they land: a repeat by turns takes all its contenders' time
+            runs = race_by_turns(contenders, args.repeats, run_all, args.target, lambda runs: write_results(args.out + ".partial", {"runs": runs}))
         else:
             runs = race(contenders, args.repeats, run, args.target, keep_going=True)  # one contender's failure (a NaN loss) is its result
 
