@@ -23,16 +23,19 @@ Runs = dict[str, list[dict[str, Any]]]  # contender: one record a repeat
 FAILED = {"seconds": None, "samples": None, "steps_per_rank": None, "ms_per_step": None, "best_accuracy": None}
 
 
+def scored(points: Sequence[dict[str, Any]]) -> tuple[str, int]:
+    """What a run's points score and which way is better: ("val_loss", 1), lower is better, or
+    ("accuracy", -1), higher is better (sign · score: lower is better either way)."""
+    return ("val_loss", 1) if points and "val_loss" in points[0] else ("accuracy", -1)
+
+
 def time_to_target(points: Sequence[dict[str, Any]], target: float) -> dict[str, Any]:
     """The first point at or above the target accuracy, or at or below the target validation loss;
     None where never reached; the pace over the whole run; `best_accuracy` the best score either
     way (the lowest validation loss)."""
-    if points and "val_loss" in points[0]:
-        hit = next((p for p in points if p["val_loss"] <= target), None)
-        best = min(p["val_loss"] for p in points)
-    else:
-        hit = next((p for p in points if p["accuracy"] >= target), None)
-        best = max(p["accuracy"] for p in points)
+    key, sign = scored(points)
+    hit = next((p for p in points if sign * p[key] <= sign * target), None)
+    best = min((p[key] for p in points), key=lambda v: sign * v)
     last = points[-1]
     return {
         "seconds": hit["seconds"] if hit else None,
@@ -49,7 +52,7 @@ def crossed(points: Sequence[dict[str, Any]], target: float) -> float | None:
     score that reached it (the first score's own seconds where it is the run's first); None where
     never. Scores come a few per run (every 128 steps in the GPT arenas), so the first score at
     the target alone moves a contender's time by a whole chunk for a fraction of a percent."""
-    key, sign = ("val_loss", 1) if points and "val_loss" in points[0] else ("accuracy", -1)
+    key, sign = scored(points)
     for before, p in zip([None, *points], points):
         if sign * p[key] <= sign * target:
             if before is None or sign * before[key] <= sign * p[key]:
@@ -114,8 +117,7 @@ def thirds(runs: Runs, repeat: int, fixed: Collection[str]) -> tuple[str, list[f
     ran = {n: runs[n][repeat]["points"] for n in fixed if n in runs and runs[n][repeat].get("points")}
     if not ran:
         return None
-    key = "val_loss" if "val_loss" in next(iter(ran.values()))[0] else "accuracy"
-    sign = 1 if key == "val_loss" else -1
+    key, sign = scored(next(iter(ran.values())))
     name = min(ran, key=lambda n: sign * ran[n][-1][key])
     points = ran[name]
     last = points[-1]["steps"]

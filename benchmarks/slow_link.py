@@ -147,12 +147,10 @@ class Ranks:
     logs: list[Path]
 
     @property
-    def running(self) -> bool:
-        return any(p.poll() is None for p in self.procs)
-
-    @property
-    def failed(self) -> bool:
-        return any(p.poll() not in (None, 0) for p in self.procs)
+    def alive(self) -> bool:
+        """Some agent still runs and none has failed."""
+        codes = [p.poll() for p in self.procs]
+        return None in codes and all(code in (None, 0) for code in codes)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -199,7 +197,7 @@ def run_ranks(link: Link, port: int, worker_args: Sequence[str], log_dir: Path, 
     try:
         start = time.monotonic()
         deadline = start + timeout
-        while ranks.running and not ranks.failed and time.monotonic() < deadline:
+        while ranks.alive and time.monotonic() < deadline:
             while pending and time.monotonic() - start >= pending[0][0]:
                 reshape(link, pending.pop(0)[1])
             time.sleep(0.1 if pending else 0.5)
@@ -229,12 +227,12 @@ def interleaved(link: Link, runs: dict[str, tuple[int, list[str]]], work: Path, 
         for name, (port, worker_args) in runs.items():
             started[name] = start_ranks(link, port, [*worker_args, "--turns", str(folders[name])], work, name, per_node)
         deadline = time.monotonic() + timeout * len(runs)
-        while not all((folders[n] / "ready").exists() or not started[n].running for n in runs):
+        while not all((folders[n] / "ready").exists() or not started[n].alive for n in runs):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         clocks, turn, shaped = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0), rate
-        playing = [n for n in runs if started[n].running and not started[n].failed]
+        playing = [n for n in runs if started[n].alive]
         while playing and time.monotonic() < deadline:
             for name in list(playing):
                 ranks, folder = started[name], folders[name]
@@ -245,7 +243,7 @@ def interleaved(link: Link, runs: dict[str, tuple[int, list[str]]], work: Path, 
                 handed = time.monotonic()
                 (folder / "go").write_text(str(turn[name]))
                 said: dict[str, Any] = {}
-                while ranks.running and not ranks.failed and time.monotonic() < deadline:
+                while ranks.alive and time.monotonic() < deadline:
                     if (folder / "done").exists() and (said := json.loads((folder / "done").read_text()))["chunk"] == turn[name]:
                         break
                     while pending and time.monotonic() - handed >= pending[0][0] - clocks[name]:  # on its clock, within its turn
@@ -257,7 +255,7 @@ def interleaved(link: Link, runs: dict[str, tuple[int, list[str]]], work: Path, 
                     continue
                 playing.remove(name)  # its last chunk, or it ended or failed: it leaves the turns before the next one takes its own
                 end = time.monotonic() + 60
-                while ranks.running and not ranks.failed and time.monotonic() < end:
+                while ranks.alive and time.monotonic() < end:
                     time.sleep(0.05)
     finally:
         for ranks in started.values():
