@@ -383,10 +383,14 @@ def _capped(design: str, out: Path, faults: list[dict[str, Any]], events: list[d
     return {"design": design, "faults": faults, "seconds": cap_s, "capped": True, "iterations_done": done, "events": events, "finished": 0}
 
 
+SERVE_S = 60.0  # the most a hub's server takes to answer: a fresh interpreter importing torch, which took over 10 s in the suite's `quick` on a slow day
+
+
 def _serve(made: Machines, port: int, code: str) -> subprocess.Popen[bytes]:
-    """A server that Python `code` starts in the hub, once it answers at `port` (10 s at most)."""
+    """A server that Python `code` starts in the hub, once it answers at `port` (SERVE_S at most;
+    one that exits fails at once)."""
     server = subprocess.Popen([*made.inside(made.hub), sys.executable, "-c", f"import time\n{code}\ntime.sleep(1e9)"], env={**os.environ, "RUST_LOG": "warn"})
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + SERVE_S
     while time.monotonic() < deadline and server.poll() is None:
         probe = subprocess.run([*made.inside(made.hub), sys.executable, "-c", f"import socket; socket.create_connection(('{made.hub_address}', {port}), 1)"],
                                capture_output=True)  # fmt: skip
@@ -394,7 +398,7 @@ def _serve(made: Machines, port: int, code: str) -> subprocess.Popen[bytes]:
             return server
         time.sleep(0.1)
     server.kill()
-    raise RuntimeError(f"the hub's server at {made.hub_address}:{port} did not start: {code.splitlines()[-1]}")
+    raise RuntimeError(f"the hub's server at {made.hub_address}:{port} did not start{' in ' + format(SERVE_S, 'g') + ' s' if server.poll() is None else ''}: {code.splitlines()[-1]}")
 
 
 def _logs(out: Path) -> str:
