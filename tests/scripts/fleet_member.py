@@ -52,7 +52,8 @@ class Step:
     def __call__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.steps += 1
         if self.steps == LOSS_STEP and dist.get_rank() == self.lose and os.environ.get("CUT") and not (self.out / "cut.txt").exists():
-            (self.out / "cut.txt").write_text(str(MACHINE))
+            (self.out / "cut.tmp").write_text(str(MACHINE))  # whole, then renamed: fleet_cut reads it once it sees the name
+            (self.out / "cut.tmp").rename(self.out / "cut.txt")
         elif self.steps == LOSS_STEP and dist.get_rank() == self.lose and os.environ.get("GROWS"):
             (self.out / "begun.txt").write_text("")
         elif self.steps == LOSS_STEP and dist.get_rank() == self.lose and not os.environ.get("CUT") and not (self.out / "lost.txt").exists():

@@ -68,7 +68,9 @@ class Step:
                 (self.out / "killed").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "stop":
-                (self.out / "stopped").write_text(f"{os.getpid()} {time.time()!r}")
+                # Written whole, then renamed: the test polls for the name and reads it at once.
+                (self.out / "stopped.tmp").write_text(f"{os.getpid()} {time.time()!r}")
+                (self.out / "stopped.tmp").rename(self.out / "stopped")
                 os.kill(os.getpid(), signal.SIGSTOP)
         # Slow until the fault: then the test has time to strike mid-run. The machine's loss comes at a
         # step, not a time, and a restarted group has nothing left to wait for.
