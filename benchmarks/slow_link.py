@@ -107,6 +107,29 @@ def reshape(link: Link, rate: str) -> None:
         _run("tc", "-n", ns, "qdisc", "change", "dev", dev, "root", "tbf", *_shape(rate))
 
 
+def shaper_counts(link: Link) -> dict[str, dict[str, int]]:
+    """What each namespace's shaper and TCP saw over the race: packets sent and dropped by the
+    token bucket, segments TCP sent again and its retransmission timeouts (/proc/net/snmp and
+    netstat, read inside the namespace). An exchange that takes ten times its link's time is TCP
+    waiting out a timeout only where these say so."""
+    counts = {}
+    for ns, dev in zip(link.names, link.devices):
+        stats = json.loads(subprocess.run(["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True, check=True).stdout)[0]
+        tcp = _counters(subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp", "/proc/net/netstat"], capture_output=True, text=True, check=True).stdout)
+        counts[ns] = {"packets": stats["packets"], "dropped": stats["drops"], "retransmitted_segments": tcp["Tcp:RetransSegs"], "timeouts": tcp["TcpExt:TCPTimeouts"]}
+    return counts
+
+
+def _counters(text: str) -> dict[str, int]:
+    """/proc/net/snmp's and netstat's counters by "Group:Name": each group is a line of names and a
+    line of values."""
+    counts, lines = {}, text.splitlines()
+    for names, values in zip(lines[::2], lines[1::2]):
+        group, *keys = names.split()
+        counts.update({group + key: int(value) for key, value in zip(keys, values.split()[1:])})
+    return counts
+
+
 def parse_changes(text: str | None) -> list[tuple[float, str]]:
     """--changes "60:10mbit,120:200mbit": (seconds after a contender's ranks start, the rate from then on)."""
     if not text:
@@ -526,6 +549,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             runs = race_by_turns(contenders, args.repeats, run_all, args.target, lambda runs: write_results(args.out + ".partial", {"runs": runs}))
         else:
             runs = race(contenders, args.repeats, run, args.target, keep_going=True)  # one contender's failure (a NaN loss) is its result
+        shaper = None if args.loopback else shaper_counts(link)
+        if shaper is not None:
+            print("shaper: " + "; ".join(f"{ns}: {c['packets']:,} packets, {c['dropped']:,} dropped, {c['retransmitted_segments']:,} TCP segments sent again, "
+                                         f"{c['timeouts']:,} retransmission timeouts" for ns, c in shaper.items()), flush=True)  # fmt: skip
 
     settings = {"rate": args.rate, "changes": args.changes, "interleave": args.interleave,
                 "exchange_share": args.exchange_share, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
@@ -535,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "torchft": torchft_version}  # fmt: skip
     verdict = report(settings, runs)
     print(f"total wall time {time.monotonic() - started:.0f} s")
-    write_results(args.out, {**settings, "link": measured, **verdict, "runs": runs})
+    write_results(args.out, {**settings, "link": measured, "shaper": shaper, **verdict, "runs": runs})
 
 
 def _or_dash(value: float | int | None) -> float | int | str:

@@ -122,6 +122,16 @@ def test_a_doubling_of_k_costs_the_steps_the_longer_round_took_to_the_shorter_on
 
 
 @pytest.mark.fast
+def test_the_shapers_tcp_counters_are_read_by_group_and_name() -> None:
+    """slow_link's reading of /proc/net/snmp and netstat (shaper_counts): each group a line of names
+    and a line of values, a value negative where the kernel says so."""
+    from benchmarks.slow_link import _counters
+
+    text = "Tcp: RtoMin MaxConn RetransSegs\nTcp: 200 -1 7\nTcpExt: TCPTimeouts TCPLossProbes\nTcpExt: 3 12\n"
+    assert _counters(text) == {"Tcp:RtoMin": 200, "Tcp:MaxConn": -1, "Tcp:RetransSegs": 7, "TcpExt:TCPTimeouts": 3, "TcpExt:TCPLossProbes": 12}
+
+
+@pytest.mark.fast
 def test_a_soak_takes_its_fault_free_run_from_an_earlier_result_of_the_same_job_only(tmp_path: Path) -> None:
     """fleet_soak --fault-free: each design's first fault-free, finished run of the earlier result;
     another job's result (its epochs differ), or one without that design's fault-free run, is refused."""
