@@ -110,19 +110,41 @@ def _record(name: str, repeat: int, result: dict[str, Any] | RuntimeError, targe
 
 
 def thirds(runs: Runs, repeat: int, fixed: Collection[str]) -> tuple[str, list[float]] | None:
-    """The best fixed setting of `repeat` among `fixed` (contender names), after the fact: the one
-    whose last score is best (every one runs the same steps); and its scores at the points nearest
-    a third and two thirds of its steps, and at its last: issue 52's three targets. None where no
-    fixed setting ran."""
+    """The best fixed setting of `repeat` among `fixed` (contender names), after the fact, and its
+    scores at a third, two thirds and the end of its run: issue 52's three targets. Where every
+    fixed setting ran the same steps, the one whose last score is best, and its scores at the points
+    nearest a third and two thirds of its steps. Where they did not (a race to a time budget: each
+    stops at the first score past it, so a faster one gets a chunk more), at equal time instead: up
+    to the end of the shortest run, the one best there, its scores read between points (`score_at`)
+    at a third, two thirds and that end. Judged by its last score, the one with a chunk more was the
+    best, and its last loss a target no contender stopped before could reach. None where no fixed
+    setting ran."""
     ran = {n: runs[n][repeat]["points"] for n in fixed if n in runs and runs[n][repeat].get("points")}
     if not ran:
         return None
     key, sign = scored(next(iter(ran.values())))
-    name = min(ran, key=lambda n: sign * ran[n][-1][key])
-    points = ran[name]
-    last = points[-1]["steps"]
-    at = [min(points, key=lambda p: abs(p["steps"] - share * last))[key] for share in (1 / 3, 2 / 3)]
-    return name, [*at, points[-1][key]]
+    if len({points[-1]["steps"] for points in ran.values()}) == 1:
+        name = min(ran, key=lambda n: sign * ran[n][-1][key])
+        points = ran[name]
+        last = points[-1]["steps"]
+        at = [min(points, key=lambda p: abs(p["steps"] - share * last))[key] for share in (1 / 3, 2 / 3)]
+        return name, [*at, points[-1][key]]
+    end = min(points[-1]["seconds"] for points in ran.values())
+    name = min(ran, key=lambda n: sign * score_at(ran[n], end))
+    return name, [score_at(ran[name], share * end) for share in (1 / 3, 2 / 3, 1)]
+
+
+def score_at(points: Sequence[dict[str, Any]], seconds: float) -> float:
+    """A run's score at `seconds` of training, read on the line between the points either side (the
+    first point's before it, the last's after it)."""
+    key, _ = scored(points)
+    for before, p in zip([None, *points], points):
+        if p["seconds"] >= seconds:
+            if before is None:
+                return float(p[key])
+            share = (seconds - before["seconds"]) / (p["seconds"] - before["seconds"])
+            return float(before[key] + share * (p[key] - before[key]))
+    return float(points[-1][key])
 
 
 def regret(runs: Runs, fixed: Collection[str]) -> tuple[list[tuple[str, list[float]] | None], dict[str, list[list[float | None]]]]:

@@ -85,6 +85,21 @@ def test_the_three_targets_are_the_best_fixed_settings_scores_at_its_thirds_and_
 
 
 @pytest.mark.fast
+def test_in_a_race_to_a_time_budget_the_targets_are_read_at_equal_time_not_at_each_last_score() -> None:
+    """race.thirds where the fixed settings stopped at different steps (each at its first score past
+    the budget, the faster with a chunk more): the best is the one lowest at the end of the shortest
+    run (a at 30 s: 1.5, against b's 1.7 + 3/9 of its way to 1.2 there), not the one whose extra
+    chunk scored lowest (b's 1.2); its targets are its scores at 10, 20 and 30 s, read between points."""
+    from benchmarks.race import score_at, thirds
+
+    a = {"points": [{"seconds": s, "steps": n, "val_loss": v} for s, n, v in [(10.0, 8, 3.0), (20.0, 16, 2.0), (30.0, 24, 1.5)]]}
+    b = {"points": [{"seconds": s, "steps": n, "val_loss": v} for s, n, v in [(9.0, 8, 3.2), (18.0, 16, 2.2), (27.0, 24, 1.7), (36.0, 32, 1.2)]]}
+    assert score_at(b["points"], 30.0) == pytest.approx(1.7 - 0.5 / 3)
+    assert score_at(b["points"], 5.0) == 3.2 and score_at(b["points"], 40.0) == 1.2
+    assert thirds({"a": [a], "b": [b]}, 0, ["a", "b"]) == ("a", [3.0, 2.0, 1.5])
+
+
+@pytest.mark.fast
 def test_a_race_by_turns_hands_each_repeat_its_rotated_order_and_records_a_failure_as_its_result() -> None:
     """race.race_by_turns (slow_link --interleave) on a made-up run_all: each repeat is one call
     with the order rotated by the repeat; a contender's RuntimeError is its FAILED record, with
