@@ -397,8 +397,9 @@ def _serve(made: Machines, port: int, code: str) -> subprocess.Popen[bytes]:
         if probe.returncode == 0:
             return server
         time.sleep(0.1)
+    waited = "" if server.poll() is not None else f" in {SERVE_S:g} s"  # read before the kill, which would end it either way
     server.kill()
-    raise RuntimeError(f"the hub's server at {made.hub_address}:{port} did not start{' in ' + format(SERVE_S, 'g') + ' s' if server.poll() is None else ''}: {code.splitlines()[-1]}")
+    raise RuntimeError(f"the hub's server at {made.hub_address}:{port} did not start{waited}: {code.splitlines()[-1]}")
 
 
 def _logs(out: Path) -> str:

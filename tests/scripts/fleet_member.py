@@ -37,7 +37,7 @@ from parallelwrapper.replacement.fleet import Survivor
 from parallelwrapper.types import Replacement
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny import make_batches, mlp
+from tiny import make_batches, mlp, write_whole
 
 BATCHES, EPOCHS, LOSS_STEP = 48, 2, 8
 MACHINE = int(os.environ.get("MACHINE", "-1"))  # -1: imported by the test
@@ -52,8 +52,7 @@ class Step:
     def __call__(self, net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.steps += 1
         if self.steps == LOSS_STEP and dist.get_rank() == self.lose and os.environ.get("CUT") and not (self.out / "cut.txt").exists():
-            (self.out / "cut.tmp").write_text(str(MACHINE))  # whole, then renamed: fleet_cut reads it once it sees the name
-            (self.out / "cut.tmp").rename(self.out / "cut.txt")
+            write_whole(self.out / "cut.txt", str(MACHINE))  # fleet_cut reads it as its name appears
         elif self.steps == LOSS_STEP and dist.get_rank() == self.lose and os.environ.get("GROWS"):
             (self.out / "begun.txt").write_text("")
         elif self.steps == LOSS_STEP and dist.get_rank() == self.lose and not os.environ.get("CUT") and not (self.out / "lost.txt").exists():

@@ -31,7 +31,7 @@ from parallelwrapper import ParallelWrapper
 from parallelwrapper.wrapper import Builder
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny import make_batches, mlp
+from tiny import make_batches, mlp, write_whole
 
 FAULT_STEP = 12
 PEER_TIMEOUT_S = 3.0
@@ -68,9 +68,7 @@ class Step:
                 (self.out / "killed").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "stop":
-                # Written whole, then renamed: the test polls for the name and reads it at once.
-                (self.out / "stopped.tmp").write_text(f"{os.getpid()} {time.time()!r}")
-                (self.out / "stopped.tmp").rename(self.out / "stopped")
+                write_whole(self.out / "stopped", f"{os.getpid()} {time.time()!r}")  # the test reads it as its name appears
                 os.kill(os.getpid(), signal.SIGSTOP)
         # Slow until the fault: then the test has time to strike mid-run. The machine's loss comes at a
         # step, not a time, and a restarted group has nothing left to wait for.
