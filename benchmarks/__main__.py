@@ -41,7 +41,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "slow_link": (
         "time to a target over a shaped link between two network namespaces (root), or loopback: every peer",
-        ("--loopback", "--interleave", "--contenders", "wrapper:4,pma:4", "--eval-every", "4", "--target", "0.1", "--max-epochs", "1", "--timeout", "120"),
+        ("--loopback", "--interleave", "--seed", "7", "--seed-each", "--contenders", "wrapper:4,pma:4", "--eval-every", "4", "--target", "0.1", "--max-epochs", "1", "--timeout", "120"),
     ),
     "gpt_arena": (
         "the GPT arena's payload race: bytes sent and validation loss of float32, int8 and sparse payloads",

@@ -39,7 +39,7 @@ from typing import Any
 from benchmarks import torchft_lenet
 from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
 from benchmarks.race import Runs, best, doubling_costs, race, race_by_turns, regret
-from benchmarks.slow_link_worker import AUTOS, WRAPPERS
+from benchmarks.slow_link_worker import AUTOS, SEED, WRAPPERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
 ADDRESSES = ("10.213.37.1", "10.213.37.2")  # a private /30 that exists only inside the two namespaces
@@ -404,7 +404,7 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
     arena = "CharGPT on the stdlib corpus (target: validation loss)" if settings.get("arena") == "gpt" else "LeNet, MNIST"
     where = "on loopback, unshaped" if settings.get("loopback") else f"in 2 namespaces over a {settings['rate']} veth"
     print(f"\n{arena}, {ranks} ranks {where}, lr {settings['lr']}, "
-          f"scored every {settings['eval_every']} steps per rank, {len(next(iter(runs.values())))} repeats; "
+          f"scored every {settings['eval_every']} steps per rank, {len(next(iter(runs.values())))} repeats (seeds {', '.join(map(str, settings.get('seeds') or [SEED]))}); "
           f"best peer per repeat: {', '.join(str(b) for b in verdict['best_peer_each'])}")  # fmt: skip
     print(table(["contender", (f"s to loss {target}" if settings.get("arena") == "gpt" else f"s to {target:.0%}") + " (median)", "each repeat", "steps/rank each", "ms/step (median)", "ms/step each",
                  "speed-up vs best peer (median)", "/ no-comm limit (median)", "communicating (median)"], rows))  # fmt: skip
@@ -436,9 +436,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="ddp,powersgd:2,powersgd:4,pma:16,wrapper:16,wrapper-params:16,wrapper-overlap:16,wrapper-outer:16,wrapper-outer:64,wrapper-bf16:16,none",
         help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4|-params-sparse|-params-sparse128]:K, "
              "wrapper-auto (the autopilot: no K; k is at most --eval-every, each score being a fit() of that many steps), "
-             "wrapper-auto-sync (the same, never overlapped), wrapper-auto-sparse (sparse among its payloads), none",
+             "wrapper-auto-sync (the same, never overlapped), wrapper-auto-sparse (sparse among its payloads), "
+             "wrapper-auto-params (the optimizer's state never sent), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
+    parser.add_argument("--seed", type=int, default=SEED, help="model init and the batches' order, every contender alike")
+    parser.add_argument("--seed-each", action="store_true",
+                        help="repeat r (from 0) runs with --seed + r: the repeats sample how a run's loss depends on its trajectory, "
+                             "which with one seed they share (each fixed setting's losses are then the same in every repeat)")
     parser.add_argument("--interleave", action="store_true",
                         help="a repeat's contenders start together and train by turns, a score's chunk each, so that a drift of the machine's pace "
                              "falls on every one alike (one after the other, a run falls on whatever the machine did then)")
@@ -501,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               "--arena", args.arena, "--batch", str(args.batch), "--max-steps", str(args.max_steps), "--budget", str(args.budget),
               "--layers", str(args.layers), "--width", str(args.width),
               "--optimizer", "adamw" if args.arena == "gpt" else "sgd"]  # fmt: skip
+    seeds = [args.seed + r if args.seed_each else args.seed for r in range(args.repeats)]
     started = time.monotonic()
     port = 29401
     with tempfile.TemporaryDirectory(prefix="pwbench-") as tmp, (loopback() if args.loopback else slow_link(args.rate)) as link:
@@ -520,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         def worker_args(name: str, repeat: int) -> tuple[list[str], Path]:
             kind, _, k = name.partition(":")
             out = work / f"{kind}{k}.{repeat}.json"
-            return [kind, *([k] if k else []), "--out", str(out), *shared], out
+            return [kind, *([k] if k else []), "--out", str(out), "--seed", str(seeds[repeat]), *shared], out
 
         def result(out: Path) -> dict[str, Any]:
             result = json.loads(out.read_text())
@@ -557,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = {"rate": args.rate, "changes": args.changes, "interleave": args.interleave,
                 "exchange_share": args.exchange_share, "loopback": args.loopback, "target": args.target, "lr": args.lr, "eval_every": args.eval_every,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "repeats": args.repeats,
+                "seeds": seeds,
                 "procs_per_node": args.procs_per_node, "max_epochs": args.max_epochs, "arena": args.arena,
                 "batch": args.batch, "max_steps": args.max_steps, "budget": args.budget, "layers": args.layers, "width": args.width, "python": sys.version.split()[0],
                 "torchft": torchft_version}  # fmt: skip

@@ -23,6 +23,7 @@ Contenders (every one trains the same model from the same init on the same batch
                      below by K (k_min). Every Score's choice goes in the JSON ("scores")
   wrapper-auto-sync  wrapper-auto with .overlap_averaging(False): the autopilot never overlaps
   wrapper-auto-sparse  wrapper-auto with sparse among its payloads (its lowest-bytes rung, the parameters alone)
+  wrapper-auto-params  wrapper-auto with .average_updaters(False): the optimizer's state never travels
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
   torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
@@ -76,7 +77,7 @@ from parallelwrapper.app.models import LeNet
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 Trainer = Callable[[list[Batch]], None]  # trains this rank on its share of a chunk of batches
-SEED = 123  # pw-fit's: model init and shuffling
+SEED = 123  # pw-fit's: model init and shuffling (--seed)
 LINK_BYTES = 10 * 2**20
 LIGHTHOUSE_PORT_OFFSET = 1000  # torchft's lighthouse listens at torchrun's master port + this
 
@@ -97,17 +98,18 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-node-params-int8": {"hierarchy": "node", "average_updaters": False, "payload_dtype": "int8"},
     "wrapper-auto": {"auto": True},  # .averaging_frequency("auto"), nothing else set; :K sets k_min
     "wrapper-auto-sync": {"auto": True, "overlap_averaging": False},  # the same, never overlapped
+    "wrapper-auto-params": {"auto": True, "average_updaters": False},  # the same, never sending the optimizer's state
     "wrapper-auto-sparse": {"auto": True, "payloads": ("float32", "bfloat16", "int8", "sparse")},  # sparse its lowest-bytes rung
     "wrapper-node-auto": {"auto": True, "hierarchy": "node"},  # the autopilot choosing the nodes' period (a node's ranks step together)
 }
 AUTOS = tuple(name for name, change in WRAPPERS.items() if change.get("auto"))
 
 
-def batch_stream(data_dir: str, epochs: int) -> Iterator[Batch]:
+def batch_stream(data_dir: str, epochs: int, seed: int) -> Iterator[Batch]:
     """Every full batch of `epochs` epochs, in order; one epoch is in memory at a time."""
     train = load_mnist(data_dir, "train", download=False)
     for epoch in range(epochs):
-        for x, y in train.batches(BATCH, shuffle=True, seed=SEED + epoch):
+        for x, y in train.batches(BATCH, shuffle=True, seed=seed + epoch):
             if len(y) == BATCH:  # an odd batch out would leave DDP's ranks a step apart
                 yield x, y
 
@@ -222,6 +224,8 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
             b = b.averaging_frequency("auto", k_min=k, payloads=change.get("payloads"), exchange_share=args.exchange_share)  # wrapper-auto:K: k no lower than K (default 1)
             if "overlap_averaging" in change:
                 b = b.overlap_averaging(change["overlap_averaging"])
+            if "average_updaters" in change:
+                b = b.average_updaters(change["average_updaters"])
         else:
             b = (
                 b.averaging_frequency(k)
@@ -229,7 +233,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
                 .overlap_averaging(change.get("overlap_averaging", False))
                 .payload_dtype(change.get("payload_dtype", torch.float32))
             )
-        b = b.hierarchy(change.get("hierarchy", "none")).threads_per_worker(1).seed(SEED).listeners(SPLIT)  # the two "machines" share this machine's cores
+        b = b.hierarchy(change.get("hierarchy", "none")).threads_per_worker(1).seed(args.seed).listeners(SPLIT)  # the two "machines" share this machine's cores
         if change.get("gradient_encoding"):
             b = b.training_mode(TrainingMode.SHARED_GRADIENTS).gradient_encoding()
         if change.get("outer"):
@@ -267,7 +271,7 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
         # Plain all-reduces for the first --powersgd-start steps (PyTorch's default, 1,000, is
         # longer than this race; compressing from the start diverges at lr 0.04), then rank-R
         # compression with error feedback and warm start (Vogels et al., 2019).
-        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=k, start_powerSGD_iter=args.powersgd_start, use_error_feedback=True, warm_start=True, random_seed=SEED)
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=k, start_powerSGD_iter=args.powersgd_start, use_error_feedback=True, warm_start=True, random_seed=args.seed)
         ddp.register_comm_hook(state, serial_powersgd_hook)
         return local_sgd(ddp, optimizer, lambda: None, rank, world)
     if kind == "pma":
@@ -308,14 +312,14 @@ def train_to_target(args: argparse.Namespace) -> dict[str, Any]:
     if gpt:  # the GPT arena: a byte-level character GPT on the standard library's sources
         text, val_text = gpt_arena.corpus()
         test = gpt_arena.val_batches(val_text) if rank == 0 else []
-        stream: Iterator[Batch] = gpt_arena.train_batches(text, args.batch, world * args.max_steps, SEED)
-        torch.manual_seed(SEED)
+        stream: Iterator[Batch] = gpt_arena.train_batches(text, args.batch, world * args.max_steps, args.seed)
+        torch.manual_seed(args.seed)
         model: nn.Module = gpt_arena.CharGPT(args.layers, args.width, max(1, args.width // 32))
         score, reached = (lambda m: gpt_arena.val_loss(m, test)), (lambda s: s <= args.target)
     else:
         test = load_mnist(args.data_dir, "test", download=False).batches(1000) if rank == 0 else []
-        stream = batch_stream(args.data_dir, args.max_epochs)
-        torch.manual_seed(SEED)
+        stream = batch_stream(args.data_dir, args.max_epochs, args.seed)
+        torch.manual_seed(args.seed)
         model = LeNet()
         score, reached = (lambda m: accuracy(m, test)), (lambda s: s >= args.target)
     points: list[dict[str, float]] = []
@@ -414,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="inner optimizer (gpt arena: adamw)")
     parser.add_argument("--eval-every", type=int, default=16, help="steps per rank between evaluations")
     parser.add_argument("--lr", type=float, default=0.04)
+    parser.add_argument("--seed", type=int, default=SEED, help="model init and the batches' order (slow_link.py --seed, --seed-each)")
     parser.add_argument("--powersgd-start", type=int, default=16, help="powersgd's uncompressed steps first")
     parser.add_argument("--exchange-share", type=float, default=0.05, help="the autopilot contenders' exchange_share (ρ; the library's default 0.05)")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="wrapper-outer's and torchft-diloco's outer SGD")
@@ -430,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         result = measure_link() if args.contender == "link" else train_to_target(args)
         if dist.get_rank() == 0:
-            args.out.write_text(json.dumps({"contender": args.contender, "k": args.k, "lr": args.lr, **result}, indent=2))
+            args.out.write_text(json.dumps({"contender": args.contender, "k": args.k, "lr": args.lr, "seed": args.seed, **result}, indent=2))
     finally:
         dist.destroy_process_group()
 

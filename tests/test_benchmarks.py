@@ -64,6 +64,8 @@ def race(vs: str) -> Callable[[dict[str, Any]], None]:
             figure(s[vs])
         if "regret" in r:  # slow_link's: the one fixed setting is its own fastest, to every target it set
             assert r["regret"]["each"]["wrapper:4"] == [[1.0, 1.0, 1.0]], r["regret"]
+        if "seeds" in r:  # slow_link's --seed 7 --seed-each: each run trained from its repeat's seed
+            assert [[run["result"]["seed"] for run in runs] for runs in r["runs"].values()] == [r["seeds"]] * len(r["runs"]) == [[7], [7]], r["seeds"]
 
     return check
 
