@@ -102,7 +102,7 @@ def _record(name: str, repeat: int, result: dict[str, Any] | RuntimeError, targe
     if isinstance(result, RuntimeError):
         cause = next((line for line in reversed(str(result).splitlines()) if "Error" in line), str(result).splitlines()[0])
         print(f"repeat {repeat + 1}, {name}: failed: {cause}", flush=True)
-        return {**FAILED, "error": cause, "wall_seconds": wall}
+        return {**FAILED, "error": cause, "log": str(result), "wall_seconds": wall}  # the whole of it: the one line may be torchrun's summary alone
     r = {**time_to_target(result["points"], target), **result, "wall_seconds": wall}
     reached = f"{r['seconds']:.1f} s, {r['steps_per_rank']:.0f} steps" if r["seconds"] is not None else f"not reached (best {r['best_accuracy']:.4f})"
     print(f"repeat {repeat + 1}, {name}: {reached}, {r['ms_per_step']:.0f} ms/step, run took {wall:.0f} s", flush=True)

@@ -306,9 +306,11 @@ def _stop(p: subprocess.Popen[bytes]) -> None:
         p.wait(timeout=15)
 
 
-def _tail(path: Path, lines: int = 25) -> str:
+def _tail(path: Path, lines: int = 40) -> str:
     """The end of the worker's own stderr (torch prefixes it with [rankN]), which holds the cause;
-    torchrun's summary after it does not. The end of the whole log when the worker said nothing."""
+    torchrun's summary after it does not. The end of the whole log when the worker said nothing:
+    40 lines, since torchrun's summary alone takes about 30, and a worker that aborted in C++
+    ("terminate called without an active exception", exit code -6) said its one line before it."""
     text = path.read_text(errors="replace").splitlines()
     own = [line for line in text if line.startswith("[rank")]
     return "\n".join((own or text)[-lines:])

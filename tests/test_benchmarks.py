@@ -105,7 +105,7 @@ def test_in_a_race_to_a_time_budget_the_targets_are_read_at_equal_time_not_at_ea
 def test_a_race_by_turns_hands_each_repeat_its_rotated_order_and_records_a_failure_as_its_result() -> None:
     """race.race_by_turns (slow_link --interleave) on a made-up run_all: each repeat is one call
     with the order rotated by the repeat; a contender's RuntimeError is its FAILED record, with
-    the line that names the error, and the others' times to the target are theirs."""
+    the line that names the error and the whole of it, and the others' times to the target are theirs."""
     from benchmarks.race import race_by_turns
 
     orders: list[list[str]] = []
@@ -119,6 +119,7 @@ def test_a_race_by_turns_hands_each_repeat_its_rotated_order_and_records_a_failu
     assert orders == [["a:8", "b:32", "c"], ["b:32", "c", "a:8"]]
     assert [r["seconds"] for r in runs["a:8"]] == [2.0, 3.0]
     assert [r["error"] for r in runs["b:32"]] == ["ValueError: loss is NaN"] * 2 and runs["b:32"][0]["seconds"] is None
+    assert runs["b:32"][0]["log"] == "b:32: the ranks failed\nValueError: loss is NaN"  # all of it, where the line is torchrun's summary alone
     assert [r["seconds"] for r in runs["c"]] == [None, None] and runs["c"][0]["best_accuracy"] == 3.0
 
 
