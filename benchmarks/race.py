@@ -184,23 +184,53 @@ def doubling_cost(short: Sequence[dict[str, Any]], long: Sequence[dict[str, Any]
     return out
 
 
-def doubling_costs(runs: Runs, fixed: Collection[str]) -> dict[str, list[float]]:
-    """`doubling_cost` for each pair of `fixed` settings of one kind (a name's part before ':') at
-    neighbouring k (8 and 32, 32 and 128), over every repeat, by "kind:k→k'"; validation losses
-    only (the GPT arena)."""
+def _by_kind(fixed: Collection[str]) -> dict[str, list[tuple[int, str]]]:
+    """`fixed` settings by kind (a name's part before ':'): (k, name) each, k rising."""
     by_kind: dict[str, list[tuple[int, str]]] = {}
     for name in fixed:
         kind, _, period = name.partition(":")
         if period.isdigit():
             by_kind.setdefault(kind, []).append((int(period), name))
+    return {kind: sorted(ks) for kind, ks in by_kind.items()}
+
+
+def doubling_costs(runs: Runs, fixed: Collection[str]) -> dict[str, list[float]]:
+    """`doubling_cost` for each pair of `fixed` settings of one kind (a name's part before ':') at
+    neighbouring k (8 and 32, 32 and 128), over every repeat, by "kind:k→k'"; validation losses
+    only (the GPT arena)."""
     out: dict[str, list[float]] = {}
-    for kind, ks in by_kind.items():
-        ks.sort()
+    for kind, ks in _by_kind(fixed).items():
         for (k, a), (k2, b) in zip(ks, ks[1:]):
             pairs = [(x["points"], y["points"]) for x, y in zip(runs[a], runs[b]) if x.get("points") and y.get("points")]
             costs = [c for short, long in pairs if "val_loss" in short[0] for c in doubling_cost(short, long, k2 / k)]
             if costs:
                 out[f"{kind}:{k}→{k2}"] = costs
+    return out
+
+
+def modelled_seconds(runs: Runs, fixed: Collection[str], costs: dict[str, list[float]]) -> dict[str, list[dict[str, float] | None]]:
+    """A cost model that weighs the loss side against the time side, tried on the fixed settings'
+    own measures: for each kind, in each repeat, each k's seconds to the same loss over its
+    shortest k's, (1 + β)^log2(k) / (1 − s(k)). β is a doubling's extra steps (`doubling_costs`'
+    median for the pair of ks it crosses), s(k) the share of that run's time in exchanges (its
+    `comm_fraction`). The k it puts lowest, set beside the regret table's best, says whether a
+    policy that knew β and each k's share would pick the setting that was best after the fact.
+    None for a repeat without every share."""
+    out: dict[str, list[dict[str, float] | None]] = {}
+    for kind, ks in _by_kind(fixed).items():
+        steps = [1.0]  # steps to the same loss over the shortest k's
+        for (k, _), (k2, _) in zip(ks, ks[1:]):
+            if not (each := costs.get(f"{kind}:{k}→{k2}")):
+                break
+            steps.append(steps[-1] * (1 + statistics.median(each)) ** math.log2(k2 / k))
+        if len(steps) < 2:
+            continue
+        modelled: list[dict[str, float] | None] = []
+        for i in range(len(runs[ks[0][1]])):
+            shares = [runs[name][i].get("comm_fraction") for _, name in ks[: len(steps)]]
+            seconds = [n / (1 - s) for n, s in zip(steps, shares)] if None not in shares else None
+            modelled.append(None if seconds is None else {str(k): t / seconds[0] for (k, _), t in zip(ks, seconds)})
+        out[kind] = modelled
     return out
 
 

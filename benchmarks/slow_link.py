@@ -38,7 +38,7 @@ from typing import Any
 
 from benchmarks import torchft_lenet
 from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
-from benchmarks.race import Runs, best, doubling_costs, race, race_by_turns, regret
+from benchmarks.race import Runs, best, doubling_costs, modelled_seconds, race, race_by_turns, regret
 from benchmarks.slow_link_worker import AUTOS, SEED, WRAPPERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
@@ -426,7 +426,13 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
         beta = statistics.median(each)
         print(f"{pair}: each doubling of k took {beta:.1%} more steps to the same validation loss (median of {len(each)}, "
               f"{min(each):.1%} to {max(each):.1%}): doubling k pays while exchanges take more than {2 * beta / (1 + beta):.1%} of the time")
-    return {**verdict, "summary": summary, "regret": {"targets_each": found, "each": regrets}, "doubling_cost": costs}
+    modelled = modelled_seconds(runs, fixed, costs)
+    for kind, each_repeat in modelled.items():
+        text = " / ".join("-" if m is None else ", ".join(f"k = {k} {t:.3g}" for k, t in m.items()) for m in each_repeat)
+        lowest = " / ".join("-" if m is None else min(m, key=m.__getitem__) for m in each_repeat)
+        print(f"{kind}: seconds to a loss over its shortest k's, modelled as (1 + β)^log2 k / (1 - s(k)) from its runs' shares s "
+              f"and the doublings' β, each repeat: {text}; lowest at k = {lowest}")
+    return {**verdict, "summary": summary, "regret": {"targets_each": found, "each": regrets}, "doubling_cost": costs, "modelled_seconds": modelled}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

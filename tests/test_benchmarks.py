@@ -140,6 +140,22 @@ def test_a_doubling_of_k_costs_the_steps_the_longer_round_took_to_the_shorter_on
 
 
 @pytest.mark.fast
+def test_the_cost_model_weighs_a_doubling_of_ks_steps_against_each_runs_exchange_share() -> None:
+    """race.modelled_seconds: each k's seconds to a loss over the shortest k's, (1 + β)^log2 k /
+    (1 - s(k)), β the median doubling cost of the pair of ks crossed, s each run's own share; a
+    repeat without a share is None, and a kind with no measured doubling is left out."""
+    from benchmarks.race import modelled_seconds
+
+    runs = {"w:8": [{"comm_fraction": 0.2}, {"comm_fraction": 0.05}], "w:32": [{"comm_fraction": 0.05}, {"comm_fraction": None}],
+            "w:128": [{"comm_fraction": 0.02}, {"comm_fraction": 0.01}], "v:8": [{"comm_fraction": 0.1}], "v:32": [{"comm_fraction": 0.1}]}  # fmt: skip
+    costs = {"w:8→32": [0.01, 0.03, 0.05], "w:32→128": [0.02]}
+    first = 1.03**2 * 0.8 / 0.95
+    assert modelled_seconds(runs, runs, costs) == {
+        "w": [{"8": 1.0, "32": pytest.approx(first), "128": pytest.approx(first * 1.02**2 * 0.95 / 0.98)}, None]
+    }
+
+
+@pytest.mark.fast
 def test_the_shapers_tcp_counters_are_read_by_group_and_name() -> None:
     """slow_link's reading of /proc/net/snmp and netstat (shaper_counts): each group a line of names
     and a line of values, a value negative where the kernel says so."""
