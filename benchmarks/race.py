@@ -147,6 +147,18 @@ def score_at(points: Sequence[dict[str, Any]], seconds: float) -> float:
     return float(points[-1][key])
 
 
+def at_equal_time(runs: Runs, repeat: int) -> tuple[float, dict[str, float]] | None:
+    """Every contender's score in `repeat` at the end of its shortest run (`score_at`): a race to a
+    time budget stops each at the first score past it, so a last score can be a chunk later than
+    another's, and a target set by it one no contender that stopped a chunk earlier could reach.
+    None where no contender has points."""
+    ran = {n: rs[repeat]["points"] for n, rs in runs.items() if len(rs) > repeat and rs[repeat].get("points")}
+    if not ran:
+        return None
+    end = min(points[-1]["seconds"] for points in ran.values())
+    return end, {n: score_at(points, end) for n, points in ran.items()}
+
+
 def regret(runs: Runs, fixed: Collection[str]) -> tuple[list[tuple[str, list[float]] | None], dict[str, list[list[float | None]]]]:
     """Per repeat, its best fixed setting and three targets (`thirds`); and per contender, per
     repeat, its seconds to each target (`crossed`, between scores) over the fastest fixed

@@ -38,7 +38,7 @@ from typing import Any
 
 from benchmarks import torchft_lenet
 from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
-from benchmarks.race import Runs, best, doubling_costs, modelled_seconds, race, race_by_turns, regret
+from benchmarks.race import Runs, at_equal_time, best, doubling_costs, modelled_seconds, race, race_by_turns, regret
 from benchmarks.slow_link_worker import AUTOS, SEED, WRAPPERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
@@ -421,6 +421,12 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
         print(f"\nseconds to each target, read between scores, over the fastest fixed setting's (targets: the best fixed setting's score at a third, two thirds and the end; {targets})")
         print(table(["contender", "a third", "two thirds", "the end"],
                     [(n, *(" / ".join(_fmt(r[j]) for r in rs) for j in range(3))) for n, rs in regrets.items() if rs]))  # fmt: skip
+    for i in range(len(next(iter(runs.values())))):
+        if (equal := at_equal_time(runs, i)) is not None:
+            end, scores = equal
+            lowest = min(scores.values())
+            print(f"repeat {i + 1} at equal time ({end:.1f} s, the shortest run's end): "
+                  + ", ".join(f"{n} {v:.4f} ({v / lowest - 1:+.2%})" for n, v in scores.items()))  # fmt: skip
     costs = doubling_costs(runs, fixed)
     for pair, each in costs.items():
         beta = statistics.median(each)

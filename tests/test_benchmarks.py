@@ -140,6 +140,20 @@ def test_a_doubling_of_k_costs_the_steps_the_longer_round_took_to_the_shorter_on
 
 
 @pytest.mark.fast
+def test_at_equal_time_every_contender_is_read_at_the_shortest_runs_end() -> None:
+    """race.at_equal_time: each contender's score at the end of the repeat's shortest run, read on
+    the line between its points; a contender without points is left out."""
+    from benchmarks.race import at_equal_time
+
+    def points(*pairs: tuple[float, float]) -> list[dict[str, Any]]:
+        return [{"steps": 128 * (i + 1), "seconds": t, "samples": 0, "val_loss": v} for i, (t, v) in enumerate(pairs)]
+
+    runs = {"a": [{"points": points((10.0, 2.0), (20.0, 1.5))}], "b": [{"points": points((8.0, 2.2), (16.0, 1.8), (24.0, 1.4))}], "c": [{"points": []}]}
+    assert at_equal_time(runs, 0) == (20.0, {"a": 1.5, "b": pytest.approx(1.6)})
+    assert at_equal_time({"c": [{"points": []}]}, 0) is None
+
+
+@pytest.mark.fast
 def test_the_cost_model_weighs_a_doubling_of_ks_steps_against_each_runs_exchange_share() -> None:
     """race.modelled_seconds: each k's seconds to a loss over the shortest k's, (1 + β)^log2 k /
     (1 - s(k)), β the median doubling cost of the pair of ks crossed, s each run's own share; a
