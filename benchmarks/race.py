@@ -129,8 +129,10 @@ def thirds(runs: Runs, repeat: int, fixed: Collection[str]) -> tuple[str, list[f
         last = points[-1]["steps"]
         at = [min(points, key=lambda p: abs(p["steps"] - share * last))[key] for share in (1 / 3, 2 / 3)]
         return name, [*at, points[-1][key]]
-    end = min(points[-1]["seconds"] for points in ran.values())
-    name = min(ran, key=lambda n: sign * score_at(ran[n], end))
+    equal = at_equal_time({n: runs[n] for n in ran}, repeat)
+    assert equal is not None  # every one of `ran` has points
+    end, scores = equal
+    name = min(scores, key=lambda n: sign * scores[n])
     return name, [score_at(ran[name], share * end) for share in (1 / 3, 2 / 3, 1)]
 
 
@@ -150,8 +152,8 @@ def score_at(points: Sequence[dict[str, Any]], seconds: float) -> float:
 def at_equal_time(runs: Runs, repeat: int) -> tuple[float, dict[str, float]] | None:
     """Every contender's score in `repeat` at the end of its shortest run (`score_at`): a race to a
     time budget stops each at the first score past it, so a last score can be a chunk later than
-    another's, and a target set by it one no contender that stopped a chunk earlier could reach.
-    None where no contender has points."""
+    another's, and a target set by it one no contender that stopped a chunk earlier could reach
+    (`thirds` reads its targets here). None where no contender has points."""
     ran = {n: rs[repeat]["points"] for n, rs in runs.items() if len(rs) > repeat and rs[repeat].get("points")}
     if not ran:
         return None

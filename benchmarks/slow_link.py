@@ -38,7 +38,7 @@ from typing import Any
 
 from benchmarks import torchft_lenet
 from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
-from benchmarks.race import Runs, at_equal_time, best, doubling_costs, modelled_seconds, race, race_by_turns, regret
+from benchmarks.race import Runs, at_equal_time, best, doubling_costs, modelled_seconds, race, race_by_turns, regret, scored
 from benchmarks.slow_link_worker import AUTOS, SEED, WRAPPERS
 
 ROOT = Path(__file__).resolve().parents[1]  # the torchrun workers import benchmarks.slow_link_worker from it
@@ -424,9 +424,10 @@ def report(settings: dict[str, Any], runs: Runs) -> dict[str, Any]:
     for i in range(len(next(iter(runs.values())))):
         if (equal := at_equal_time(runs, i)) is not None:
             end, scores = equal
-            lowest = min(scores.values())
+            _, sign = scored(next(rs[i]["points"] for rs in runs.values() if rs[i].get("points")))
+            top = min(scores.values(), key=lambda v: sign * v)  # the lowest loss, or the highest accuracy
             print(f"repeat {i + 1} at equal time ({end:.1f} s, the shortest run's end): "
-                  + ", ".join(f"{n} {v:.4f} ({v / lowest - 1:+.2%})" for n, v in scores.items()))  # fmt: skip
+                  + ", ".join(f"{n} {v:.4f} ({v / top - 1:+.2%} over the best)" for n, v in scores.items()))  # fmt: skip
     costs = doubling_costs(runs, fixed)
     for pair, each in costs.items():
         beta = statistics.median(each)
