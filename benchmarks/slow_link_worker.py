@@ -24,8 +24,6 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-auto-sync  wrapper-auto with .overlap_averaging(False): the autopilot never overlaps
   wrapper-auto-sparse  wrapper-auto with sparse among its payloads (its lowest-bytes rung, the parameters alone)
   wrapper-auto-params  wrapper-auto with .average_updaters(False): the optimizer's state never travels
-  wrapper-auto-halfwait  wrapper-auto whose pilot counts half the wait it counts now (min(wait, step) / 2):
-                     a probe of the wait rule, not a setting of the library (its one process patched)
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
   torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
@@ -76,7 +74,6 @@ from benchmarks.common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
 from parallelwrapper import ParallelWrapper, TrainingMode
 from parallelwrapper.app.mnist import load_mnist
 from parallelwrapper.app.models import LeNet
-from parallelwrapper.autopilot import Pilot
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B, 1, 28, 28) float32, labels (B,) int64
 Trainer = Callable[[list[Batch]], None]  # trains this rank on its share of a chunk of batches
@@ -102,7 +99,6 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-auto": {"auto": True},  # .averaging_frequency("auto"), nothing else set; :K sets k_min
     "wrapper-auto-sync": {"auto": True, "overlap_averaging": False},  # the same, never overlapped
     "wrapper-auto-params": {"auto": True, "average_updaters": False},  # the same, never sending the optimizer's state
-    "wrapper-auto-halfwait": {"auto": True, "wait_counted": 0.5},  # the same, its pilot counting half the wait: a probe
     "wrapper-auto-sparse": {"auto": True, "payloads": ("float32", "bfloat16", "int8", "sparse")},  # sparse its lowest-bytes rung
     "wrapper-node-auto": {"auto": True, "hierarchy": "node"},  # the autopilot choosing the nodes' period (a node's ranks step together)
 }
@@ -226,9 +222,6 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
             # Nothing else of the autopilot's levers: its payload, optimizer-state period and
             # bounds are its own (a .payload_dtype() or .average_updaters() call would fix them).
             b = b.averaging_frequency("auto", k_min=k, payloads=change.get("payloads"), exchange_share=args.exchange_share)  # wrapper-auto:K: k no lower than K (default 1)
-            if "wait_counted" in change:  # a probe: this rank's process alone runs the patched rule
-                counted = change["wait_counted"]
-                Pilot._waited = property(lambda pilot: counted * min(pilot._wait.value, pilot._step.value))  # type: ignore[assignment, method-assign]
             if "overlap_averaging" in change:
                 b = b.overlap_averaging(change["overlap_averaging"])
             if "average_updaters" in change:

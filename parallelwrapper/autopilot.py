@@ -17,13 +17,14 @@ What it measures, over every worker (each round's header carries each worker's n
     e   overlapped: seconds a round landed late still cost a worker (launched, then waited for)
 
 What it chooses. The exchange and the wait before it cost x + w once per round of k steps, so
-their share of a worker's time is (x + w) / (x + w + k·c). With first-come batches the wait is at
-most about a step whatever k is, so a longer round hides it too; where each worker trains its own
-batches (torchrun), a slower worker's wait grows with k, and no k hides that part: the wait counts
-for at most a step (w below is min(w, c)). The autopilot keeps that share under ρ
-(`exchange_share`, default 5%):
+their share of a worker's time is (x + w) / (x + w + k·c). The wait has two parts: one a round
+costs whatever its k (first-come batches: at most about a step), which a longer round hides, and
+one that grows with k (a slower worker training its own batches, under torchrun), which no k
+hides and which costs every step alike. It measures the wait at each k it runs and fits
+w(k) = a + b·k (_Waits; with one k measured, half of each), and counts a as the round's and b as
+the step's. The autopilot keeps the round's share under ρ (`exchange_share`, default 5%):
 
-    k = the smallest power of two from k_min with (x + w)·(1 − ρ) / (ρ·c) ≤ k, at most k_max
+    k = the smallest power of two from k_min with (x + a)·(1 − ρ) / (ρ·(c + b)) ≤ k, at most k_max
 
 (the period that makes communication a fixed fraction of compute: the runtime model of
 local-update SGD in Wang & Joshi, "Adaptive Communication Strategies to Achieve the Best
@@ -79,7 +80,7 @@ leaves overlap.
 
 An epoch's last rounds: where every worker's source knows the epoch's length (a list, a map-style
 DataLoader; not the queue feed or an iterable), a round after which the epoch's rest would be one
-round shorter than its exchange needs (fewer than (x + w)(1 − ρ)/(ρ·c) steps) runs to the epoch's
+round shorter than its exchange needs (fewer than (x + a)(1 − ρ)/(ρ·(c + b)) steps) runs to the epoch's
 end instead, if that is at most k_max steps (Pilot.steps): the tail would spend a whole exchange
 on a few steps, and the epoch's end lands one anyway.
 
@@ -95,6 +96,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict, cast
@@ -274,7 +276,8 @@ class PilotState(TypedDict):
     why: str
     ran: ChoiceFields | None
     step: tuple[float, int]  # a _Mean's (value, count)
-    wait: tuple[float, int]
+    waits: NotRequired[dict[int, tuple[float, int]]]  # the wait before an exchange at each k run, a _Mean's (value, count) each
+    wait: NotRequired[tuple[float, int]]  # a checkpoint's from before: the wait at the k in force
     links: dict[int, tuple[float, int]]
     codecs: dict[int, tuple[float, int]]
     trial: int | None
@@ -310,6 +313,44 @@ def _jumped(before: float, now: float) -> bool:
 
 
 @dataclass
+class _Waits:
+    """The wait for the others before an exchange, measured at each k it ran, and split into the
+    part a round costs whatever its k (a worker that starts its exchange late, first-come batches'
+    last one) and the part that grows with k (a slower worker training its own batches: a step's
+    difference each step), fitted as w(k) = a + b·k over the ks measured. A longer round hides a,
+    not b, which costs every step alike. With one k measured it cannot tell them apart and takes
+    half of each: on the GPT arena at 200 Mbit/s, where the waits grew with k (int8 at k = 8: 0.06
+    s a round with the exchange, at 32: 0.12 s), the pilot counting the whole wait as a round's
+    held k = 32 and took 1.18x and 1.12x the best fixed setting's time to its first two targets,
+    the same pilot counting half of it 1.02x and 1.04x (`benchmarks/README.md`, "The same with
+    half the wait counted"). A k's wait counts once measured twice where two ks are: one wait, a
+    fit's first round's, can be a stall."""
+
+    at: dict[int, _Mean] = dataclasses.field(default_factory=dict)
+
+    def add(self, k: int, seconds: float) -> None:
+        self.at.setdefault(k, _Mean()).add(seconds)
+
+    def split(self) -> tuple[float, float, int]:
+        """(a, b, n): the seconds a round, the seconds a step, and how many ks they are fitted to."""
+        points = [(k, m.value) for k, m in sorted(self.at.items()) if m.count]
+        twice = [(k, w) for k, w in points if self.at[k].count >= 2]
+        points = twice if len(twice) >= 2 else points
+        if not points:
+            return 0.0, 0.0, 0
+        if len(points) == 1:
+            (k, w), = points
+            return w / 2, w / (2 * k), 1
+        mk, mw = statistics.fmean(k for k, _ in points), statistics.fmean(w for _, w in points)
+        b = sum((k - mk) * (w - mw) for k, w in points) / sum((k - mk) ** 2 for k, _ in points)
+        if b <= 0:  # it does not grow with k: a round's
+            return mw, 0.0, len(points)
+        if mw - b * mk < 0:  # it grows faster than k: a step's, through the origin
+            return 0.0, sum(k * w for k, w in points) / sum(k * k for k, _ in points), len(points)
+        return mw - b * mk, b, len(points)
+
+
+@dataclass
 class _Exchange:
     """A rung's exchanges, measured: their seconds, and of those the codec's."""
 
@@ -336,7 +377,7 @@ class Pilot:
         self._why = ""
         self._ran: Choice | None = None  # what the round before the last one landed ran with: what its exchange measured
         self._step = _Mean()
-        self._wait = _Mean()  # seconds a worker waits for the others before an exchange, at the k in force
+        self._waits = _Waits()  # seconds a worker waits for the others before an exchange, at each k run
         self._links: dict[int, _Exchange] = {}  # by rung index: its exchanges' seconds, and the codec's
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
         self._done = False  # a rung tried did not pay: the search for a rung rests, until a measure jumps (JUMP)
@@ -367,7 +408,7 @@ class Pilot:
             )
         if steps > 0 and compute_s > 0:
             if self._step.count and _jumped(self._step.value, compute_s / steps):  # the steps changed pace (a worker replaced, a machine busy): what fits changed
-                self._step, self._done = _Mean(), False
+                self._step, self._waits, self._done = _Mean(), _Waits(), False
             self._step.add(compute_s / steps)
         if exchange_s > 0 and self._ran == now:  # a measure of what is in force
             if now.overlap:
@@ -390,19 +431,11 @@ class Pilot:
         if left is None or now.overlap or not now.k < left <= self.spec.k_max:
             return now.k
         link = self._links.get(self.rungs.index(now.rung))
-        exchange = link.seconds.value + self._waited if link is not None and link.seconds.count else self._expected
+        a, b, _ = self._waits.split()
+        exchange = link.seconds.value + a if link is not None and link.seconds.count else self._expected
         if exchange <= 0 or self._step.value <= 0:
             return now.k
-        return left if left - now.k < self._need(exchange, self._step.value) else now.k
-
-    @property
-    def _waited(self) -> float:
-        """The wait for the others before an exchange, as far as a longer round hides it: at most
-        a step. With first-come batches it is about a step or less whatever k is; where each worker
-        trains its own batches, a slower worker's share grows with k (in the GPT arena under
-        torchrun, exchanges whose link part took 0.07 s read up to 0.74 s at k = 64), and a
-        longer round does not hide that part."""
-        return min(self._wait.value, self._step.value)
+        return left if left - now.k < self._need(exchange, self._step.value + b) else now.k
 
     def _code(self, choice: Choice) -> float:
         """The choice's rung and overlap as one number for the header: the rung's place from 1,
@@ -440,7 +473,7 @@ class Pilot:
             self._links, self._trial, self._done, self._moved = {here: link}, None, False, True
         link.seconds.add(exchange_s)
         link.codec.add(codec_s)
-        self._wait.add(waited_s)
+        self._waits.add(self.choice.k, waited_s)
 
     def _link_moved(self, link: _Exchange, link_s: float) -> bool:
         """Whether an exchange's link part (its seconds less its codec's) of `link_s` is JUMP times
@@ -466,7 +499,6 @@ class Pilot:
         change = Change(rounds + 1 + late, decided, self._why)
         self.changes.append(change)
         self._links.pop(self.rungs.index(decided.rung), None)  # measured afresh at its k
-        self._wait = _Mean()  # dealt batches: the wait for a slower worker grows with k
         self._exposed = _Mean()
         self.choice = decided
         return change
@@ -480,15 +512,17 @@ class Pilot:
         moved, self._moved = self._moved, False
         if self._step.count == 0 or step <= 0 or link is None or (link.seconds.count < max(1, now.updaters_every) and not moved):
             return now  # not measured enough yet (a rung whose state goes every m rounds: m rounds), unless the link moved
-        x, w, codec_s = link.seconds.value, self._waited, link.codec_s
+        x, codec_s = link.seconds.value, link.codec_s
+        a, per_step, fitted = self._waits.split()  # the wait's part a round (a longer one hides it), and its part a step (none does)
+        pace = step + per_step  # a step's seconds, with its share of the wait
         measures = {self.rungs[i]: e.seconds.value for i, e in self._links.items() if e.seconds.count}  # on this link (_measure)
         guess = {r: measures.get(r) or now.rung.estimate(r, x - codec_s, codec_s, sizes) for r in self.rungs}  # each rung's exchange: measured, else by this one's
-        ks = {r: self._power(self._need(guess[r] + w, step)) for r in self.rungs}  # the k each would run at, were there no k_max
+        ks = {r: self._power(self._need(guess[r] + a, pace)) for r in self.rungs}  # the k each would run at, were there no k_max
         fastest = min(self.rungs, key=guess.__getitem__)
-        short, need = ks[fastest], self._need(x + w, step)  # the shortest k any rung allows: more bytes only where they fit at it
+        short, need = ks[fastest], self._need(x + a, pace)  # the shortest k any rung allows: more bytes only where they fit at it
         fit = {r for r in self.rungs if ks[r] <= short}
         if short > self.spec.k_max:  # no k keeps the share: the rungs whose link alone keeps it at k_max (the wait is what does not), else the fastest
-            fit = {r for r in self.rungs if self._need(guess[r], step) <= self.spec.k_max} or {fastest}
+            fit = {r for r in self.rungs if self._need(guess[r], pace) <= self.spec.k_max} or {fastest}
         if self._trial is not None:  # the rung it tried is measured: a step down kept only where faster by MARGIN, one up where it fits
             rung, before = self.rungs[self._trial], self._links[self._trial].seconds.value
             up = rung.bytes(sizes) < now.rung.bytes(sizes)  # a climb is kept where it fits at the shortest k, or is faster anyway
@@ -498,7 +532,7 @@ class Pilot:
                     self._why = f"{now.rung} exchanges in {x:.3g} s, which would need k = {need:.0f} (more than {short}): back to {rung}, {before:.3g} s"
                 else:
                     self._why = f"{rung} exchanges in {before:.3g} s, {now.rung} in {x:.3g} s: back to {rung}"
-                return self._steer(before + w, step, rung)
+                return self._steer(before + a, pace, rung)
             self._trial = None
         other = None
         if not self._done:  # up where a rung with more bytes fits at the shortest k (this one's codec may be what does not), else down where this one needs a longer k
@@ -509,11 +543,11 @@ class Pilot:
             self._trial = here
             measured = f"an exchange takes {x:.3g} s ({codec_s:.3g} s of it in the codec) and a step {step:.3g} s: "
             if other.bytes(sizes) > now.rung.bytes(sizes):
-                self._why = measured + f"{other} would take about {guess[other]:.3g} s and need k = {self._need(guess[other] + w, step):.0f}, within k = {short}"
+                self._why = measured + f"{other} would take about {guess[other]:.3g} s and need k = {self._need(guess[other] + a, pace):.0f}, within k = {short}"
             else:
                 self._why = measured + (f"{now.rung} would need k = {need:.0f} to keep exchanges under {self.spec.exchange_share:.2g} of the time, "
                                         f"{fastest} k = {short}; trying {other}, about {guess[other]:.3g} s")
-            return self._steer(guess[other] + w, step, other)
+            return self._steer(guess[other] + a, pace, other)
         k = self._overlapped_k(x - codec_s, codec_s, step)
         if self._overlaps(x, step, now.rung) and self._hides(x, x - codec_s, k, step):
             rho = self.spec.exchange_share
@@ -522,11 +556,14 @@ class Pilot:
                          f"{x / (x + self.spec.k_max * step):.2g} of the time (more than {OVERLAP:g} x {rho:.2g}): overlapped from now on, each "
                          f"round landing after the next round's steps, at k = {k}, whose steps hide the link's part")
             return now.rung.at(k, overlap=True)
-        if self._k_for(x + w, step) == now.k:
+        if self._k_for(x + a, pace) == now.k:
             return now
-        waited = f"{w:.3g} s" if w == self._wait.value else f"{self._wait.value:.3g} s (a step's worth counted)"
+        waited = f"{a + per_step * now.k:.3g} s"
+        if per_step:
+            how = "halved: measured at one k" if fitted == 1 else f"fitted over {fitted} ks"
+            waited += f" ({a:.3g} s a round, {per_step * 1e3:.3g} ms a step: {how})"
         self._why = f"an exchange takes {x:.3g} s after {waited} waiting for the others, and a step {step:.3g} s"
-        return self._steer(x + w, step, now.rung)
+        return self._steer(x + a, pace, now.rung)
 
     def _overlaps(self, exchange_s: float, step_s: float, rung: Rung) -> bool:
         """Its last resort: overlap, where it may (and the rung sends the optimizer's state every
@@ -639,7 +676,7 @@ class Pilot:
     def state_dict(self) -> PilotState:
         return {
             "choice": _fields(self.choice), "why": self._why,
-            "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "wait": _pair(self._wait),
+            "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "waits": {k: _pair(m) for k, m in self._waits.at.items()},
             "links": {i: _pair(e.seconds) for i, e in self._links.items()}, "codecs": {i: _pair(e.codec) for i, e in self._links.items()},
             "trial": self._trial, "done": self._done, "exposed": _pair(self._exposed), "expected": self._expected,
             "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
@@ -652,7 +689,9 @@ class Pilot:
         self.choice = Choice(**state["choice"])
         if self.choice.overlap and not self.spec.overlap:
             self.choice = dataclasses.replace(self.choice, overlap=False)
-        self._why, self._step, self._wait = state["why"], _Mean(*state["step"]), _Mean(*state["wait"])
+        self._why, self._step = state["why"], _Mean(*state["step"])
+        waits = state.get("waits", {self.choice.k: state["wait"]} if "wait" in state else {})  # JSON's keys are strings
+        self._waits = _Waits({int(k): _Mean(*m) for k, m in waits.items()})
         self._trial, self._done = state["trial"], state["done"]
         self._exposed = _Mean(*state.get("exposed", (0.0, 0)))  # none in a checkpoint from before it was measured
         self._expected = state.get("expected", 0.0)  # none in a checkpoint from before: the epoch's last rounds run at k until measured

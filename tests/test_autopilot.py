@@ -45,11 +45,11 @@ MOMENTUM = Sizes(1000, 1000)  # a model trained with momentum: its optimizer's s
 
 
 def fly(
-    pilots: list[Pilot], step_s: float, link_s: Callable[[Rung], float], rounds: int, first: int = 1, wait_s: float = 0.0, sizes: Sizes = MOMENTUM,
+    pilots: list[Pilot], step_s: float, link_s: Callable[[Rung], float], rounds: int, first: int = 1, wait_s: float | Callable[[int], float] = 0.0, sizes: Sizes = MOMENTUM,
     codec_s: Callable[[Rung], float] = lambda rung: 0.0,
 ) -> list[Choice]:
     """Rounds as the engine runs them: each pilot's header, summed, landed on every pilot; a round's exchange (`link_s` plus `codec_s`, of which `codec_s` in its codec) is
-    reported in the next header, with `wait_s` before it (at once, summed apart, while the choice
+    reported in the next header, with `wait_s` before it (or `wait_s(k)`: a wait that depends on the round's k) (at once, summed apart, while the choice
     in force is unmeasured: Pilot.measured), but 0 for the first round of a coded
     rung that sends the optimizer's state where the rung before did not send it every round (that
     round averages every worker's state anew, in float32: no measure of the rung). Overlapped, each
@@ -57,10 +57,10 @@ def fly(
     the codec's seconds. The choice each round ran with."""
     ran: list[Choice] = []
     previous: Rung | None = None
-    exchange, coded = 0.0, 0.0
+    exchange, coded, waited = 0.0, 0.0, 0.0
     for r in range(first, first + rounds):
         choice = pilots[0].choice
-        headers = [p.header(step_s * choice.k, choice.k, exchange, coded, wait_s if exchange else 0.0, sizes) for p in pilots]
+        headers = [p.header(step_s * choice.k, choice.k, exchange, coded, waited if exchange else 0.0, sizes) for p in pilots]
         summed = [sum(column) for column in zip(*headers)]
         changed = [p.landed(summed, len(pilots), r, late=choice.overlap) for p in pilots]
         rung = choice.rung
@@ -68,11 +68,11 @@ def fly(
         exchange, coded = (0.0, 0.0) if anew else (link_s(rung) + codec_s(rung), codec_s(rung))
         if choice.overlap:  # what the steps of the round after it do not hide, and its codec's compute
             exchange, coded = max(0.0, link_s(rung) - choice.k * step_s) + codec_s(rung), 0.0
-        previous = rung
+        previous, waited = rung, wait_s(choice.k) if callable(wait_s) else wait_s
         if changed[0] is None and pilots[0].unmeasured:  # measured at once, not in the next header
             fair = len(pilots) * float(exchange > 0)
             for p in pilots:
-                p.measured([len(pilots) * exchange, len(pilots) * coded, len(pilots) * (wait_s if exchange else 0.0), fair], len(pilots), r)
+                p.measured([len(pilots) * exchange, len(pilots) * coded, len(pilots) * (waited if exchange else 0.0), fair], len(pilots), r)
             exchange, coded = 0.0, 0.0
         ran.append(choice)
     return ran
@@ -176,16 +176,27 @@ def test_it_sends_the_most_bytes_that_run_at_the_shortest_k_and_never_lengthens_
 
 
 @pytest.mark.fast
-def test_a_wait_for_the_others_lengthens_k_up_to_a_steps_worth_but_never_changes_the_payload() -> None:
+def test_a_wait_for_the_others_lengthens_k_as_far_as_a_longer_round_hides_it_and_never_changes_the_payload() -> None:
     pilot = Pilot(Autopilot(k_max=16), START)
     ran = fly([pilot], step_s=0.05, link_s=lambda rung: 0.005, rounds=30, wait_s=0.05)
     assert ran[-1] == Choice(16, "float32", 1)  # (0.005 + 0.05) s · 0.95 / (0.05 · 0.05 s) = 20.9 steps: k_max
     assert {c.rung for c in ran} == {Rung("float32", 1)}  # the link's own share at k = 16 is 0.6%: no rung tried
-    # A wait of 6 steps (a slower worker, its own batches) counts as one: k = 32, not k_max.
+    # A wait of 6 steps at every k (a worker that starts its exchange late) is a round's: measured
+    # at one k, half of it is taken for a round's and half for a step's (k = 16); measured at two,
+    # none grows with k, and a round long enough to hide it all is k_max.
+    late = Pilot(Autopilot(k_max=128), START)
+    ran = fly([late], step_s=0.05, link_s=lambda rung: 0.005, rounds=30, wait_s=0.3)
+    assert [c.choice.k for c in late.changes] == [16, 128] and ran[-1] == Choice(128, "float32", 1)
+    assert "an exchange takes 0.005 s after 0.3 s (0.15 s a round, 150 ms a step: halved: measured at one k) waiting" in late.changes[0].why
+    # A wait that grows with k (a slower worker with its own batches, 2 ms behind each step) is a
+    # step's: no k hides it, and k stays where the exchange alone puts it.
     slower = Pilot(Autopilot(k_max=128), START)
-    ran = fly([slower], step_s=0.05, link_s=lambda rung: 0.005, rounds=30, wait_s=0.3)
-    assert ran[-1] == Choice(32, "float32", 1)  # (0.005 + 0.05) s · 0.95 / (0.05 · 0.05 s) = 20.9 steps
-    assert "after 0.3 s (a step's worth counted) waiting for the others" in slower.changes[-1].why
+    ran = fly([slower], step_s=0.05, link_s=lambda rung: 0.005, rounds=30, wait_s=lambda k: 0.002 * k)
+    assert ran[-1] == Choice(4, "float32", 1)  # k = 1, then 4 (half of k = 1's wait a round's); fitted: 0.005 s · 0.95 / (0.05 · 0.052 s) = 1.8 steps, not below FALL
+    mixed = Pilot(Autopilot(k_max=128), START)
+    ran = fly([mixed], step_s=0.05, link_s=lambda rung: 0.005, rounds=30, wait_s=lambda k: 0.05 + 0.002 * k)
+    assert ran[-1] == Choice(32, "float32", 1)  # (0.005 + 0.05) s · 0.95 / (0.05 · 0.052 s) = 20.1 steps
+    assert "after 0.066 s (0.05 s a round, 2 ms a step: fitted over 2 ks) waiting for the others" in mixed.changes[-1].why
 
 
 @pytest.mark.fast
@@ -347,19 +358,24 @@ def test_a_climb_the_link_does_not_bear_goes_back_and_stays() -> None:
 
 @pytest.mark.fast
 def test_a_resumed_pilot_decides_as_the_uninterrupted_one() -> None:
+    def wait(k: int) -> float:
+        return 0.01 + 0.0005 * k  # its waits, measured at each k, carry over too
+
     whole = Pilot(Autopilot(k_max=32), START)
-    fly([whole], 0.01, slow_link, 80)
+    fly([whole], 0.01, slow_link, 80, wait_s=wait)
     first = Pilot(Autopilot(k_max=32), START)
-    fly([first], 0.01, slow_link, 23)  # mid-descent
+    fly([first], 0.01, slow_link, 23, wait_s=wait)  # mid-descent
+    assert len(first.state_dict()["waits"]) >= 2
     resumed = Pilot(Autopilot(k_max=32), START)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint keeps it
-    fly([resumed], 0.01, slow_link, 57, first=24)
+    fly([resumed], 0.01, slow_link, 57, first=24, wait_s=wait)
     assert resumed.changes == whole.changes and resumed.choice == whole.choice
-    older = {k: v for k, v in first.state_dict().items() if k != "codecs"}  # a checkpoint from before codecs were measured
+    older = {k: v for k, v in first.state_dict().items() if k not in ("codecs", "waits")}  # from before codecs and each k's wait were measured
+    older["wait"] = first.state_dict()["waits"].get(first.choice.k, (0.0, 0))  # the wait at the k in force (none yet: just changed)
     earlier = Pilot(Autopilot(k_max=32), START)
     earlier.load_state_dict(older)  # type: ignore[arg-type]
-    fly([earlier], 0.01, slow_link, 57, first=24)
-    assert earlier.choice == whole.choice  # its links taken as having no codec time: slow_link has none
+    fly([earlier], 0.01, slow_link, 57, first=24, wait_s=wait)
+    assert earlier.choice == whole.choice  # its links taken as having no codec time (slow_link has none), its wait as measured at the k in force
 
 
 @pytest.mark.fast
