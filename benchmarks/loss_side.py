@@ -92,11 +92,9 @@ def _average(replicas: list[torch.nn.Module]) -> None:
 def _slope(curve: list[tuple[float, float]]) -> float:
     """The loss per e-fold of steps: a least-squares line of the losses on ln steps (NaN below 2 points)."""
     xs, ys = [math.log(s) for s, _ in curve], [loss for _, loss in curve]
-    if len(xs) < 2:
+    if len(set(xs)) < 2:
         return math.nan
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    spread = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread if spread else math.nan
+    return statistics.linear_regression(xs, ys).slope
 
 
 def estimate(run: dict[str, Any]) -> float:

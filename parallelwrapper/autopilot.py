@@ -342,13 +342,13 @@ class _Waits:
         if len(points) == 1:
             (k, w), = points
             return w / 2, w / (2 * k), 1
-        mk, mw = statistics.fmean(k for k, _ in points), statistics.fmean(w for _, w in points)
-        b = sum((k - mk) * (w - mw) for k, w in points) / sum((k - mk) ** 2 for k, _ in points)
+        ks, ws = [k for k, _ in points], [w for _, w in points]
+        b, a = statistics.linear_regression(ks, ws)  # least squares (distinct ks: never a flat x)
         if b <= 0:  # it does not grow with k: a round's
-            return mw, 0.0, len(points)
-        if mw - b * mk < 0:  # it grows faster than k: a step's, through the origin
-            return 0.0, sum(k * w for k, w in points) / sum(k * k for k, _ in points), len(points)
-        return mw - b * mk, b, len(points)
+            return statistics.fmean(ws), 0.0, len(points)
+        if a < 0:  # it grows faster than k: a step's, through the origin
+            return 0.0, sum(k * w for k, w in points) / sum(k * k for k in ks), len(points)
+        return a, b, len(points)
 
 
 @dataclass

@@ -49,7 +49,7 @@ def fly(
     codec_s: Callable[[Rung], float] = lambda rung: 0.0,
 ) -> list[Choice]:
     """Rounds as the engine runs them: each pilot's header, summed, landed on every pilot; a round's exchange (`link_s` plus `codec_s`, of which `codec_s` in its codec) is
-    reported in the next header, with `wait_s` before it (or `wait_s(k)`: a wait that depends on the round's k) (at once, summed apart, while the choice
+    reported in the next header, with `wait_s` before it (`wait_s(k)` where the wait depends on the round's k; at once, summed apart, while the choice
     in force is unmeasured: Pilot.measured), but 0 for the first round of a coded
     rung that sends the optimizer's state where the rung before did not send it every round (that
     round averages every worker's state anew, in float32: no measure of the rung). Overlapped, each
