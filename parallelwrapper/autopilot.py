@@ -275,6 +275,7 @@ class PilotState(TypedDict):
     choice: ChoiceFields
     why: str
     ran: ChoiceFields | None
+    ran_steps: NotRequired[int]  # the local steps that round ran (none in a checkpoint from before: its k)
     step: tuple[float, int]  # a _Mean's (value, count)
     waits: NotRequired[dict[int, tuple[float, int]]]  # the wait before an exchange at each k run, a _Mean's (value, count) each
     wait: NotRequired[tuple[float, int]]  # a checkpoint's from before: the wait at the k in force
@@ -377,6 +378,7 @@ class Pilot:
         self.changes: list[Change] = []
         self._why = ""
         self._ran: Choice | None = None  # what the round before the last one landed ran with: what its exchange measured
+        self._ran_steps = 0  # that round's local steps, the k its wait is measured at (an epoch's last round may run more, a fit's last fewer)
         self._step = _Mean()
         self._waits = _Waits()  # seconds a worker waits for the others before an exchange, at each k run
         self._links: dict[int, _Exchange] = {}  # by rung index: its exchanges' seconds, and the codec's
@@ -416,7 +418,7 @@ class Pilot:
                 self._exposed.add(exchange_s / workers)
             else:
                 self._measure(exchange_s / workers, codec_s / workers, waited_s / workers)
-        self._ran = now
+        self._ran, self._ran_steps = now, round(steps / workers) if steps > 0 else now.k
         self._sizes = Sizes(parameters / workers, state / workers, exact / workers)
         return self._decided(rounds, late)
 
@@ -466,7 +468,8 @@ class Pilot:
         return self._decided(rounds)
 
     def _measure(self, exchange_s: float, codec_s: float, waited_s: float) -> None:
-        """An exchange of the rung in force, a worker's mean: its seconds, its codec's, the wait."""
+        """An exchange of the rung in force, a worker's mean: its seconds, its codec's, the wait
+        (at the steps its round ran: a tail's wait is not k's)."""
         here = self.rungs.index(self.choice.rung)
         link = self._links.setdefault(here, _Exchange())
         if self._link_moved(link, exchange_s - codec_s):  # the rungs' measures are of the old link: the search starts again
@@ -474,7 +477,7 @@ class Pilot:
             self._links, self._trial, self._done, self._moved = {here: link}, None, False, True
         link.seconds.add(exchange_s)
         link.codec.add(codec_s)
-        self._waits.add(self.choice.k, waited_s)
+        self._waits.add(self._ran_steps or self.choice.k, waited_s)
 
     def _link_moved(self, link: _Exchange, link_s: float) -> bool:
         """Whether an exchange's link part (its seconds less its codec's) of `link_s` is JUMP times
@@ -677,7 +680,7 @@ class Pilot:
     def state_dict(self) -> PilotState:
         return {
             "choice": _fields(self.choice), "why": self._why,
-            "ran": None if self._ran is None else _fields(self._ran), "step": _pair(self._step), "waits": {k: _pair(m) for k, m in self._waits.at.items()},
+            "ran": None if self._ran is None else _fields(self._ran), "ran_steps": self._ran_steps, "step": _pair(self._step), "waits": {k: _pair(m) for k, m in self._waits.at.items()},
             "links": {i: _pair(e.seconds) for i, e in self._links.items()}, "codecs": {i: _pair(e.codec) for i, e in self._links.items()},
             "trial": self._trial, "done": self._done, "exposed": _pair(self._exposed), "expected": self._expected,
             "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
@@ -697,6 +700,7 @@ class Pilot:
         self._exposed = _Mean(*state.get("exposed", (0.0, 0)))  # none in a checkpoint from before it was measured
         self._expected = state.get("expected", 0.0)  # none in a checkpoint from before: the epoch's last rounds run at k until measured
         self._ran = None if state["ran"] is None else Choice(**state["ran"])
+        self._ran_steps = state.get("ran_steps", 0 if self._ran is None else self._ran.k)
         codecs = state.get("codecs", {})  # none in a checkpoint from before codecs were measured: no codec time
         self._links = {int(i): _Exchange(_Mean(*m), _Mean(*codecs.get(i, (0.0, 0)))) for i, m in state["links"].items()}
         self.changes = [Change(r, Choice(**c), why) for r, c, why in state["changes"]]

@@ -379,6 +379,28 @@ def test_a_resumed_pilot_decides_as_the_uninterrupted_one() -> None:
 
 
 @pytest.mark.fast
+def test_a_rounds_wait_counts_at_the_steps_it_ran_not_at_k() -> None:
+    """An epoch's tail run in the round before (more steps than k) or a fit's last round (fewer)
+    waits as a round of its own steps: counted at k, a tail's longer wait would read in the fit of
+    w(k) = a + b·k as k's own."""
+    pilot = Pilot(Autopilot(k_max=128, payloads=("float32",), updater_periods=(0,)), Choice(64, "float32", 0))
+
+    def land(r: int, steps: int, exchange_s: float = 0.0, waited_s: float = 0.0) -> None:  # one worker's round: its steps, and the last exchange
+        assert pilot.landed(pilot.header(1.0 * steps, steps, exchange_s, 0.0, waited_s, MOMENTUM), 1, r) is None
+
+    land(1, 64)
+    pilot.measured([2.85, 0.0, 0.5, 1.0], 1, 1)  # unmeasured: its exchange summed at once, the wait before it 0.5 s
+    land(2, 112)  # the epoch's tail run in this round
+    land(3, 64, exchange_s=2.85, waited_s=0.9)  # round 2's exchange, in round 3's header
+    land(4, 20, exchange_s=2.85, waited_s=0.5)  # round 3's
+    land(5, 64, exchange_s=2.85, waited_s=0.2)  # round 4's: a fit's last, short round
+    assert {k: count for k, (_, count) in pilot.state_dict()["waits"].items()} == {64: 2, 112: 1, 20: 1}
+    resumed = Pilot(Autopilot(k_max=128, payloads=("float32",), updater_periods=(0,)), START)
+    resumed.load_state_dict(json.loads(json.dumps(pilot.state_dict())))  # a checkpoint keeps the steps the last round ran
+    assert resumed.state_dict()["ran_steps"] == 64
+
+
+@pytest.mark.fast
 def test_an_epochs_tail_too_short_for_its_exchange_runs_in_the_round_before() -> None:
     pilot = Pilot(Autopilot(k_max=128, payloads=("float32",), updater_periods=(0,)), Choice(64, "float32", 0))
     assert pilot.steps(112) == 64  # nothing measured: no exchange to weigh a tail against
