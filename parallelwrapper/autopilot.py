@@ -20,7 +20,7 @@ What it chooses. The exchange and the wait before it cost x + w once per round o
 their share of a worker's time is (x + w) / (x + w + k·c). The wait has two parts: one a round
 costs whatever its k (first-come batches: at most about a step), which a longer round hides, and
 one that grows with k (a slower worker training its own batches, under torchrun), which no k
-hides and which costs every step alike. It measures the wait at each k it runs and fits
+hides and which costs every step alike. It measures the wait at the steps each round ran and fits
 w(k) = a + b·k (_Waits; with one k measured, half of each), and counts a as the round's and b as
 the step's. The autopilot keeps the round's share under ρ (`exchange_share`, default 5%):
 
