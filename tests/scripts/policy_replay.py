@@ -24,7 +24,11 @@ any rung allows) and decided on a jumped measure at once: `fast` runs bfloat16's
 k = 1 where it ran float32 with the state at k = 4; `adamw` int8 at k = 16 where it ran bfloat16 at
 k = 32; `drop` float32 with the state every 4 rounds at k = 8 where it ran float32 at k = 16, and
 moves to int8 at k = 32 a round after the fall's first measure, where the state's period would
-have had it wait 4 rounds; the other five unchanged."""
+have had it wait 4 rounds; the other five unchanged. Recorded again after the wait was fitted over
+the ks it ran (1aea4fb: the pilot's checkpoint keeps each k's wait, `waits`), a round's wait
+counted at the steps it ran, a lone 2-4x move held as noise and a rung's measure kept across a
+change of k: `drop`'s bfloat16 trial runs at k = 4 where it ran at k = 8 (the fitted wait's doing;
+the same at 5f77e4f), every other choice unchanged (the fake clock has no noise to hold)."""
 
 import functools
 import hashlib
@@ -124,7 +128,7 @@ def worker(rank: int, world: int, scenario: dict[str, Any]) -> dict[str, Any]:
     pilot = own["autopilot"]
     out["changes"] = [(r, dict(c), why) for r, c, why in pilot["changes"]]
     out["links"] = {str(i): list(v) for i, v in pilot["links"].items()}
-    out["step"], out["wait"] = list(pilot["step"]), list(pilot["wait"])
+    out["step"], out["waits"] = list(pilot["step"]), {str(k): list(v) for k, v in pilot["waits"].items()}
     out["params"] = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in job.model.parameters())).hexdigest()[:16]
     return out
 
