@@ -518,8 +518,9 @@ class Pilot:
             return None
         change = Change(rounds + 1 + late, decided, self._why)
         self.changes.append(change)
-        if (decided.rung, decided.overlap) != (now.rung, now.overlap):  # a rung's exchange is measured afresh; at another k it is the same exchange
+        if (decided.rung, decided.overlap) != (now.rung, now.overlap):  # a rung's exchange is measured afresh (a move held is the old rung's); at another k it is the same exchange
             self._links.pop(self.rungs.index(decided.rung), None)
+            self._held = 0
         self._exposed = _Mean()
         self.choice = decided
         return change
