@@ -8,8 +8,8 @@ What it measures, over every worker (each round's header carries each worker's n
     w   seconds a worker waits for the others before an exchange (they meet at a one-number
         all-reduce first), so that x is the link's and the codec's time alone
     x_r seconds per exchange while rung r is in force (a rung: a payload, and every how many rounds
-        the optimizer's state travels), measured afresh whenever the rung changes (at another k it
-        is the same exchange: the wait before it is w's); of a round that rebuilt its buffers
+        the optimizer's state travels), measured afresh whenever k or the rung changes (an
+        exchange's wait for a slower worker grows with k); of a round that rebuilt its buffers
         only a float32 average's payload is a measure (a fit's first round), a coded one's not;
         while the choice in force has no measure, its exchange is summed over the workers at once
         (a four-number all-reduce) and decided on as it lands, else the next round's header
@@ -59,11 +59,9 @@ that sends least. Where even the fastest needs more than k_max, a rung fits wher
 alone would keep the share at k_max (the wait is what does not), else only the fastest. A rung
 tried with fewer bytes is kept only if its measured exchange is 10% faster than the rung before
 it, one with more bytes only if its measure still runs at the shortest k or is 10% faster anyway;
-else the autopilot goes back to that one and stays there while the measures hold (a measure SURE = 4 times its mean or more, or a quarter of it or less, replaces the mean
+else the autopilot goes back to that one and stays there while the measures hold (a measure JUMP = 2 times its mean or more, or half of it or less, replaces the mean
 at once, drops what other rungs measured on the old link and starts the search again, deciding on
-that one measure, where a rung whose state goes every m rounds would wait for m; one moved JUMP =
-2 times or half, when the next measure moves the same way: on loopback one rung's exchanges
-spread 4x): fewer bits win
+that one measure, where a rung whose state goes every m rounds would wait for m): fewer bits win
 only where the link is slower than the codec (on
 loopback an int8 round costs about what float32's does, benchmarks/results/averaging_cost.json).
 
@@ -108,7 +106,6 @@ from .payloads import FORMS, bits, is_sparse, problem
 PAYLOADS = ("float32", "bfloat16", "int8")  # the payloads it may choose, when none is set
 UPDATER_PERIODS = (1, 2, 4, 0)  # every how many rounds the optimizer's state travels, when not set (0: never)
 JUMP = 2.0  # a measure this many times its mean or more, or 1/JUMP or less, replaces it: the link (or a worker) changed
-SURE = JUMP * JUMP  # an exchange moved this far counts at once; one moved less, when the next moves the same way (loopback's exchanges of one rung spread 2.8-13.6 ms)
 FALL = 0.7  # k falls to its half only when the k it needs is below this share of that half
 REACH = 16.0  # a climb's estimate is trusted to this many times the bytes measured (int8's parameters to float32 with Adam's state: 12x)
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
@@ -286,7 +283,6 @@ class PilotState(TypedDict):
     codecs: dict[int, tuple[float, int]]
     trial: int | None
     done: bool
-    held: NotRequired[int]  # the last measure's move short of SURE, held (none in a checkpoint from before: 0)
     exposed: NotRequired[tuple[float, int]]  # overlapped rounds' cost, a _Mean's (value, count)
     expected: NotRequired[float]  # the seconds an exchange of the choice in force was expected to take when chosen
     changes: list[tuple[int, ChoiceFields, str]]  # (round, choice, why)
@@ -389,7 +385,6 @@ class Pilot:
         self._trial: int | None = None  # trying another rung than this one (down to fewer bytes, or up to more)
         self._done = False  # a rung tried did not pay: the search for a rung rests, until a measure jumps (JUMP)
         self._moved = False  # the measure just taken jumped: decided on at once, a state period's rounds not awaited
-        self._held = 0  # the last measure moved by less than SURE (1 up, -1 down), held until the next bears it out
         self._sizes = Sizes(0, 0)  # the model's, from the last header (a worker's mean)
         self._exposed = _Mean()  # overlapped: seconds a round landed late still cost a worker, at the k in force
         self._expected = 0.0  # the seconds (with the wait) an exchange of the choice in force was expected to take when chosen
@@ -477,37 +472,26 @@ class Pilot:
         (at the steps its round ran: a tail's wait is not k's)."""
         here = self.rungs.index(self.choice.rung)
         link = self._links.setdefault(here, _Exchange())
-        self._waits.add(self._ran_steps or self.choice.k, waited_s)
-        way, sure = self._moved_by(link, exchange_s - codec_s)
-        held, self._held = self._held, 0
-        if way and not sure and way != held:  # a lone move short of SURE: held, unless the next measure moves the same way
-            self._held = way
-            return
-        if way:  # the rungs' measures are of the old link: the search starts again
+        if self._link_moved(link, exchange_s - codec_s):  # the rungs' measures are of the old link: the search starts again
             link = _Exchange()
             self._links, self._trial, self._done, self._moved = {here: link}, None, False, True
         link.seconds.add(exchange_s)
         link.codec.add(codec_s)
+        self._waits.add(self._ran_steps or self.choice.k, waited_s)
 
-    def _moved_by(self, link: _Exchange, link_s: float) -> tuple[int, bool]:
-        """Whether an exchange's link part (its seconds less its codec's) of `link_s` moved from
-        the rung's measured one: 1 up (JUMP times or more), -1 down (1/JUMP or less), 0 not, where
-        either is above a quarter of ρ of a round's compute; and whether by SURE or more, which
-        counts at once. The link changed: its mean of earlier measures would take it for noise (a
-        link that fell from 200 to 10 Mbit/s kept three fast measures in its mean, read 1.12 s
-        where the last two exchanges took 3.9 s), and the codec's part, which stays, would hide a
-        link's fall or rise in the exchange's total. Below the floor, noise moves nothing; a lone
-        move short of SURE is noise too (on loopback one LeNet run's exchanges of one rung spread
-        2.8-13.6 ms; with every move of 2x a new link, one of three pw-fit epochs changed its
-        choice 30 times in 72 rounds, the other two 4 times)."""
+    def _link_moved(self, link: _Exchange, link_s: float) -> bool:
+        """Whether an exchange's link part (its seconds less its codec's) of `link_s` is JUMP times
+        the rung's measured one or more, or 1/JUMP of it or less, where either is above a quarter
+        of ρ of a round's compute: the link changed. Its mean of earlier measures would take it for
+        noise (a link that fell from 200 to 10 Mbit/s kept three fast measures in its mean, read
+        1.12 s where the last two exchanges took 3.9 s), and the codec's part, which stays, would
+        hide a link's fall or rise in the exchange's total. Below the floor, noise moves nothing."""
         if not link.seconds.count:
-            return 0, False
+            return False
         before = link.seconds.value - link.codec_s
         if max(before, link_s) <= self.spec.exchange_share / 4 * self.choice.k * self._step.value:
-            return 0, False
-        ratio = max(link_s, 1e-9) / max(before, 1e-9)
-        way = (ratio >= JUMP) - (ratio <= 1 / JUMP)
-        return way, ratio >= SURE or ratio <= 1 / SURE
+            return False
+        return _jumped(before, link_s)
 
     def _decided(self, rounds: int, late: bool = False) -> Change | None:
         """Decide what the next round to start after round `rounds` landed runs with: the change,
@@ -518,9 +502,7 @@ class Pilot:
             return None
         change = Change(rounds + 1 + late, decided, self._why)
         self.changes.append(change)
-        if (decided.rung, decided.overlap) != (now.rung, now.overlap):  # a rung's exchange is measured afresh (a move held is the old rung's); at another k it is the same exchange
-            self._links.pop(self.rungs.index(decided.rung), None)
-            self._held = 0
+        self._links.pop(self.rungs.index(decided.rung), None)  # measured afresh at its k
         self._exposed = _Mean()
         self.choice = decided
         return change
@@ -700,7 +682,7 @@ class Pilot:
             "choice": _fields(self.choice), "why": self._why,
             "ran": None if self._ran is None else _fields(self._ran), "ran_steps": self._ran_steps, "step": _pair(self._step), "waits": {k: _pair(m) for k, m in self._waits.at.items()},
             "links": {i: _pair(e.seconds) for i, e in self._links.items()}, "codecs": {i: _pair(e.codec) for i, e in self._links.items()},
-            "trial": self._trial, "done": self._done, "held": self._held, "exposed": _pair(self._exposed), "expected": self._expected,
+            "trial": self._trial, "done": self._done, "exposed": _pair(self._exposed), "expected": self._expected,
             "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
         }  # fmt: skip
 
@@ -714,7 +696,7 @@ class Pilot:
         self._why, self._step = state["why"], _Mean(*state["step"])
         waits = state.get("waits", {self.choice.k: state["wait"]} if "wait" in state else {})  # JSON's keys are strings
         self._waits = _Waits({int(k): _Mean(*m) for k, m in waits.items()})
-        self._trial, self._done, self._held = state["trial"], state["done"], state.get("held", 0)
+        self._trial, self._done = state["trial"], state["done"]
         self._exposed = _Mean(*state.get("exposed", (0.0, 0)))  # none in a checkpoint from before it was measured
         self._expected = state.get("expected", 0.0)  # none in a checkpoint from before: the epoch's last rounds run at k until measured
         self._ran = None if state["ran"] is None else Choice(**state["ran"])

@@ -25,10 +25,9 @@ k = 1 where it ran float32 with the state at k = 4; `adamw` int8 at k = 16 where
 k = 32; `drop` float32 with the state every 4 rounds at k = 8 where it ran float32 at k = 16, and
 moves to int8 at k = 32 a round after the fall's first measure, where the state's period would
 have had it wait 4 rounds; the other five unchanged. Recorded again after the wait was fitted over
-the ks it ran (1aea4fb: the pilot's checkpoint keeps each k's wait, `waits`), a round's wait
-counted at the steps it ran, a lone 2-4x move held as noise and a rung's measure kept across a
-change of k: `drop`'s bfloat16 trial runs at k = 4 where it ran at k = 8 (the fitted wait's doing;
-the same at 5f77e4f), every other choice unchanged (the fake clock has no noise to hold)."""
+the ks it ran (1aea4fb: the pilot's checkpoint keeps each k's wait, `waits`) and a round's wait
+counted at the steps it ran: `drop`'s bfloat16 trial runs at k = 4 where it ran at k = 8 (the
+fitted wait's doing; the same at 5f77e4f), every other choice unchanged."""
 
 import functools
 import hashlib
