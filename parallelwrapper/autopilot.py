@@ -477,7 +477,7 @@ class Pilot:
             self._links, self._trial, self._done, self._moved = {here: link}, None, False, True
         link.seconds.add(exchange_s)
         link.codec.add(codec_s)
-        self._waits.add(self._ran_steps or self.choice.k, waited_s)
+        self._waits.add(self._ran_steps, waited_s)
 
     def _link_moved(self, link: _Exchange, link_s: float) -> bool:
         """Whether an exchange's link part (its seconds less its codec's) of `link_s` is JUMP times
