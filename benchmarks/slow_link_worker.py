@@ -24,6 +24,7 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-auto-sync  wrapper-auto with .overlap_averaging(False): the autopilot never overlaps
   wrapper-auto-sparse  wrapper-auto with sparse among its payloads (its lowest-bytes rung, the parameters alone)
   wrapper-auto-params  wrapper-auto with .average_updaters(False): the optimizer's state never travels
+  wrapper-auto-outer   wrapper-auto with wrapper-outer's outer Nesterov SGD (DiLoCo's step, with the k the autopilot picks)
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
   torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
@@ -100,6 +101,7 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-auto-sync": {"auto": True, "overlap_averaging": False},  # the same, never overlapped
     "wrapper-auto-params": {"auto": True, "average_updaters": False},  # the same, never sending the optimizer's state
     "wrapper-auto-sparse": {"auto": True, "payloads": ("float32", "bfloat16", "int8", "sparse")},  # sparse its lowest-bytes rung
+    "wrapper-auto-outer": {"auto": True, "outer": True},  # the same with an outer Nesterov SGD: torchft's DiLoCo, k chosen
     "wrapper-node-auto": {"auto": True, "hierarchy": "node"},  # the autopilot choosing the nodes' period (a node's ranks step together)
 }
 AUTOS = tuple(name for name, change in WRAPPERS.items() if change.get("auto"))
