@@ -21,8 +21,9 @@ their share of a worker's time is (x + w) / (x + w + k·c). The wait has two par
 costs whatever its k (first-come batches: at most about a step), which a longer round hides, and
 one that grows with k (a slower worker training its own batches, under torchrun), which no k
 hides and which costs every step alike. It measures the wait at the steps each round ran and fits
-w(k) = a + b·k (_Waits; with one k measured, half of each), and counts a as the round's and b as
-the step's. The autopilot keeps the round's share under ρ (`exchange_share`, default 5%):
+w(k) = a + b·k (_Waits; with one k measured, half of each; a growth b within twice its standard
+error, from the waits' spread, is noise, and the wait a round's), and counts a as the round's and
+b as the step's. The autopilot keeps the round's share under ρ (`exchange_share`, default 5%):
 
     k = the smallest power of two from k_min with (x + a)·(1 − ρ) / (ρ·(c + b)) ≤ k, at most k_max
 
@@ -111,6 +112,8 @@ REACH = 16.0  # a climb's estimate is trusted to this many times the bytes measu
 MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one before it by this share
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
 HIDE = 2.0  # overlapped, a round's steps take at least this many times the link's measured part (slow links vary)
+WAIT_WINDOW = 16  # a wait's mean runs over about this many measures: a round's wait varies several times over from round to round
+NOISE = 2.0  # a wait counts as growing with k where its fitted growth is this many standard errors or more
 PILOT_LEN = 10  # numbers the pilot adds to a round's header: local work's seconds and steps, the last exchange's seconds, its codec's and the wait, the model's three sizes, the choice
 
 
@@ -277,7 +280,7 @@ class PilotState(TypedDict):
     ran: ChoiceFields | None
     ran_steps: NotRequired[int]  # the local steps that round ran (none in a checkpoint from before: its k)
     step: tuple[float, int]  # a _Mean's (value, count)
-    waits: NotRequired[dict[int, tuple[float, int]]]  # the wait before an exchange at each k run, a _Mean's (value, count) each
+    waits: NotRequired[dict[int, tuple[float, int] | tuple[float, int, float]]]  # the wait before an exchange at each k run, a _Spread's (value, count, square) each (before: (value, count))
     wait: NotRequired[tuple[float, int]]  # a checkpoint's from before: the wait at the k in force
     links: dict[int, tuple[float, int]]
     codecs: dict[int, tuple[float, int]]
@@ -314,6 +317,34 @@ def _jumped(before: float, now: float) -> bool:
 
 
 @dataclass
+class _Spread:
+    """A running mean of a noisy measure and of its square, over its last WAIT_WINDOW or so (the
+    plain mean of the first WAIT_WINDOW, then an EWMA of 1/WAIT_WINDOW): its value and how far a
+    mean of its measures strays."""
+
+    value: float = 0.0
+    count: int = 0
+    square: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        weight = 1 / min(self.count, WAIT_WINDOW)
+        self.value += (x - self.value) * weight
+        self.square += (x * x - self.square) * weight
+
+    @property
+    def variance(self) -> float:
+        """The measures' variance about their mean (0 from one measure)."""
+        return max(0.0, self.square - self.value * self.value)
+
+    @property
+    def weight(self) -> int:
+        """How many measures the mean is worth: all of them up to the window, then the EWMA's
+        2·WAIT_WINDOW − 1 (its variance is σ²·α/(2 − α), α = 1/WAIT_WINDOW)."""
+        return min(self.count, 2 * WAIT_WINDOW - 1)
+
+
+@dataclass
 class _Waits:
     """The wait for the others before an exchange, measured at each k it ran, and split into the
     part a round costs whatever its k (a worker that starts its exchange late, first-come batches'
@@ -324,32 +355,52 @@ class _Waits:
     s a round with the exchange, at 32: 0.12 s), the pilot counting the whole wait as a round's
     held k = 32 and took 1.18x and 1.12x the best fixed setting's time to its first two targets,
     the same pilot counting half of it 1.02x and 1.04x (`benchmarks/README.md`, "The same with
-    half the wait counted"); fitted, it ran int8 at k = 16 and reached all three targets within
-    1.05x in both seeds ("The wait fitted over the ks it ran"). A k's wait counts once measured
-    twice where two ks are: one wait, a fit's first round's, can be a stall."""
+    half the wait counted"). A k's wait counts once measured twice where two ks are: one wait, a
+    fit's first round's, can be a stall.
 
-    at: dict[int, _Mean] = dataclasses.field(default_factory=dict)
+    Where two ks or more are measured, b counts only where it is more than NOISE of its standard
+    error (from the spread of the waits at each k, pooled): a round's wait over a link varies
+    several times over from one round to the next, and a growth read from two means of a few such
+    waits is often noise. On the GPT arena at 50 Mbit/s the waits at k = 16, 32 and 64 all
+    averaged 0.19-0.23 s (each 0-0.9 s), but fitted as measured they read as 4-6 ms a step, and the
+    pilot, taking them for a step's, ran int8 at k = 16 for 54 of 61 rounds, communicating 10% of
+    its time where int8 at k = 128 spent 1.4% (`benchmarks/README.md`, "Beside torchft's DiLoCo at
+    50 Mbit/s"). Below NOISE the wait is a round's: their weighted mean, which a longer round
+    hides."""
+
+    at: dict[int, _Spread] = dataclasses.field(default_factory=dict)
 
     def add(self, k: int, seconds: float) -> None:
-        self.at.setdefault(k, _Mean()).add(seconds)
+        self.at.setdefault(k, _Spread()).add(seconds)
 
     def split(self) -> tuple[float, float, int]:
         """(a, b, n): the seconds a round, the seconds a step, and how many ks they are fitted to."""
-        points = [(k, m.value) for k, m in sorted(self.at.items()) if m.count]
-        twice = [(k, w) for k, w in points if self.at[k].count >= 2]
+        points = [(k, m) for k, m in sorted(self.at.items()) if m.count]
+        twice = [(k, m) for k, m in points if m.count >= 2]
         points = twice if len(twice) >= 2 else points
         if not points:
             return 0.0, 0.0, 0
         if len(points) == 1:
-            (k, w), = points
-            return w / 2, w / (2 * k), 1
-        ks, ws = [k for k, _ in points], [w for _, w in points]
+            (k, m), = points
+            return m.value / 2, m.value / (2 * k), 1
+        ks, ws = [k for k, _ in points], [m.value for _, m in points]
+        flat = sum(m.weight * m.value for _, m in points) / sum(m.weight for _, m in points), 0.0, len(points)
         b, a = statistics.linear_regression(ks, ws)  # least squares (distinct ks: never a flat x)
-        if b <= 0:  # it does not grow with k: a round's
-            return statistics.fmean(ws), 0.0, len(points)
+        if b <= NOISE * self._error(points):  # it does not grow with k beyond its noise: a round's
+            return flat
         if a < 0:  # it grows faster than k: a step's, through the origin
-            return 0.0, sum(k * w for k, w in points) / sum(k * k for k in ks), len(points)
+            return 0.0, sum(k * w for k, w in zip(ks, ws, strict=True)) / sum(k * k for k in ks), len(points)
         return a, b, len(points)
+
+    @staticmethod
+    def _error(points: list[tuple[int, _Spread]]) -> float:
+        """The standard error of the least-squares slope over `points`, each mean's own error from
+        the waits' variance pooled over the ks (0 where no k has two measures)."""
+        spare = sum(m.count - 1 for _, m in points)
+        pooled = sum((m.count - 1) * m.variance for _, m in points) / spare if spare else 0.0
+        mean_k = statistics.fmean(k for k, _ in points)
+        spread = sum((k - mean_k) ** 2 for k, _ in points)
+        return math.sqrt(sum((k - mean_k) ** 2 * pooled / m.weight for k, m in points)) / spread
 
 
 @dataclass
@@ -680,7 +731,7 @@ class Pilot:
     def state_dict(self) -> PilotState:
         return {
             "choice": _fields(self.choice), "why": self._why,
-            "ran": None if self._ran is None else _fields(self._ran), "ran_steps": self._ran_steps, "step": _pair(self._step), "waits": {k: _pair(m) for k, m in self._waits.at.items()},
+            "ran": None if self._ran is None else _fields(self._ran), "ran_steps": self._ran_steps, "step": _pair(self._step), "waits": {k: dataclasses.astuple(m) for k, m in self._waits.at.items()},
             "links": {i: _pair(e.seconds) for i, e in self._links.items()}, "codecs": {i: _pair(e.codec) for i, e in self._links.items()},
             "trial": self._trial, "done": self._done, "exposed": _pair(self._exposed), "expected": self._expected,
             "changes": [(c.round, _fields(c.choice), c.why) for c in self.changes],
@@ -695,7 +746,7 @@ class Pilot:
             self.choice = dataclasses.replace(self.choice, overlap=False)
         self._why, self._step = state["why"], _Mean(*state["step"])
         waits = state.get("waits", {self.choice.k: state["wait"]} if "wait" in state else {})  # JSON's keys are strings
-        self._waits = _Waits({int(k): _Mean(*m) for k, m in waits.items()})
+        self._waits = _Waits({int(k): _Spread(*m) if len(m) == 3 else _Spread(m[0], m[1], m[0] ** 2) for k, m in waits.items()})
         self._trial, self._done = state["trial"], state["done"]
         self._exposed = _Mean(*state.get("exposed", (0.0, 0)))  # none in a checkpoint from before it was measured
         self._expected = state.get("expected", 0.0)  # none in a checkpoint from before: the epoch's last rounds run at k until measured

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from torch import nn
 
 from groups import run_each, run_group
 from parallelwrapper import ParallelWrapper
-from parallelwrapper.autopilot import Autopilot, Choice, Pilot, Rung, Sizes, levers
+from parallelwrapper.autopilot import Autopilot, Choice, Pilot, Rung, Sizes, _Waits, levers
 from parallelwrapper.config import Config, Pipeline, TrainingMode, steered
 from parallelwrapper.job import Job
 from parallelwrapper.listeners import autopilot_changes
@@ -394,7 +395,7 @@ def test_a_rounds_wait_counts_at_the_steps_it_ran_not_at_k() -> None:
     land(3, 64, exchange_s=2.85, waited_s=0.9)  # round 2's exchange, in round 3's header
     land(4, 20, exchange_s=2.85, waited_s=0.5)  # round 3's
     land(5, 64, exchange_s=2.85, waited_s=0.2)  # round 4's: a fit's last, short round
-    assert {k: count for k, (_, count) in pilot.state_dict()["waits"].items()} == {64: 2, 112: 1, 20: 1}
+    assert {k: count for k, (_, count, _) in pilot.state_dict()["waits"].items()} == {64: 2, 112: 1, 20: 1}
     resumed = Pilot(Autopilot(k_max=128, payloads=("float32",), updater_periods=(0,)), START)
     resumed.load_state_dict(json.loads(json.dumps(pilot.state_dict())))  # a checkpoint keeps the steps the last round ran
     assert resumed.state_dict()["ran_steps"] == 64
@@ -781,3 +782,31 @@ def test_a_step_waiting_for_the_last_rounds_state_counts_as_exchange_not_local_w
         assert step_s < 0.1 and training_s < 0.2, scores  # two tiny steps, without the 0.5 s wait
         assert exchange_s >= 0.5, scores  # the wait is the exchange's
     assert scores[-1][1] >= 2 * 0.5, scores  # the last round's: the round before's state, then its own
+
+
+@pytest.mark.fast
+def test_a_noisy_wait_counts_as_a_steps_only_where_it_grows_with_k_beyond_its_noise() -> None:
+    """Waits that vary from round to round as much as the GPT arena's at 50 Mbit/s (0 to 0.9 s at
+    every k) read as a step's when two means of a few of them are fitted as they are; beyond their
+    noise only a growth that is one counts as a step's."""
+    waits = _Waits()
+    for w in (0.0, 0.4, 0.1, 0.3, 0.2, 0.2):  # k = 16: 0.2 s on average
+        waits.add(16, w)
+    for w in (0.5, 0.0, 0.3, 0.25):  # k = 32: 0.26 s on average, a growth of 3.75 ms a step as measured
+        waits.add(32, w)
+    a, b, fitted = waits.split()
+    assert (b, fitted) == (0.0, 2) and a == pytest.approx((6 * 0.2 + 4 * 0.2625) / 10)  # a round's: their mean, each k's by its measures
+    steady = _Waits()
+    for k, w in [(8, 0.06), (8, 0.065), (8, 0.055), (16, 0.12), (16, 0.125), (16, 0.115)]:  # twice the wait at twice the k, a few ms apart
+        steady.add(k, w)
+    a, b, fitted = steady.split()
+    assert fitted == 2 and b == pytest.approx(0.0075) and a == pytest.approx(0.0, abs=1e-9)
+    # Flown: a round's noisy wait lengthens k as a round's does; a step's noisy one is still a step's.
+    noise = random.Random(0)
+    flat = Pilot(Autopilot(k_max=128), START)
+    ran = fly([flat], step_s=0.05, link_s=lambda rung: 0.005, rounds=60, wait_s=lambda k: noise.uniform(0.0, 0.2))
+    assert {c.k for c in ran[-20:]} == {64}  # (0.005 + 0.1) s · 0.95 / (0.05 · 0.05 s) = 40 steps
+    growing = Pilot(Autopilot(k_max=128), START)
+    ran = fly([growing], step_s=0.05, link_s=lambda rung: 0.005, rounds=60, wait_s=lambda k: 0.002 * k * noise.uniform(0.8, 1.2))
+    a, b, fitted = growing._waits.split()
+    assert fitted >= 2 and 0.0015 < b < 0.0025 and ran[-1].k <= 8  # a step's: no k hides it
