@@ -21,8 +21,8 @@ their share of a worker's time is (x + w) / (x + w + k·c). The wait has two par
 costs whatever its k (first-come batches: at most about a step), which a longer round hides, and
 one that grows with k (a slower worker training its own batches, under torchrun), which no k
 hides and which costs every step alike. It measures the wait at the steps each round ran and fits
-w(k) = a + b·k (_Waits; with one k measured, half of each; a growth b within twice its standard
-error, from the waits' spread, is noise, and the wait a round's), and counts a as the round's and
+w(k) = a + b·k (_Waits; with one k measured, half of each; a growth b within its standard error,
+from the waits' spread, is noise, and the wait a round's), and counts a as the round's and
 b as the step's. The autopilot keeps the round's share under ρ (`exchange_share`, default 5%):
 
     k = the smallest power of two from k_min with (x + a)·(1 − ρ) / (ρ·(c + b)) ≤ k, at most k_max
@@ -113,7 +113,7 @@ MARGIN = 0.10  # a rung tried is kept when its exchange is faster than the one b
 OVERLAP = 2.0  # it overlaps where even k_max leaves exchanges above this many times ρ of the time
 HIDE = 2.0  # overlapped, a round's steps take at least this many times the link's measured part (slow links vary)
 WAIT_WINDOW = 16  # a wait's mean runs over about this many measures: a round's wait varies several times over from round to round
-NOISE = 2.0  # a wait counts as growing with k where its fitted growth is this many standard errors or more
+NOISE = 1.0  # a wait counts as growing with k where its fitted growth is more than this many standard errors
 PILOT_LEN = 10  # numbers the pilot adds to a round's header: local work's seconds and steps, the last exchange's seconds, its codec's and the wait, the model's three sizes, the choice
 
 
@@ -358,14 +358,16 @@ class _Waits:
     half the wait counted"). A k's wait counts once measured twice where two ks are: one wait, a
     fit's first round's, can be a stall.
 
-    Where two ks or more are measured, b counts only where it is more than NOISE of its standard
+    Where two ks or more are measured, b counts only where it is more than NOISE times its standard
     error (from the spread of the waits at each k, pooled): a round's wait over a link varies
     several times over from one round to the next, and a growth read from two means of a few such
-    waits is often noise. On the GPT arena at 50 Mbit/s the waits at k = 16, 32 and 64 all
-    averaged 0.19-0.23 s (each 0-0.9 s), but fitted as measured they read as 4-6 ms a step, and the
-    pilot, taking them for a step's, ran int8 at k = 16 for 54 of 61 rounds, communicating 10% of
-    its time where int8 at k = 128 spent 1.4% (`benchmarks/README.md`, "Beside torchft's DiLoCo at
-    50 Mbit/s"). Below NOISE the wait is a round's: their weighted mean, which a longer round
+    waits is often noise. On the GPT arena at 50 Mbit/s the waits at k = 16, 32 and 64 averaged
+    0.14-0.19 s (each 0-0.9 s; a growth of 0.3 standard errors), but fitted as measured they read as
+    4-6 ms a step, and the pilot, taking them for a step's, ran int8 at k = 16 for 54 of 61 rounds,
+    communicating 10% of its time where int8 at k = 128 spent 1.4% (`benchmarks/README.md`,
+    "Beside torchft's DiLoCo at 50 Mbit/s"). At 200 Mbit/s they grew, 0.04 s at k = 8 and 0.07 s
+    at 16 (1.3 standard errors), and k = 8 was the best fixed setting ("The wait fitted over the ks
+    it ran"). Within NOISE the wait is a round's: the waits' weighted mean, which a longer round
     hides."""
 
     at: dict[int, _Spread] = dataclasses.field(default_factory=dict)
