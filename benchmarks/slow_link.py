@@ -452,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="ddp, powersgd:RANK, pma:K, torchft-diloco:K, torchft-localsgd:K, wrapper[-params|-overlap|-outer|-bf16|-node|-params-int8|-params-int4|-params-sparse|-params-sparse128]:K, "
              "wrapper-auto (the autopilot: no K; k is at most --eval-every, each score being a fit() of that many steps), "
              "wrapper-auto-sync (the same, never overlapped), wrapper-auto-sparse (sparse among its payloads), "
-             "wrapper-auto-params (the optimizer's state never sent), wrapper-auto-outer (with wrapper-outer's outer step), wrapper-auto-nonoise (a probe: any growth of the wait a step's), none",
+             "wrapper-auto-params (the optimizer's state never sent), wrapper-auto-outer (with wrapper-outer's outer step), none",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of every contender, in a rotated order")
     parser.add_argument("--seed", type=int, default=SEED, help="model init and the batches' order, every contender alike")

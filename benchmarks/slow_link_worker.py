@@ -25,8 +25,6 @@ Contenders (every one trains the same model from the same init on the same batch
   wrapper-auto-sparse  wrapper-auto with sparse among its payloads (its lowest-bytes rung, the parameters alone)
   wrapper-auto-params  wrapper-auto with .average_updaters(False): the optimizer's state never travels
   wrapper-auto-outer   wrapper-auto with wrapper-outer's outer Nesterov SGD (DiLoCo's step, with the k the autopilot picks)
-  wrapper-auto-nonoise  wrapper-auto whose pilot counts any growth of the wait with k as a step's (autopilot.NOISE = 0):
-                     a probe of the rule before the waits' noise was weighed
   powersgd R   DDP with PyTorch's PowerSGD comm hook, matrix_approximation_rank R, error feedback
                and warm start, compressing after --powersgd-start plain steps
   torchft-diloco K    torchft's DiLoCo, outer SGD of --outer-lr/--outer-momentum (Nesterov), sync every K
@@ -74,7 +72,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import gpt_arena, torchft_lenet
 from benchmarks.common import BATCH, DEFAULT_DATA_DIR, MOMENTUM
-from parallelwrapper import ParallelWrapper, TrainingMode, autopilot
+from parallelwrapper import ParallelWrapper, TrainingMode
 from parallelwrapper.app.mnist import load_mnist
 from parallelwrapper.app.models import LeNet
 
@@ -103,8 +101,7 @@ WRAPPERS: dict[str, dict[str, Any]] = {
     "wrapper-auto-sync": {"auto": True, "overlap_averaging": False},  # the same, never overlapped
     "wrapper-auto-params": {"auto": True, "average_updaters": False},  # the same, never sending the optimizer's state
     "wrapper-auto-sparse": {"auto": True, "payloads": ("float32", "bfloat16", "int8", "sparse")},  # sparse its lowest-bytes rung
-    "wrapper-auto-outer": {"auto": True, "outer": True},
-    "wrapper-auto-nonoise": {"auto": True, "noise": 0.0},  # the same, any growth of the wait a step's: a probe  # the same with an outer Nesterov SGD: torchft's DiLoCo, k chosen
+    "wrapper-auto-outer": {"auto": True, "outer": True},  # the same with an outer Nesterov SGD: torchft's DiLoCo, k chosen
     "wrapper-node-auto": {"auto": True, "hierarchy": "node"},  # the autopilot choosing the nodes' period (a node's ranks step together)
 }
 AUTOS = tuple(name for name, change in WRAPPERS.items() if change.get("auto"))
@@ -227,8 +224,6 @@ def make_trainer(kind: str, k: int, model: nn.Module, args: argparse.Namespace, 
             # Nothing else of the autopilot's levers: its payload, optimizer-state period and
             # bounds are its own (a .payload_dtype() or .average_updaters() call would fix them).
             b = b.averaging_frequency("auto", k_min=k, payloads=change.get("payloads"), exchange_share=args.exchange_share)  # wrapper-auto:K: k no lower than K (default 1)
-            if "noise" in change:  # a probe: this rank's process alone runs the patched rule
-                autopilot.NOISE = change["noise"]
             if "overlap_averaging" in change:
                 b = b.overlap_averaging(change["overlap_averaging"])
             if "average_updaters" in change:
