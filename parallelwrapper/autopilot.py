@@ -619,6 +619,8 @@ class Pilot:
         if per_step:
             how = "halved: measured at one k" if fitted == 1 else f"fitted over {fitted} ks"
             waited += f" ({a:.3g} s a round, {per_step * 1e3:.3g} ms a step: {how})"
+        elif fitted > 1:
+            waited += f" (a round's: no growth beyond its noise over {fitted} ks)"
         self._why = f"an exchange takes {x:.3g} s after {waited} waiting for the others, and a step {step:.3g} s"
         return self._steer(x + a, pace, now.rung)
 

@@ -189,6 +189,7 @@ def test_a_wait_for_the_others_lengthens_k_as_far_as_a_longer_round_hides_it_and
     ran = fly([late], step_s=0.05, link_s=lambda rung: 0.005, rounds=30, wait_s=0.3)
     assert [c.choice.k for c in late.changes] == [16, 128] and ran[-1] == Choice(128, "float32", 1)
     assert "an exchange takes 0.005 s after 0.3 s (0.15 s a round, 150 ms a step: halved: measured at one k) waiting" in late.changes[0].why
+    assert "after 0.3 s (a round's: no growth beyond its noise over 2 ks) waiting" in late.changes[1].why
     # A wait that grows with k (a slower worker with its own batches, 2 ms behind each step) is a
     # step's: no k hides it, and k stays where the exchange alone puts it.
     slower = Pilot(Autopilot(k_max=128), START)
