@@ -264,10 +264,10 @@ def outer_rescale(r: dict[str, Any]) -> None:
 
 
 def loss_side(r: dict[str, Any]) -> None:
-    """Each k's run probed every round (a finite gain) and scored; a row for the pair of k."""
-    (runs,) = r["runs"].values()
+    """Each k's run probed every round (finite gains) and scored; a row for the pair of k."""
+    ((runs,),) = r["runs"].values()  # one job, one seed
     assert [run["k"] for run in runs] == [2, 4], runs
-    assert all(len(run["probes"]) == 16 // run["k"] and all(math.isfinite(p["gain"]) for p in run["probes"]) for run in runs), runs
+    assert all(len(run["probes"]) == 16 // run["k"] and all(math.isfinite(p[g]) for p in run["probes"] for g in ("gain", "fresh", "disagreement")) for run in runs), runs
     assert all(len(run["points"]) == 5 for run in runs), runs  # at 0, 4, 8, 12, 16 steps
     assert [row[1] for row in r["table"]] == ["2 to 4"], r["table"]
 
