@@ -60,7 +60,8 @@ def train(text: torch.Tensor, val: list[gpt_arena.Batch], k: int, steps: int, ev
     """One run at `k`: the average's validation loss every `eval_every` steps ("points"), and at
     every round's end the gains and the curve's slope so far ("probes"): "gain" on each replica's
     last batch, "fresh" on a batch no replica trains on (a stream of its own, so that the training
-    batches are the same with or without it)."""
+    batches are the same with or without it), and the replicas' "disagreement" (the module's
+    docstring)."""
     torch.manual_seed(seed)
     start = gpt_arena.CharGPT(layers, width, max(1, width // 32))
     replicas = [copy.deepcopy(start) for _ in range(REPLICAS)]
