@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector
 
 from benchmarks import gpt_arena
 from benchmarks.common import table, write_results
@@ -72,7 +73,7 @@ def train(text: torch.Tensor, val: list[gpt_arena.Batch], k: int, steps: int, ev
     curve: list[tuple[float, float]] = []
     probes: list[dict[str, float]] = []
     for first in range(0, steps, k):
-        began = _flat(replicas[0])  # every replica's, the last average
+        began = parameters_to_vector(replicas[0].parameters()).detach()  # every replica's, the last average
         losses: list[float] = []
         last: list[gpt_arena.Batch] = [None] * REPLICAS  # each replica's last batch of the round
         for _ in range(k):
@@ -85,7 +86,7 @@ def train(text: torch.Tensor, val: list[gpt_arena.Batch], k: int, steps: int, ev
                 losses.append(float(loss.detach()))
         fresh = next(unseen)
         before = [gpt_arena.val_loss(model, [b]) for model, b in zip(replicas, last)]  # eval mode, no gradients
-        moves = [_flat(model) - began for model in replicas]
+        moves = [parameters_to_vector(model.parameters()).detach() - began for model in replicas]
         mean_move = torch.stack(moves).mean(0)
         apart_moves = statistics.fmean(float((m - mean_move).square().sum()) for m in moves)
         apart = statistics.fmean(gpt_arena.val_loss(model, [fresh]) for model in replicas)
@@ -99,11 +100,6 @@ def train(text: torch.Tensor, val: list[gpt_arena.Batch], k: int, steps: int, ev
         if done % eval_every == 0:
             points.append({"steps": done, "val_loss": gpt_arena.val_loss(replicas[0], val)})
     return {"k": k, "points": points, "probes": probes}
-
-
-@torch.no_grad()
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 @torch.no_grad()
