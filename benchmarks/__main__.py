@@ -77,7 +77,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "loss_side": (
         "what a longer round costs in loss per doubling of k, against an online signal's estimate of it (the average's worth over the loss curve's fall)",
-        ("--steps", "16", "--k", "2,4", "--eval-every", "4", "--jobs", "1x16"),
+        ("--steps", "16", "--k", "2,4", "--eval-every", "4", "--jobs", "1x16,mlp16"),
     ),
     "gpu_checks": (
         "the CUDA paths, each a short fit on cuda:0 (on a lent GPU; --device cpu tries it here)",

@@ -1,6 +1,7 @@
 """Can a run measure, as it trains, what a longer round costs in loss? Online signals against the cost itself (issue 52).
 
     python -m benchmarks loss_side --steps 640 --k 8,32,128 --jobs 2x128 --seeds 0,1,2,3 [--batch 8] --out benchmarks/results/loss_side_seeds.json
+    python -m benchmarks loss_side --steps 1280 --k 8,32,128 --jobs mlp256 --optimizer sgd --lr 0.05 --batch 32 --seeds 0,1,2,3,4,5,6,7
 
 The autopilot chooses k from time alone. Issue 52 asks it to weigh what a shorter round buys in
 loss. The cost, measured after the fact (race.doubling_cost): the steps a run at the longer k took
@@ -26,10 +27,11 @@ The signals, each measured at every round's end at the shorter k:
   gradient noise over the signal), reported as it is, to set beside β's trend.
 
 Both sides on the same job, in one process, with no link (the loss does not depend on it):
-REPLICAS replicas of the GPT arena's model (gpt_arena.py) train with AdamW (lr `--lr`, β 0.9/0.95,
-weight decay 0.1) on their own batches of `--batch` windows, their parameters averaged every k
-steps (PeriodicModelAverager's and int8-parameters' algorithm, in float32), for each k of `--k`;
-the average's validation loss every `--eval-every` steps. For each pair of neighbouring k, the cost
+REPLICAS replicas of the job's model (`task`: the GPT arena's, gpt_arena.py, on its byte corpus;
+or an MLP on MNIST) train with `--optimizer` (AdamW, lr `--lr`, β 0.9/0.95, weight decay 0.1; or
+SGD with Nesterov momentum 0.9) on their own batches of `--batch` windows or images, their
+parameters averaged every k steps (PeriodicModelAverager's and int8-parameters' algorithm, in
+float32), for each k of `--k`; the average's validation loss every `--eval-every` steps. For each pair of neighbouring k, the cost
 per doubling measured between the two (race.doubling_cost, from a third of the run on) stands
 beside the signals at the shorter k, over the same part of its run.
 """
@@ -38,51 +40,109 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from benchmarks import gpt_arena
-from benchmarks.common import table, write_results
+from benchmarks.common import DEFAULT_DATA_DIR, table, write_results
 from benchmarks.race import doubling_cost
+from parallelwrapper.app.mnist import load_mnist
 
 REPLICAS = 2
 CURVE = 32  # the rounds the loss curve's slope is fitted over, as the autopilot would
 FRESH_SEED = 10_000  # the unseen batches' stream: seed + this
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, class targets
 
 
-def train(text: torch.Tensor, val: list[gpt_arena.Batch], k: int, steps: int, eval_every: int, seed: int, layers: int, width: int,
-          batch: int = 16, lr: float = 1e-3) -> dict[str, Any]:
-    """One run at `k`: the average's validation loss every `eval_every` steps ("points"), and at
-    every round's end the gains and the curve's slope so far ("probes"): "gain" on each replica's
-    last batch, "fresh" on a batch no replica trains on (a stream of its own, so that the training
-    batches are the same with or without it), and the replicas' "disagreement" (the module's
-    docstring)."""
+@dataclass(frozen=True)
+class Task:
+    """What a job trains: its model (seeded by the caller), its training batches and the batches
+    no replica trains on (each `(batch, count, seed)`: `count` batches of `batch`, the same for a
+    seed at every k), and its validation batches."""
+
+    model: Callable[[], nn.Module]
+    batches: Callable[[int, int, int], Iterator[Batch]]
+    unseen: Callable[[int, int, int], Iterator[Batch]]
+    val: list[Batch]
+
+
+def task(job: str, data_dir: str = DEFAULT_DATA_DIR) -> Task:
+    """`job` LAYERSxWIDTH: the GPT arena's model on its byte corpus, a batch `--batch` windows,
+    validated on 4 batches of the held-out text; mlpWIDTH: an MLP 784-WIDTH-WIDTH-10 on MNIST's
+    training images, shuffled epoch after epoch by the seed, validated on the first 5,000 test
+    images, its unseen batches from the other 5,000."""
+    if job.startswith("mlp"):
+        width = int(job[3:])
+        train_split, test = load_mnist(data_dir, "train", download=False), load_mnist(data_dir, "test", download=False)
+        val, held = test.batches(1000)[:5], test.batches(1000)[5:]
+
+        def mnist(batch: int, count: int, seed: int) -> Iterator[Batch]:
+            epochs = (train_split.batches(batch, shuffle=True, seed=seed + e, drop_last=True) for e in itertools.count())
+            return itertools.islice(itertools.chain.from_iterable(epochs), count)
+
+        def fresh(batch: int, count: int, seed: int) -> Iterator[Batch]:
+            g = torch.Generator().manual_seed(seed)
+            images, labels = torch.cat([x for x, _ in held]), torch.cat([y for _, y in held])
+            for _ in range(count):
+                pick = torch.randint(0, len(labels), (batch,), generator=g)
+                yield images[pick], labels[pick]
+
+        def mlp() -> nn.Module:
+            return nn.Sequential(nn.Flatten(), nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+        return Task(mlp, mnist, fresh, val)
+    layers, width = map(int, job.split("x"))
+    text, val_text = gpt_arena.corpus()
+
+    def windows(batch: int, count: int, seed: int) -> Iterator[Batch]:
+        return gpt_arena.train_batches(text, batch, count, seed)
+
+    return Task(lambda: gpt_arena.CharGPT(layers, width, max(1, width // 32)), windows, windows, gpt_arena.val_batches(val_text, limit=4))
+
+
+def optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """adamw: AdamW (β 0.9/0.95, weight decay 0.1), the GPT arena's; sgd: SGD with Nesterov momentum 0.9, the MNIST jobs'."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def train(job: Task, k: int, steps: int, eval_every: int, seed: int, batch: int = 16, lr: float = 1e-3, inner: str = "adamw") -> dict[str, Any]:
+    """One run of `job` at `k`: the average's validation loss every `eval_every` steps ("points"),
+    and at every round's end the gains and the curve's slope so far ("probes"): "gain" on each
+    replica's last batch, "fresh" on a batch no replica trains on (a stream of its own, so that
+    the training batches are the same with or without it), and the replicas' "disagreement" (the
+    module's docstring). `inner`: each replica's optimizer (`optimizer`)."""
     torch.manual_seed(seed)
-    start = gpt_arena.CharGPT(layers, width, max(1, width // 32))
+    start = job.model()
     replicas = [copy.deepcopy(start) for _ in range(REPLICAS)]
-    inner = [torch.optim.AdamW(m.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1) for m in replicas]
-    stream = gpt_arena.train_batches(text, batch, steps * REPLICAS, seed)
-    unseen = gpt_arena.train_batches(text, batch, -(-steps // k), seed + FRESH_SEED)
+    optimizers = [optimizer(inner, m, lr) for m in replicas]
+    stream = job.batches(batch, steps * REPLICAS, seed)
+    unseen = job.unseen(batch, -(-steps // k), seed + FRESH_SEED)
+    val = job.val
     points = [{"steps": 0, "val_loss": gpt_arena.val_loss(replicas[0], val)}]
     curve: list[tuple[float, float]] = []
     probes: list[dict[str, float]] = []
     for first in range(0, steps, k):
         began = parameters_to_vector(replicas[0].parameters()).detach()  # every replica's, the last average
         losses: list[float] = []
-        last: list[gpt_arena.Batch] = [None] * REPLICAS  # each replica's last batch of the round
+        last: list[Batch] = [None] * REPLICAS  # each replica's last batch of the round
         for _ in range(k):
-            for i, (model, optimizer) in enumerate(zip(replicas, inner)):
+            for i, (model, step) in enumerate(zip(replicas, optimizers)):
                 last[i] = next(stream)
-                optimizer.zero_grad()
+                step.zero_grad()
                 loss = F.cross_entropy(model(last[i][0]), last[i][1])
                 loss.backward()  # type: ignore[no-untyped-call]
-                optimizer.step()
+                step.step()
                 losses.append(float(loss.detach()))
         fresh = next(unseen)
         before = [gpt_arena.val_loss(model, [b]) for model, b in zip(replicas, last)]  # eval mode, no gradients
@@ -155,9 +215,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=640, help="steps a replica")
     parser.add_argument("--k", default="8,32,128", help="the rounds' k, each the one before times a power of 2")
     parser.add_argument("--eval-every", type=int, default=128, help="steps between validation losses (a multiple of every k)")
-    parser.add_argument("--jobs", default="2x128,4x192", help="the GPT arena's LAYERSxWIDTH, comma-separated")
-    parser.add_argument("--batch", type=int, default=16, help="windows a replica's batch")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    parser.add_argument("--jobs", default="2x128,4x192", help="comma-separated: the GPT arena's LAYERSxWIDTH, or mlpWIDTH, an MLP on MNIST (`task`)")
+    parser.add_argument("--batch", type=int, default=16, help="a replica's batch: windows (GPT), images (MLP)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="each replica's (`optimizer`)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="its learning rate")
     parser.add_argument("--seeds", default="0", help="comma-separated; every k runs each seed (its model and batches), and the cost is read on the seeds' mean curves")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -166,19 +227,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     if any(args.eval_every % k for k in ks):
         raise SystemExit(f"loss_side: --eval-every {args.eval_every} must be a multiple of every k in {ks}")
-    text, val_text = gpt_arena.corpus()
-    val = gpt_arena.val_batches(val_text, limit=4)
     rows: list[list[Any]] = []
     runs: dict[str, list[list[dict[str, Any]]]] = {}  # by job, by seed, by k
     for job in args.jobs.split(","):
-        layers, width = map(int, job.split("x"))
-        runs[job] = [[train(text, val, k, args.steps, args.eval_every, seed, layers, width, args.batch, args.lr) for k in ks] for seed in seeds]
+        this = task(job)
+        runs[job] = [[train(this, k, args.steps, args.eval_every, seed, args.batch, args.lr, args.optimizer) for k in ks] for seed in seeds]
         by_k = list(zip(*runs[job]))  # each k's runs, one a seed
         for i in range(len(ks) - 1):
             ratio = ks[i + 1] / ks[i]
             beta = _beta(_mean_points(by_k[i]), _mean_points(by_k[i + 1]), ratio)
             each = [_beta(a["points"], b["points"], ratio) for a, b in zip(by_k[i], by_k[i + 1])]
-            row = [f"{layers} layers, width {width}", f"{ks[i]} to {ks[i + 1]}", f"{beta:.2%}", " / ".join(f"{b:.2%}" for b in each)]
+            row = [job, f"{ks[i]} to {ks[i + 1]}", f"{beta:.2%}", " / ".join(f"{b:.2%}" for b in each)]
             for signal in ("gain", "fresh"):
                 estimated = statistics.fmean(estimate(run, signal) for run in by_k[i])
                 row += [f"{estimated:.2%}", f"{estimated / beta:.2f}"]

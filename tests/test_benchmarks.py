@@ -264,12 +264,14 @@ def outer_rescale(r: dict[str, Any]) -> None:
 
 
 def loss_side(r: dict[str, Any]) -> None:
-    """Each k's run probed every round (finite gains) and scored; a row for the pair of k."""
-    ((runs,),) = r["runs"].values()  # one job, one seed
-    assert [run["k"] for run in runs] == [2, 4], runs
-    assert all(len(run["probes"]) == 16 // run["k"] and all(math.isfinite(p[g]) for p in run["probes"] for g in ("gain", "fresh", "disagreement")) for run in runs), runs
-    assert all(len(run["points"]) == 5 for run in runs), runs  # at 0, 4, 8, 12, 16 steps
-    assert [row[1] for row in r["table"]] == ["2 to 4"], r["table"]
+    """Each job's (the GPT arena's, an MLP on MNIST) runs at each k probed every round (finite
+    gains) and scored; a row for the pair of k."""
+    assert list(r["runs"]) == ["1x16", "mlp16"], list(r["runs"])
+    for (runs,) in r["runs"].values():  # one seed
+        assert [run["k"] for run in runs] == [2, 4], runs
+        assert all(len(run["probes"]) == 16 // run["k"] and all(math.isfinite(p[g]) for p in run["probes"] for g in ("gain", "fresh", "disagreement")) for run in runs), runs
+        assert all(len(run["points"]) == 5 for run in runs), runs  # at 0, 4, 8, 12, 16 steps
+    assert [row[:2] for row in r["table"]] == [["1x16", "2 to 4"], ["mlp16", "2 to 4"]], r["table"]
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
