@@ -8,16 +8,16 @@ workers are lost one every `every_s` seconds over the fleet (at random, a Poisso
 exactly on schedule as the soaks strike) and come back `back_s` later. What a loss costs is the
 design's:
 
-    survivors  the library as built (hosts/fleet.py, replacement/fleet.py): the survivors go on
-               without a restart, but they see the loss only at the round's collective, once
-               their local steps are done (the lost machine's batches taken by first-come), or at
-               once where the lost machine hosted the group's claims (rank 0's, `rank0_share` of
-               the losses); `detect_s` more where a machine gone silent must be found by its
-               peer timeout. They form the new group in `regroup_s` and redo the round in flight
-               whole, from the state kept at its start: every step it trained is lost.
-    lost_share issue 54's aim, not built: as survivors, but they see the loss within `detect_s`
-               and keep what they trained; only the lost machine's share of the round in flight
-               trains again (its batches back to the first-come feed).
+    resume     issue 54's design, the library's (replacement/fleet.py): the survivors go on without
+               a restart. They see a loss at the round's collective, once their local steps are
+               done (the lost machine's batches taken by first-come), or at once where the lost
+               machine hosted the group's claims (rank 0's, `rank0_share` of the losses);
+               `detect_s` from the loss where a machine gone silent must be found by its peer
+               timeout. They form the new group in `regroup_s`, keep what they trained, train
+               the lost machine's share of the round again and land it without it.
+    redo       the same, but the survivors redo the round in flight whole, from the state kept at
+               its start: every step it trained is lost (the library where it cannot resume: a
+               coded payload, overlap; and every fleet before 2026-12-03).
                In both, a machine that comes back joins at a round boundary: one regroup, and
                the state from a peer (`state_mb` at `link_mbit_s`) while the others wait.
     restart    torchrun's agent, restart and resume: every process stops and starts again
@@ -37,10 +37,9 @@ seconds, a stall's, the pace), not their results, and sets each prediction besid
               vary by 40% from run to run on this machine);
     rollback: results/torchft_soak.json: torchft's DiLoCo on 8 replica groups, a fault every
               10 s: kept against the fault-free runs;
-    survivors: results/fleet_soak*.json (SOAKS): issue 54's emulated machines, from the fault-free
-              pace, the survivors' regroups and take-ins, the returning machines' starts and
-              which losses took rank 0 (their lines). lost_share is not built, and is not
-              calibrated: it is the survivors' model less the round redone whole.
+    survivors: results/fleet_soak*.json (SOAKS), redo's or resume's by when each ran: issue 54's
+              emulated machines, from the fault-free pace, the survivors' regroups and
+              take-ins, the returning machines' starts and which losses took rank 0 (their lines).
 
     python -m benchmarks fleet_sim [--workers 64,256,1024] [--every 60,15] [--calibrate] [--out benchmarks/results/fleet_sim.json]
 """
@@ -59,7 +58,7 @@ from typing import Any
 
 from benchmarks.common import machine, table, write_results
 
-DESIGNS = ("survivors", "lost_share", "restart", "rollback")
+DESIGNS = ("resume", "redo", "restart", "rollback")
 RESULTS = Path(__file__).parent / "results"
 FLEET_SOAK_K = 16  # benchmarks/fleet_soak_worker.py's k
 SAMPLED = 64  # workers whose steps are drawn for a round's mean; more cost time and move it by less than 0.1%
@@ -165,16 +164,17 @@ def simulate(fleet: Fleet, design: str, faults: bool = True, seed: int = 0, sche
                 returns.append(fault + fleet.back_s)
             fault = next_after(fault)
             left = n - fleet.per_machine
-            if design == "survivors":  # seen at the round's collective (or at once: the claims' host lost); the round redone whole
+            if design in ("resume", "redo"):  # seen at the round's collective, or at once where the claims' host is lost
                 seen_at_once = rng.random() < (fleet.per_machine / n if fleet.rank0_share is None else fleet.rank0_share)
                 rest = 0.0 if seen_at_once or into >= compute else (1 - share) * n * fleet.k / left * fleet.step(left, starting) + fleet.exchange(left)
                 t += into + max(rest, fleet.detect_s) + fleet.regroup_s
-                redone += (share if seen_at_once else 1.0) * n * fleet.k
-            elif design == "lost_share":  # the round's batches all train: the lost share again, on the survivors
-                redo = share * fleet.per_machine * fleet.k
-                t += into + fleet.detect_s + fleet.regroup_s + ((1 - share) * n * fleet.k + redo) / left * fleet.step(left, starting) + fleet.exchange(left)
-                done, redone = done + n * fleet.k, redone + redo
-                rounds += 1
+                if design == "redo":  # the round redone whole: the next one, on the survivors
+                    redone += (share if seen_at_once else 1.0) * n * fleet.k
+                else:  # the lost share again, and the round's rest where they saw the loss at once; then its exchange
+                    redo = share * fleet.per_machine * fleet.k
+                    left_over = (1 - share) * n * fleet.k if seen_at_once else 0.0
+                    t += (redo + left_over) / left * fleet.step(left, starting) + fleet.exchange(left)
+                    done, redone, rounds = done + n * fleet.k, redone + redo, rounds + 1
             elif design == "restart":
                 t += into + fleet.restart_s
                 done, redone, since = done - since, redone + since + share * n * fleet.k, 0.0
@@ -228,8 +228,8 @@ def calibration() -> list[dict[str, Any]]:
                   every_s=soak["every_s"], back_s=back, stall_s=stall, regroup_s=0.0, hours=0.1)  # fmt: skip
     rows.append({"design": "rollback", "run": "torchft_soak.json", "predicted": kept(fleet, "rollback", seeds=5, schedule="fixed"), "measured": soak["kept"],
                  "parts": {"stall_s": stall, "back_s": back, "step_s": step, "k": soak["k"], "every_s": soak["every_s"]}})  # fmt: skip
-    for name in SOAKS:
-        rows += survivors_calibration(name)
+    for name, design in SOAKS:
+        rows += survivors_calibration(name, design)
     return rows
 
 
@@ -242,26 +242,26 @@ def calibration() -> list[dict[str, Any]]:
 # the 5% the model is held to, and not in the set: fleet_soak_etcd_power_leader.json (0.667
 # against 0.630, +5.8%) and fleet_soak_etcd_cosine_rescale.json (0.778 against 0.698, +11.6%: its
 # machines took 17.8-26.4 s to start again, the slowest day).
-SOAKS = (
-    "fleet_soak.json",
-    "fleet_soak_etcd.json",
-    "fleet_soak_etcd_before_freeze.json",
-    "fleet_soak_etcd_freeze.json",
-    "fleet_soak_etcd_judge.json",
-    "fleet_soak_etcd_power.json",
-    "fleet_soak_etcd_power_clock.json",
-    "fleet_soak_etcd_power_steady.json",
-    "fleet_soak_etcd_cosine.json",
-    "fleet_soak_etcd_cosine_run2.json",
-    "fleet_soak_etcd_cosine_formed.json",
-    "fleet_soak_loopback_cosine.json",
-    "fleet_soak_loopback_cosine_rescale.json",
-    "fleet_soak_loopback_cosine_rescale_run2.json",
+SOAKS = (  # each with the survivors' design it ran: redo before 2026-12-03
+    ("fleet_soak.json", "redo"),
+    ("fleet_soak_etcd.json", "redo"),
+    ("fleet_soak_etcd_before_freeze.json", "redo"),
+    ("fleet_soak_etcd_freeze.json", "redo"),
+    ("fleet_soak_etcd_judge.json", "redo"),
+    ("fleet_soak_etcd_power.json", "redo"),
+    ("fleet_soak_etcd_power_clock.json", "redo"),
+    ("fleet_soak_etcd_power_steady.json", "redo"),
+    ("fleet_soak_etcd_cosine.json", "redo"),
+    ("fleet_soak_etcd_cosine_run2.json", "redo"),
+    ("fleet_soak_etcd_cosine_formed.json", "redo"),
+    ("fleet_soak_loopback_cosine.json", "redo"),
+    ("fleet_soak_loopback_cosine_rescale.json", "redo"),
+    ("fleet_soak_loopback_cosine_rescale_run2.json", "redo"),
 )
 
 
-def survivors_calibration(name: str) -> list[dict[str, Any]]:
-    """The survivors' design on benchmarks/fleet_soak.py's emulated machines (results/`name`), from
+def survivors_calibration(name: str, design: str = "redo") -> list[dict[str, Any]]:
+    """The survivors' `design` on benchmarks/fleet_soak.py's emulated machines (results/`name`), from
     the parts its runs measured: the fault-free pace (a round's seconds, the exchange in it), each
     loss's seconds to the survivors' regroup and each return's to its joining (their lines' times),
     and the machines sharing the host's cores; where its machines lost their power (`--loss
@@ -295,9 +295,9 @@ def survivors_calibration(name: str) -> list[dict[str, Any]]:
                   back_s=sum(backs) / max(1, len(backs)), starting_s=sum(starts) / max(1, len(starts)), cores=soak["machine"]["cpus"],
                   rank0_share=rank0_share, hours=clean["seconds"] / 3600)  # fmt: skip
     at = [f["at"] for f in faulted["faults"]]
-    free = simulate(fleet, "survivors", faults=False)["steps_per_s"]
-    predicted = simulate(fleet, "survivors", at=at)["steps_per_s"] / free
-    return [{"design": "survivors", "run": f"{name} fleet", "predicted": predicted, "measured": clean["seconds"] / faulted["seconds"],
+    free = simulate(fleet, design, faults=False)["steps_per_s"]
+    predicted = simulate(fleet, design, at=at)["steps_per_s"] / free
+    return [{"design": design, "run": f"{name} fleet", "predicted": predicted, "measured": clean["seconds"] / faulted["seconds"],
              "parts": {"detect_s": fleet.detect_s, "regroup_s": fleet.regroup_s, "join_s": fleet.join_s, "back_s": fleet.back_s, "starting_s": fleet.starting_s, "step_s": fleet.step_s, "k": fleet.k,
                        "cores": fleet.cores, "rank0_share": rank0_share, "faults": len(at)}}]  # fmt: skip
 

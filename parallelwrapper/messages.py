@@ -10,7 +10,7 @@ from typing import Literal
 
 from .errors import WorkerError
 from .feed.protocols import Epochs
-from .types import Counters, DataOrder, Report, StateDict, TrainingState
+from .types import Counters, DataOrder, Report, Resume, StateDict, TrainingState
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class FitCommand:
     shards: Epochs | None = None  # spawned workers that read their shards: the fit's epochs, sent once (feed/epochs.shards_of); None: fed through the queue
     claims: str | None = None  # with shards: the store key every worker claims its batches from (feed/claims.py); None: dealt
     order: DataOrder = DataOrder()  # where the epochs' orders are kept, and those a resume read (feed/order.py)
+    resume: Resume | None = None  # a fleet's round resumed without a lost peer: `state` is the round's start (its anchor), this the worker's own since
 
 
 # A worker's message to the main process, on the results queue: (kind, process, payload).

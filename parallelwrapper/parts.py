@@ -73,11 +73,12 @@ class Parts:
             None if self.outer is None else tensors(self.outer.state_dict()),
         )
 
-    def load(self, state: TrainingState, *, take: bool = False) -> None:
+    def load(self, state: TrainingState, *, take: bool = False, restart: bool = True) -> None:
         """Load every part's state; the optimizers cast theirs to their parameters' device. With
         `take`, the state is the caller's to give away (nobody else holds it, nor will write to
         it): the optimizers keep its tensors instead of copies. The optimizer loads first, so that
-        its old state is let go before the model's parameters are copied in."""
+        its old state is let go before the model's parameters are copied in. Without `restart`, the
+        parameters loaded are a round's progress, not its start: the anchor stays (a resumed round)."""
         # Every worker receives the same shared-memory tensors, and an optimizer keeps the tensors
         # it loads when they already have the right device and dtype (Adam's step is increased
         # in place): without a copy, the workers would step one shared counter.
@@ -85,7 +86,7 @@ class Parts:
         self.model.load_state_dict(state.model)
         if self.schedule is not None and state.lr_scheduler is not None:
             self.schedule.load_state_dict(state.lr_scheduler)
-        if self.landing is not None:
+        if self.landing is not None and restart:
             self.landing.restart()  # the loaded parameters are the next round's start
         if self.outer is not None and state.outer_optimizer is not None:
             self.outer.load_state_dict(state.outer_optimizer if take else to_cpu(state.outer_optimizer))

@@ -140,7 +140,8 @@ class Validation:
 class Replacement:
     """A worker was lost (`.on_worker_failure("replace")`): a fresh process took a spawned worker's
     rank, or a fleet's survivors went on without it (`rank`: its rank in the group it left); every
-    worker went back to the average before round `lost_round`, which was trained again."""
+    worker went back to the average before round `lost_round`, which was trained again, or a
+    fleet's survivors resumed that round with what each had trained of it (types.Resume)."""
 
     rank: int
     reason: WorkerError  # the failure, with its traceback
@@ -163,6 +164,35 @@ class TrainingState:
     outer_optimizer: StateDict | None = None
 
 
+
+@dataclass(frozen=True)
+class Progress:
+    """One worker's part of a round in flight (Rounds.progress), where a fleet's survivors may
+    resume the round without a lost peer: its batches are claim numbers counted from the round's
+    first batch (feed/claims.py)."""
+
+    seq: int  # the round, over the worker's life (Rounds.seq)
+    end: int  # the round's batches end before this index of its epoch
+    trained: tuple[int, ...]  # the batches it trained in the round
+    claimed: int  # one past the last claim it took (trained, or held for a later round)
+    k: int
+    samples: int
+    losses: tuple[float, ...]  # loss·n per step
+    first_step: int
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A round in flight that a fleet's survivors resume without a lost peer, instead of redoing it
+    from its start: each keeps what it trained (`state`, its own as the loss left it; `progress`),
+    and they claim first the round's batches that no survivor trained (`holes`, claim numbers from
+    the round's first batch), then on from `then`."""
+
+    progress: Progress
+    holes: tuple[int, ...]
+    then: int
+    state: TrainingState
+
 @dataclass(frozen=True)
 class DataOrder:
     """What keeps the training data's order across a resume (feed/order.py): the checkpoint
@@ -180,9 +210,11 @@ __all__ = [
     "EpochEnd",
     "DataOrder",
     "Output",
+    "Progress",
     "Replacement",
     "Reporter",
     "Report",
+    "Resume",
     "Sample",
     "Score",
     "StateDict",

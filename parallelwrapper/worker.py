@@ -62,6 +62,11 @@ class Replica:
         new ones: the round loop builds its buffers afresh (Rounds.reset)."""
         self.parts.load(state)
 
+    def resume_state(self, state: TrainingState) -> None:
+        """Take `state`, this worker's own in a round in flight, over the round's start that
+        `load_state` loaded: its anchor (an outer step's, a share's) stays the start."""
+        self.parts.load(state, restart=False)
+
     def state_dicts(self) -> TrainingState:
         """Every part's state on the CPU: a copy (Parts.state)."""
         return self.parts.state()

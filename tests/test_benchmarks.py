@@ -239,7 +239,7 @@ def fleet_sim(r: dict[str, Any]) -> None:
     assert r["calibration"], r
     for c in r["calibration"]:
         assert abs(figure(c["predicted"]) / figure(c["measured"]) - 1) < 0.05, c
-    assert all(0 < row[d] <= 1 for row in r["rows"] for d in ("survivors", "lost_share", "restart", "rollback")), r["rows"]
+    assert all(0 < row[d] <= 1 for row in r["rows"] for d in ("resume", "redo", "restart", "rollback")), r["rows"]
 
 
 def fleet_soak(r: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from parallelwrapper.config import fleet_address
 from parallelwrapper.replacement.fleet import Group
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from fleet_member import BATCHES, EPOCHS
+from fleet_member import BATCHES, EPOCHS, LOSS_STEP
 from test_torchrun import clean_env, free_port, torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "fleet_member.py"
@@ -126,6 +126,38 @@ def test_the_members_agree_on_a_rounds_newcomers_without_one_waiting_on_another(
     assert agreed_joining(local, fleet, 7) == 0  # the round's count is the first member's
     assert agreed_joining(local, fleet, 8) == 1  # the next round's first reads it
     assert time.monotonic() - began < 1.0  # none waited (the store's timeout is 2 s)
+
+
+@pytest.mark.fast
+def test_survivors_resume_a_round_by_claiming_first_what_none_of_them_trained() -> None:
+    """The round's claims 0-9 were taken: the two survivors trained 0, 2, 3 and 5, 6, 8, one holds
+    9 for the next round; the lost member's 1, 4 and 7 and the held 9 are claimed again first,
+    then claim 10 on (a claim past 9 that the lost member took is taken again in turn). Anything
+    else (a survivor with no part, or a part of another round than the start it kept, or of
+    another round than the others') redoes the round from its start."""
+    from parallelwrapper.feed.claims import Refill
+    from parallelwrapper.replacement.fleet import refill
+    from parallelwrapper.types import Progress
+
+    def part(seq: int, trained: tuple[int, ...], claimed: int, end: int = 9) -> Progress:
+        return Progress(seq, end, trained, claimed, 2, 4 * len(trained), (1.0,) * len(trained), 0)
+
+    a, b = part(5, (0, 2, 3), 4), part(5, (5, 6, 8), 10)
+    assert refill([(a, 5), (b, 5)]) == ((1, 4, 7, 9), 10)
+    assert refill([(a, 5), (None, 5)]) is None  # a survivor whose round could not be resumed (its payload coded, say)
+    assert refill([(a, 4), (b, 5)]) is None  # it kept an older round's start: its last round landed for it alone
+    assert refill([(a, 5), (part(6, (1,), 2), 6)]) is None
+    assert refill([(a, 5), (part(5, (1,), 2, end=12), 5)]) is None
+
+    class Counter:
+        n = -1
+
+        def claim(self) -> int:
+            self.n += 1
+            return self.n
+
+    counter = Refill(Counter(), (1, 4, 7, 9), 10)
+    assert [counter.claim() for _ in range(6)] == [1, 4, 7, 9, 10, 11]
 
 
 @pytest.mark.fast
@@ -273,7 +305,7 @@ def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins
         # The heartbeat's judge may hear of the loss first, where the survivor's collective waits on the
         # other survivor and not on the lost process's closed socket: it says so on a line of its own.
         said = [line for line in logs_text[m].splitlines() if line.startswith("parallelwrapper: member") and not line.endswith("so that the group regroups now")]
-        assert len(said) == 2 and "goes on without member" in said[0] and "(rank 0 of generation 0): 2 processes from round" in said[0], said
+        assert len(said) == 2 and "goes on without member" in said[0] and "(rank 0 of generation 0): 2 processes " in said[0], said
         assert "joined (generation 2): 3 processes, " in said[1] and said[1].endswith(" s to take in"), said
         seconds = float(said[0].split(", ")[-1].split(" s after")[0])
         print(f"lost to the survivors' regroup: {seconds} s")
@@ -291,6 +323,33 @@ def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins
     said = [line for line in (tmp_path / "agent4.log").read_text().splitlines() if line.startswith("member 4 ")]
     assert len(said) == 1 and said[0].startswith("member 4 came after the fleet had finished (every member of generation 2 has left): nothing is left to train"), said
     assert not (tmp_path / "model4.pt").exists() and not (tmp_path / "history4.json").exists()
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_a_machine_lost_mid_round_costs_the_survivors_only_its_share_of_the_round(tmp_path: Path) -> None:
+    """Rank 1's machine lost at its 8th step, k = 2: the survivors see it at the round's collective
+    and resume the round, each with what it trained, claiming first the round's batches that
+    none of them trained. Every batch lands once, the replicas end bitwise equal, and the steps
+    of all three processes exceed the run's batches by no more than those claimed again: a redo
+    from the round's start trained the survivors' part of it twice too."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    lost, logs = one_machine_lost(tmp_path, [machine(tmp_path, store, m, "1", K="2") for m in range(3)])
+    survivors = [m for m in range(3) if m != lost]
+    again = set()
+    steps = LOSS_STEP - 1  # the lost process's, trained before the step that took its machine
+    for m in survivors:
+        history = json.loads((tmp_path / f"history{m}.json").read_text())
+        assert history["restarts"] == 0 and history["epochs"][-1][1] == EPOCHS * BATCHES, history
+        said = [line for line in logs[m].splitlines() if line.startswith("parallelwrapper: member") and "goes on without member" in line]
+        assert len(said) == 1 and "(rank 1 of generation 0): 2 processes resume round " in said[0], said
+        again.add(int(said[0].split(", ")[1].split(" of its batches")[0]))
+        steps += history["steps"]
+    (holes,) = again  # every survivor claims the same again
+    assert holes <= 3 * 2 + 3, holes  # at most the round's batches (k = 2 on 3 processes) and one held for the next round by each
+    assert EPOCHS * BATCHES <= steps <= EPOCHS * BATCHES + holes, (steps, holes)
+    print(f"claimed again: {holes} batches; trained twice: {steps - EPOCHS * BATCHES}")
+    models = [torch.load(tmp_path / f"model{m}.pt") for m in survivors]
+    assert all(torch.equal(t, models[0][k]) for m in models for k, t in m.items())
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
@@ -352,7 +411,7 @@ def test_a_stopped_member_closes_nothing_and_its_peers_go_on_without_it_within_t
         assert [r[0] for r in history["replacements"]] == [0], history
         said = [line for line in logs[m].splitlines() if line.startswith("parallelwrapper: member")]
         assert len(said) == 2 and "member 0 gone (no heartbeat for 2 s, and nothing answers" in said[0] and said[0].endswith("shut, so that the group regroups now"), said
-        assert "goes on without member" in said[1] and "(rank 0 of generation 0): 2 processes from round" in said[1], said
+        assert "goes on without member" in said[1] and "(rank 0 of generation 0): 2 processes " in said[1], said
     models = [torch.load(tmp_path / f"model{m}.pt") for m in survivors]
     assert all(torch.equal(t, models[0][k]) for m in models for k, t in m.items())
     assert finished < 60, finished  # the rest of the run after the stop, far inside gloo's 330 s

@@ -28,20 +28,21 @@ def test_one_fault_costs_what_each_design_says() -> None:
     at = 5 * 1.2 + 0.5
     runs = {d: simulate(FLEET, d, at=[at]) for d in DESIGNS}
     assert all(r["faults"] == 1 for r in runs.values())
-    # survivors (as built), a machine that did not host the claims: the 8 workers' round goes on,
-    # on 6, until its collective, which fails; the whole round's 80 steps are redone. Where the
-    # machine lost hosted them, the survivors see it at their next claim: the 40 steps so far.
-    assert simulate(dataclasses.replace(FLEET, rank0_share=0.0), "survivors", at=[at])["redone_steps"] == pytest.approx(80)
-    assert simulate(dataclasses.replace(FLEET, rank0_share=1.0), "survivors", at=[at])["redone_steps"] == pytest.approx(40)
-    # lost_share (issue 54's aim): after 2 s to see it and 0.5 s to regroup, the lost machine's
-    # 2 x 5 steps again, and the 6 workers' 30 steps left.
-    assert runs["lost_share"]["redone_steps"] == pytest.approx(10)
+    # redo, a machine that did not host the claims: the 8 workers' round goes on, on 6, until its
+    # collective, which fails; the whole round's 80 steps are redone. Where the machine lost hosted
+    # them, the survivors see it at their next claim: the 40 steps so far.
+    assert simulate(dataclasses.replace(FLEET, rank0_share=0.0), "redo", at=[at])["redone_steps"] == pytest.approx(80)
+    assert simulate(dataclasses.replace(FLEET, rank0_share=1.0), "redo", at=[at])["redone_steps"] == pytest.approx(40)
+    # resume, either way: the lost machine's 2 x 5 steps again (the 6 workers' 30 steps left before
+    # the collective, or after the regroup where they saw it at once).
+    for rank0_share in (0.0, 1.0):
+        assert simulate(dataclasses.replace(FLEET, rank0_share=rank0_share), "resume", at=[at])["redone_steps"] == pytest.approx(10)
     # restart: the 1 round since the checkpoint after round 4, and the 40 steps of round 6 so far.
     assert runs["restart"]["redone_steps"] == pytest.approx(80 + 40)
     # rollback: the round in flight, on every worker.
     assert runs["rollback"]["redone_steps"] == pytest.approx(40)
     rates = {d: r["steps_per_s"] for d, r in runs.items()}
-    assert rates["lost_share"] > rates["survivors"] > rates["rollback"] > rates["restart"]
+    assert rates["resume"] > rates["redo"] > rates["rollback"] > rates["restart"]
 
 
 def test_a_machine_back_within_the_restart_joins_it_and_one_back_later_restarts_everyone_again() -> None:

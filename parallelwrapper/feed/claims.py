@@ -41,6 +41,18 @@ class StoreCounter:
         return int(self._store.add(self._key, 1)) - 1
 
 
+class Refill:
+    """A resumed round's claims (types.Resume): claim c is its hole c, then `then`, `then` + 1, ...:
+    the batches of the round that no survivor trained come first, each once, then the fit goes on."""
+
+    def __init__(self, counter: Counter, holes: tuple[int, ...], then: int) -> None:
+        self._counter, self._holes, self._then = counter, holes, then
+
+    def claim(self) -> int:
+        c = self._counter.claim()
+        return self._holes[c] if c < len(self._holes) else self._then + c - len(self._holes)
+
+
 def claimed(config: Config, alone: bool) -> bool:
     """Whether workers claim their batches first-come (else each reads its dealt shard): averaging
     rounds with the default feed, neither dealt (`deterministic`) nor in lockstep within a
@@ -80,6 +92,10 @@ class ClaimSource:
     def epoch_length(self, epoch: int) -> int | None:
         return self._length(epoch) if epoch < self._until else None
 
+    def held(self) -> tuple[int, int] | None:
+        """(epoch, index) of a batch claimed and not given yet (a later epoch's)."""
+        return self._held
+
     def next_batch(self) -> tuple[int, Batch] | EndOfEpoch:
         if self._held is None:
             self._held = self._locate(self._counter.claim())
@@ -91,4 +107,4 @@ class ClaimSource:
         return index, self._epochs.batch_at(epoch, index)
 
 
-__all__ = ["ClaimSource", "Counter", "StoreCounter", "claimed"]
+__all__ = ["ClaimSource", "Counter", "Refill", "StoreCounter", "claimed"]

@@ -47,7 +47,7 @@ from ..config import Config, fleet_address
 from ..env import Placement, claim_device, collective_timeout
 from ..errors import GroupChanges, WorkerError
 from ..feature import Feature, Plain
-from ..feed.claims import StoreCounter, claimed
+from ..feed.claims import Counter, Refill, StoreCounter, claimed
 from ..feed.data import Batches
 from ..hooks import RoundObserver
 from ..job import Job
@@ -352,10 +352,12 @@ class FleetWorker:
         with stop_on_signals(self._hooks, (signal.SIGINT, signal.SIGTERM), on_report) as report:
             while True:
                 worker, counters = self._worker, command.counters
-                claims = None
-                if claimed(self._config, self._feature.alone):  # from where the fit (or the round it redoes) starts, in this group
+                claims: Counter | None = None
+                if claimed(self._config, self._feature.alone):  # from where the fit (or the round it redoes or resumes) starts, in this group
                     assert survival.local is not None, "a fit outside a group"
                     claims = StoreCounter(survival.local, f"claims/{counters.epoch}-{counters.position}")
+                    if command.resume is not None:  # the batches of the round that no survivor trained first
+                        claims = Refill(claims, command.resume.holes, command.resume.then)
                 source = feed.source(data, survival.rank, dist.get_world_size(), counters, until_epoch, claims, command.order)
                 lost: WorkerError | None = None
                 try:

@@ -112,7 +112,11 @@ class Worker:
         with self._own_threads_and_rng():
             try:
                 self.replica.load_state(command.state)
+                if command.resume is not None:  # the round's start above, this worker's progress in it here
+                    self.replica.resume_state(command.resume.state)
                 self.rounds.begin(command.counters, command.start)
+                if command.resume is not None:
+                    self.rounds.resume(command.resume)
             except Exception as e:  # noqa: BLE001 - any failure is a WorkerError, whose message holds e's traceback: from None prints it once
                 raise self.failure(e) from None
         return command.until_epoch

@@ -1,4 +1,4 @@
-"""A fleet's members: they enroll and form their group in the shared store, agree on the next after a loss with no leader, take in a process that joins, and redo the round from a kept state.
+"""A fleet's members: they enroll and form their group in the shared store, agree on the next after a loss with no leader, take in a process that joins, and resume or redo the round.
 
 A fleet (`.fleet(store, processes=N)` with `.on_worker_failure("replace")`) is processes launched
 apart, a torchrun on each machine, whose group forms in a store that none of them hosts
@@ -28,9 +28,16 @@ TCPStore that its rank 0 hosts (`local`), not to the fleet's store: an etcd clus
 consensus writes, retried under contention (3.3 ms an `add` alone, 7-11 ms with three processes
 adding, on this machine's loopback; a 3-machine soak of a small MLP took 10.5 s with its claims in
 etcd, 3.2 s with them at rank 0). That store goes with rank 0, and so does its generation.
-Then the members form the group (regroup.form), rebuild their workers for its size, receive the
-source's kept state (a newcomer's state, from a peer, not from the disk) and redo its round, its
-batches claimed again from where it started (feed/claims.py), so each counts once.
+Then the members form the group (regroup.form) and rebuild their workers for its size. After a
+loss they resume the round in flight where they can (`_resumable`): each keeps what it trained in
+it, and they claim first the round's batches that none of them trained (the lost members', and
+any held for a later round), then go on (feed/claims.Refill), so each batch counts once and a
+loss costs the survivors only the lost share of the round, not the round. That needs every
+survivor's part of the same round, sent in float32 and landed at once (Rounds.progress); else
+(a coded payload, whose error fed back the failed send has changed; overlap, whose last round
+lands in this one; a grown group, whose newcomers have no part) they receive the source's kept
+state (a newcomer's state, from a peer, not from the disk) and redo its round, its batches
+claimed again from where it started (feed/claims.py).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from ..errors import FleetEnded, GroupChanges, WorkerError, summary
 from ..messages import FitCommand
-from ..types import Counters, Replacement
+from ..types import Counters, Progress, Replacement, Resume
 from .keeper import Keep, Replaceable
 from .regroup import FORM_S, form
 from .replacer import newest
@@ -205,27 +212,37 @@ class Survivor(Keep):
         in the group it left). A member lost as the group forms, or before the state reached every
         one, is one more loss: they agree on the next generation again."""
         began, first = time.monotonic(), self.group
+        # After a loss, this member's part of the round in flight and its state as the loss left
+        # it: where every survivor has its part (`_resumable`), they resume the round.
+        done = self.worker.rounds.progress() if error is not None else None
+        mine = None if done is None else self.worker.replica.state_dicts()
         while True:
             if dist.is_initialized():
                 dist.destroy_process_group()  # every peer's collective ends at once, once no one holds the group (its host: fleet.py)
                 gc.collect()
-            self.group, source = self._agree(error)
+            self.group, source, grown = self._agree(error)
             self._watch(self.group.members)
             self.attach(self._rebuilt())
             try:
                 self._enter_group()
-                kept = self.receive(source)
+                refill = None if grown else self._resumable(done)  # a grown group's newcomers have no part: it redoes the round
+                kept = self.receive(source) if refill is None else self.kept
             except Exception as e:  # noqa: BLE001 - gloo's refusals, a store's timeout: one more loss
                 error = self._lost(e, "regrouping" if error is not None else "taking in a newcomer")
                 continue
             break
+        assert kept is not None, "a member resumes a round it kept the start of (`_resumable`)"
         lost = [m for m in first.members if m not in self.group.members]
         joined = [m for m in self.group.members if m not in first.members]
         counters, seconds = kept.counters, time.monotonic() - began
         if joined:
             _say(f"member {self.me}: member{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} joined (generation "
                  f"{self.generation}): {len(self.group.members)} processes, {seconds:.2f} s to take in")  # fmt: skip
-        after = f"{len(self.group.members)} processes from round {counters.rounds + 1}, {seconds:.1f} s after the loss"
+        if refill is None:
+            after = f"{len(self.group.members)} processes from round {counters.rounds + 1}, {seconds:.1f} s after the loss"
+        else:
+            after = (f"{len(self.group.members)} processes resume round {counters.rounds + 1}, {len(refill[0])} of its batches to train again, "
+                     f"{seconds:.1f} s after the loss")  # fmt: skip
         if lost:
             _say(f"member {self.me} goes on without member{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (rank "
                  f"{', '.join(str(first.rank(m)) for m in lost)} of generation {first.generation}): {after}")  # fmt: skip
@@ -233,7 +250,32 @@ class Survivor(Keep):
             _say(f"member {self.me} goes on with every member of generation {first.generation} (a connection lost: {error.summary[:200]}): {after}")
         since = time.monotonic() - start
         told = [Replacement(first.rank(m), error or _lost_as_it_grew(first, m), counters.rounds + 1, since, counters=counters) for m in lost]
-        return self.redo(kept, until_epoch, start), told
+        if refill is None:
+            return self.redo(kept, until_epoch, start), told
+        assert done is not None and mine is not None
+        return self._resume(Resume(done, *refill, mine), until_epoch, start), told
+
+    def _resumable(self, done: Progress | None) -> tuple[tuple[int, ...], int] | None:
+        """Where every member of the group (the survivors of a loss) has its part of the same round
+        in flight (Rounds.progress) and kept that round's start, what they claim to resume it: the
+        round's batches below the last any of them claimed that none trained (the lost members',
+        and those held for a later round), then on from there; claims past it that a lost member
+        took are taken again in turn. Else None: the round is redone from its kept start."""
+        parts: list[tuple[Progress | None, int | None]] = [(None, None)] * len(self.group.members)
+        dist.all_gather_object(parts, (done, None if self.kept is None else self.kept.seq))
+        return refill(parts)
+
+    def _resume(self, resume: Resume, until_epoch: int, start: float) -> FitCommand:
+        """The fit that resumes the round in flight (`_resumable`): from the start this member kept
+        (the anchor of an outer step or a share), with its own state since (`resume.state`)."""
+        kept = self.kept
+        assert kept is not None and kept.seq == resume.progress.seq
+        self.worker.rounds.regrouped(self.worker.own_state())  # the last exchange's measure goes, being this member's only
+        self.worker.rounds.seq = kept.seq - 1  # the resumed round is `kept.seq` again
+        # What this worker keeps while it resumes the round, until the round's start keeps it anew:
+        # a loss before then redoes this round from its start.
+        self.kept, self._redo = None, dataclasses.replace(kept, own=self.worker.own_state())
+        return FitCommand(until_epoch, dataclasses.replace(kept.counters), kept.state, None, start, resume=resume)
 
     # -- the group -------------------------------------------------------------------------------------
 
@@ -283,9 +325,10 @@ class Survivor(Keep):
         """Generation `generation` as its members were written in the store."""
         return Group(generation, tuple(int(m) for m in self.store.get(f"generation-{generation}/members").decode().split(",")))
 
-    def _agree(self, error: WorkerError | None) -> tuple[Group, int]:
+    def _agree(self, error: WorkerError | None) -> tuple[Group, int, bool]:
         """Come to the generation after this group's with the round this member kept, and return
-        it once its members are agreed, with the rank whose kept round every one takes. The first
+        it once its members are agreed, with the rank whose kept round every one takes and whether
+        it grew (newcomers in it). The first
         member to say it (the store's `add`, as regroup._say) writes it, and every member takes it
         as written, whatever it saw itself:
         - one that grows the group (`error` None, after GroupChanges) says it at once: this group's
@@ -321,10 +364,10 @@ class Survivor(Keep):
                 f"silent for {self._gone_s:g} s or more while its peers regrouped (stopped, or its link cut); start it again",
             )
         if store.check(["grown"]):
-            return group, 0
+            return group, 0, True
         said = {r: json.loads(store.get(f"kept/{m}")) for r, m in enumerate(group.members)}
         rounds = {r: None if v is None else (int(v[0]), Counters(**v[1])) for r, v in said.items()}
-        return group, newest(rounds, [] if error is None else [error])[0]
+        return group, newest(rounds, [] if error is None else [error])[0], False
 
     def _decide(self, group: Group, admitted: int) -> None:
         """Write `group`, the next generation, with the count of newcomers taken in by then, and
@@ -332,6 +375,17 @@ class Survivor(Keep):
         self.store.set(f"generation-{group.generation}/admitted", str(admitted))
         self.store.set(f"generation-{group.generation}/members", ",".join(map(str, group.members)))
         self.store.set("latest", str(group.generation))
+
+
+def refill(parts: list[tuple[Progress | None, int | None]]) -> tuple[tuple[int, ...], int] | None:
+    """`Survivor._resumable` from every member's (part of the round in flight, the round whose
+    start it kept): (holes, then), or None unless each has its part of one round and kept its start."""
+    progress = [done for done, kept in parts if done is not None and kept == done.seq]
+    if len(progress) < len(parts) or len({(p.seq, p.end) for p in progress}) > 1:
+        return None
+    trained = {i for p in progress for i in p.trained}
+    then = max(p.claimed for p in progress)
+    return tuple(i for i in range(then) if i not in trained), then
 
 
 def agreed_joining(local: Store, fleet: Store, tag: int) -> int:
@@ -356,4 +410,4 @@ def _say(line: str) -> None:
     print(f"parallelwrapper: {line}", file=sys.stderr, flush=True)
 
 
-__all__ = ["Group", "Join", "Survivor", "agreed_joining"]
+__all__ = ["Group", "Join", "Survivor", "agreed_joining", "refill"]

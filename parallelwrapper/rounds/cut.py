@@ -48,6 +48,23 @@ class RoundCut:
         self.finished, self.end, self._epoch = False, counters.position, counters.epoch
         self._first = (math.ceil(counters.iterations / self.planned), counters.position)
 
+    @property
+    def source(self) -> BatchSource | None:
+        return self._source
+
+    def held(self) -> int | None:
+        """The index of a batch taken for a later round, not trained yet."""
+        return None if self._held is None else self._held[0]
+
+    def claim_of(self, epoch: int, index: int) -> int:
+        """Batch `index` of `epoch` (this one or the next) as a claim number counted from the
+        round's first batch (feed/claims.py)."""
+        if epoch == self._epoch:
+            return index - self.start
+        length = self._length()
+        assert epoch == self._epoch + 1 and length is not None, "a claim two epochs ahead, or of an epoch of unknown length"
+        return length - self.start + index
+
     def round_starts(self, batches: int) -> None:
         self.start, self.end = self.end, self.end + batches
 

@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from ..config import Config, TrainingMode
 from ..errors import Stopped
+from ..feed.claims import ClaimSource
 from ..feed.protocols import BatchSource
 from ..hooks import Hooks, Phase
-from ..types import Batch, Counters, Reporter, StateDict
+from ..types import Batch, Counters, Progress, Reporter, Resume, StateDict
 from .clock import Clock
 from .cut import RoundCut
 from .exchange import Sent
@@ -60,7 +61,7 @@ class Rounds:
         `spread`: a worker is several processes (a pipeline's stages), each with its own state;
         `redoes`: a lost round is redone from a copy of the whole state kept at its start (replacement);
         `together`: the worker's other processes (a pipeline's stages), whose policy chooses with this one's."""
-        self.trainer, self.config, self.hooks = trainer, config, hooks or Hooks()
+        self.trainer, self.config, self.hooks, self._device = trainer, config, hooks or Hooks(), device
         self.rank, self.world_size, self.group = rank, world_size, group
         self._spread = spread
         self._together = None if lockstep is None else lockstep.steps(trainer, device)
@@ -77,6 +78,9 @@ class Rounds:
         ranks = world_size * (1 if lockstep is None else lockstep.size)
         self._cut = RoundCut(ranks, config.planned_workers(ranks))  # which batches each round trains, and their steps
         self.policy = policy_for(config, trainer, self.clock, device, group, together)  # what each averaging round runs with (policy.py)
+        self._work: Work | None = None  # the local work of the round in flight, until it lands at once
+        self._trained: list[int] = []  # the indices of its batches that this worker trained
+        self._resuming: Resume | None = None  # the next round is this one, resumed (`resume`)
 
     @property
     def _averaging(self) -> bool:
@@ -105,6 +109,28 @@ class Rounds:
         """The policy's part of `own`, if any, and the exchanges sent as its choice says."""
         if self.policy.load_state_dict(own):
             self.config = self._exchange.use(self.policy.choice)
+
+    def progress(self) -> Progress | None:
+        """This worker's part of the round in flight, which a fleet's survivors may resume without
+        a lost peer (types.Resume): an averaging round sent in float32 and landed at once, by a
+        worker alone (no lockstep group, no stages), on claimed batches, begun and not landed;
+        else None (a round that must be redone from its start)."""
+        work, source, cut = self._work, self._cut.source, self._cut
+        if (work is None or not self._averaging or self._exchange.overlapped(True) or self.config.payload_dtype != "float32"
+                or self._together is not None or self._spread or not isinstance(source, ClaimSource)):  # fmt: skip
+            return None
+        taken = [i - cut.start for i in self._trained]
+        if (held := cut.held()) is not None:  # past the round's end: the next round's
+            taken.append(held - cut.start)
+        if (later := source.held()) is not None:  # the next epoch's
+            taken.append(cut.claim_of(*later))
+        losses = tuple(float(x) for x in work.losses)
+        return Progress(self.seq, cut.end, tuple(i - cut.start for i in self._trained), max(taken, default=-1) + 1, work.k, work.samples, losses, work.first_step)
+
+    def resume(self, resume: Resume) -> None:
+        """The next round is `resume`'s: the round a lost peer left, its batches the same, this
+        worker's part of it trained already (the fit's state and counters are its start's)."""
+        self._resuming = resume
 
     def begin(self, counters: Counters, started: float) -> None:
         """The one way a host sets the loop's counters: a fit() loaded the trainer's state (new
@@ -194,11 +220,20 @@ class Rounds:
         is still being averaged."""
         epoch, trainer = self.counters.epoch, self.trainer
         self.seq += 1
-        k = self.policy.steps(self._cut) if self._averaging else 1  # SHARED_GRADIENTS (and a warm-up): one step each
-        self._cut.round_starts(self._cut.ranks * k)
-        if self.hooks.observer is not None:
-            self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
-        work = Work(first_step=trainer.local_steps, k=k)
+        resuming, self._resuming = self._resuming, None
+        if resuming is None:
+            k = self.policy.steps(self._cut) if self._averaging else 1  # SHARED_GRADIENTS (and a warm-up): one step each
+            self._cut.round_starts(self._cut.ranks * k)
+            if self.hooks.observer is not None:
+                self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
+            work, self._trained = Work(first_step=trainer.local_steps, k=k), []
+        else:  # a round resumed without a lost peer: its batches, and this worker's part of them, as they were
+            done = resuming.progress
+            self._cut.round_starts(done.end - self._cut.end)
+            losses = [torch.tensor(x, device=self._device) for x in done.losses]
+            work = Work(losses, done.samples, len(done.trained), done.first_step, done.k)
+            self._trained = [self._cut.start + i for i in done.trained]
+        self._work = work
         self._exchange.prepare(self._averaging)
         stream = self._exchange.stream if self._exchange.overlapped(self._averaging) else None  # fragments launch through the round
         if self._averaging and self._together is not None:
@@ -211,6 +246,7 @@ class Rounds:
             if self._averaging:
                 trainer.at_step(self._cut.step_of(item[0]))
             loss, n = step(epoch, *item)
+            self._trained.append(item[0])
             if stream is not None:
                 stream.stepped(loss, n)
             work.losses.append(loss)
@@ -256,6 +292,8 @@ class Rounds:
         """Land a launched round (`since`: the local work done after it, itself when `at_once`);
         a gradient round then takes its step, the same on every worker."""
         totals = self._exchange.land(launched, since.skipped, at_once, self.hooks.observer)
+        if at_once:
+            self._work = None  # landed: nothing in flight to resume
         if isinstance(launched, Sent) and not launched.averaging and totals.samples > 0:
             self.trainer.step()
         return totals

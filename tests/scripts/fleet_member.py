@@ -11,9 +11,9 @@ host), and its agent waits on it; with CUT=1, it writes its machine's number to 
 trains on, for tests/scripts/fleet_cut.py to cut its machine's link; with GROWS=1, it writes
 OUT_DIR/begun.txt there instead (a newcomer's COME_AFTER), and loses its machine as the group
 starts to take the newcomer in, before it has written anything of the group to come.
-Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid and
-its agent's restart count to OUT_DIR/history{m}.json; each writes its pid to OUT_DIR/pid{m}.txt
-when it starts. It runs with the features a fleet composes with: the autopilot (k from 1 to 4), an
+Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid, its
+agent's restart count and the steps it took to OUT_DIR/history{m}.json; each writes its pid to
+OUT_DIR/pid{m}.txt when it starts. It runs with the features a fleet composes with: the autopilot (k from 1 to 4; K=k: that k), an
 outer optimizer (DiLoCo's Nesterov SGD), a per-step OneCycleLR sized for the run as the fleet
 planned (which raises if stepped past its end) and a checkpoint in OUT_DIR/ckpt every 2 rounds.
 """
@@ -86,7 +86,8 @@ def main(store: str, processes: int, out: Path, lose: int | None) -> None:
     if os.environ.get("GROWS"):
         step.lost_as_it_grows()
     builder = (
-        ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9).averaging_frequency("auto", k_min=1, k_max=4)
+        ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+        .averaging_frequency(int(os.environ["K"]) if "K" in os.environ else "auto", k_min=1, k_max=4)
         .outer_optimizer(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).checkpoint(out / "ckpt", every=2).seed(3).threads_per_worker(1)
         .fleet(store, processes=processes).on_worker_failure("replace").peer_timeout(2.0)
         .training_step(step)
@@ -103,7 +104,7 @@ def main(store: str, processes: int, out: Path, lose: int | None) -> None:
             return
     torch.save(net.state_dict(), out / f"model{MACHINE}.pt")
     (out / f"history{MACHINE}.json").write_text(json.dumps({
-        "pid": os.getpid(), "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "pid": os.getpid(), "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "steps": step.steps,
         "epochs": [[e.epoch, e.iteration, e.samples] for e in history.epochs],
         "replacements": [[r.rank, r.lost_round] for r in history.replacements],
     }))  # fmt: skip
