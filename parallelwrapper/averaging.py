@@ -138,6 +138,7 @@ class _Group:
     coder: DeltaCoder | None = None  # with a wire codec: the last average and the error fed back
     later: bool = False  # its sums start once the others' are in, and land at settle()
     exact: bool = False  # never coded: it travels in full precision whatever the wire
+    spare: torch.Tensor | None = None  # `intact`: the buffer its sums go in, beside flat
 
 
 def _coded(g: _Group) -> bool:
@@ -176,6 +177,11 @@ class FlatAverager:
     all_gather), and every rank's is decoded and summed in rank order in float32, the same on every
     worker, as they arrive; the trailer goes in float64 beside them. `average()` goes in full
     precision and sets the start; `start_coding()` sets it where the tensors are equal already.
+
+    `intact`: the sums go in a spare buffer of each group's size, so the tensors stay as they were
+    until apply() (one copy more in memory, the passes over it the same where the scales are not
+    1): a round whose sums fail leaves each worker's own state, from which a fleet's survivors
+    resume the round (replacement/fleet.py). Not with a codec, which feeds its error back as it sends.
     """
 
     def __init__(
@@ -187,8 +193,10 @@ class FlatAverager:
         shards: Shards | None = None,
         later: Sequence[torch.Tensor] = (),
         exact: Sequence[torch.Tensor] = (),
+        intact: bool = False,
     ) -> None:
         self._wire, self._trailer_len, self._shards = uncoded_or(wire), trailer, shards
+        self._intact = intact and self._wire is None
         deferred = {id(t) for t in later} if self._wire is None and shards is None else set()
         exactly = {id(t) for t in exact} if self._wire is not None else set()
         if all(id(t) in deferred for t in tensors):
@@ -261,11 +269,16 @@ class FlatAverager:
             if scale == 0.0:
                 buffer = torch.zeros_like(g.flat)
             else:
-                buffer = g.flat
                 for t, view in g.copied:
                     view.copy_(t)
-                if scale != 1.0:
-                    g.data.mul_(scale)
+                if self._intact:  # the tensors stay as they are until apply()
+                    g.spare = torch.empty_like(g.flat) if g.spare is None else g.spare
+                    buffer = g.spare
+                    torch.mul(g.data, scale, out=buffer[: g.data.numel()])
+                else:
+                    buffer = g.flat
+                    if scale != 1.0:
+                        g.data.mul_(scale)
             put_trailer(buffer, g.data.numel(), trailer if not wired else None)
             if g.later and not exact:
                 self._later.append(Flight([], buffer))
@@ -378,6 +391,7 @@ class FlatAverager:
             self.settle()
         self._later, self._later_scale = [], None
         for g in self._groups:
+            g.spare = None
             for t, view in g.resident:
                 if t.data_ptr() == view.data_ptr():
                     t.data = view.clone()

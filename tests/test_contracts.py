@@ -153,6 +153,34 @@ def test_the_optimizers_state_lands_later_and_bitwise_as_at_once(fake: FakeAllRe
     assert all(torch.equal(a, b) for r in (0, 1) for a, b in zip(at_once[r], later[r], strict=True))
 
 
+def test_intact_buffers_leave_the_tensors_as_they_were_until_apply_and_land_the_same_bits(fake: FakeAllReduce) -> None:
+    """`intact` (a fleet's): the sums go in spare buffers, so after send() and wait(), and after a
+    wait() that never comes (a peer lost), each worker still holds its own tensors, later ones too,
+    from which its fleet resumes the round; apply() and settle() land the same bits as in place."""
+    weights, reference = [6.0, 4.0], 7.0
+    in_place, intact = [state(r) for r in (0, 1)], [state(r) for r in (0, 1)]
+    own = [[t.clone() for t in state(r)] for r in (0, 1)]
+    plain = [FlatAverager(t, CPU, trailer=1, later=[t[0]]) for t in in_place]
+    spare = [FlatAverager(t, CPU, trailer=1, later=[t[0]], intact=True) for t in intact]
+    for averagers in (plain, spare):
+        for rank in (0, 1):
+            fake.rank = rank
+            averagers[rank].send(weights[rank] / reference, [weights[rank]])
+    assert all(torch.equal(a, b) for r in (0, 1) for a, b in zip(intact[r], own[r], strict=True))  # sent: not scaled
+    for averagers in (plain, spare):
+        for rank in (0, 1):
+            fake.rank = rank
+            assert averagers[rank].wait() == [10.0]
+    assert all(torch.equal(a, b) for r in (0, 1) for a, b in zip(intact[r], own[r], strict=True))  # summed: not written
+    for averagers in (plain, spare):
+        for rank in (0, 1):
+            fake.rank = rank
+            averagers[rank].apply(reference / sum(weights))
+            averagers[rank].settle()
+    assert all(torch.equal(a, b) for r in (0, 1) for a, b in zip(in_place[r], intact[r], strict=True))
+    assert not torch.equal(intact[0][0], own[0][0])
+
+
 def test_a_worker_sending_scale_zero_contributes_nothing_not_even_nan(fake: FakeAllReduce) -> None:
     tensors = [[torch.full((2,), 5.0)], [torch.full((2,), float("nan"))]]
     averagers = [FlatAverager(t, CPU) for t in tensors]

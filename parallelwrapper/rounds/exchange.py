@@ -79,19 +79,21 @@ def state_buffers(trainer: Trainer, config: Config, device: torch.device, shards
     """New buffers for the state an averaging round averages (the tensors live in them until
     `release()`), in the payload's wire format; the optimizer's state lands later where it can
     (state.later_tensors): at the optimizer's next step, or whatever reads it first. `redoes`: a
-    lost round is redone from a copy of the whole state kept at its start (feature.Feature.redoes)."""
+    lost round is redone from a copy of the whole state kept at its start (feature.Feature.redoes).
+    A fleet's survivors resume a lost round from their own state as it left them: the sums go
+    beside it (FlatAverager's `intact`)."""
     with_state = config.average_updaters and config.average_updaters_every == 1  # else in moment_buffers
     tensors = averaged_tensors(trainer.model, trainer.optimizer, with_state)
     later = later_tensors(trainer.optimizer, with_state, redoes)
     exact = exact_tensors(trainer.optimizer) if with_state else []
-    return FlatAverager(tensors, device, HEADER_LEN, config.payload_dtype, shards, later, exact)
+    return FlatAverager(tensors, device, HEADER_LEN, config.payload_dtype, shards, later, exact, intact=config.fleet is not None)
 
 
 def moment_buffers(trainer: Trainer, config: Config, device: torch.device) -> FlatAverager | None:
     """With `.average_updaters(every=m)`, m > 1: buffers of the optimizer's state alone, sent in
     the rounds it travels (None: the optimizer holds no tensors)."""
     tensors = optimizer_state_tensors(trainer.optimizer)
-    return FlatAverager(tensors, device) if config.average_updaters_every > 1 and config.average_updaters and tensors else None
+    return FlatAverager(tensors, device, intact=config.fleet is not None) if config.average_updaters_every > 1 and config.average_updaters and tensors else None
 
 
 Group = tuple[dist.ProcessGroup | None, int]  # a process group (None: the default) and its size
