@@ -238,11 +238,12 @@ def calibration() -> list[dict[str, Any]]:
 # with the heartbeat's judge, on such a day; then machines that lose their power (the first run,
 # then silence counted by the clock, then the bounded wait for etcd's leader); then killed machines
 # on slow days, the learning rate falling on a cosine, on etcd (twice, then after the forming's
-# fix) and on loopback with a TCPStore (before the share, and twice with it). Two soaks are outside
+# fix) and on loopback with a TCPStore (before the share, and twice with it); then on etcd the day
+# the survivors came to resume the round, before (redo) and after (resume). Two soaks are outside
 # the 5% the model is held to, and not in the set: fleet_soak_etcd_power_leader.json (0.667
 # against 0.630, +5.8%) and fleet_soak_etcd_cosine_rescale.json (0.778 against 0.698, +11.6%: its
 # machines took 17.8-26.4 s to start again, the slowest day).
-SOAKS = (  # each with the survivors' design it ran: redo before 2026-12-03
+SOAKS = (  # each with the survivors' design it ran: redo until 2026-12-03's resume
     ("fleet_soak.json", "redo"),
     ("fleet_soak_etcd.json", "redo"),
     ("fleet_soak_etcd_before_freeze.json", "redo"),
@@ -257,6 +258,8 @@ SOAKS = (  # each with the survivors' design it ran: redo before 2026-12-03
     ("fleet_soak_loopback_cosine.json", "redo"),
     ("fleet_soak_loopback_cosine_rescale.json", "redo"),
     ("fleet_soak_loopback_cosine_rescale_run2.json", "redo"),
+    ("fleet_soak_etcd_cosine_before_resume.json", "redo"),
+    ("fleet_soak_etcd_cosine_resume.json", "resume"),
 )
 
 
