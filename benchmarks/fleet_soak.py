@@ -13,7 +13,9 @@ SIGKILLed, in turn, the machine of rank 0 among them; for the fleet, once every 
 before has been taken in again) and comes back `--back` seconds later (its torchrun started again).
 With `--loss power` the machine's link goes down first and comes back up with it, so that nothing
 its killed processes close reaches the others, as when a machine loses its power: its peers must
-find it silent (`peer_timeout`):
+find it silent (`peer_timeout`). With `--strike spare-rank-0` the machine lost is the next in turn
+but the one whose process started first, which holds the group's rank 0 and its claims: its peers
+see the loss at the round's end, not at their next claim, as in a fleet of many machines:
 
     fleet    `.fleet(store).on_worker_failure("replace")`, a torchrun per machine: the survivors go
              on from the last average and the machine that comes back joins with a peer's state;
@@ -37,7 +39,8 @@ the fleet's rounds short of a machine moving the model all the way to their aver
 (`.fleet(..., rescale=False)`) instead of their share of it.
 
     python -m benchmarks fleet_soak [--machines 4] [--every 30] [--back 10] [--epochs 40] [--rate 1gbit] [--designs fleet,restart,torchft]
-        [--schedule constant|cosine] [--rescale on|off] [--store tcp|etcd] [--loss kill|power] [--loopback] [--fault-free FILE] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
+        [--schedule constant|cosine] [--rescale on|off] [--store tcp|etcd] [--loss kill|power] [--strike turn|spare-rank-0] [--loopback]
+        [--fault-free FILE] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ class Run:
         self.design, self.made, self.out, self.job, self.id = design, made, out, job, run_id
         self.etcd, self.lighthouse, self.power = etcd, lighthouse, power
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
+        self.began: dict[int, float] = {}  # when each machine's agent last started
         self.starts = 0
         self.down: set[int] = set()  # the machines whose link is down
 
@@ -228,6 +232,7 @@ class Run:
         self.starts += 1
         log = (self.out / f"machine{i}-{self.starts}.log").open("wb")
         self.agents[i] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        self.began[i] = time.monotonic()
 
     def lose(self, i: int) -> None:
         """Machine `i` lost at once: everything in its namespace (on loopback, its agent's process
@@ -272,14 +277,15 @@ def _tree(root: int) -> list[int]:
 
 
 def soak(design: str, made: Machines, job: tuple[int, int, str, str], every: float | None, back: float, timeout_s: float, logs: Path | None,
-         cap_s: float | None = None, store_kind: str = "tcp", power: bool = False) -> dict[str, Any]:  # fmt: skip
+         cap_s: float | None = None, store_kind: str = "tcp", power: bool = False, spare_eldest: bool = False) -> dict[str, Any]:  # fmt: skip
     """One run of `design` on `job` (its epochs, the MLP's width, the learning rate's schedule, the fleet's rescale),
     with a machine lost every `every` seconds from the first step (None: none) and back `back`
     seconds later; its machines' logs copied into `logs`, if given. A run
     still going `cap_s` seconds after its first step is stopped there, and its progress is its
     last checkpoint's (the restart design's: it writes one every 4 rounds). A fleet's store is
     `store_kind`'s: "etcd" (members on the first machines) or "tcp" (in the hub). `power`: a lost
-    machine's link goes down first."""
+    machine's link goes down first. `spare_eldest`: the machine struck is never the one whose
+    process started first (`--strike`)."""
     with tempfile.TemporaryDirectory(prefix="fleet_soak-") as directory:
         out = Path(directory)
         store = _serve(made, made.port, f"from torch.distributed import TCPStore\ns = TCPStore('{made.hub_address}', {made.port}, is_master=True, wait_for_workers=False)")
@@ -327,6 +333,9 @@ def soak(design: str, made: Machines, job: tuple[int, int, str, str], every: flo
                 whole = design != "fleet" or len(taken_in) >= lost
                 if striking and now >= due and whole and len(run.running()) == len(made.names):
                     victim = lost % len(made.names)
+                    if spare_eldest:  # the next in turn but the machine that started first, which holds the group's rank 0
+                        eldest = min(run.running(), key=run.began.__getitem__)
+                        victim = next(v for v in ((lost + j) % len(made.names) for j in range(len(made.names))) if v != eldest)
                     run.lose(victim)
                     faults.append({"machine": victim, "at": round(now - first, 2)})
                     returns[victim], lost, due = now + back, lost + 1, due + every
@@ -466,6 +475,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--loopback", action="store_true", help="machines as sessions of processes on loopback, unshaped: no root needed")
     parser.add_argument("--loss", choices=("kill", "power"), default="kill",
                         help="a machine lost: its processes killed (their sockets close), or its link down first (a machine without power: nothing closes)")  # fmt: skip
+    parser.add_argument("--strike", choices=("turn", "spare-rank-0"), default="turn",
+                        help="which machine is lost: each in turn (most often the one that holds the group's rank 0, whose claims go with it, "
+                             "so its peers see the loss at their next claim), or in turn but the one whose process started first, rank 0's "
+                             "(its peers see the loss at the round's end, as in a fleet of many machines)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.loss == "power" and args.loopback:
         raise SystemExit("fleet_soak: --loss power takes a machine's link down: it needs the emulated machines, not --loopback")
@@ -496,7 +509,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     continue
                 cap = None if every is None or args.cap is None else args.cap * runs[-1]["seconds"]
                 logs = None if args.logs is None else Path(args.logs)
-                result = soak(design, made, (args.epochs, args.width, args.schedule, args.rescale), every, args.back, args.timeout, logs, cap, args.store, args.loss == "power")
+                result = soak(design, made, (args.epochs, args.width, args.schedule, args.rescale), every, args.back, args.timeout, logs, cap, args.store, args.loss == "power",
+                              args.strike == "spare-rank-0")  # fmt: skip
                 result["left"] = {ns: left_in(ns) for ns in made.names}  # once its machines and store are put down
                 runs.append(result)
                 faults = f"a machine lost every {every:g} s" if every else "no faults"

@@ -119,13 +119,14 @@ class Rounds:
         if (work is None or not self._averaging or self._exchange.overlapped(True) or self.config.payload_dtype != "float32"
                 or self._together is not None or self._spread or not isinstance(source, ClaimSource)):  # fmt: skip
             return None
-        taken = [i - cut.start for i in self._trained]
+        trained = tuple(i - cut.start for i in self._trained)
+        taken = list(trained)
         if (held := cut.held()) is not None:  # past the round's end: the next round's
             taken.append(held - cut.start)
         if (later := source.held()) is not None:  # the next epoch's
             taken.append(cut.claim_of(*later))
         losses = tuple(float(x) for x in work.losses)
-        return Progress(self.seq, cut.end, tuple(i - cut.start for i in self._trained), max(taken, default=-1) + 1, work.k, work.samples, losses, work.first_step)
+        return Progress(self.seq, cut.end, trained, max(taken, default=-1) + 1, work.k, work.samples, losses, work.first_step)
 
     def resume(self, resume: Resume) -> None:
         """The next round is `resume`'s: the round a lost peer left, its batches the same, this
