@@ -305,7 +305,9 @@ def soak(design: str, made: Machines, job: tuple[int, int, str, str], every: flo
                 run.start(i)
             deadline = time.monotonic() + timeout_s
             while not (out / "first.txt").exists():
-                if time.monotonic() > deadline or not run.running():
+                if not run.running():
+                    raise RuntimeError(f"{design}: every machine's process ended before a first step (their logs' ends below): {_logs(out)}")
+                if time.monotonic() > deadline:
                     raise RuntimeError(f"{design}: no step within {timeout_s:g} s: {_logs(out)}")
                 time.sleep(0.05)
             first = float((out / "first.txt").read_text())
@@ -411,8 +413,18 @@ def _serve(made: Machines, port: int, code: str) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"the hub's server at {made.hub_address}:{port} did not start{waited}: {code.splitlines()[-1]}")
 
 
+_RAISED = re.compile(r"^[\w.]*(Error|Exception|Missing)\w*: .*$", re.MULTILINE)  # a Python exception's last line, as a traceback ends
+
+
 def _logs(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(out.glob("machine*.log")))
+    """Each machine's log: the last exception its process raised (torchrun's report of its child's
+    failure, which follows it, left out), then the log's end."""
+
+    def said(text: str) -> str:
+        raised = [m.group(0) for m in _RAISED.finditer(text) if "ChildFailedError" not in m.group(0)]
+        return (f"{raised[-1]}\n..." if raised else "") + text[-1500:]
+
+    return "\n".join(f"--- {p.name}\n{said(p.read_text(errors='replace'))}" for p in sorted(out.glob("machine*.log")))
 
 
 def row(design: str, clean: dict[str, Any], faulted: dict[str, Any], batches: int) -> list[Any]:
