@@ -31,8 +31,8 @@ from parallelwrapper.processes import worker_context
 
 BATCH = 128
 LR, MOMENTUM = 0.02, 0.9  # Nesterov SGD; 0.04 (pw-fit's default) spikes to NaN at k = 1 from this seed
-# The real MNIST files: $PW_MNIST_DIR where set (as for the tests), else the shared copy beside the repository.
-DEFAULT_DATA_DIR = os.environ.get("PW_MNIST_DIR") or str(Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist")
+# The real MNIST files: $PW_DATA_DIR where set (the package's own, as for pw-fit and the tests), else the shared copy beside the repository.
+DEFAULT_DATA_DIR = os.environ.get("PW_DATA_DIR") or str(Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist")
 
 
 def mnist_batches(data_dir: str, split: str = "train", batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,12 +14,13 @@ import torch.distributed as dist
 
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
-    """The directory of the real gzipped MNIST files; $PW_MNIST_DIR overrides the default
-    (the shared copy beside the repository). Missing files fail the test: no fake data."""
-    env = os.environ.get("PW_MNIST_DIR")
+    """The directory of the real gzipped MNIST files; $PW_DATA_DIR (the package's own, as pw-fit
+    reads it) overrides the default (the shared copy beside the repository). Missing files fail
+    the test: no fake data."""
+    env = os.environ.get("PW_DATA_DIR")
     path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
     if not (path / "train-images-idx3-ubyte.gz").is_file():
-        pytest.fail(f"real MNIST files not found in {path}; set PW_MNIST_DIR to their directory")
+        pytest.fail(f"real MNIST files not found in {path}; set PW_DATA_DIR to their directory")
     return path
 
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 def results(tmp_path_factory: pytest.TempPathFactory, mnist_dir: Path) -> dict[str, Any]:
     """Each benchmark's results JSON, by name, from one `quick` run."""
     out = tmp_path_factory.mktemp("quick")
-    env = {**os.environ, "PW_MNIST_DIR": str(mnist_dir), "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {**os.environ, "PW_DATA_DIR": str(mnist_dir), "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     done = subprocess.run([sys.executable, "-m", "benchmarks", "quick", "--out", str(out), "--jobs", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, f"python -m benchmarks quick failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}

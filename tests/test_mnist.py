@@ -1,6 +1,6 @@
 """Tests for the MNIST IDX reader: the real files, every malformed-file error, the download path.
 
-The real files are read from /work/shared/data/mnist (or $PW_MNIST_DIR); the 60k train split is
+The real files are read from /work/shared/data/mnist (or $PW_DATA_DIR); the 60k train split is
 parsed once per module. Malformed files are small synthetic IDX files built in tmp_path, and the
 network is always replaced: these tests never touch it.
 """
