@@ -272,7 +272,8 @@ class FlatAverager:
                 for t, view in g.copied:
                     view.copy_(t)
                 if self._intact:  # the tensors stay as they are until apply()
-                    g.spare = torch.empty_like(g.flat) if g.spare is None else g.spare
+                    if g.spare is None:
+                        g.spare = torch.empty_like(g.flat)
                     buffer = g.spare
                     torch.mul(g.data, scale, out=buffer[: g.data.numel()])
                 else:

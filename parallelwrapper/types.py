@@ -164,7 +164,6 @@ class TrainingState:
     outer_optimizer: StateDict | None = None
 
 
-
 @dataclass(frozen=True)
 class Progress:
     """One worker's part of a round in flight (Rounds.progress), where a fleet's survivors may
@@ -192,6 +191,7 @@ class Resume:
     holes: tuple[int, ...]
     then: int
     state: TrainingState
+
 
 @dataclass(frozen=True)
 class DataOrder:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,9 @@ from test_torchrun import clean_env, free_port, torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "fleet_member.py"
 TIMEOUT_S = 90
+# The survivors' line after rank 0 was lost: they resume the round, or redo it where it went coded
+# (the autopilot's int8) or overlapped.
+WENT_ON = re.compile(r"\(rank 0 of generation 0\): 2 processes (from round \d+|resume round \d+, \d+ of its batches to train again), ")
 
 
 @pytest.mark.fast
@@ -305,7 +309,7 @@ def test_rank_0s_machine_lost_the_survivors_go_on_and_a_machine_that_comes_joins
         # The heartbeat's judge may hear of the loss first, where the survivor's collective waits on the
         # other survivor and not on the lost process's closed socket: it says so on a line of its own.
         said = [line for line in logs_text[m].splitlines() if line.startswith("parallelwrapper: member") and not line.endswith("so that the group regroups now")]
-        assert len(said) == 2 and "goes on without member" in said[0] and "(rank 0 of generation 0): 2 processes " in said[0], said
+        assert len(said) == 2 and "goes on without member" in said[0] and WENT_ON.search(said[0]), said
         assert "joined (generation 2): 3 processes, " in said[1] and said[1].endswith(" s to take in"), said
         seconds = float(said[0].split(", ")[-1].split(" s after")[0])
         print(f"lost to the survivors' regroup: {seconds} s")
@@ -411,7 +415,7 @@ def test_a_stopped_member_closes_nothing_and_its_peers_go_on_without_it_within_t
         assert [r[0] for r in history["replacements"]] == [0], history
         said = [line for line in logs[m].splitlines() if line.startswith("parallelwrapper: member")]
         assert len(said) == 2 and "member 0 gone (no heartbeat for 2 s, and nothing answers" in said[0] and said[0].endswith("shut, so that the group regroups now"), said
-        assert "goes on without member" in said[1] and "(rank 0 of generation 0): 2 processes " in said[1], said
+        assert "goes on without member" in said[1] and WENT_ON.search(said[1]), said
     models = [torch.load(tmp_path / f"model{m}.pt") for m in survivors]
     assert all(torch.equal(t, models[0][k]) for m in models for k, t in m.items())
     assert finished < 60, finished  # the rest of the run after the stop, far inside gloo's 330 s

@@ -13,9 +13,10 @@ OUT_DIR/begun.txt there instead (a newcomer's COME_AFTER), and loses its machine
 starts to take the newcomer in, before it has written anything of the group to come.
 Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid, its
 agent's restart count and the steps it took to OUT_DIR/history{m}.json; each writes its pid to
-OUT_DIR/pid{m}.txt when it starts. It runs with the features a fleet composes with: the autopilot (k from 1 to 4; K=k: that k), an
-outer optimizer (DiLoCo's Nesterov SGD), a per-step OneCycleLR sized for the run as the fleet
-planned (which raises if stepped past its end) and a checkpoint in OUT_DIR/ckpt every 2 rounds.
+OUT_DIR/pid{m}.txt when it starts. It runs with the features a fleet composes with: the autopilot
+(k from 1 to 4; with K=k, that k instead), an outer optimizer (DiLoCo's Nesterov SGD), a per-step
+OneCycleLR sized for the run as the fleet planned (which raises if stepped past its end) and a
+checkpoint in OUT_DIR/ckpt every 2 rounds.
 """
 
 from __future__ import annotations
