@@ -39,7 +39,7 @@ the fleet's rounds short of a machine moving the model all the way to their aver
 (`.fleet(..., rescale=False)`) instead of their share of it.
 
     python -m benchmarks fleet_soak [--machines 4] [--every 30] [--back 10] [--epochs 40] [--rate 1gbit] [--designs fleet,restart,torchft]
-        [--schedule constant|cosine] [--rescale on|off] [--store tcp|etcd] [--loss kill|power] [--strike turn|spare-rank-0] [--loopback]
+        [--schedule constant|cosine] [--rescale on|off] [--payload float32|int8|...] [--store tcp|etcd] [--loss kill|power] [--strike turn|spare-rank-0] [--loopback]
         [--fault-free FILE] [--logs DIR] [--out benchmarks/results/fleet_soak.json]
 """
 
@@ -195,9 +195,9 @@ class Run:
     """One design's run on the machines: each machine's torchrun (torchft: its replica's process),
     started, lost and started again, with the machine's etcd member where the fleet's store is etcd."""
 
-    def __init__(self, design: str, made: Machines, out: Path, job: tuple[int, int, str, str], run_id: str, etcd: Etcd | None = None,
+    def __init__(self, design: str, made: Machines, out: Path, job: tuple[int, int, str, str, str], run_id: str, etcd: Etcd | None = None,
                  lighthouse: str = "", power: bool = False) -> None:  # fmt: skip
-        """`job`: the worker's EPOCHS, WIDTH, SCHEDULE and RESCALE (fleet_soak_worker.py); `power`: a machine
+        """`job`: the worker's EPOCHS, WIDTH, SCHEDULE, RESCALE and PAYLOAD (fleet_soak_worker.py); `power`: a machine
         lost loses its link first (`lose`)."""
         self.design, self.made, self.out, self.job, self.id = design, made, out, job, run_id
         self.etcd, self.lighthouse, self.power = etcd, lighthouse, power
@@ -276,9 +276,9 @@ def _tree(root: int) -> list[int]:
     return tree
 
 
-def soak(design: str, made: Machines, job: tuple[int, int, str, str], every: float | None, back: float, timeout_s: float, logs: Path | None,
+def soak(design: str, made: Machines, job: tuple[int, int, str, str, str], every: float | None, back: float, timeout_s: float, logs: Path | None,
          cap_s: float | None = None, store_kind: str = "tcp", power: bool = False, spare_eldest: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One run of `design` on `job` (its epochs, the MLP's width, the learning rate's schedule, the fleet's rescale),
+    """One run of `design` on `job` (its epochs, the MLP's width, the learning rate's schedule, the fleet's rescale, the payload),
     with a machine lost every `every` seconds from the first step (None: none) and back `back`
     seconds later; its machines' logs copied into `logs`, if given. A run
     still going `cap_s` seconds after its first step is stopped there, and its progress is its
@@ -442,7 +442,8 @@ def row(design: str, clean: dict[str, Any], faulted: dict[str, Any], batches: in
 
 
 # The settings a fault-free run depends on: an earlier run is the same job's where they agree.
-_SAME_JOB = ("machines", "epochs", "width", "schedule", "rate", "store", "loopback")
+_SAME_JOB = ("machines", "epochs", "width", "schedule", "rate", "store", "loopback", "payload")
+_BEFORE = {"payload": "float32"}  # what a result from before a setting was added ran with
 
 
 def fault_free_runs(path: str, settings: dict[str, Any], designs: list[str]) -> dict[str, dict[str, Any]]:
@@ -450,7 +451,7 @@ def fault_free_runs(path: str, settings: dict[str, Any], designs: list[str]) -> 
     result at `path`, whose job must be this one's (_SAME_JOB); SystemExit where it is not, or
     where a design has none."""
     earlier = json.loads(Path(path).read_text())
-    differ = [f"{k} {earlier['settings'].get(k)!r} against {settings[k]!r}" for k in _SAME_JOB if earlier["settings"].get(k) != settings[k]]
+    differ = [f"{k} {earlier['settings'].get(k)!r} against {settings[k]!r}" for k in _SAME_JOB if earlier["settings"].get(k, _BEFORE.get(k)) != settings[k]]
     if differ:
         raise SystemExit(f"fleet_soak: --fault-free {path} ran another job ({'; '.join(differ)}): run without --fault-free, or give a result of this job")
     runs: dict[str, dict[str, Any]] = {}
@@ -475,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the fleet's rounds short of a machine move the model their share of the way to the average (on), or all the way (off)")  # fmt: skip
     parser.add_argument("--rate", default="1gbit", help="each machine's link, both ways (tc tbf)")
     parser.add_argument("--designs", default=",".join(DESIGNS))
+    parser.add_argument("--payload", default="float32", help="the fleet's and restart's payload_dtype (torchft's: float32)")
     parser.add_argument("--store", choices=("tcp", "etcd"), default="etcd",
                         help="the fleet's store: etcd's members on the first three machines (etcd 3.4, python-etcd), or a TCPStore in the hub")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1800.0, help="the most seconds one run may take")
@@ -521,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     continue
                 cap = None if every is None or args.cap is None else args.cap * runs[-1]["seconds"]
                 logs = None if args.logs is None else Path(args.logs)
-                result = soak(design, made, (args.epochs, args.width, args.schedule, args.rescale), every, args.back, args.timeout, logs, cap, args.store, args.loss == "power",
+                result = soak(design, made, (args.epochs, args.width, args.schedule, args.rescale, args.payload), every, args.back, args.timeout, logs, cap, args.store, args.loss == "power",
                               args.strike == "spare-rank-0")  # fmt: skip
                 result["left"] = {ns: left_in(ns) for ns in made.names}  # once its machines and store are put down
                 runs.append(result)

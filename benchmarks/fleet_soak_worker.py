@@ -1,4 +1,4 @@
-"""One process of benchmarks/fleet_soak.py's emulated machines: `torchrun ... fleet_soak_worker.py MODE STORE PROCESSES OUT EPOCHS [WIDTH [SCHEDULE [RESCALE]]]`.
+"""One process of benchmarks/fleet_soak.py's emulated machines: `torchrun ... fleet_soak_worker.py MODE STORE PROCESSES OUT EPOCHS [WIDTH [SCHEDULE [RESCALE [PAYLOAD]]]]`.
 
 MODE fleet: a member of a fleet (`.fleet(STORE, processes=PROCESSES).on_worker_failure("replace")`),
 under a torchrun of its own machine; RESCALE off: `.fleet(..., rescale=False)`, each round moved
@@ -12,9 +12,9 @@ m, m + PROCESSES, ... of an endless round of the epoch, and each committed sync 
 samples to a counter in STORE (a TCPStore); every replica stops once it holds EPOCHS epochs of
 samples, so that every design trains as many samples (torchft's not each exactly once).
 All train the same MLP on MNIST (784-WIDTH-WIDTH-10, WIDTH 1024 unless given, batches of
-benchmarks.common.BATCH, k = 16, SGD with Nesterov momentum), EPOCHS epochs, at a learning rate
-of 0.05 throughout (SCHEDULE constant, the default) or falling from it to 0 on a cosine by the
-epoch (SCHEDULE cosine: torch's CosineAnnealingLR over EPOCHS; torchft's replicas set it from the
+benchmarks.common.BATCH, k = 16, SGD with Nesterov momentum, sent as PAYLOAD: float32 unless
+given, torchft's always), EPOCHS epochs, at a learning rate of 0.05 throughout (SCHEDULE
+constant, the default) or falling from it to 0 on a cosine by the epoch (SCHEDULE cosine: torch's CosineAnnealingLR over EPOCHS; torchft's replicas set it from the
 epochs their committed samples hold, at each sync).
 The first process to train writes the time to OUT/first.txt; a machine back after the fleet has
 finished ends at once, writing nothing (FleetEnded); each process that finishes writes
@@ -74,13 +74,13 @@ def cosine(epoch: float, epochs: int) -> float:
     return LR * (1 + math.cos(math.pi * epoch / epochs)) / 2
 
 
-def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: int = 1024, schedule: str = "constant", rescale: str = "on") -> None:
+def main(mode: str, store: str, processes: int, out: Path, epochs: int, width: int = 1024, schedule: str = "constant", rescale: str = "on", payload: str = "float32") -> None:
     if mode == "torchft":
         return torchft(store, processes, out, epochs, width, schedule)
     net = mlp(width)
     builder = (
         ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=LR, momentum=0.9, nesterov=True).averaging_frequency(K)
-        .seed(0).threads_per_worker(1).peer_timeout(PEER_TIMEOUT_S).training_step(Step(out))
+        .seed(0).threads_per_worker(1).peer_timeout(PEER_TIMEOUT_S).training_step(Step(out)).payload_dtype(payload)
     )  # fmt: skip
     if schedule == "cosine":
         builder = builder.lr_scheduler(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs)
@@ -142,4 +142,4 @@ def finish(out: Path, net: nn.Module, **result: object) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), *map(int, sys.argv[6:7]), *sys.argv[7:9])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), *map(int, sys.argv[6:7]), *sys.argv[7:10])

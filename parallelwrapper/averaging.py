@@ -127,6 +127,15 @@ class Errors:
         return Errors(str(state["codec"]), list(state["tensors"]))  # type: ignore[call-overload]
 
 
+@dataclass(frozen=True)
+class Starts:
+    """A coded averager's starts, per group of one dtype (None: not coded): what each change was
+    taken from, the last average, the same on every rank (codec.DeltaCoder.start)."""
+
+    codec: str
+    tensors: list[torch.Tensor | None]
+
+
 @dataclass
 class _Group:
     """The tensors of one dtype in a FlatAverager."""
@@ -178,10 +187,12 @@ class FlatAverager:
     worker, as they arrive; the trailer goes in float64 beside them. `average()` goes in full
     precision and sets the start; `start_coding()` sets it where the tensors are equal already.
 
-    `intact`: the sums go in a spare buffer of each group's size, so the tensors stay as they were
-    until apply() (one copy more in memory, the passes over it the same where the scales are not
-    1): a round whose sums fail leaves each worker's own state, from which a fleet's survivors
-    resume the round (replacement/fleet.py). Not with a codec, which feeds its error back as it sends.
+    `intact`: a round whose sums fail leaves each worker's own state, from which a fleet's
+    survivors resume the round (replacement/fleet.py): the sums in full precision go in a spare
+    buffer of each group's size, so the tensors stay as they were until apply() (one copy more in
+    memory, the passes over it the same where the scales are not 1); a coded group's tensors stay
+    until it decodes, and its coder keeps the error as the send found it (codec.DeltaCoder's
+    `keep`, one copy more), which `errors(failed=True)` gives back with the start of its change.
     """
 
     def __init__(
@@ -196,7 +207,8 @@ class FlatAverager:
         intact: bool = False,
     ) -> None:
         self._wire, self._trailer_len, self._shards = uncoded_or(wire), trailer, shards
-        self._intact = intact and self._wire is None
+        self._intact = intact
+        self._sent = False  # a send() not applied or discarded yet
         deferred = {id(t) for t in later} if self._wire is None and shards is None else set()
         exactly = {id(t) for t in exact} if self._wire is not None else set()
         if all(id(t) in deferred for t in tensors):
@@ -253,6 +265,7 @@ class FlatAverager:
         """
         self.settle()  # the last round's later sums, where no step has read them since
         assert not self._in_flight and not self._later, "wait() for the previous sums first"
+        self._sent = True
         wired = self._wire is not None and not exact
         if wired:  # the trailer goes first, exact, beside the encoded deltas: its sums are in by wait()
             self._wired_trailer = send_trailer(trailer, self._trailer_len, self._groups[0].flat.device, group)
@@ -312,7 +325,7 @@ class FlatAverager:
         scale 0."""
         for g, flight in zip(self._groups, self._in_flight):  # the later groups come last: not in flight yet
             self._land(g, flight, scale)
-        self._in_flight = []
+        self._in_flight, self._sent = [], False
         self._later_scale = scale if self._later else None
 
     @torch.no_grad()
@@ -347,7 +360,7 @@ class FlatAverager:
                 drop_coded(flight.works)
         for flight in self._later:
             flight.works[0][0].wait()
-        self._in_flight, self._later = [], []
+        self._in_flight, self._later, self._sent = [], [], False
 
     def average(self, share: float, group: ProcessGroup = None, errors: Errors | None = None) -> None:
         """Replace every tensor by Σ_i share_i · tensor_i, where share_i = w_i / Σw, in full
@@ -355,33 +368,70 @@ class FlatAverager:
         self.send(share, group=group, exact=True)
         self.wait()
         self.apply(1.0)
+        if self._wire is not None:  # a coded group's spare served this round alone: its next go coded
+            for g in self._groups:
+                g.spare = None if _coded(g) else g.spare
         self.start_coding(group, errors)
 
-    def start_coding(self, group: ProcessGroup = None, errors: Errors | None = None) -> None:
+    def start_coding(self, group: ProcessGroup = None, errors: Errors | None = None, starts: Starts | None = None) -> bool:
         """With a wire codec: the next deltas are taken from the tensors as they are now, which must
-        be bitwise equal on every rank of the group (an average just landed, or a fit()'s start).
-        A worker alone codes nothing: its average is its own state, exactly. `errors` (`errors()`
-        of an averager of the same codec and sizes: an earlier fit's, a checkpoint's) is what this
-        worker has yet to send, fed back into its next change; else it starts at zero."""
+        be bitwise equal on every rank of the group (an average just landed, or a fit()'s start),
+        or from `starts` (`starts()` of an averager of the same codec and sizes, whose round never
+        landed: a fleet's survivors resume that round from their own state since). A worker alone
+        codes nothing: its average is its own state, exactly. `errors` (`errors()` of an averager of
+        the same codec and sizes: an earlier fit's, a checkpoint's) is what this worker has yet to
+        send, fed back into its next change; else it starts at zero. False where `starts` do not
+        fit (nothing is coded then)."""
         if self._wire is None:
-            return
+            return True
         size, rank = size_and_rank(group)
         if size == 1:
-            return
+            return True
+        coded = [i for i, g in enumerate(self._groups) if _coded(g) and g.coder is None]
+        if starts is not None and (starts.codec != self._wire or len(starts.tensors) != len(self._groups)):
+            return False
         fits = errors is not None and errors.codec == self._wire and len(errors.tensors) == len(self._groups)
-        for i, g in enumerate(self._groups):
-            if _coded(g) and g.coder is None:
-                g.coder = DeltaCoder(self._wire, g.data, size, rank)
-                kept = errors.tensors[i] if fits and errors is not None else None
-                if kept is not None and kept.shape == g.coder.error.shape:
-                    g.coder.error.copy_(kept)
+        for i in coded:
+            g = self._groups[i]
+            g.coder = DeltaCoder(self._wire, g.data, size, rank, keep=self._intact)
+            kept = errors.tensors[i] if fits and errors is not None else None
+            if kept is not None and kept.shape == g.coder.error.shape:
+                g.coder.error.copy_(kept)
+            start = None if starts is None else starts.tensors[i]
+            if starts is not None and (start is None or start.shape != g.coder.start.shape):
+                for j in coded:
+                    self._groups[j].coder = None
+                return False
+            if start is not None:
+                g.coder.start.copy_(start)
+        return True
 
-    def errors(self) -> Errors | None:
+    def errors(self, failed: bool = False) -> Errors | None:
         """With a wire codec: each group's error fed back (what this worker has yet to send), a
-        copy on the CPU; None without a codec or before coding starts."""
+        copy on the CPU; None without a codec or before coding starts. `failed`: the last send()
+        never landed, and with `intact` its round goes again (redone or resumed): the error as it
+        found it."""
         if self._wire is None or all(g.coder is None for g in self._groups):
             return None
-        return Errors(self._wire, [None if g.coder is None else g.coder.error.detach().to("cpu", copy=True) for g in self._groups])
+
+        def error(coder: DeltaCoder) -> torch.Tensor:
+            return coder.unsent if failed and self._sent and coder.unsent is not None else coder.error
+
+        return Errors(self._wire, [None if g.coder is None else error(g.coder).detach().to("cpu", copy=True) for g in self._groups])
+
+    def untouched(self) -> bool:
+        """After a round that failed: whether every tensor holds what it held when the round was
+        sent, none of its sums applied (`intact`; a coded group decodes nothing until every rank's
+        first piece is in)."""
+        return self._intact and all(g.coder is None or g.coder.decoded == 0 for g in self._groups)
+
+    def starts(self) -> Starts | None:
+        """With a wire codec: each group's start, what its change is taken from (the last average:
+        the same on every rank), for `start_coding`; None without a codec or before coding starts.
+        The coders' own tensors, not copies: a round that lands changes them."""
+        if self._wire is None or all(g.coder is None for g in self._groups):
+            return None
+        return Starts(self._wire, [None if g.coder is None else g.coder.start for g in self._groups])
 
     @torch.no_grad()
     def release(self, settle: bool = True) -> None:
@@ -399,4 +449,4 @@ class FlatAverager:
                     _let_go(view)
 
 
-__all__ = ["Errors", "FlatAverager", "ProcessGroup", "Shards", "all_reduce_values", "by_dtype", "flat_buffer", "put_trailer", "views"]
+__all__ = ["Errors", "FlatAverager", "ProcessGroup", "Shards", "Starts", "all_reduce_values", "by_dtype", "flat_buffer", "put_trailer", "views"]

@@ -263,16 +263,21 @@ class DeltaCoder:
     then sets the piece's part of the start and of the state to start + alpha · Σ_r decode(rank
     r's payload), in rank order. The start is the state when the coder is built (a
     full-precision average), and the error zero.
+
+    `keep`: encode() keeps the error as it found it (`unsent`, one copy more), which a round that
+    never lands goes back to: what was sent in it reached no one.
     """
 
-    def __init__(self, name: str | torch.dtype, state: torch.Tensor, ranks: int = 1, rank: int = 0, piece_bytes: int | None = None) -> None:
+    def __init__(self, name: str | torch.dtype, state: torch.Tensor, ranks: int = 1, rank: int = 0, piece_bytes: int | None = None, keep: bool = False) -> None:
         self.codec, self.state, self.ranks, self.rank = codec(name), state, ranks, rank
         self.seconds = 0.0  # in encode() and decode() so far: the codec's compute (the autopilot's measure)
+        self.decoded = 0  # pieces decoded since the last encode(): none until its round lands here
         block, numel, c = self.codec.block, state.numel(), self.codec
         padded = -(-numel // block) * block
         self.start = torch.zeros(padded, dtype=state.dtype, device=state.device)
         self.start[:numel].copy_(state)
         self.error = torch.zeros_like(self.start)
+        self.unsent = torch.empty_like(self.error) if keep else None  # the error as the last encode() found it
         chunk = CHUNK if state.device.type == "cpu" else padded  # on a GPU one kernel per pass is faster
         chunk = min(padded, -(-chunk // block) * block)  # whole blocks (the sparse codec's are 4096 numbers)
         per_piece = max(chunk, (piece_bytes or PIECE_BYTES) // max(1, c.code_bytes(chunk)) * chunk)
@@ -324,6 +329,9 @@ class DeltaCoder:
     def encode(self, scale: float) -> Iterator[torch.Tensor]:
         """Yield each piece's payload: (state − start + error) · scale, encoded; the error keeps
         what the codes lost, in the state's units. scale = 0 sends zeros and keeps the error."""
+        self.decoded = 0
+        if self.unsent is not None:
+            self.unsent.copy_(self.error)
         for piece in self._pieces:
             if scale == 0.0:
                 piece.payload.zero_()  # decodes to 0 whatever the codec (a scale of 0)
@@ -346,6 +354,7 @@ class DeltaCoder:
             for codes, scales in c.received:
                 self.codec.decode_add_(codes, scales, c.start, alpha, c.scratch)
             c.state.copy_(c.start_head)
+        self.decoded += 1
         self.seconds += time.perf_counter() - start
 
     def restart(self) -> None:

@@ -185,12 +185,14 @@ class Resume:
     """A round in flight that a fleet's survivors resume without a lost peer, instead of redoing it
     from its start: each keeps what it trained (`state`, its own as the loss left it; `progress`),
     and they claim first the round's batches that no survivor trained (`holes`, claim numbers from
-    the round's first batch), then on from `then`."""
+    the round's first batch), then on from `then`. A coded round's change is taken from `starts`
+    (Rounds.starts)."""
 
     progress: Progress
     holes: tuple[int, ...]
     then: int
     state: TrainingState
+    starts: Any = None  # averaging.Starts | None, which this module does not import
 
 
 @dataclass(frozen=True)

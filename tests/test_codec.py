@@ -238,6 +238,44 @@ def test_how_the_buffer_is_cut_into_chunks_and_pieces_changes_no_bit(name: str, 
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("name", CODECS)
+def test_a_round_that_never_lands_resumed_from_its_start_and_unsent_error_lands_as_one_never_cut(name: str) -> None:
+    """A fleet's coded round whose sends reach no one (a peer lost): with `keep`, each coder kept
+    the error as the send found it, and nothing was decoded. The survivors' new coders, taking
+    their change from the lost round's start with that error, each rank's own state trained on
+    since, land bitwise what the round landed where nothing was lost."""
+    numel, g = 3 * BLOCK + 5, torch.Generator().manual_seed(4)
+    start = torch.randn(numel, generator=g)
+    rounds = [[torch.randn(numel, generator=g) * 1e-2 for _ in range(2)] for _ in range(3)]  # the third: trained after the loss
+
+    def played(cut: bool) -> list[torch.Tensor]:
+        states = [start.clone() for _ in range(2)]
+        coders = [DeltaCoder(name, s, 2, r, keep=True) for r, s in enumerate(states)]
+        for s, d in zip(states, rounds[0], strict=True):
+            s.add_(d)
+        exchange(coders, [0.25, 0.75], 1.0)  # a round that lands
+        for s, d in zip(states, rounds[1], strict=True):
+            s.add_(d)
+        if cut:  # sent, and lost before anything came back
+            errors = [c.error.clone() for c in coders]
+            for c in coders:
+                list(c.encode(0.5))
+            assert all(c.decoded == 0 and c.unsent is not None and torch.equal(c.unsent, e) for c, e in zip(coders, errors, strict=True))
+            kept = [(c.start.clone(), c.unsent.clone()) for c in coders]  # type: ignore[union-attr]
+            coders = [DeltaCoder(name, s, 2, r, keep=True) for r, s in enumerate(states)]  # the survivors' new group
+            for c, (begun, unsent) in zip(coders, kept, strict=True):
+                c.start.copy_(begun)
+                c.error.copy_(unsent)
+        for s, d in zip(states, rounds[2], strict=True):
+            s.add_(d)
+        exchange(coders, [0.25, 0.75], 1.0)
+        assert all(c.decoded == c.pieces for c in coders)
+        return [states[0], *(c.error for c in coders)]
+
+    assert all(torch.equal(a, b) for a, b in zip(played(cut=True), played(cut=False), strict=True))
+
+
+@pytest.mark.fast
 def test_a_rank_that_sends_zeros_keeps_its_error_and_float16_clamps_to_its_range() -> None:
     state = torch.zeros(BLOCK)
     coder = DeltaCoder("int8", state)
@@ -437,6 +475,46 @@ def test_a_fits_first_round_goes_coded_where_every_worker_starts_from_the_same_s
     for mine, exact, before in ((coded[1], full[1], full[0]), (params_coded[0], params_full[0], start)):
         gap, progress = (mine - exact).norm(), (exact - before).norm()
         assert 0 < gap < progress / 20, (gap.item(), progress.item())
+
+
+def _sent_unlanded(rank: int, world: int) -> dict[str, Any]:
+    """An intact (a fleet's) int8 averager over an MLP's parameters: a round lands, the next is
+    trained and sent; before it lands, what a survivor would resume from. Then it lands."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = FlatAverager(list(model.parameters()), CPU, trailer=1, wire="int8", intact=True)
+    averager.start_coding()
+    landed = _rounds(model, optimizer, averager, make_batches(2 * world), rank, world, 1, anew_first=False)[-1]
+    x, y = make_batches(3 * world)[2 * world + rank]
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    before, own = averager.errors(), torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    averager.send(1.0 / world, [1.0])
+    out = {"landed": landed, "own": own, "before": before, "failed": averager.errors(failed=True), "sent": averager.errors(), "untouched": averager.untouched()}
+    starts = averager.starts()
+    assert starts is not None
+    out["held"], out["starts"] = torch.cat([p.detach().flatten().clone() for p in model.parameters()]), [t.clone() for t in starts.tensors if t is not None]
+    averager.wait()
+    averager.apply(1.0)
+    out["after"] = averager.untouched()
+    return out
+
+
+def test_a_fleets_coded_round_sent_and_not_landed_leaves_its_state_its_error_and_start() -> None:
+    """What a fleet's survivors resume a coded round from, with real gloo sends: until it lands
+    (here: sent, not waited for), each worker's tensors are its own, `errors(failed=True)` gives
+    the error as the send found it (the send has fed it back: `errors()` differs), and `starts()`
+    the last average, the same on both ranks. Once it has landed, the tensors are the average's."""
+    results = run_group(_sent_unlanded, 2, timeout=120)
+    for out in results:
+        assert out["untouched"] and not out["after"]
+        assert torch.equal(out["held"], out["own"]) and not torch.equal(out["own"], out["landed"])
+        (before,), (failed,), (sent,) = out["before"].tensors, out["failed"].tensors, out["sent"].tensors
+        assert torch.equal(failed, before) and not torch.equal(sent, before)
+        (start,) = out["starts"]
+        assert torch.equal(start[: out["landed"].numel()], out["landed"])
+    assert not torch.equal(results[0]["own"], results[1]["own"])
 
 
 # -- through a copy on the host, as gloo's sends need for GPU tensors --------------------------------

@@ -33,9 +33,10 @@ loss they resume the round in flight where they can (`_resumable`): each keeps w
 it, and they claim first the round's batches that none of them trained (the lost members', and
 any held for a later round), then go on (feed/claims.Refill), so each batch counts once and a
 loss costs the survivors only the lost share of the round, not the round. That needs every
-survivor's part of the same round, sent in float32 and landed at once (Rounds.progress); else
-(a coded payload, whose error fed back the failed send has changed; overlap, whose last round
-lands in this one; a grown group, whose newcomers have no part) they receive the source's kept
+survivor's part of the same round, landed at once and its state left as it was by the failed
+exchange (Rounds.progress; a coded payload's change is taken from the round's start again, with
+the error its send found: Rounds.starts); else (overlap, whose last round lands in this one; a
+round that had begun to land; a grown group, whose newcomers have no part) they receive the source's kept
 state (a newcomer's state, from a peer, not from the disk) and redo its round, its batches
 claimed again from where it started (feed/claims.py).
 """
@@ -216,6 +217,7 @@ class Survivor(Keep):
         # it: where every survivor has its part (`_resumable`), they resume the round.
         done = self.worker.rounds.progress() if error is not None else None
         mine = None if done is None else self.worker.replica.state_dicts()
+        starts = None if done is None else self.worker.rounds.starts()
         while True:
             if dist.is_initialized():
                 dist.destroy_process_group()  # every peer's collective ends at once, once no one holds the group (its host: fleet.py)
@@ -253,7 +255,7 @@ class Survivor(Keep):
         if refill is None:
             return self.redo(kept, until_epoch, start), told
         assert done is not None and mine is not None
-        return self._resume(Resume(done, *refill, mine), until_epoch, start), told
+        return self._resume(Resume(done, *refill, mine, starts), until_epoch, start), told
 
     def _resumable(self, done: Progress | None) -> tuple[tuple[int, ...], int] | None:
         """Where every member of the group (the survivors of a loss) has its part of the same round

@@ -23,6 +23,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from ..averaging import Starts
 from ..config import Config, TrainingMode
 from ..errors import Stopped
 from ..feed.claims import ClaimSource
@@ -112,11 +113,12 @@ class Rounds:
 
     def progress(self) -> Progress | None:
         """This worker's part of the round in flight, which a fleet's survivors may resume without
-        a lost peer (types.Resume): an averaging round sent in float32 and landed at once, by a
-        worker alone (no lockstep group, no stages), on claimed batches, begun and not landed;
-        else None (a round that must be redone from its start)."""
+        a lost peer (types.Resume): an averaging round landed at once, by a worker alone (no
+        lockstep group, no stages), on claimed batches, begun and not landed, whose failed
+        exchange left this worker's state as it was (SyncExchange.intact); else None (a round that
+        must be redone from its start). A coded round's start goes with it (`starts`)."""
         work, source, cut = self._work, self._cut.source, self._cut
-        if (work is None or not self._averaging or self._exchange.overlapped(True) or self.config.payload_dtype != "float32"
+        if (work is None or not self._averaging or self._exchange.overlapped(True) or not self._sync.intact
                 or self._together is not None or self._spread or not isinstance(source, ClaimSource)):  # fmt: skip
             return None
         trained = tuple(i - cut.start for i in self._trained)
@@ -128,10 +130,16 @@ class Rounds:
         losses = tuple(float(x) for x in work.losses)
         return Progress(self.seq, cut.end, trained, max(taken, default=-1) + 1, work.k, work.samples, losses, work.first_step)
 
+    def starts(self) -> Starts | None:
+        """With a coded payload, after a failed round that `progress` gives: what its change was
+        taken from, which the resumed round's is (SyncExchange.resume)."""
+        return self._sync.starts
+
     def resume(self, resume: Resume) -> None:
         """The next round is `resume`'s: the round a lost peer left, its batches the same, this
         worker's part of it trained already (the fit's state and counters are its start's)."""
         self._resuming = resume
+        self._exchange.resume(resume.starts)
 
     def begin(self, counters: Counters, started: float) -> None:
         """The one way a host sets the loop's counters: a fit() loaded the trainer's state (new

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..averaging import Errors, FlatAverager, Shards, all_reduce_values
+from ..averaging import Errors, FlatAverager, Shards, Starts, all_reduce_values
 from ..config import Config
 from ..threshold import Residual
 from ..types import EncodingStats
@@ -131,6 +131,9 @@ class SyncExchange:
         self._moments_own = False  # some worker stepped since they last travelled: replicas' states differ
         self._share = 0.0  # this worker's w / Σw in the last round that trained
         self._anew = False  # the next averaging builds its buffers by averaging anew (another rung: the workers' optimizer states may differ)
+        self.intact = True  # after a failed round: its sums reached none of the trainer's tensors (FlatAverager.untouched)
+        self.starts: Starts | None = None  # after a failed round, intact and coded: what its change was taken from
+        self._resumed_from: Starts | None = None  # a resumed round's (`resume`), for its buffers
         # The optimizer's averaged state may land after the round (FlatAverager's `later`): before
         # its next step reads it, at the latest.
         trainer.optimizer.register_step_pre_hook(lambda *_: self._settle_for_step())
@@ -171,8 +174,12 @@ class SyncExchange:
     def release(self, settle: bool = True) -> None:
         """Between fits, the model's tensors own their storage; after a failure (not `settle`),
         what of the last average is still on its way is dropped."""
+        if not settle:  # failing: what a fleet's survivors resume the round from (Rounds.progress)
+            payload = self._payload
+            self.intact = not isinstance(payload, FlatAverager) or payload.untouched()
+            self.starts = payload.starts() if isinstance(payload, FlatAverager) else None
         if isinstance(self._payload, FlatAverager):
-            self._errors = self._payload.errors() or self._errors  # what this worker has yet to send goes on
+            self._errors = self._payload.errors(failed=not settle) or self._errors  # what this worker has yet to send goes on
             self._payload.release(settle)
         elif self._payload is not None:
             self._payload.release()
@@ -188,15 +195,28 @@ class SyncExchange:
         before the first backward; the first averaging round after a warm-up lets them go."""
         if averaging and self._gradients:
             self.release()
+        starts, self._resumed_from = self._resumed_from, None  # the round resumed is this one
         if averaging and self._payload is None and self._codes_from_start():
             # Every worker starts a fit() (and leaves a warm-up) from the same state: the first
-            # round's deltas are taken from it, and go encoded too.
-            self._payload = state_buffers(self.trainer, self.config, self.device, self._shards, self._redoes)
-            self._payload.start_coding(self._groups[True][0], self._errors)
-            self._layout, self._early = self.state_layout(True), True
+            # round's deltas are taken from it, and go encoded too; a resumed round's, from its start.
+            payload = state_buffers(self.trainer, self.config, self.device, self._shards, self._redoes)
+            if payload.start_coding(self._groups[True][0], self._errors, starts):
+                self._payload, self._layout, self._early = payload, self.state_layout(True), True
+            else:  # the starts do not fit these buffers: the round is averaged anew, in full precision
+                payload.release()
+                self._anew = True
         if not averaging:
             self._gradient_payload()
             self.trainer.optimizer.zero_grad(set_to_none=False)
+
+    def resume(self, starts: Starts | None) -> None:
+        """The next averaging round is one that a fleet's survivors resume, each from its own state
+        since the round's start (Rounds.resume): a coded payload takes its change from `starts`
+        (its coders' when the round failed: the round's start, the same on every survivor). Where
+        none came (the round was not coded) or they do not fit, it is averaged anew in full precision."""
+        self._resumed_from = starts
+        if starts is None and self.config.payload_dtype != "float32":
+            self._anew = True
 
     def _codes_from_start(self) -> bool:
         """Whether a fit's first averaging round can go encoded: the payload is coded, its rounds

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..averaging import Errors, Shards
+from ..averaging import Errors, Shards, Starts
 from ..config import Config
 from ..hooks import RoundObserver
 from ..types import InForce, StateDict
@@ -48,6 +48,10 @@ class Transport:
         self.sync.prepare(averaging)
         if self.stream is not None and averaging:
             self.stream.prepare()
+
+    def resume(self, starts: Starts | None) -> None:
+        """The next averaging round is resumed after a loss (SyncExchange.resume): never overlapped."""
+        self.sync.resume(starts)
 
     def launch(self, work: Work, averaging: bool, stop: bool, moments: bool, meet: bool) -> Sent | Launched:
         """Send the round after `work` (SyncExchange.launch; overlapped, StreamExchange.launch)."""

@@ -16,7 +16,7 @@ agent's restart count and the steps it took to OUT_DIR/history{m}.json; each wri
 OUT_DIR/pid{m}.txt when it starts. It runs with the features a fleet composes with: the autopilot
 (k from 1 to 4; with K=k, that k instead), an outer optimizer (DiLoCo's Nesterov SGD), a per-step
 OneCycleLR sized for the run as the fleet planned (which raises if stepped past its end) and a
-checkpoint in OUT_DIR/ckpt every 2 rounds.
+checkpoint in OUT_DIR/ckpt every 2 rounds; with PAYLOAD=p, that payload_dtype.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def main(store: str, processes: int, out: Path, lose: int | None) -> None:
         .fleet(store, processes=processes).on_worker_failure("replace").peer_timeout(2.0)
         .training_step(step)
     )  # fmt: skip
+    if "PAYLOAD" in os.environ:
+        builder.payload_dtype(os.environ["PAYLOAD"])
     builder.lr_scheduler(torch.optim.lr_scheduler.OneCycleLR, interval="step", max_lr=0.1, total_steps=EPOCHS * builder.steps_per_epoch(BATCHES))
     (out / f"pid{MACHINE}.txt").write_text(str(os.getpid()))
     with builder.build() as wrapper:  # which makes the optimizer once, and so imports torch._dynamo (some 2 s)
