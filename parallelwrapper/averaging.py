@@ -420,10 +420,10 @@ class FlatAverager:
         return Errors(self._wire, [None if g.coder is None else error(g.coder).detach().to("cpu", copy=True) for g in self._groups])
 
     def untouched(self) -> bool:
-        """After a round that failed: whether every tensor holds what it held when the round was
-        sent, none of its sums applied (`intact`; a coded group decodes nothing until every rank's
-        first piece is in)."""
-        return self._intact and all(g.coder is None or g.coder.decoded == 0 for g in self._groups)
+        """After a round that failed: whether every tensor holds this worker's own state, none of
+        the round's sums applied: it failed before its send, or with `intact` before it landed
+        (a coded group decodes nothing until every rank's first piece is in)."""
+        return not self._sent or self._intact and all(g.coder is None or g.coder.decoded == 0 for g in self._groups)
 
     def starts(self) -> Starts | None:
         """With a wire codec: each group's start, what its change is taken from (the last average:

@@ -490,14 +490,15 @@ def _sent_unlanded(rank: int, world: int) -> dict[str, Any]:
     nn.functional.cross_entropy(model(x), y).backward()
     optimizer.step()
     before, own = averager.errors(), torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    unsent = {"untouched": averager.untouched(), "failed": averager.errors(failed=True)}  # lost as it trained: before its send
     averager.send(1.0 / world, [1.0])
-    out = {"landed": landed, "own": own, "before": before, "failed": averager.errors(failed=True), "sent": averager.errors(), "untouched": averager.untouched()}
+    out = {"landed": landed, "own": own, "before": before, "failed": averager.errors(failed=True), "sent": averager.errors(), "untouched": averager.untouched(), "unsent": unsent}
     starts = averager.starts()
     assert starts is not None
     out["held"], out["starts"] = torch.cat([p.detach().flatten().clone() for p in model.parameters()]), [t.clone() for t in starts.tensors if t is not None]
     averager.wait()
     averager.apply(1.0)
-    out["after"] = averager.untouched()
+    out["after"] = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     return out
 
 
@@ -505,16 +506,18 @@ def test_a_fleets_coded_round_sent_and_not_landed_leaves_its_state_its_error_and
     """What a fleet's survivors resume a coded round from, with real gloo sends: until it lands
     (here: sent, not waited for), each worker's tensors are its own, `errors(failed=True)` gives
     the error as the send found it (the send has fed it back: `errors()` differs), and `starts()`
-    the last average, the same on both ranks. Once it has landed, the tensors are the average's."""
+    the last average, the same on both ranks; so before the send (a loss seen as it trains, a
+    round after one landed). Once it has landed, the tensors are the average's."""
     results = run_group(_sent_unlanded, 2, timeout=120)
     for out in results:
-        assert out["untouched"] and not out["after"]
+        assert out["untouched"] and out["unsent"]["untouched"]
+        assert torch.equal(out["unsent"]["failed"].tensors[0], out["before"].tensors[0])
         assert torch.equal(out["held"], out["own"]) and not torch.equal(out["own"], out["landed"])
         (before,), (failed,), (sent,) = out["before"].tensors, out["failed"].tensors, out["sent"].tensors
         assert torch.equal(failed, before) and not torch.equal(sent, before)
         (start,) = out["starts"]
         assert torch.equal(start[: out["landed"].numel()], out["landed"])
-    assert not torch.equal(results[0]["own"], results[1]["own"])
+    assert not torch.equal(results[0]["own"], results[1]["own"]) and torch.equal(results[0]["after"], results[1]["after"])
 
 
 # -- through a copy on the host, as gloo's sends need for GPU tensors --------------------------------
