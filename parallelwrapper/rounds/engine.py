@@ -233,9 +233,12 @@ class Rounds:
         if resuming is None:
             k = self.policy.steps(self._cut) if self._averaging else 1  # SHARED_GRADIENTS (and a warm-up): one step each
             self._cut.round_starts(self._cut.ranks * k)
+            # Begun before its observer hears of it: a peer lost as the round starts (a fleet's
+            # store at rank 0, which it asks) leaves this worker's part of it, nothing trained.
+            work, self._trained = Work(first_step=trainer.local_steps, k=k), []
+            self._work = work
             if self.hooks.observer is not None:
                 self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
-            work, self._trained = Work(first_step=trainer.local_steps, k=k), []
         else:  # a round resumed without a lost peer: its batches, and this worker's part of them, as they were
             done = resuming.progress
             self._cut.round_starts(done.end - self._cut.end)
