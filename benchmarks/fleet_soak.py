@@ -451,7 +451,8 @@ def fault_free_runs(path: str, settings: dict[str, Any], designs: list[str]) -> 
     result at `path`, whose job must be this one's (_SAME_JOB); SystemExit where it is not, or
     where a design has none."""
     earlier = json.loads(Path(path).read_text())
-    differ = [f"{k} {earlier['settings'].get(k)!r} against {settings[k]!r}" for k in _SAME_JOB if earlier["settings"].get(k, _BEFORE.get(k)) != settings[k]]
+    ran = {k: earlier["settings"].get(k, _BEFORE.get(k)) for k in _SAME_JOB}
+    differ = [f"{k} {ran[k]!r} against {settings[k]!r}" for k in _SAME_JOB if ran[k] != settings[k]]
     if differ:
         raise SystemExit(f"fleet_soak: --fault-free {path} ran another job ({'; '.join(differ)}): run without --fault-free, or give a result of this job")
     runs: dict[str, dict[str, Any]] = {}

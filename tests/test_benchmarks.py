@@ -182,10 +182,11 @@ def test_the_shapers_tcp_counters_are_read_by_group_and_name() -> None:
 @pytest.mark.fast
 def test_a_soak_takes_its_fault_free_run_from_an_earlier_result_of_the_same_job_only(tmp_path: Path) -> None:
     """fleet_soak --fault-free: each design's first fault-free, finished run of the earlier result;
-    another job's result (its epochs differ), or one without that design's fault-free run, is refused."""
+    another job's result (its epochs differ, or its payload), or one without that design's
+    fault-free run, is refused. A result from before --payload ran float32."""
     from benchmarks.fleet_soak import fault_free_runs
 
-    settings = {"machines": 4, "epochs": 36, "width": 1024, "schedule": "cosine", "rate": "1gbit", "store": "tcp", "loopback": True, "every": 30.0}
+    settings = {"machines": 4, "epochs": 36, "width": 1024, "schedule": "cosine", "rate": "1gbit", "store": "tcp", "loopback": True, "every": 30.0, "payload": "float32"}
     runs = [{"design": "fleet", "faults": [{"at": 3.0}], "seconds": 9.0}, {"design": "fleet", "faults": [], "seconds": 7.0}, {"design": "fleet", "faults": [], "seconds": 8.0}]
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"settings": {**settings, "every": 100000.0}, "runs": runs}))
@@ -194,6 +195,11 @@ def test_a_soak_takes_its_fault_free_run_from_an_earlier_result_of_the_same_job_
         fault_free_runs(str(earlier), {**settings, "epochs": 12}, ["fleet"])
     with pytest.raises(SystemExit, match="has no fault-free run of restart"):
         fault_free_runs(str(earlier), settings, ["fleet", "restart"])
+    before = {k: v for k, v in settings.items() if k != "payload"}
+    earlier.write_text(json.dumps({"settings": before, "runs": runs}))
+    assert fault_free_runs(str(earlier), settings, ["fleet"]) == {"fleet": runs[1]}
+    with pytest.raises(SystemExit, match=r"ran another job \(payload 'float32' against 'int8'\)"):
+        fault_free_runs(str(earlier), {**settings, "payload": "int8"}, ["fleet"])
 
 
 def gpt_arena(r: dict[str, Any]) -> None:
