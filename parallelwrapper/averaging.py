@@ -370,7 +370,8 @@ class FlatAverager:
         self.apply(1.0)
         if self._wire is not None:  # a coded group's spare served this round alone: its next go coded
             for g in self._groups:
-                g.spare = None if _coded(g) else g.spare
+                if _coded(g):
+                    g.spare = None
         self.start_coding(group, errors)
 
     def start_coding(self, group: ProcessGroup = None, errors: Errors | None = None, starts: Starts | None = None) -> bool:

@@ -37,8 +37,8 @@ from test_torchrun import clean_env, free_port, torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "fleet_member.py"
 TIMEOUT_S = 90
-# The survivors' line after rank 0 was lost: they resume the round, or redo it where it went coded
-# (the autopilot's int8) or overlapped.
+# The survivors' line after rank 0 was lost: they resume the round, or redo it where it overlapped
+# or had begun to land.
 WENT_ON = re.compile(r"\(rank 0 of generation 0\): 2 processes (from round \d+|resume round \d+, \d+ of its batches to train again), ")
 
 

@@ -36,9 +36,9 @@ loss costs the survivors only the lost share of the round, not the round. That n
 survivor's part of the same round, landed at once and its state left as it was by the failed
 exchange (Rounds.progress; a coded payload's change is taken from the round's start again, with
 the error its send found: Rounds.starts); else (overlap, whose last round lands in this one; a
-round that had begun to land; a grown group, whose newcomers have no part) they receive the source's kept
-state (a newcomer's state, from a peer, not from the disk) and redo its round, its batches
-claimed again from where it started (feed/claims.py).
+round that had begun to land; a grown group, whose newcomers have no part) they receive the
+source's kept state (a newcomer's state, from a peer, not from the disk) and redo its round, its
+batches claimed again from where it started (feed/claims.py).
 """
 
 from __future__ import annotations

@@ -235,17 +235,16 @@ class Rounds:
             self._cut.round_starts(self._cut.ranks * k)
             # Begun before its observer hears of it: a peer lost as the round starts (a fleet's
             # store at rank 0, which it asks) leaves this worker's part of it, nothing trained.
-            work, self._trained = Work(first_step=trainer.local_steps, k=k), []
-            self._work = work
+            work = self._work = Work(first_step=trainer.local_steps, k=k)
+            self._trained = []
             if self.hooks.observer is not None:
                 self.hooks.observer.round_starts(self.seq, epoch, self._cut.finished, self.seq - 1 - behind)
         else:  # a round resumed without a lost peer: its batches, and this worker's part of them, as they were
             done = resuming.progress
             self._cut.round_starts(done.end - self._cut.end)
             losses = [torch.tensor(x, device=self._device) for x in done.losses]
-            work = Work(losses, done.samples, len(done.trained), done.first_step, done.k)
+            work = self._work = Work(losses, done.samples, len(done.trained), done.first_step, done.k)
             self._trained = [self._cut.start + i for i in done.trained]
-        self._work = work
         self._exchange.prepare(self._averaging)
         stream = self._exchange.stream if self._exchange.overlapped(self._averaging) else None  # fragments launch through the round
         if self._averaging and self._together is not None:
