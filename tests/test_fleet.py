@@ -217,6 +217,41 @@ def test_a_newcomer_finds_its_generation_written_past_the_latest_count() -> None
 
 
 @pytest.mark.fast
+def test_a_member_gives_up_on_its_generations_store_once_rank_0_is_gone_not_after_the_clients_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver that killed rank 0 as it sent its state to a newcomer (after it had hosted its
+    generation's store and written where) saw every other member spend 12.9-13.9 s in TCPStore's
+    constructor, which retries a refused connection three times over, while the survivors waited
+    for them. A member reaching rank 0's store now stops as soon as rank 0 is gone (`_gone`), and
+    still reaches a live one; a rank 0 that never says where is waited for FORM_S."""
+    import datetime
+
+    from parallelwrapper.replacement import fleet
+    from parallelwrapper.replacement.fleet import Survivor
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    member = Survivor(store, 1.0, datetime.timedelta(seconds=5), lambda *_: None, lambda rank, size: None)  # type: ignore[arg-type, return-value]
+    member.group = Group(1, (7, member.me))
+    with socket.socket() as closed:  # a port nothing listens on: rank 0's, once it is killed
+        closed.bind(("127.0.0.1", 0))
+        store.set("generation-1/local", f"127.0.0.1:{closed.getsockname()[1]}")
+    began = time.monotonic()
+    member._gone = lambda m: m == 7 and time.monotonic() > began + 0.3  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError, match=r"^rank 0 of fleet generation 1 \(member 7\) is gone: this member never reached the store it hosts$"):
+        member._reach_rank_0("generation-1/local")
+    assert time.monotonic() - began < 1.5
+    live = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    live.set("said", "here")
+    store.set("generation-2/local", f"127.0.0.1:{live.port}")
+    member.group, member._gone = Group(2, (7, member.me)), lambda m: False  # type: ignore[method-assign]
+    assert member._reach_rank_0("generation-2/local").get("said") == b"here"
+    member.group, began = Group(3, (7, member.me)), time.monotonic()
+    monkeypatch.setattr(fleet, "FORM_S", 0.5)
+    with pytest.raises(TimeoutError, match=r"^rank 0 of fleet generation 3 \(member 7\) did not host its store within 0.5 s$"):
+        member._reach_rank_0("generation-3/local")
+    assert 0.5 <= time.monotonic() - began < 1.5
+
+
+@pytest.mark.fast
 def test_the_wait_for_etcds_leader_goes_past_a_member_that_answers_no_connection() -> None:
     """After a loss a fleet member waits, at most so long, until an etcd member says it leads. It
     asks each member itself, each ask bounded: through python-etcd it waited 7.0 s at the member of

@@ -48,6 +48,7 @@ import datetime
 import gc
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -297,13 +298,42 @@ class Survivor(Keep):
             self.local = TCPStore(self._host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
             self.store.set(where, f"{self._host}:{self.local.port}")
         else:
-            # For FORM_S at most, as the group's forming: rank 0 lost as it formed (or gone to the
-            # next generation, its own forming failed) never writes it, and this member waiting
-            # out the collective timeout here held every peer, which waits for it in `_agree`.
-            self.store.wait([where], _FORM)
-            host, _, port = self.store.get(where).decode().rpartition(":")
-            self.local = TCPStore(host, int(port), is_master=False, timeout=_FORM)
+            self.local = self._reach_rank_0(where)
             self.local.set_timeout(self._timeout)
+
+    def _reach_rank_0(self, where: str) -> Store:
+        """A client of the generation's store, which its rank 0 hosts: its address (at `where` in
+        the fleet's store) waited for FORM_S at most, as the group's forming, and both it and the
+        connection no longer than rank 0 lives (`_gone`). Rank 0 lost as the group formed (or gone
+        to the next generation, its own forming failed) never writes it, or stops answering as
+        this member connects, and a TCPStore client retries a refused connection three times over
+        (13-14 s with FORM_S's timeout; a driver that killed rank 0 as it sent its state to a
+        newcomer saw every peer wait so, on loopback): this member waiting here holds every peer,
+        which waits for it in `_agree`. The client is made on a thread of its own (its constructor
+        lets go of the GIL) so that this one asks after rank 0 meanwhile."""
+        rank_0, deadline = self.group.members[0], time.monotonic() + FORM_S
+        made: list[Store | Exception] = []
+
+        def connect(host: str, port: int) -> None:
+            try:
+                made.append(TCPStore(host, port, is_master=False, timeout=_FORM))
+            except Exception as e:  # noqa: BLE001 - refused, reset, timed out: said in this member's thread
+                made.append(e)
+
+        asked = False
+        while not made:
+            if self._gone(rank_0):
+                raise ConnectionError(f"rank 0 of fleet generation {self.generation} (member {rank_0}) is gone: this member never reached the store it hosts")
+            if not asked and self.store.check([where]):
+                host, _, port = self.store.get(where).decode().rpartition(":")
+                threading.Thread(target=connect, args=(host, int(port)), name="parallelwrapper-generation-store", daemon=True).start()
+                asked = True
+            elif not asked and time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 of fleet generation {self.generation} (member {rank_0}) did not host its store within {FORM_S:g} s")
+            time.sleep(_POLL_S)
+        if isinstance(made[0], Exception):
+            raise made[0]
+        return made[0]
 
     def _rebuilt(self) -> Replaceable:
         """This member's worker rebuilt for the group as it is now, with its own state as it was."""
