@@ -424,6 +424,29 @@ def test_rank_0s_machine_lost_as_the_group_takes_a_newcomer_in_the_rest_go_on_wi
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
+def test_rank_0s_machine_lost_as_it_sends_its_state_to_a_newcomer_the_rest_go_on_within_a_second(tmp_path: Path) -> None:
+    """The machine of rank 0 lost once the group that takes a newcomer in has formed, its store
+    hosted, as it starts to send its state: the other members, the newcomer among them, were still
+    connecting to that store, and TCPStore's client retried the refused connection for 12.9-13.9 s
+    while the survivors waited for them. Now each gives up on it once rank 0 is gone: all three go
+    on within a second of the loss, each batch once, the newcomer's replica the survivors'."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    machines = [machine(tmp_path, store, m, "0", GROWS="1", SENDS="1") for m in range(3)]
+    lost, logs = one_machine_lost(tmp_path, [*machines, machine(tmp_path, store, 3, COME_AFTER=str(tmp_path / "begun.txt"))])
+    finishers = [m for m in range(4) if m != lost]
+    for m in finishers:
+        history = json.loads((tmp_path / f"history{m}.json").read_text())
+        assert history["restarts"] == 0 and history["epochs"][-1][1] == EPOCHS * BATCHES, history
+        said = [line for line in logs[m].splitlines() if line.startswith("parallelwrapper: member") and "goes on without member" in line]
+        assert len(said) == 1 and "(rank 0 of generation" in said[0], said
+        seconds = float(said[0].split(", ")[-1].split(" s after")[0])
+        assert seconds < 1.0, said
+        print(f"member {m} went on {seconds} s after the loss")
+    models = [torch.load(tmp_path / f"model{m}.pt") for m in finishers]
+    assert all(torch.equal(t, models[0][k]) for m in models for k, t in m.items())
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
 def test_a_stopped_member_closes_nothing_and_its_peers_go_on_without_it_within_the_peer_timeout(tmp_path: Path) -> None:
     """The process of rank 0, which hosts its generation's store, SIGSTOPped at its 8th step: a hung
     host or a cut link, whose sockets stay open, so gloo would wait out its 330 s timeout. Its

@@ -10,7 +10,8 @@ its machine lost at once; with STOP=1 as well, it SIGSTOPs itself instead, closi
 host), and its agent waits on it; with CUT=1, it writes its machine's number to OUT_DIR/cut.txt and
 trains on, for tests/scripts/fleet_cut.py to cut its machine's link; with GROWS=1, it writes
 OUT_DIR/begun.txt there instead (a newcomer's COME_AFTER), and loses its machine as the group
-starts to take the newcomer in, before it has written anything of the group to come.
+starts to take the newcomer in, before it has written anything of the group to come (with SENDS=1
+as well: once that group has formed, as it starts to send its state).
 Each process that finishes saves its model to OUT_DIR/model{m}.pt, and its History, its pid, its
 agent's restart count and the steps it took to OUT_DIR/history{m}.json; each writes its pid to
 OUT_DIR/pid{m}.txt when it starts. It runs with the features a fleet composes with: the autopilot
@@ -35,6 +36,7 @@ from torch import nn
 from parallelwrapper import FleetEnded, ParallelWrapper
 from parallelwrapper.messages import FitCommand
 from parallelwrapper.replacement.fleet import Survivor
+from parallelwrapper.replacement.keeper import Kept
 from parallelwrapper.types import Replacement
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -81,10 +83,24 @@ class Step:
 
         Survivor.grow = lost_first  # type: ignore[method-assign]
 
+    def lost_as_it_sends(self) -> None:
+        """(GROWS with SENDS) The machine of rank `lose` of the group that took the newcomer in
+        lost as it starts to send its state, its generation's store hosted a moment before."""
+        receive = Survivor.receive
+
+        def lost_first(survivor: Survivor, source: int) -> Kept:
+            if survivor.generation >= 1 and survivor.rank == self.lose and not survivor.newcomer and not (self.out / "lost.txt").exists():
+                self.lost()
+            return receive(survivor, source)
+
+        Survivor.receive = lost_first  # type: ignore[method-assign]
+
 
 def main(store: str, processes: int, out: Path, lose: int | None) -> None:
     net, step = mlp(), Step(lose, out)
-    if os.environ.get("GROWS"):
+    if os.environ.get("GROWS") and os.environ.get("SENDS"):
+        step.lost_as_it_sends()
+    elif os.environ.get("GROWS"):
         step.lost_as_it_grows()
     builder = (
         ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
