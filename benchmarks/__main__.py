@@ -53,7 +53,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "memory": (
         "peak memory of the main process and each worker against DDP's ranks",
-        ("--params", "100000", "--batches", "4", "--fits", "1"),
+        ("--params", "100000", "--batches", "4", "--fits", "1", "--fleet-rounds", "1"),
     ),
     "pipeline": (
         "a 2-stage pipeline's speed against one process, and torch's own pipelining",

@@ -13,6 +13,11 @@ throwaway layer (that imports torch._dynamo, as any training script's optimizer 
 Workers are read from /proc after the fit, before close(): VmHWM, the peak resident size of each
 process over its life (shared memory it touched included). DDP's ranks report their own VmHWM.
 
+A second table (`--fleet-rounds`, 0 to leave it out): what a fleet's averager holds to resume a
+round (`FlatAverager(intact=True)`, replacement/fleet.py), beside the plain one, in float32 and
+int8: two fresh processes average the model and its momentum a few times, each reporting its peak
+above its own with the model made and stepped once.
+
 On CUDA each process also reports `torch.cuda.max_memory_allocated()` on its device: a DDP rank at
 the end; a worker at each local step, from `.before_step` (so its figure is the peak up to its
 last step: the last averaging, which allocates nothing new on the device, is not in it).
@@ -152,6 +157,61 @@ def wrapper(code: Path, params: int, n: int, fits: int) -> dict[str, Any]:
     return run
 
 
+# -- a fleet's averager: what its survivors keep to resume a round ----------------------------------
+
+
+def _averager_rank(rank: int, world: int, params: int, payload: str, intact: bool, rounds: int) -> dict[str, Any]:
+    """`rounds` averages of the model and its momentum, as a round lands them (the model trained a
+    step between two), by a FlatAverager in `payload` (float32, or int8 by its deltas), `intact` as
+    a fleet's (each survivor keeps its own state until a round lands); this rank's peak RSS over its
+    peak with the model and optimizer made and stepped once."""
+    from parallelwrapper.averaging import FlatAverager
+
+    data = batches(rounds + 1)[rank::world] or batches(1)
+    model = mlp(params)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    step(*data[0])
+    baseline = vm("VmHWM")
+    state = [*model.parameters(), *(optimizer.state[p]["momentum_buffer"] for p in model.parameters())]
+    averager = FlatAverager(state, torch.device("cpu"), trailer=1, wire=None if payload == "float32" else payload, intact=intact)
+    averager.average(1.0 / world)  # the start every coded round takes its change from
+    for r in range(rounds):
+        step(*data[(r + 1) % len(data)])
+        averager.send(1.0 / world, [1.0])
+        averager.wait()
+        averager.apply(1.0)
+    averager.release()
+    return {"baseline_mib": baseline, "peak_mib": vm("VmHWM")}
+
+
+def fleet_rows(params: int, rounds: int) -> tuple[dict[str, Any], list[tuple[Any, ...]]]:
+    """Each payload's averager, plain and intact, in 2 fresh processes apiece: their peaks above
+    the stepped model's, in MiB and in models."""
+    model = mlp(params)
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+    del model
+    runs: dict[str, Any] = {"model_mib": size}
+    rows = []
+    for payload in ("float32", "int8"):
+        for intact in (False, True):
+            ranks = run_processes(_averager_rank, 2, params, payload, intact, rounds, spawn=True)
+            above = max(r["peak_mib"] - r["baseline_mib"] for r in ranks)
+            runs[f"{payload}{' intact' if intact else ''}"] = {"ranks": ranks, "above_mib": above, "above_in_models": above / size}
+        plain, kept = runs[payload], runs[f"{payload} intact"]
+        kept["intact_costs_in_models"] = (kept["above_mib"] - plain["above_mib"]) / size
+        rows += [
+            (f"{size:.0f}", payload, "", f"{plain['above_mib']:.0f}", f"{plain['above_in_models']:.2f}", ""),
+            (f"{size:.0f}", payload, "intact (a fleet's)", f"{kept['above_mib']:.0f}", f"{kept['above_in_models']:.2f}", f"{kept['intact_costs_in_models']:+.2f}"),
+        ]  # fmt: skip
+    return runs, rows
+
+
 # -- the report -------------------------------------------------------------------------------------
 
 
@@ -174,11 +234,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fits", type=int, default=2, help="fits in a row on one wrapper")
     parser.add_argument("--before", type=Path, default=None, help="another checkout, measured beside this one")
     parser.add_argument("--out", default="benchmarks/results/memory.json")
+    parser.add_argument("--fleet-rounds", type=int, default=4, help="rounds of each fleet averager measured (0: none)")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a wrapper fit's own process
     args = parser.parse_args(argv)
     if args.one is not None:
         print(json.dumps(_wrapper_main(args.one, args.batches, args.fits)))
         return
+    fleet: dict[str, Any] = {}
+    if args.fleet_rounds:
+        fleet_table = []
+        for params in (int(p) for p in args.params.split(",")):
+            fleet[f"{params / 1e6:.1f}M"], rows = fleet_rows(params, args.fleet_rounds)
+            fleet_table += rows
+        print(f"A fleet's averager (2 processes, the model and its momentum, {args.fleet_rounds} rounds): peak RSS above the stepped model's")
+        print(table(["model MiB", "payload", "averager", "above MiB", "above, in models", "intact's cost, in models"], fleet_table))
     codes = {"after": ROOT} if args.before is None else {"before": args.before.resolve(), "after": ROOT}
     runs: dict[str, Any] = {}
     rows = []
@@ -215,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"main process ({label}): {copies:.2f} copies of the model at its peak, and {fixed:.1f} MiB that do not grow with it")
             for x in sizes:
                 x[label]["main_copies_of_model"], x[label]["main_fixed_mib"] = copies, fixed
-    payload = {"job": {"in": IN, "out": OUT, "batch": BATCH, "batches": args.batches, "fits": args.fits, "k": K, "workers": 2, "momentum": MOMENTUM}, "runs": runs}
+    payload = {"job": {"in": IN, "out": OUT, "batch": BATCH, "batches": args.batches, "fits": args.fits, "k": K, "workers": 2, "momentum": MOMENTUM}, "runs": runs, "fleet": fleet}
     write_results(args.out, {**payload, "codes": {k: str(v) for k, v in codes.items()}})
 
 

@@ -221,6 +221,10 @@ def memory(r: dict[str, Any]) -> None:
         assert all(figure(rank["rss_peak_mib"]) for rank in size["ddp_ranks"])
         figure(size["after"]["main_peak_mib"])
         figure(size["after"]["worker_over_ddp"])
+    (fleet,) = r["fleet"].values()  # a fleet's averager beside the plain one, each payload: their peaks
+    for run in ("float32", "float32 intact", "int8", "int8 intact"):
+        assert [figure(rank["peak_mib"]) for rank in fleet[run]["ranks"]] and math.isfinite(fleet[run]["above_in_models"]), fleet[run]
+    assert math.isfinite(fleet["int8 intact"]["intact_costs_in_models"]), fleet
 
 
 def pipeline(r: dict[str, Any]) -> None:
