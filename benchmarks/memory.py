@@ -15,8 +15,9 @@ process over its life (shared memory it touched included). DDP's ranks report th
 
 A second table (`--fleet-rounds`, 0 to leave it out): what a fleet's averager holds to resume a
 round (`FlatAverager(intact=True)`, replacement/fleet.py), beside the plain one, in float32 and
-int8: two fresh processes average the model and its momentum a few times, each reporting its peak
-above its own with the model made and stepped once.
+int8: two processes (forked from the library's workers' forkserver, a pair for each) average the
+model and its momentum a few times, each reporting its peak above its own with the model made and
+stepped once.
 
 On CUDA each process also reports `torch.cuda.max_memory_allocated()` on its device: a DDP rank at
 the end; a worker at each local step, from `.before_step` (so its figure is the peak up to its
@@ -191,8 +192,8 @@ def _averager_rank(rank: int, world: int, params: int, payload: str, intact: boo
 
 
 def fleet_rows(params: int, rounds: int) -> tuple[dict[str, Any], list[tuple[Any, ...]]]:
-    """Each payload's averager, plain and intact, in 2 fresh processes apiece: their peaks above
-    the stepped model's, in MiB and in models."""
+    """Each payload's averager, plain and intact, in 2 processes of their own apiece: their peaks
+    above the stepped model's, in MiB and in models."""
     model = mlp(params)
     size = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
     del model
@@ -200,7 +201,7 @@ def fleet_rows(params: int, rounds: int) -> tuple[dict[str, Any], list[tuple[Any
     rows = []
     for payload in ("float32", "int8"):
         for intact in (False, True):
-            ranks = run_processes(_averager_rank, 2, params, payload, intact, rounds, spawn=True)
+            ranks = run_processes(_averager_rank, 2, params, payload, intact, rounds)
             above = max(r["peak_mib"] - r["baseline_mib"] for r in ranks)
             runs[f"{payload}{' intact' if intact else ''}"] = {"ranks": ranks, "above_mib": above, "above_in_models": above / size}
         plain, kept = runs[payload], runs[f"{payload} intact"]
