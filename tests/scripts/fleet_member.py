@@ -27,17 +27,16 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from parallelwrapper import FleetEnded, ParallelWrapper
-from parallelwrapper.messages import FitCommand
 from parallelwrapper.replacement.fleet import Survivor
-from parallelwrapper.replacement.keeper import Kept
-from parallelwrapper.types import Replacement
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny import make_batches, mlp, write_whole
@@ -72,36 +71,24 @@ class Step:
             os.kill(os.getppid(), signal.SIGKILL)  # the agent: torchrun starts a script's worker as its child
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def lost_as_it_grows(self) -> None:
-        """(GROWS) The machine of rank `lose` lost as its group first starts to take a newcomer in."""
-        grow = Survivor.grow
+    def lost_before(self, method: str, also: Callable[[Survivor], bool] = lambda survivor: True) -> None:
+        """The machine of rank `lose` lost, once, as it enters Survivor.`method` (where `also`)."""
+        original = getattr(Survivor, method)
 
-        def lost_first(survivor: Survivor, until_epoch: int, start: float) -> tuple[FitCommand, list[Replacement]]:
-            if survivor.rank == self.lose and not (self.out / "lost.txt").exists():
+        def lost_first(survivor: Survivor, *args: Any) -> Any:
+            if survivor.rank == self.lose and also(survivor) and not (self.out / "lost.txt").exists():
                 self.lost()
-            return grow(survivor, until_epoch, start)
+            return original(survivor, *args)
 
-        Survivor.grow = lost_first  # type: ignore[method-assign]
-
-    def lost_as_it_sends(self) -> None:
-        """(GROWS with SENDS) The machine of rank `lose` of the group that took the newcomer in
-        lost as it starts to send its state, its generation's store hosted a moment before."""
-        receive = Survivor.receive
-
-        def lost_first(survivor: Survivor, source: int) -> Kept:
-            if survivor.generation >= 1 and survivor.rank == self.lose and not survivor.newcomer and not (self.out / "lost.txt").exists():
-                self.lost()
-            return receive(survivor, source)
-
-        Survivor.receive = lost_first  # type: ignore[method-assign]
+        setattr(Survivor, method, lost_first)
 
 
 def main(store: str, processes: int, out: Path, lose: int | None) -> None:
     net, step = mlp(), Step(lose, out)
-    if os.environ.get("GROWS") and os.environ.get("SENDS"):
-        step.lost_as_it_sends()
-    elif os.environ.get("GROWS"):
-        step.lost_as_it_grows()
+    if os.environ.get("GROWS") and os.environ.get("SENDS"):  # the group that took the newcomer in, as it starts to send its state
+        step.lost_before("receive", lambda survivor: survivor.generation >= 1 and not survivor.newcomer)
+    elif os.environ.get("GROWS"):  # the group as it first starts to take a newcomer in
+        step.lost_before("grow")
     builder = (
         ParallelWrapper.builder(net).optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
         .averaging_frequency(int(os.environ["K"]) if "K" in os.environ else "auto", k_min=1, k_max=4)
