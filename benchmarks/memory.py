@@ -59,6 +59,12 @@ def mlp(params: int) -> nn.Module:
     return nn.Sequential(nn.Linear(IN, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, OUT))
 
 
+def mlp_size(params: int) -> tuple[int, float]:
+    """The MLP of about `params` parameters: its parameters, and their MiB."""
+    model = mlp(params)
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+
+
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)) for _ in range(n)]
@@ -168,7 +174,7 @@ def _averager_rank(rank: int, world: int, params: int, payload: str, intact: boo
     peak with the model and optimizer made and stepped once."""
     from parallelwrapper.averaging import FlatAverager
 
-    data = batches(rounds + 1)[rank::world] or batches(1)
+    data = batches(world * (rounds + 1))[rank::world]
     model = mlp(params)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
@@ -183,7 +189,7 @@ def _averager_rank(rank: int, world: int, params: int, payload: str, intact: boo
     averager = FlatAverager(state, torch.device("cpu"), trailer=1, wire=None if payload == "float32" else payload, intact=intact)
     averager.average(1.0 / world)  # the start every coded round takes its change from
     for r in range(rounds):
-        step(*data[(r + 1) % len(data)])
+        step(*data[r + 1])
         averager.send(1.0 / world, [1.0])
         averager.wait()
         averager.apply(1.0)
@@ -194,9 +200,7 @@ def _averager_rank(rank: int, world: int, params: int, payload: str, intact: boo
 def fleet_rows(params: int, rounds: int) -> tuple[dict[str, Any], list[tuple[Any, ...]]]:
     """Each payload's averager, plain and intact, in 2 processes of their own apiece: their peaks
     above the stepped model's, in MiB and in models."""
-    model = mlp(params)
-    size = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
-    del model
+    size = mlp_size(params)[1]
     runs: dict[str, Any] = {"model_mib": size}
     rows = []
     for payload in ("float32", "int8"):
@@ -241,22 +245,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.one is not None:
         print(json.dumps(_wrapper_main(args.one, args.batches, args.fits)))
         return
+    measured = [int(p) for p in args.params.split(",")]
     fleet: dict[str, Any] = {}
     if args.fleet_rounds:
         fleet_table = []
-        for params in (int(p) for p in args.params.split(",")):
-            fleet[f"{params / 1e6:.1f}M"], rows = fleet_rows(params, args.fleet_rounds)
+        for params in measured:
+            fleet[f"{mlp_size(params)[0] / 1e6:.1f}M"], rows = fleet_rows(params, args.fleet_rounds)
             fleet_table += rows
         print(f"A fleet's averager (2 processes, the model and its momentum, {args.fleet_rounds} rounds): peak RSS above the stepped model's")
         print(table(["model MiB", "payload", "averager", "above MiB", "above, in models", "intact's cost, in models"], fleet_table))
     codes = {"after": ROOT} if args.before is None else {"before": args.before.resolve(), "after": ROOT}
     runs: dict[str, Any] = {}
     rows = []
-    for params in (int(p) for p in args.params.split(",")):
-        model = mlp(params)
-        size = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
-        count = sum(p.numel() for p in model.parameters())
-        del model
+    for params in measured:
+        count, size = mlp_size(params)
         ddp = run_processes(_ddp_rank, 2, params, args.batches, spawn=True)  # as the results of record were measured: each rank its own interpreter
         entry: dict[str, Any] = {"parameters": count, "model_mib": size, "ddp_ranks": ddp}
         rows.append((f"{count / 1e6:.1f}M", size, "DDP ranks", "", " / ".join(f"{r['rss_peak_mib']:.0f}" for r in ddp), "", "", "", ""))
